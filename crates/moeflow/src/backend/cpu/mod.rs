@@ -1,0 +1,3 @@
+//! The CPU backend: packed weights and the grouped GEMM the fast experts run on.
+pub mod gemm;
+pub mod packed;

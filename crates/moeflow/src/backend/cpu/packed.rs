@@ -1,0 +1,99 @@
+//! Weights re-laid out once, at load time, into the panel order the CPU GEMM reads.
+//!
+//! A weight matrix `W [N, K]` (row-major, as checkpoints store linear layers) becomes
+//! `ceil(N / NR)` panels; panel `p` holds `W[p*NR + j, k]` at `k * NR + j`, zero-padded past `N`.
+//! Stacked per-expert matrices `[E, N, K]` are packed expert by expert.
+
+use half::bf16;
+
+/// Columns of one packed panel: two AVX2 vectors of f32.
+pub const NR: usize = 16;
+
+/// An element the packed GEMM can read: f32, or bf16 widened to f32 on load.
+pub trait PanelElem: Copy + Send + Sync + 'static {
+    /// The zero used to pad the last panel.
+    const ZERO: Self;
+    /// Whether the element is bf16 (the kernel widens it with a shift).
+    const IS_BF16: bool;
+    /// Widen to f32 (exact for both element types).
+    fn to_f32(self) -> f32;
+}
+
+impl PanelElem for f32 {
+    const ZERO: Self = 0.0;
+    const IS_BF16: bool = false;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        self
+    }
+}
+
+impl PanelElem for bf16 {
+    const ZERO: Self = bf16::ZERO;
+    const IS_BF16: bool = true;
+    #[inline(always)]
+    fn to_f32(self) -> f32 {
+        bf16::to_f32(self)
+    }
+}
+
+/// `count` matrices of shape `[n, k]`, each packed into `NR`-wide panels.
+#[derive(Clone, Debug)]
+pub struct PackedMatrices<T> {
+    /// Number of stacked matrices (experts).
+    pub count: usize,
+    /// Output columns of each matrix (rows of the checkpoint's weight).
+    pub n: usize,
+    /// Reduction length.
+    pub k: usize,
+    data: Vec<T>,
+}
+
+impl<T: PanelElem> PackedMatrices<T> {
+    /// Packs `count` row-major matrices `[n, k]` stored back to back in `src`.
+    pub fn pack(src: &[T], count: usize, n: usize, k: usize) -> Self {
+        assert_eq!(src.len(), count * n * k, "packed source length");
+        let panels = n.div_ceil(NR);
+        let per = panels * NR * k;
+        let mut data = vec![T::ZERO; count * per];
+        use rayon::prelude::*;
+        data.par_chunks_mut(NR * k.max(1))
+            .enumerate()
+            .for_each(|(idx, panel)| {
+                if k == 0 {
+                    return;
+                }
+                let (e, p) = (idx / panels, idx % panels);
+                let base = e * n * k;
+                for j in 0..NR {
+                    let col = p * NR + j;
+                    if col >= n {
+                        break;
+                    }
+                    let row = &src[base + col * k..base + (col + 1) * k];
+                    for (kk, &v) in row.iter().enumerate() {
+                        panel[kk * NR + j] = v;
+                    }
+                }
+            });
+        Self { count, n, k, data }
+    }
+
+    /// Number of panels per matrix.
+    pub fn panels(&self) -> usize {
+        self.n.div_ceil(NR)
+    }
+
+    /// Panel `p` of matrix `e`: `k * NR` elements.
+    #[inline]
+    pub fn panel(&self, e: usize, p: usize) -> &[T] {
+        let len = NR * self.k;
+        let start = (e * self.panels() + p) * len;
+        &self.data[start..start + len]
+    }
+
+    /// Bytes held by the packed data.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * std::mem::size_of::<T>()
+    }
+}
