@@ -1,1 +1,5 @@
 pub mod backend;
+pub mod dtype;
+pub mod error;
+pub mod router;
+pub mod tensor;

@@ -1,0 +1,100 @@
+//! The one error type of the library.
+
+use thiserror::Error;
+
+/// Everything that can go wrong in moeflow, with enough context to act on.
+#[derive(Debug, Error)]
+pub enum MoeError {
+    /// A tensor or buffer has the wrong shape.
+    #[error("shape mismatch for {what}: expected {expected}, got {got}")]
+    Shape {
+        /// Which input.
+        what: String,
+        /// The shape the layer needs.
+        expected: String,
+        /// The shape it was given.
+        got: String,
+    },
+    /// A tensor has the wrong element type.
+    #[error("dtype mismatch for {what}: expected {expected}, got {got}")]
+    DType {
+        /// Which input.
+        what: String,
+        /// Accepted types.
+        expected: String,
+        /// Given type.
+        got: String,
+    },
+    /// An expert id outside `0..num_experts`.
+    #[error("expert id {id} out of range 0..{num_experts} (token {token}, slot {slot})")]
+    ExpertOutOfRange {
+        /// The bad id.
+        id: i64,
+        /// Number of experts.
+        num_experts: usize,
+        /// Token row.
+        token: usize,
+        /// Top-k slot.
+        slot: usize,
+    },
+    /// NaN or infinity where a finite value is required.
+    #[error("non-finite value {value} in {what} at index {index}")]
+    NonFinite {
+        /// Which input.
+        what: String,
+        /// Flat index of the first bad value.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+    /// A configuration value that cannot work.
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    /// A feature this build or backend does not provide.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// A collective failed or timed out.
+    #[error("communication error on rank {rank} during {op}: {message}")]
+    Comm {
+        /// Rank reporting the error.
+        rank: usize,
+        /// The collective.
+        op: String,
+        /// What happened.
+        message: String,
+    },
+    /// File input or output.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being read or written.
+        context: String,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Malformed JSON.
+    #[error("{context}: {source}")]
+    Json {
+        /// What was being parsed.
+        context: String,
+        /// The underlying error.
+        source: serde_json::Error,
+    },
+}
+
+/// Result with [`MoeError`].
+pub type Result<T> = std::result::Result<T, MoeError>;
+
+impl MoeError {
+    /// Shorthand for a [`MoeError::Shape`].
+    pub fn shape(what: impl Into<String>, expected: impl std::fmt::Debug, got: impl std::fmt::Debug) -> Self {
+        MoeError::Shape { what: what.into(), expected: format!("{expected:?}"), got: format!("{got:?}") }
+    }
+}
+
+/// Returns an error naming the first non-finite value of `data`.
+pub fn check_finite(what: &str, data: &[f32]) -> Result<()> {
+    match data.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(index) => Err(MoeError::NonFinite { what: what.to_string(), index, value: data[index] }),
+    }
+}
