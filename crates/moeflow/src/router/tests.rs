@@ -103,74 +103,7 @@ fn bad_configs_and_logits_are_errors() {
     assert_eq!(r.route(&[], 0).unwrap().ids.len(), 0);
 }
 
-/// Independent implementation: f64 scores, full sorts, no shared helpers.
-fn reference_route(cfg: &RouterConfig, logits: &[f64], k: usize, bias: &[f64]) -> (Vec<usize>, Vec<f64>, Vec<f64>) {
-    let e = logits.len();
-    let order = |s: &[f64], allowed: &dyn Fn(usize) -> bool| {
-        let mut idx: Vec<usize> = (0..s.len()).filter(|&i| allowed(i)).collect();
-        idx.sort_by(|&a, &b| s[b].partial_cmp(&s[a]).unwrap().then(a.cmp(&b)));
-        idx
-    };
-    let softmax = |x: &[f64]| {
-        let m = x.iter().cloned().fold(f64::MIN, f64::max);
-        let z: f64 = x.iter().map(|v| (v - m).exp()).sum();
-        x.iter().map(|v| (v - m).exp() / z).collect::<Vec<_>>()
-    };
-    match *cfg {
-        RouterConfig::Softmax { renormalize } => {
-            let p = softmax(logits);
-            let ids: Vec<usize> = order(&p, &|_| true)[..k].to_vec();
-            let mut w: Vec<f64> = ids.iter().map(|&i| p[i]).collect();
-            if renormalize {
-                let s: f64 = w.iter().sum();
-                w.iter_mut().for_each(|x| *x /= s);
-            }
-            (ids, w, p)
-        }
-        RouterConfig::TopKSoftmax => {
-            let ids: Vec<usize> = order(logits, &|_| true)[..k].to_vec();
-            let w = softmax(&ids.iter().map(|&i| logits[i]).collect::<Vec<_>>());
-            (ids, w, logits.to_vec())
-        }
-        RouterConfig::SigmoidGrouped { n_group, topk_group, renormalize, scaling } => {
-            let s: Vec<f64> = logits.iter().map(|&x| sig(x)).collect();
-            let b: Vec<f64> = s.iter().zip(bias).map(|(x, y)| x + y).collect();
-            let per = e / n_group;
-            let gs: Vec<f64> = (0..n_group)
-                .map(|g| {
-                    let mut v = b[g * per..(g + 1) * per].to_vec();
-                    v.sort_by(|x, y| y.partial_cmp(x).unwrap());
-                    v.iter().take(2).sum()
-                })
-                .collect();
-            let keep: Vec<usize> = order(&gs, &|_| true)[..topk_group].to_vec();
-            let ids: Vec<usize> = order(&b, &|i| keep.contains(&(i / per)))[..k].to_vec();
-            let mut w: Vec<f64> = ids.iter().map(|&i| s[i]).collect();
-            if renormalize && k > 1 {
-                let t: f64 = w.iter().sum::<f64>() + 1e-20;
-                w.iter_mut().for_each(|x| *x /= t);
-            }
-            w.iter_mut().for_each(|x| *x *= scaling as f64);
-            (ids, w, b)
-        }
-        RouterConfig::SoftmaxGrouped { n_group, topk_group, renormalize, scaling } => {
-            let p = softmax(logits);
-            let per = e / n_group;
-            let gs: Vec<f64> =
-                (0..n_group).map(|g| p[g * per..(g + 1) * per].iter().cloned().fold(f64::MIN, f64::max)).collect();
-            let keep: Vec<usize> = order(&gs, &|_| true)[..topk_group].to_vec();
-            let ids: Vec<usize> = order(&p, &|i| keep.contains(&(i / per)))[..k].to_vec();
-            let mut w: Vec<f64> = ids.iter().map(|&i| p[i]).collect();
-            if renormalize && k > 1 {
-                let t: f64 = w.iter().sum::<f64>() + 1e-20;
-                w.iter_mut().for_each(|x| *x /= t);
-            } else {
-                w.iter_mut().for_each(|x| *x *= scaling as f64);
-            }
-            (ids, w, p)
-        }
-    }
-}
+use crate::reference::route_token_f64 as reference_route;
 
 #[test]
 fn routers_match_independent_implementation_on_random_logits() {

@@ -97,3 +97,38 @@ impl<T: PanelElem> PackedMatrices<T> {
         self.data.len() * std::mem::size_of::<T>()
     }
 }
+
+/// Packed stacked weights in the element type they were given in.
+#[derive(Clone, Debug)]
+pub enum PackedStack {
+    /// f32 weights.
+    F32(PackedMatrices<f32>),
+    /// bf16 weights, widened in the kernel.
+    BF16(PackedMatrices<bf16>),
+}
+
+impl PackedStack {
+    /// Packs a `[count, n, k]` tensor: bf16 stays bf16, every other float type becomes f32.
+    pub fn from_tensor(t: &crate::Tensor, count: usize, n: usize, k: usize) -> Self {
+        match t.cpu() {
+            crate::tensor::CpuStorage::BF16(v) => PackedStack::BF16(PackedMatrices::pack(v, count, n, k)),
+            _ => PackedStack::F32(PackedMatrices::pack(&t.to_f32_vec(), count, n, k)),
+        }
+    }
+
+    /// `C[rows_s] = A[rows_s] · W[e_s]^T` for every segment (see [`super::gemm::grouped_gemm`]).
+    pub fn gemm(&self, a: &[f32], lda: usize, segments: &[super::gemm::Segment], c: &mut [f32], ldc: usize) {
+        match self {
+            PackedStack::F32(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
+            PackedStack::BF16(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
+        }
+    }
+
+    /// Bytes of packed weights.
+    pub fn bytes(&self) -> usize {
+        match self {
+            PackedStack::F32(w) => w.bytes(),
+            PackedStack::BF16(w) => w.bytes(),
+        }
+    }
+}

@@ -1,0 +1,175 @@
+//! The fast CPU experts: permute rows by expert, two grouped GEMMs on packed weights (f32 or
+//! bf16) around the activation, unpermute to `[tokens, k, H]` unweighted slot rows.
+
+use super::{Activation, ExpertInput, ExpertWeights, Experts};
+use crate::backend::cpu::gemm::Segment;
+use crate::backend::cpu::packed::PackedStack;
+use crate::error::{MoeError, Result};
+use crate::reduce::{WeightAndReduce, WeightedSum};
+use rayon::prelude::*;
+
+/// Expert weights packed for the CPU GEMM, with their activation and biases.
+#[derive(Clone, Debug)]
+pub struct CpuExperts {
+    experts: usize,
+    hidden: usize,
+    inter: usize,
+    activation: Activation,
+    w13: PackedStack,
+    w2: PackedStack,
+    b13: Option<Vec<f32>>,
+    b2: Option<Vec<f32>>,
+}
+
+impl CpuExperts {
+    /// Packs `weights` (f32 stays f32, bf16 stays bf16, f16 becomes f32).
+    pub fn new(weights: &ExpertWeights, activation: Activation) -> Result<Self> {
+        let (e, h, i) = weights.dims()?;
+        Ok(CpuExperts {
+            experts: e,
+            hidden: h,
+            inter: i,
+            activation,
+            w13: PackedStack::from_tensor(&weights.w13, e, 2 * i, h),
+            w2: PackedStack::from_tensor(&weights.w2, e, h, i),
+            b13: weights.b13.as_ref().map(|b| b.to_f32_vec()),
+            b2: weights.b2.as_ref().map(|b| b.to_f32_vec()),
+        })
+    }
+
+    /// Bytes of packed weights.
+    pub fn weight_bytes(&self) -> usize {
+        self.w13.bytes() + self.w2.bytes()
+    }
+
+    /// Runs every row of `x [rows, H]` through expert 0 (a dense MLP, as shared experts are):
+    /// `out [rows, H]`.
+    pub fn dense_forward(&self, x: &[f32], rows: usize, workspace: &mut Vec<f32>, out: &mut [f32]) {
+        let segments = [Segment { expert: 0, row_start: 0, rows }];
+        let need = rows * 3 * self.inter;
+        if workspace.len() < need {
+            workspace.resize(need, 0.0);
+        }
+        let (h13, act) = workspace[..need].split_at_mut(rows * 2 * self.inter);
+        self.gemm1_act(x, &segments, h13, act);
+        self.gemm2(act, &segments, out);
+    }
+
+    /// `h13 = a · w13^T + b13`, then `act = act(gate) * up`, over rows grouped in `segments`.
+    fn gemm1_act(&self, a: &[f32], segments: &[Segment], h13: &mut [f32], act: &mut [f32]) {
+        let (h, i) = (self.hidden, self.inter);
+        self.w13.gemm(a, h, segments, h13, 2 * i);
+        add_bias(h13, 2 * i, segments, self.b13.as_deref());
+        if i == 0 {
+            return;
+        }
+        let activation = self.activation;
+        act.par_chunks_mut(i * 64).zip(h13.par_chunks(2 * i * 64)).for_each(|(act, h13)| {
+            for (arow, hrow) in act.chunks_mut(i).zip(h13.chunks(2 * i)) {
+                let (gate, up) = hrow.split_at(i);
+                for ((o, &g), &u) in arow.iter_mut().zip(gate).zip(up) {
+                    *o = activation.apply(g, u);
+                }
+            }
+        });
+    }
+
+    /// `y = act · w2^T + b2` over rows grouped in `segments`.
+    fn gemm2(&self, act: &[f32], segments: &[Segment], y: &mut [f32]) {
+        self.w2.gemm(act, self.inter, segments, y, self.hidden);
+        add_bias(y, self.hidden, segments, self.b2.as_deref());
+    }
+}
+
+/// Adds `bias [E, n]` of each segment's expert to its rows of `c [rows, n]`.
+fn add_bias(c: &mut [f32], n: usize, segments: &[Segment], bias: Option<&[f32]>) {
+    let Some(bias) = bias else { return };
+    for s in segments {
+        let b = &bias[s.expert * n..(s.expert + 1) * n];
+        c[s.row_start * n..(s.row_start + s.rows) * n].par_chunks_mut(n.max(1)).for_each(|row| {
+            for (x, &bv) in row.iter_mut().zip(b) {
+                *x += bv;
+            }
+        });
+    }
+}
+
+impl Experts for CpuExperts {
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn dims(&self) -> (usize, usize, usize) {
+        (self.experts, self.hidden, self.inter)
+    }
+
+    fn workspace_len(&self, tokens: usize, k: usize) -> usize {
+        let rows = tokens * k;
+        rows * (self.hidden + 3 * self.inter)
+    }
+
+    fn weight_and_reduce(&self) -> &'static dyn WeightAndReduce {
+        &WeightedSum
+    }
+
+    fn apply(&self, input: &ExpertInput, workspace: &mut [f32], out: &mut [f32]) -> Result<()> {
+        let (h, i, k) = (self.hidden, self.inter, input.k);
+        let slots = input.tokens * k;
+        if out.len() != slots * h || input.hidden.len() != input.tokens * h {
+            return Err(MoeError::shape("expert input/output", [input.tokens, k, h], out.len()));
+        }
+        if workspace.len() < self.workspace_len(input.tokens, k) {
+            return Err(MoeError::Config("expert workspace too small".into()));
+        }
+        // Permute: slots grouped by local expert, in token-then-slot order within an expert.
+        let mut counts = vec![0usize; self.experts];
+        let local: Vec<Option<usize>> = (0..slots).map(|s| input.local_expert(s)).collect();
+        for &l in local.iter().flatten() {
+            if l >= self.experts {
+                return Err(MoeError::ExpertOutOfRange { id: l as i64, num_experts: self.experts, token: 0, slot: 0 });
+            }
+            counts[l] += 1;
+        }
+        let mut offsets = vec![0usize; self.experts + 1];
+        for e in 0..self.experts {
+            offsets[e + 1] = offsets[e] + counts[e];
+        }
+        let rows = offsets[self.experts];
+        let mut next = offsets.clone();
+        let mut order = vec![0u32; rows];
+        let mut row_of_slot = vec![u32::MAX; slots];
+        for (s, l) in local.iter().enumerate() {
+            if let Some(l) = *l {
+                order[next[l]] = s as u32;
+                row_of_slot[s] = next[l] as u32;
+                next[l] += 1;
+            }
+        }
+        let segments: Vec<Segment> = (0..self.experts)
+            .filter(|&e| counts[e] > 0)
+            .map(|e| Segment { expert: e, row_start: offsets[e], rows: counts[e] })
+            .collect();
+
+        // Workspace: gathered rows (reused for the expert outputs), GEMM1 output, activation.
+        let (rows_buf, rest) = workspace.split_at_mut(rows * h);
+        let (h13, rest) = rest.split_at_mut(rows * 2 * i);
+        let act = &mut rest[..rows * i];
+        rows_buf.par_chunks_mut(h.max(1)).zip(order.par_iter()).for_each(|(row, &s)| {
+            let t = s as usize / k;
+            row.copy_from_slice(&input.hidden[t * h..(t + 1) * h]);
+        });
+        self.gemm1_act(rows_buf, &segments, h13, act);
+        self.gemm2(act, &segments, rows_buf);
+        let y = &*rows_buf;
+        // Unpermute.
+        out.par_chunks_mut(h.max(1)).zip(row_of_slot.par_iter()).for_each(|(dst, &r)| {
+            if r == u32::MAX {
+                dst.iter_mut().for_each(|x| *x = -0.0);
+            } else {
+                let r = r as usize;
+                dst.copy_from_slice(&y[r * h..(r + 1) * h]);
+            }
+        });
+        Ok(())
+    }
+}

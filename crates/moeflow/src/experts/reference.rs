@@ -1,0 +1,91 @@
+//! The f64 reference experts: one token at a time, plain loops, f64 accumulation.
+//! Deliberately simple; used to check every faster path.
+
+use super::{Activation, ExpertInput, ExpertWeights, Experts};
+use crate::error::Result;
+use crate::reduce::{NoOp, WeightAndReduce};
+
+/// Expert `e` applied to one row `x [H]` in f64: `w2 · act(w13 · x + b13) + b2`.
+/// `w13 [E, 2I, H]`, `w2 [E, H, I]` as f32 values (exact copies of the stored weights).
+#[allow(clippy::too_many_arguments)]
+pub fn expert_row_f64(
+    w13: &[f32],
+    w2: &[f32],
+    b13: Option<&[f32]>,
+    b2: Option<&[f32]>,
+    activation: Activation,
+    (h, i): (usize, usize),
+    e: usize,
+    x: &[f64],
+) -> Vec<f64> {
+    let dot = |w: &[f32], x: &[f64]| w.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum::<f64>();
+    let w13 = &w13[e * 2 * i * h..(e + 1) * 2 * i * h];
+    let bias = |b: Option<&[f32]>, n: usize, j: usize| b.map_or(0.0, |b| b[e * n + j] as f64);
+    let act: Vec<f64> = (0..i)
+        .map(|j| {
+            let g = dot(&w13[j * h..(j + 1) * h], x) + bias(b13, 2 * i, j);
+            let u = dot(&w13[(i + j) * h..(i + j + 1) * h], x) + bias(b13, 2 * i, i + j);
+            activation.apply_f64(g, u)
+        })
+        .collect();
+    let w2 = &w2[e * h * i..(e + 1) * h * i];
+    (0..h).map(|r| dot(&w2[r * i..(r + 1) * i], &act) + bias(b2, h, r)).collect()
+}
+
+/// Experts computed by [`expert_row_f64`]; they weight and sum their own output (so finalize
+/// uses [`NoOp`]), which also exercises that path of the layer.
+#[derive(Clone, Debug)]
+pub struct ReferenceExperts {
+    dims: (usize, usize, usize),
+    activation: Activation,
+    w13: Vec<f32>,
+    w2: Vec<f32>,
+    b13: Option<Vec<f32>>,
+    b2: Option<Vec<f32>>,
+}
+
+impl ReferenceExperts {
+    /// Copies `weights` as f32 values.
+    pub fn new(weights: &ExpertWeights, activation: Activation) -> Result<Self> {
+        Ok(ReferenceExperts {
+            dims: weights.dims()?,
+            activation,
+            w13: weights.w13.to_f32_vec(),
+            w2: weights.w2.to_f32_vec(),
+            b13: weights.b13.as_ref().map(|b| b.to_f32_vec()),
+            b2: weights.b2.as_ref().map(|b| b.to_f32_vec()),
+        })
+    }
+}
+
+impl Experts for ReferenceExperts {
+    fn name(&self) -> &'static str {
+        "reference"
+    }
+    fn dims(&self) -> (usize, usize, usize) {
+        self.dims
+    }
+    fn workspace_len(&self, _tokens: usize, _k: usize) -> usize {
+        0
+    }
+    fn weight_and_reduce(&self) -> &'static dyn WeightAndReduce {
+        &NoOp
+    }
+    fn apply(&self, input: &ExpertInput, _workspace: &mut [f32], out: &mut [f32]) -> Result<()> {
+        use rayon::prelude::*;
+        let (_, h, i) = self.dims;
+        let k = input.k;
+        out.par_chunks_mut(h.max(1)).enumerate().for_each(|(t, row)| {
+            let x: Vec<f64> = input.hidden[t * h..(t + 1) * h].iter().map(|&v| v as f64).collect();
+            let mut acc = vec![0f64; h];
+            for j in 0..k {
+                let Some(e) = input.local_expert(t * k + j) else { continue };
+                let w = if input.weights_applied { 1.0 } else { input.weights[t * k + j] as f64 };
+                let y = expert_row_f64(&self.w13, &self.w2, self.b13.as_deref(), self.b2.as_deref(), self.activation, (h, i), e, &x);
+                acc.iter_mut().zip(&y).for_each(|(a, v)| *a += w * v);
+            }
+            row.iter_mut().zip(&acc).for_each(|(o, &a)| *o = a as f32);
+        });
+        Ok(())
+    }
+}

@@ -1,0 +1,61 @@
+//! Helpers shared by the integration tests: random layers and the reference comparison.
+#![allow(dead_code)]
+
+use moeflow::{preset, reference, Activation, DType, MoeConfig, MoeLayer, MoeWeights, RouterConfig, SharedConfig, Tensor};
+
+/// Relative bound for the f32 paths against the f64 reference: f32 rounding (2^-24 per op)
+/// over reductions of at most a few thousand terms with random signs stays far below it.
+pub const F32_TOL: f64 = 2e-5;
+
+/// A small layer of the given shape and semantics.
+#[allow(clippy::too_many_arguments)]
+pub fn small_config(hidden: usize, inter: usize, experts: usize, top_k: usize, router: RouterConfig, activation: Activation, shared: Option<SharedConfig>) -> MoeConfig {
+    MoeConfig { hidden, inter, num_experts: experts, top_k, router, activation, apply_router_weight_on_input: false, shared }
+}
+
+/// Inputs uniform in [-1, 1].
+pub fn hidden(tokens: usize, h: usize, seed: u64) -> (Vec<f32>, Tensor) {
+    let x = preset::uniform(tokens * h, 1.0, seed);
+    let t = Tensor::from_f32(&[tokens, h], x.clone()).unwrap();
+    (x, t)
+}
+
+/// Compares the layer with the reference: routing (ids equal except near-ties, weights close)
+/// and output (with the layer's own routing) within `tol` of the output's largest magnitude.
+/// Returns the relative error.
+pub fn check_against_reference(config: &MoeConfig, weights: &MoeWeights, layer: &MoeLayer, x: &[f32], tol: f64) -> f64 {
+    let (h, k) = (config.hidden, config.top_k);
+    let tokens = x.len() / h;
+    let xt = Tensor::from_f32(&[tokens, h], x.to_vec()).unwrap();
+    let topk = layer.route(&xt).unwrap();
+    let r = reference::forward(config, weights, x).unwrap();
+    let e = config.num_experts;
+    for t in 0..tokens {
+        let got: Vec<usize> = topk.ids[t * k..(t + 1) * k].iter().map(|&i| i as usize).collect();
+        let want = &r.ids[t * k..(t + 1) * k];
+        if got != want {
+            let s = &r.choice_scores[t * e..(t + 1) * e];
+            let gap = got.iter().zip(want).map(|(&a, &b)| (s[a] - s[b]).abs()).fold(0.0, f64::max);
+            assert!(gap < 1e-4, "token {t}: routing {got:?} vs reference {want:?} (gap {gap})");
+            continue;
+        }
+        for j in 0..k {
+            let (a, b) = (topk.weights[t * k + j] as f64, r.weights[t * k + j]);
+            assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "token {t} slot {j}: weight {a} vs {b}");
+        }
+    }
+    let ids: Vec<usize> = topk.ids.iter().map(|&i| i as usize).collect();
+    let w: Vec<f64> = topk.weights.iter().map(|&v| v as f64).collect();
+    let want = reference::forward_with_routing(config, weights, x, &ids, &w).unwrap();
+    let got = layer.forward(&xt).unwrap();
+    assert_eq!(got.shape(), &[tokens, h]);
+    let got = got.to_f32_vec();
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale;
+    assert!(err <= tol, "relative error {err:e} > {tol:e}");
+    assert!(got.iter().all(|v| v.is_finite()));
+    err
+}
+
+/// The weights' dtype variants the fast path supports.
+pub const WEIGHT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
