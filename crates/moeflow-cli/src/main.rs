@@ -1,1 +1,35 @@
-fn main(){}
+//! The `moeflow` command line: `demo`, `bench` (see `--help`).
+
+mod bench;
+mod common;
+mod demo;
+
+use clap::{Parser, Subcommand};
+
+/// moeflow: the Mixture-of-Experts layer engine.
+#[derive(Parser)]
+#[command(name = "moeflow", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run a preset layer with random weights, check it against the f64 reference, report.
+    Demo(demo::DemoArgs),
+    /// Time the layer over token counts; GFLOP/s against this machine's measured matmul rate.
+    Bench(bench::BenchArgs),
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Demo(args) => demo::run(args),
+        Command::Bench(args) => bench::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -73,7 +73,10 @@ impl MoeConfig {
             )));
         }
         if self.top_k == 0 || self.top_k > self.num_experts {
-            return Err(MoeError::Config(format!("top-k {} must be in 1..={} (the number of experts)", self.top_k, self.num_experts)));
+            return Err(MoeError::Config(format!(
+                "top-k {} must be in 1..={} (the number of experts)",
+                self.top_k, self.num_experts
+            )));
         }
         if self.apply_router_weight_on_input && self.top_k != 1 {
             return Err(MoeError::Config(format!("apply_router_weight_on_input needs top-k = 1, got {}", self.top_k)));
@@ -123,8 +126,12 @@ impl MoeWeights {
                     _ => return Err(MoeError::Config("shared expert gate present iff the config says gated".into())),
                 }
             }
-            (Some(_), None) => return Err(MoeError::Config("config has shared experts but no shared weights were given".into())),
-            (None, Some(_)) => return Err(MoeError::Config("shared weights given but the config has no shared experts".into())),
+            (Some(_), None) => {
+                return Err(MoeError::Config("config has shared experts but no shared weights were given".into()))
+            }
+            (None, Some(_)) => {
+                return Err(MoeError::Config("shared weights given but the config has no shared experts".into()))
+            }
         }
         Ok(())
     }

@@ -185,7 +185,11 @@ impl MoeLayer {
             return Err(MoeError::shape("hidden_states", format!("[T, {}]", self.config.hidden), s));
         }
         if !matches!(hidden.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-            return Err(MoeError::DType { what: "hidden_states".into(), expected: "f32, bf16 or f16".into(), got: hidden.dtype().to_string() });
+            return Err(MoeError::DType {
+                what: "hidden_states".into(),
+                expected: "f32, bf16 or f16".into(),
+                got: hidden.dtype().to_string(),
+            });
         }
         let x = hidden.to_f32_vec();
         check_finite("hidden_states", &x)?;

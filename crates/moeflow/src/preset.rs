@@ -20,7 +20,15 @@ pub struct Preset {
     pub config: MoeConfig,
 }
 
-fn cfg(hidden: usize, inter: usize, num_experts: usize, top_k: usize, router: RouterConfig, activation: Activation, shared: Option<SharedConfig>) -> MoeConfig {
+fn cfg(
+    hidden: usize,
+    inter: usize,
+    num_experts: usize,
+    top_k: usize,
+    router: RouterConfig,
+    activation: Activation,
+    shared: Option<SharedConfig>,
+) -> MoeConfig {
     MoeConfig { hidden, inter, num_experts, top_k, router, activation, apply_router_weight_on_input: false, shared }
 }
 
@@ -28,9 +36,21 @@ fn cfg(hidden: usize, inter: usize, num_experts: usize, top_k: usize, router: Ro
 pub fn presets() -> Vec<Preset> {
     let soft = |renormalize| RouterConfig::Softmax { renormalize };
     vec![
-        Preset { name: "olmoe-1b-7b", model: "allenai/OLMoE-1B-7B-0924", config: cfg(2048, 1024, 64, 8, soft(false), Activation::Silu, None) },
-        Preset { name: "qwen3-30b-a3b", model: "Qwen/Qwen3-30B-A3B", config: cfg(2048, 768, 128, 8, soft(true), Activation::Silu, None) },
-        Preset { name: "mixtral-8x7b", model: "mistralai/Mixtral-8x7B-v0.1", config: cfg(4096, 14336, 8, 2, soft(true), Activation::Silu, None) },
+        Preset {
+            name: "olmoe-1b-7b",
+            model: "allenai/OLMoE-1B-7B-0924",
+            config: cfg(2048, 1024, 64, 8, soft(false), Activation::Silu, None),
+        },
+        Preset {
+            name: "qwen3-30b-a3b",
+            model: "Qwen/Qwen3-30B-A3B",
+            config: cfg(2048, 768, 128, 8, soft(true), Activation::Silu, None),
+        },
+        Preset {
+            name: "mixtral-8x7b",
+            model: "mistralai/Mixtral-8x7B-v0.1",
+            config: cfg(4096, 14336, 8, 2, soft(true), Activation::Silu, None),
+        },
         Preset {
             name: "gpt-oss-120b",
             model: "openai/gpt-oss-120b",
@@ -56,7 +76,9 @@ pub fn presets() -> Vec<Preset> {
 pub fn preset(name: &str) -> Result<Preset> {
     let all = presets();
     let names: Vec<&str> = all.iter().map(|p| p.name).collect();
-    all.into_iter().find(|p| p.name == name).ok_or_else(|| MoeError::Config(format!("unknown preset '{name}' (known: {})", names.join(", "))))
+    all.into_iter()
+        .find(|p| p.name == name)
+        .ok_or_else(|| MoeError::Config(format!("unknown preset '{name}' (known: {})", names.join(", "))))
 }
 
 impl MoeConfig {
@@ -107,7 +129,8 @@ pub fn random_weights(config: &MoeConfig, dtype: DType, seed: u64) -> MoeWeights
     MoeWeights {
         gate: tensor(&[e, h], 3.0 * sh, seed, DType::F32),
         gate_bias: bias.then(|| tensor(&[e], 0.5, seed + 1, DType::F32)),
-        correction_bias: matches!(config.router, RouterConfig::SigmoidGrouped { .. }).then(|| tensor(&[e], 0.05, seed + 2, DType::F32)),
+        correction_bias: matches!(config.router, RouterConfig::SigmoidGrouped { .. })
+            .then(|| tensor(&[e], 0.05, seed + 2, DType::F32)),
         experts: mlp(e, i, seed + 10),
         shared: config.shared.map(|s| SharedWeights {
             mlp: ExpertWeights { b13: None, b2: None, ..mlp(1, s.inter, seed + 20) },

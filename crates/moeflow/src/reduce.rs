@@ -9,7 +9,15 @@ pub trait WeightAndReduce: Send + Sync {
     fn expert_output_len(&self, tokens: usize, k: usize, hidden: usize) -> usize;
     /// Writes `out [tokens, H]` from `expert_out` and `weights [tokens, k]`. With
     /// `weights_applied` the weights were multiplied into the inputs and are not applied again.
-    fn apply(&self, expert_out: &[f32], weights: &[f32], k: usize, hidden: usize, weights_applied: bool, out: &mut [f32]);
+    fn apply(
+        &self,
+        expert_out: &[f32],
+        weights: &[f32],
+        k: usize,
+        hidden: usize,
+        weights_applied: bool,
+        out: &mut [f32],
+    );
 }
 
 /// `out[t] = Σ_j w[t,j] · y[t,j,:]`, summed in slot order `j = 0..k` (the contract that makes
@@ -26,7 +34,15 @@ impl WeightAndReduce for WeightedSum {
         tokens * k * hidden
     }
 
-    fn apply(&self, expert_out: &[f32], weights: &[f32], k: usize, hidden: usize, weights_applied: bool, out: &mut [f32]) {
+    fn apply(
+        &self,
+        expert_out: &[f32],
+        weights: &[f32],
+        k: usize,
+        hidden: usize,
+        weights_applied: bool,
+        out: &mut [f32],
+    ) {
         use rayon::prelude::*;
         if hidden == 0 {
             return;
@@ -55,7 +71,15 @@ impl WeightAndReduce for NoOp {
         tokens * hidden
     }
 
-    fn apply(&self, expert_out: &[f32], _weights: &[f32], _k: usize, _hidden: usize, _weights_applied: bool, out: &mut [f32]) {
+    fn apply(
+        &self,
+        expert_out: &[f32],
+        _weights: &[f32],
+        _k: usize,
+        _hidden: usize,
+        _weights_applied: bool,
+        out: &mut [f32],
+    ) {
         out.copy_from_slice(&expert_out[..out.len()]);
     }
 }

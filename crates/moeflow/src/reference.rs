@@ -75,7 +75,8 @@ pub fn route_token_f64(cfg: &RouterConfig, logits: &[f64], k: usize, bias: &[f64
         RouterConfig::SoftmaxGrouped { n_group, topk_group, renormalize, scaling } => {
             let p = softmax(logits);
             let per = e / n_group;
-            let gs: Vec<f64> = (0..n_group).map(|g| p[g * per..(g + 1) * per].iter().cloned().fold(f64::MIN, f64::max)).collect();
+            let gs: Vec<f64> =
+                (0..n_group).map(|g| p[g * per..(g + 1) * per].iter().cloned().fold(f64::MIN, f64::max)).collect();
             let keep = order(&gs, &|_| true)[..topk_group].to_vec();
             let ids = order(&p, &|i| keep.contains(&(i / per)))[..k].to_vec();
             let mut w: Vec<f64> = ids.iter().map(|&i| p[i]).collect();
@@ -138,11 +139,20 @@ pub fn forward(config: &MoeConfig, weights: &MoeWeights, hidden: &[f32]) -> Resu
 
 /// The layer in f64 with a given routing (`ids`, `weights` `[T, k]`): routed experts weighted
 /// and summed, plus shared experts.
-pub fn forward_with_routing(config: &MoeConfig, weights: &MoeWeights, hidden: &[f32], ids: &[usize], topk_weights: &[f64]) -> Result<Vec<f64>> {
+pub fn forward_with_routing(
+    config: &MoeConfig,
+    weights: &MoeWeights,
+    hidden: &[f32],
+    ids: &[usize],
+    topk_weights: &[f64],
+) -> Result<Vec<f64>> {
     let (h, i, k) = (config.hidden, config.inter, config.top_k);
     let tokens = hidden.len() / h;
     let routed = Flat::new(&weights.experts);
-    let shared = weights.shared.as_ref().map(|s| (Flat::new(&s.mlp), s.gate.as_ref().map(|g| g.to_f64_vec()), config.shared.map_or(0, |c| c.inter)));
+    let shared = weights
+        .shared
+        .as_ref()
+        .map(|s| (Flat::new(&s.mlp), s.gate.as_ref().map(|g| g.to_f64_vec()), config.shared.map_or(0, |c| c.inter)));
     let rows: Vec<Vec<f64>> = (0..tokens)
         .into_par_iter()
         .map(|t| {
@@ -155,7 +165,16 @@ pub fn forward_with_routing(config: &MoeConfig, weights: &MoeWeights, hidden: &[
                     input.iter_mut().for_each(|v| *v *= w);
                     w = 1.0;
                 }
-                let y = expert_row_f64(&routed.w13, &routed.w2, routed.b13.as_deref(), routed.b2.as_deref(), config.activation, (h, i), ids[t * k + j], &input);
+                let y = expert_row_f64(
+                    &routed.w13,
+                    &routed.w2,
+                    routed.b13.as_deref(),
+                    routed.b2.as_deref(),
+                    config.activation,
+                    (h, i),
+                    ids[t * k + j],
+                    &input,
+                );
                 acc.iter_mut().zip(&y).for_each(|(a, v)| *a += w * v);
             }
             if let Some((s, gate, si)) = &shared {

@@ -4,7 +4,9 @@ mod common;
 
 use common::*;
 use moeflow::dispatch::Local;
-use moeflow::{preset, Activation, DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, RouterConfig, SharedConfig, Tensor, TopK};
+use moeflow::{
+    preset, Activation, DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, RouterConfig, SharedConfig, Tensor, TopK,
+};
 use proptest::prelude::*;
 
 fn routers(experts: usize) -> Vec<RouterConfig> {
@@ -126,7 +128,15 @@ fn weights_applied_on_input_for_top_1() {
 
 #[test]
 fn reference_experts_take_the_no_op_reduce_path() {
-    let config = small_config(10, 6, 6, 2, RouterConfig::Softmax { renormalize: true }, Activation::GeluTanh, Some(SharedConfig { inter: 4, gated: true }));
+    let config = small_config(
+        10,
+        6,
+        6,
+        2,
+        RouterConfig::Softmax { renormalize: true },
+        Activation::GeluTanh,
+        Some(SharedConfig { inter: 4, gated: true }),
+    );
     let weights = preset::random_weights(&config, DType::F32, 4);
     let opts = LayerOptions { experts: ExpertsKind::Reference, chunk_size: Some(3), strategy: Box::new(Local) };
     let layer = MoeLayer::new(&config, &weights, opts).unwrap();
@@ -136,13 +146,23 @@ fn reference_experts_take_the_no_op_reduce_path() {
 
 #[test]
 fn chunked_equals_unchunked_bit_for_bit() {
-    let config = small_config(37, 21, 12, 4, RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 }, Activation::Silu, Some(SharedConfig { inter: 9, gated: false }));
+    let config = small_config(
+        37,
+        21,
+        12,
+        4,
+        RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 },
+        Activation::Silu,
+        Some(SharedConfig { inter: 9, gated: false }),
+    );
     for dtype in WEIGHT_DTYPES {
         let weights = preset::random_weights(&config, dtype, 12);
         let (_, xt) = hidden(50, 37, 13);
         let whole = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap().forward(&xt).unwrap();
         for chunk in [1, 3, 7, 49, 50, 64] {
-            let layer = MoeLayer::new(&config, &weights, LayerOptions { chunk_size: Some(chunk), ..LayerOptions::default() }).unwrap();
+            let layer =
+                MoeLayer::new(&config, &weights, LayerOptions { chunk_size: Some(chunk), ..LayerOptions::default() })
+                    .unwrap();
             let got = layer.forward(&xt).unwrap();
             let bits = |t: &Tensor| t.to_f32_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&whole), "chunk {chunk}, {dtype}");
@@ -152,7 +172,15 @@ fn chunked_equals_unchunked_bit_for_bit() {
 
 #[test]
 fn zero_tokens_give_an_empty_output() {
-    let config = small_config(8, 4, 4, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, Some(SharedConfig { inter: 4, gated: true }));
+    let config = small_config(
+        8,
+        4,
+        4,
+        2,
+        RouterConfig::Softmax { renormalize: true },
+        Activation::Silu,
+        Some(SharedConfig { inter: 4, gated: true }),
+    );
     let weights = preset::random_weights(&config, DType::F32, 1);
     let layer = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap();
     let out = layer.forward(&Tensor::from_f32(&[0, 8], vec![]).unwrap()).unwrap();
@@ -185,7 +213,10 @@ fn bad_input_is_a_clear_error() {
     let weights = preset::random_weights(&config, DType::F32, 1);
     let layer = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap();
     // Wrong hidden size.
-    expect_err(layer.forward(&Tensor::from_f32(&[2, 9], vec![0.0; 18]).unwrap()), &["hidden_states", "[T, 8]", "[2, 9]"]);
+    expect_err(
+        layer.forward(&Tensor::from_f32(&[2, 9], vec![0.0; 18]).unwrap()),
+        &["hidden_states", "[T, 8]", "[2, 9]"],
+    );
     expect_err(layer.forward(&Tensor::from_i32(&[2, 8], vec![0; 16]).unwrap()), &["hidden_states", "i32"]);
     // NaN input.
     let mut x = vec![0.5f32; 16];
@@ -219,5 +250,8 @@ fn bad_input_is_a_clear_error() {
     let mut shared_cfg = config.clone();
     shared_cfg.shared = Some(SharedConfig { inter: 4, gated: false });
     expect_err(MoeLayer::new(&shared_cfg, &weights, LayerOptions::default()), &["no shared weights"]);
-    expect_err(MoeLayer::new(&config, &weights, LayerOptions { chunk_size: Some(0), ..LayerOptions::default() }), &["chunk size"]);
+    expect_err(
+        MoeLayer::new(&config, &weights, LayerOptions { chunk_size: Some(0), ..LayerOptions::default() }),
+        &["chunk size"],
+    );
 }

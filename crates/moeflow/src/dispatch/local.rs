@@ -15,8 +15,15 @@ impl PrepareFinalize for Local {
         "local"
     }
 
-    fn prepare<'a>(&self, hidden: &'a [f32], hidden_size: usize, topk: &'a TopK, weights_on_input: bool) -> Result<Prepared<'a>> {
-        let hidden = if weights_on_input { Cow::Owned(weight_rows(hidden, hidden_size, topk)?) } else { Cow::Borrowed(hidden) };
+    fn prepare<'a>(
+        &self,
+        hidden: &'a [f32],
+        hidden_size: usize,
+        topk: &'a TopK,
+        weights_on_input: bool,
+    ) -> Result<Prepared<'a>> {
+        let hidden =
+            if weights_on_input { Cow::Owned(weight_rows(hidden, hidden_size, topk)?) } else { Cow::Borrowed(hidden) };
         Ok(Prepared {
             hidden,
             topk: Cow::Borrowed(topk),
@@ -26,7 +33,14 @@ impl PrepareFinalize for Local {
         })
     }
 
-    fn finalize(&self, prepared: &Prepared, expert_out: &[f32], hidden_size: usize, reduce: &dyn WeightAndReduce, out: &mut [f32]) -> Result<()> {
+    fn finalize(
+        &self,
+        prepared: &Prepared,
+        expert_out: &[f32],
+        hidden_size: usize,
+        reduce: &dyn WeightAndReduce,
+        out: &mut [f32],
+    ) -> Result<()> {
         let topk = &prepared.topk;
         reduce.apply(expert_out, &topk.weights, topk.k, hidden_size, prepared.weights_applied, out);
         Ok(())

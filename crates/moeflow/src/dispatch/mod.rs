@@ -40,10 +40,23 @@ pub trait PrepareFinalize: Send + Sync {
     }
     /// Dispatches `hidden [T, H]` with `topk`. With `weights_on_input` (top-k = 1) the rows are
     /// multiplied by their router weight before they leave.
-    fn prepare<'a>(&self, hidden: &'a [f32], hidden_size: usize, topk: &'a TopK, weights_on_input: bool) -> Result<Prepared<'a>>;
+    fn prepare<'a>(
+        &self,
+        hidden: &'a [f32],
+        hidden_size: usize,
+        topk: &'a TopK,
+        weights_on_input: bool,
+    ) -> Result<Prepared<'a>>;
     /// Combines `expert_out` (as `reduce` lays it out, for the prepared rows) into `out [T, H]`
     /// for the `T` tokens given to prepare.
-    fn finalize(&self, prepared: &Prepared, expert_out: &[f32], hidden_size: usize, reduce: &dyn WeightAndReduce, out: &mut [f32]) -> Result<()>;
+    fn finalize(
+        &self,
+        prepared: &Prepared,
+        expert_out: &[f32],
+        hidden_size: usize,
+        reduce: &dyn WeightAndReduce,
+        out: &mut [f32],
+    ) -> Result<()>;
 }
 
 /// `hidden [T, H]` with each row multiplied by its (single) router weight.

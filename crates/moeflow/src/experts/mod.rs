@@ -42,7 +42,7 @@ impl ExpertWeights {
     /// `(E, H, I)` read from `w13` and `w2`, after checking that all shapes agree.
     pub fn dims(&self) -> Result<(usize, usize, usize)> {
         let s1 = self.w13.shape();
-        if s1.len() != 3 || s1[1] % 2 != 0 {
+        if s1.len() != 3 || !s1[1].is_multiple_of(2) {
             return Err(MoeError::shape("w13", "[E, 2I, H]", s1));
         }
         let (e, i, h) = (s1[0], s1[1] / 2, s1[2]);
@@ -55,7 +55,11 @@ impl ExpertWeights {
         }
         for (what, t) in [("w13", &self.w13), ("w2", &self.w2)] {
             if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
-                return Err(MoeError::DType { what: what.into(), expected: "f32, bf16 or f16".into(), got: t.dtype().to_string() });
+                return Err(MoeError::DType {
+                    what: what.into(),
+                    expected: "f32, bf16 or f16".into(),
+                    got: t.dtype().to_string(),
+                });
             }
         }
         Ok((e, h, i))
@@ -63,7 +67,11 @@ impl ExpertWeights {
 
     /// Bytes of all expert weights.
     pub fn bytes(&self) -> usize {
-        [Some(&self.w13), Some(&self.w2), self.b13.as_ref(), self.b2.as_ref()].iter().flatten().map(|t| t.size_in_bytes()).sum()
+        [Some(&self.w13), Some(&self.w2), self.b13.as_ref(), self.b2.as_ref()]
+            .iter()
+            .flatten()
+            .map(|t| t.size_in_bytes())
+            .sum()
     }
 }
 

@@ -81,7 +81,16 @@ impl Experts for ReferenceExperts {
             for j in 0..k {
                 let Some(e) = input.local_expert(t * k + j) else { continue };
                 let w = if input.weights_applied { 1.0 } else { input.weights[t * k + j] as f64 };
-                let y = expert_row_f64(&self.w13, &self.w2, self.b13.as_deref(), self.b2.as_deref(), self.activation, (h, i), e, &x);
+                let y = expert_row_f64(
+                    &self.w13,
+                    &self.w2,
+                    self.b13.as_deref(),
+                    self.b2.as_deref(),
+                    self.activation,
+                    (h, i),
+                    e,
+                    &x,
+                );
                 acc.iter_mut().zip(&y).for_each(|(a, v)| *a += w * v);
             }
             row.iter_mut().zip(&acc).for_each(|(o, &a)| *o = a as f32);

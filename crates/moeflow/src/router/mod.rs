@@ -128,9 +128,16 @@ pub enum RouterConfig {
 impl RouterConfig {
     /// Builds the router for `num_experts` experts and `top_k`; `correction_bias [E]` is the
     /// DeepSeek-V3 selection bias (required by, and only accepted for, `SigmoidGrouped`).
-    pub fn build(&self, num_experts: usize, top_k: usize, correction_bias: Option<Vec<f32>>) -> Result<Box<dyn Router>> {
+    pub fn build(
+        &self,
+        num_experts: usize,
+        top_k: usize,
+        correction_bias: Option<Vec<f32>>,
+    ) -> Result<Box<dyn Router>> {
         if top_k == 0 || top_k > num_experts {
-            return Err(MoeError::Config(format!("top-k {top_k} must be in 1..={num_experts} (the number of experts)")));
+            return Err(MoeError::Config(format!(
+                "top-k {top_k} must be in 1..={num_experts} (the number of experts)"
+            )));
         }
         if correction_bias.is_some() && !matches!(self, RouterConfig::SigmoidGrouped { .. }) {
             return Err(MoeError::Config("a correction bias is only used by the sigmoid_grouped router".into()));
@@ -180,7 +187,7 @@ pub(crate) struct Groups {
 
 impl Groups {
     fn new(num_experts: usize, top_k: usize, n_group: usize, topk_group: usize, min_per_group: usize) -> Result<Self> {
-        if n_group == 0 || num_experts % n_group != 0 {
+        if n_group == 0 || !num_experts.is_multiple_of(n_group) {
             return Err(MoeError::Config(format!("{num_experts} experts cannot be split into {n_group} equal groups")));
         }
         if topk_group == 0 || topk_group > n_group {

@@ -24,7 +24,8 @@ impl Router for SoftmaxGrouped {
         let mut probs = vec![0.0; logits.len()];
         softmax(logits, &mut probs);
         let per = self.groups.num_experts / self.groups.n_group;
-        let group_scores: Vec<f32> = probs.chunks(per).map(|g| g.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
+        let group_scores: Vec<f32> =
+            probs.chunks(per).map(|g| g.iter().copied().fold(f32::NEG_INFINITY, f32::max)).collect();
         let mut allowed = vec![false; probs.len()];
         self.groups.allowed(&group_scores, &mut allowed);
         let mut picks = Vec::with_capacity(self.top_k);

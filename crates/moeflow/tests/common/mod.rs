@@ -1,7 +1,9 @@
 //! Helpers shared by the integration tests: random layers and the reference comparison.
 #![allow(dead_code)]
 
-use moeflow::{preset, reference, Activation, DType, MoeConfig, MoeLayer, MoeWeights, RouterConfig, SharedConfig, Tensor};
+use moeflow::{
+    preset, reference, Activation, DType, MoeConfig, MoeLayer, MoeWeights, RouterConfig, SharedConfig, Tensor,
+};
 
 /// Relative bound for the f32 paths against the f64 reference: f32 rounding (2^-24 per op)
 /// over reductions of at most a few thousand terms with random signs stays far below it.
@@ -9,8 +11,25 @@ pub const F32_TOL: f64 = 2e-5;
 
 /// A small layer of the given shape and semantics.
 #[allow(clippy::too_many_arguments)]
-pub fn small_config(hidden: usize, inter: usize, experts: usize, top_k: usize, router: RouterConfig, activation: Activation, shared: Option<SharedConfig>) -> MoeConfig {
-    MoeConfig { hidden, inter, num_experts: experts, top_k, router, activation, apply_router_weight_on_input: false, shared }
+pub fn small_config(
+    hidden: usize,
+    inter: usize,
+    experts: usize,
+    top_k: usize,
+    router: RouterConfig,
+    activation: Activation,
+    shared: Option<SharedConfig>,
+) -> MoeConfig {
+    MoeConfig {
+        hidden,
+        inter,
+        num_experts: experts,
+        top_k,
+        router,
+        activation,
+        apply_router_weight_on_input: false,
+        shared,
+    }
 }
 
 /// Inputs uniform in [-1, 1].

@@ -36,6 +36,13 @@ unsafe impl Send for OutPtr {}
 // SAFETY: as above; no two tasks touch the same element.
 unsafe impl Sync for OutPtr {}
 
+impl OutPtr {
+    /// The pointer (a method, so closures capture the whole `Send` wrapper).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
 /// `C[r, n] = Σ_k A[r, k] · W_e[n, k]` for the rows of every segment.
 ///
 /// `a` is `[rows, lda]` with `K = w.k` used columns; `c` is `[rows, ldc]` with `w.n` written
@@ -68,10 +75,9 @@ pub fn grouped_gemm<T: PanelElem>(
         let s = segments[si];
         let p0 = g * PANELS_PER_TASK;
         let p1 = (p0 + PANELS_PER_TASK).min(w.panels());
-        let out = out;
         // SAFETY: this task writes only rows `s.row_start..+s.rows` and columns of panels
         // `p0..p1` of C; tasks differ in segment (disjoint rows) or panel group.
-        unsafe { segment_tile(a, lda, s, w, p0..p1, out.0, ldc) };
+        unsafe { segment_tile(a, lda, s, w, p0..p1, out.get(), ldc) };
     };
     if tasks.len() > 1 {
         tasks.par_iter().for_each(run);
@@ -118,6 +124,22 @@ unsafe fn segment_tile<T: PanelElem>(
             let row = s.row_start + r;
             for p in panels.clone() {
                 let panel = w.panel(s.expert, p);
+                // The first row block brings B in from memory: have it prefetch the block the
+                // next call reads (next panel, or the first panel of the next k block).
+                let next = if p + 1 < panels.end {
+                    Some(w.panel(s.expert, p + 1).as_ptr().add(k0 * NR))
+                } else if k0 + kc < k {
+                    Some(w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR))
+                } else {
+                    None
+                };
+                let prefetch = match next {
+                    Some(ptr) if blk == 0 => (
+                        ptr as *const u8,
+                        KC.min(k - k0 - if p + 1 < panels.end { 0 } else { kc }) * NR * std::mem::size_of::<T>(),
+                    ),
+                    _ => (std::ptr::null(), 0),
+                };
                 let tile = Tile {
                     a: a.as_ptr().add(row * lda + k0),
                     lda,
@@ -127,6 +149,7 @@ unsafe fn segment_tile<T: PanelElem>(
                     ldc,
                     cols: NR.min(w.n - p * NR),
                     accumulate: k0 > 0,
+                    prefetch,
                 };
                 dispatch_kernel(use_avx2, mr, tile);
             }
@@ -146,6 +169,8 @@ struct Tile<T> {
     ldc: usize,
     cols: usize,
     accumulate: bool,
+    /// A block to pull into cache while computing: (start, bytes).
+    prefetch: (*const u8, usize),
 }
 
 fn avx2_available() -> bool {
@@ -242,8 +267,13 @@ mod avx2 {
                 row[1] = _mm256_fmadd_ps(av, b1, row[1]);
             }
         };
+        let (pf, pf_len) = t.prefetch;
         let mut kk = 0;
         while kk + 4 <= t.kc {
+            if kk * 32 < pf_len {
+                _mm_prefetch(pf.add(kk * 32) as *const i8, _MM_HINT_T0);
+                _mm_prefetch(pf.add(kk * 32 + 64) as *const i8, _MM_HINT_T0);
+            }
             step(&mut acc, b, kk);
             step(&mut acc, b.add(NR), kk + 1);
             step(&mut acc, b.add(2 * NR), kk + 2);
@@ -302,7 +332,11 @@ mod tests {
             let seg = [Segment { expert: 0, row_start: 0, rows: m }];
             grouped_gemm(&a, k, &seg, &packed, &mut c, n);
             let want = naive(&a, &w, m, n, k);
-            assert_eq!(c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(), "m {m} n {n} k {k}");
+            assert_eq!(
+                c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "m {m} n {n} k {k}"
+            );
         }
     }
 

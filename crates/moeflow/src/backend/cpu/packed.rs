@@ -57,25 +57,23 @@ impl<T: PanelElem> PackedMatrices<T> {
         let per = panels * NR * k;
         let mut data = vec![T::ZERO; count * per];
         use rayon::prelude::*;
-        data.par_chunks_mut(NR * k.max(1))
-            .enumerate()
-            .for_each(|(idx, panel)| {
-                if k == 0 {
-                    return;
+        data.par_chunks_mut(NR * k.max(1)).enumerate().for_each(|(idx, panel)| {
+            if k == 0 {
+                return;
+            }
+            let (e, p) = (idx / panels, idx % panels);
+            let base = e * n * k;
+            for j in 0..NR {
+                let col = p * NR + j;
+                if col >= n {
+                    break;
                 }
-                let (e, p) = (idx / panels, idx % panels);
-                let base = e * n * k;
-                for j in 0..NR {
-                    let col = p * NR + j;
-                    if col >= n {
-                        break;
-                    }
-                    let row = &src[base + col * k..base + (col + 1) * k];
-                    for (kk, &v) in row.iter().enumerate() {
-                        panel[kk * NR + j] = v;
-                    }
+                let row = &src[base + col * k..base + (col + 1) * k];
+                for (kk, &v) in row.iter().enumerate() {
+                    panel[kk * NR + j] = v;
                 }
-            });
+            }
+        });
         Self { count, n, k, data }
     }
 

@@ -1,0 +1,107 @@
+//! Pieces shared by subcommands: layer construction from a preset, progress, statistics.
+
+use indicatif::{ProgressBar, ProgressStyle};
+use moeflow::{preset, DType, MoeConfig, MoeError, MoeWeights, Result};
+use std::time::Duration;
+
+/// Options that pick a layer: preset, weight dtype, expert count override, seed.
+#[derive(clap::Args, Clone, Debug)]
+pub struct LayerArgs {
+    /// Layer shape (olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b, gpt-oss-120b, deepseek-v3).
+    #[arg(long, default_value = "olmoe-1b-7b")]
+    pub preset: String,
+    /// Weight dtype: f32 or bf16.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: DType,
+    /// Use this many experts instead of the preset's (for machines that cannot hold them all).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Seed of the random weights and inputs.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Rows given to the experts at a time.
+    #[arg(long)]
+    pub chunk_size: Option<usize>,
+}
+
+impl LayerArgs {
+    /// The configuration, with the expert override applied.
+    pub fn config(&self) -> Result<(preset::Preset, MoeConfig)> {
+        let p = preset::preset(&self.preset)?;
+        let config = match self.experts {
+            Some(n) => p.config.with_num_experts(n)?,
+            None => p.config.clone(),
+        };
+        Ok((p, config))
+    }
+
+    /// Random weights for `config`, refusing early when they would not fit in memory.
+    pub fn weights(&self, config: &MoeConfig) -> Result<MoeWeights> {
+        if !matches!(self.dtype, DType::F32 | DType::BF16) {
+            return Err(MoeError::Config(format!("--dtype must be f32 or bf16, got {}", self.dtype)));
+        }
+        let bytes = preset::weight_bytes(config, self.dtype);
+        // The weights are held twice: as generated and packed for the GEMM.
+        if let Some(avail) = available_memory() {
+            if 2 * bytes > avail * 9 / 10 {
+                return Err(MoeError::Config(format!(
+                    "{} weights need {:.1} GiB (twice {:.1} GiB) but {:.1} GiB are available; pass --experts N to use fewer experts",
+                    self.preset,
+                    2.0 * gib(bytes),
+                    gib(bytes),
+                    gib(avail)
+                )));
+            }
+        }
+        let bar = spinner(format!("generating {:.2} GiB of random {} weights", gib(bytes), self.dtype));
+        let w = preset::random_weights(config, self.dtype, self.seed);
+        bar.finish_and_clear();
+        Ok(w)
+    }
+}
+
+/// Bytes as GiB.
+pub fn gib(bytes: usize) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+fn available_memory() -> Option<usize> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+/// A spinner for work that may take more than a second (hidden when not on a terminal).
+pub fn spinner(msg: String) -> ProgressBar {
+    let bar = ProgressBar::new_spinner().with_message(msg);
+    bar.set_style(ProgressStyle::with_template("{spinner} {msg} [{elapsed}]").expect("valid template"));
+    bar.enable_steady_tick(Duration::from_millis(120));
+    bar
+}
+
+/// A bar over `n` steps.
+pub fn bar(n: u64, msg: String) -> ProgressBar {
+    let bar = ProgressBar::new(n).with_message(msg);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} [{bar:30}] {pos}/{len} [{elapsed}]")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// Median of `v` (sorted copy); 0 for empty input.
+pub fn median(v: &[f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let n = s.len();
+    if n % 2 == 1 {
+        s[n / 2]
+    } else {
+        0.5 * (s[n / 2 - 1] + s[n / 2])
+    }
+}

@@ -1,0 +1,100 @@
+//! `moeflow demo`: the embedded default. A preset layer with random weights on CPU, checked
+//! against the f64 reference, with a short report.
+
+use crate::common::{median, spinner, LayerArgs};
+use moeflow::{preset, reference, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use std::time::Instant;
+
+/// Arguments of `moeflow demo`.
+#[derive(clap::Args, Debug)]
+pub struct DemoArgs {
+    #[command(flatten)]
+    layer: LayerArgs,
+    /// Tokens in the batch.
+    #[arg(long, default_value_t = 64)]
+    tokens: usize,
+    /// Timed runs (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    runs: usize,
+}
+
+/// Relative error bound of the check: f32 accumulation over at most a few thousand terms.
+const TOLERANCE: f64 = 2e-5;
+
+pub fn run(args: DemoArgs) -> Result<()> {
+    let (p, config) = args.layer.config()?;
+    println!(
+        "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, cpu",
+        p.name, p.model, config.num_experts, config.top_k, config.hidden, config.inter, args.layer.dtype
+    );
+    let weights = args.layer.weights(&config)?;
+    let bar = spinner("packing weights".into());
+    let layer = MoeLayer::new(
+        &config,
+        &weights,
+        LayerOptions { chunk_size: args.layer.chunk_size, ..LayerOptions::default() },
+    )?;
+    bar.finish_and_clear();
+
+    let t = args.tokens;
+    let x = preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ 0x5eed);
+    let input = Tensor::from_f32(&[t, config.hidden], x.clone())?;
+    let topk = layer.route(&input)?;
+    let mut out = layer.forward(&input)?;
+    let mut times = Vec::new();
+    for _ in 0..args.runs.max(1) {
+        let start = Instant::now();
+        out = layer.forward(&input)?;
+        times.push(start.elapsed().as_secs_f64());
+    }
+    let secs = median(&times);
+
+    let bar = spinner("checking against the f64 reference".into());
+    let ids: Vec<usize> = topk.ids.iter().map(|&i| i as usize).collect();
+    let w: Vec<f64> = topk.weights.iter().map(|&v| v as f64).collect();
+    let want = reference::forward_with_routing(&config, &weights, &x, &ids, &w)?;
+    let routed = reference::forward(&config, &weights, &x)?;
+    bar.finish_and_clear();
+    // Routing must equal the f64 reference's, except where two scores are within 1e-4.
+    let (k, e) = (config.top_k, config.num_experts);
+    let (mut differ, mut max_gap) = (0usize, 0f64);
+    for tok in 0..t {
+        let (a, b) = (&ids[tok * k..(tok + 1) * k], &routed.ids[tok * k..(tok + 1) * k]);
+        if a != b {
+            differ += 1;
+            let s = &routed.choice_scores[tok * e..(tok + 1) * e];
+            max_gap = a.iter().zip(b).map(|(&i, &j)| (s[i] - s[j]).abs()).fold(max_gap, f64::max);
+        }
+    }
+    if max_gap > 1e-4 {
+        return Err(MoeError::Config(format!(
+            "routing differs from the reference on {differ} tokens (score gap {max_gap:.2e})"
+        )));
+    }
+
+    let got = out.to_f32_vec();
+    let max_err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
+    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+    let rel = if scale > 0.0 { max_err / scale } else { max_err };
+    let mut hits = vec![0usize; config.num_experts];
+    topk.ids.iter().for_each(|&e| hits[e as usize] += 1);
+    let hit = hits.iter().filter(|&&c| c > 0).count();
+    let busiest = hits.iter().max().copied().unwrap_or(0);
+
+    println!("  tokens          {t}");
+    println!("  experts hit     {hit} of {} (busiest: {busiest} rows)", config.num_experts);
+    if differ == 0 {
+        println!("  routing         identical to the f64 reference");
+    } else {
+        println!("  routing         {differ} tokens differ from f64 at near-ties (score gap {max_gap:.1e})");
+    }
+    println!("  max abs error   {max_err:.3e} (max |out| {scale:.3e})");
+    println!("  relative error  {rel:.3e} (bound {TOLERANCE:.0e})");
+    println!("  time            {:.2} ms (median of {})", secs * 1e3, times.len());
+    println!("  throughput      {:.1} GFLOP/s", config.expert_flops(t) / secs / 1e9);
+    if rel > TOLERANCE {
+        return Err(MoeError::Config(format!("relative error {rel:.3e} exceeds {TOLERANCE:.0e}")));
+    }
+    println!("  check           OK");
+    Ok(())
+}
