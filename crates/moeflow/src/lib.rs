@@ -30,6 +30,7 @@
 //! ```
 
 pub mod backend;
+pub mod comm;
 pub mod config;
 pub mod dispatch;
 pub mod dtype;
