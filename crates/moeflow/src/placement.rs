@@ -1,0 +1,215 @@
+//! Where experts live: logical expert → physical slots on EP ranks, with optional replicas.
+//!
+//! Physical expert ids number every slot of every rank, rank by rank: rank 0's slots first.
+//! A logical expert has one or more replicas (physical ids); each (token, slot) picks one
+//! replica deterministically from its global token index, so the choice never depends on
+//! timing. Replicas hold identical weights, so the choice never changes a result.
+
+use crate::error::{MoeError, Result};
+use crate::router::TopK;
+use serde::{Deserialize, Serialize};
+
+/// Expert placement over `ranks` EP ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ExpertPlacement {
+    num_experts: usize,
+    /// Per rank: the logical expert held in each local slot.
+    slots: Vec<Vec<usize>>,
+    /// Physical id → (rank, slot).
+    physical: Vec<(usize, usize)>,
+    /// Logical expert → its physical ids.
+    replicas: Vec<Vec<usize>>,
+}
+
+/// The JSON form of an explicit placement: per rank, the logical experts of its slots.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct PlacementFile {
+    /// Number of logical experts.
+    pub num_experts: usize,
+    /// `ranks[r]` lists rank r's experts; an expert listed on several ranks is replicated.
+    pub ranks: Vec<Vec<usize>>,
+}
+
+impl ExpertPlacement {
+    /// Explicit slots; every expert needs at least one slot, and a rank holds an expert once.
+    pub fn from_slots(num_experts: usize, slots: Vec<Vec<usize>>) -> Result<Self> {
+        if slots.is_empty() {
+            return Err(MoeError::Config("a placement needs at least one rank".into()));
+        }
+        let mut replicas = vec![Vec::new(); num_experts];
+        let mut physical = Vec::new();
+        for (rank, list) in slots.iter().enumerate() {
+            for (slot, &e) in list.iter().enumerate() {
+                if e >= num_experts {
+                    return Err(MoeError::Config(format!("placement: rank {rank} lists expert {e} of {num_experts}")));
+                }
+                if list[..slot].contains(&e) {
+                    return Err(MoeError::Config(format!("placement: rank {rank} lists expert {e} twice")));
+                }
+                replicas[e].push(physical.len());
+                physical.push((rank, slot));
+            }
+        }
+        if let Some(e) = replicas.iter().position(|r| r.is_empty()) {
+            return Err(MoeError::Config(format!("placement: expert {e} is on no rank")));
+        }
+        Ok(ExpertPlacement { num_experts, slots, physical, replicas })
+    }
+
+    /// Experts in contiguous ranges, the first `E % ranks` ranks holding one more.
+    pub fn contiguous(num_experts: usize, ranks: usize) -> Result<Self> {
+        Self::check_ranks(num_experts, ranks)?;
+        let (base, extra) = (num_experts / ranks, num_experts % ranks);
+        let mut start = 0;
+        let slots = (0..ranks)
+            .map(|r| {
+                let n = base + usize::from(r < extra);
+                start += n;
+                (start - n..start).collect()
+            })
+            .collect();
+        Self::from_slots(num_experts, slots)
+    }
+
+    /// Expert `e` on rank `e % ranks`.
+    pub fn round_robin(num_experts: usize, ranks: usize) -> Result<Self> {
+        Self::check_ranks(num_experts, ranks)?;
+        Self::from_slots(num_experts, (0..ranks).map(|r| (r..num_experts).step_by(ranks).collect()).collect())
+    }
+
+    fn check_ranks(num_experts: usize, ranks: usize) -> Result<()> {
+        if ranks == 0 || num_experts == 0 {
+            return Err(MoeError::Config(format!("cannot place {num_experts} experts on {ranks} ranks")));
+        }
+        Ok(())
+    }
+
+    /// Reads a [`PlacementFile`]; it must describe `num_experts` experts on `ranks` ranks.
+    pub fn from_json_file(path: &std::path::Path, num_experts: usize, ranks: usize) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| MoeError::Io { context: format!("reading placement {}", path.display()), source: e })?;
+        let file: PlacementFile = serde_json::from_str(&text)
+            .map_err(|e| MoeError::Json { context: format!("parsing placement {}", path.display()), source: e })?;
+        if file.num_experts != num_experts || file.ranks.len() != ranks {
+            return Err(MoeError::Config(format!(
+                "placement {} is for {} experts on {} ranks, the layer has {num_experts} experts on {ranks} ranks",
+                path.display(),
+                file.num_experts,
+                file.ranks.len()
+            )));
+        }
+        Self::from_slots(num_experts, file.ranks)
+    }
+
+    /// Adds one replica of each `hot` expert on the next rank (cyclically) that lacks it.
+    pub fn with_replicas(&self, hot: &[usize]) -> Result<Self> {
+        let mut slots = self.slots.clone();
+        let ranks = slots.len();
+        for &e in hot {
+            let home = self.replicas.get(e).and_then(|r| r.first()).map(|&p| self.physical[p].0).ok_or_else(|| {
+                MoeError::Config(format!("placement: hot expert {e} of {}", self.num_experts))
+            })?;
+            if let Some(r) = (1..ranks).map(|d| (home + d) % ranks).find(|&r| !slots[r].contains(&e)) {
+                slots[r].push(e);
+            }
+        }
+        Self::from_slots(self.num_experts, slots)
+    }
+
+    /// Number of EP ranks.
+    pub fn ranks(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// Number of logical experts.
+    pub fn num_experts(&self) -> usize {
+        self.num_experts
+    }
+
+    /// Number of physical slots over all ranks.
+    pub fn num_physical(&self) -> usize {
+        self.physical.len()
+    }
+
+    /// Logical experts in rank `r`'s slots.
+    pub fn local_experts(&self, rank: usize) -> &[usize] {
+        &self.slots[rank]
+    }
+
+    /// The rank holding physical expert `p`.
+    pub fn rank_of(&self, physical: usize) -> usize {
+        self.physical[physical].0
+    }
+
+    /// Physical id → local slot on `rank`, `-1` elsewhere (`[num_physical]`).
+    pub fn expert_map(&self, rank: usize) -> Vec<i32> {
+        self.physical.iter().map(|&(r, s)| if r == rank { s as i32 } else { -1 }).collect()
+    }
+
+    /// Physical ids `[T, k]` for `topk`, whose first token has global index `first_token`:
+    /// replica `(token + slot) mod replicas`.
+    pub fn to_physical(&self, topk: &TopK, first_token: usize) -> Vec<i32> {
+        let k = topk.k;
+        topk.ids
+            .iter()
+            .enumerate()
+            .map(|(i, &e)| {
+                let reps = &self.replicas[e as usize];
+                reps[(first_token + i / k + i % k) % reps.len()] as i32
+            })
+            .collect()
+    }
+
+    /// One line: experts per rank and replica count.
+    pub fn describe(&self) -> String {
+        let per: Vec<usize> = self.slots.iter().map(|s| s.len()).collect();
+        let extra = self.num_physical() - self.num_experts;
+        format!("slots per rank {per:?}, {extra} redundant")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts() {
+        let c = ExpertPlacement::contiguous(10, 3).unwrap();
+        assert_eq!(c.local_experts(0), &[0, 1, 2, 3]);
+        assert_eq!(c.local_experts(2), &[7, 8, 9]);
+        assert_eq!(c.expert_map(1), vec![-1, -1, -1, -1, 0, 1, 2, -1, -1, -1]);
+        let r = ExpertPlacement::round_robin(5, 2).unwrap();
+        assert_eq!(r.local_experts(1), &[1, 3]);
+        assert_eq!(r.rank_of(3), 1);
+        // More ranks than experts: some ranks hold none.
+        let s = ExpertPlacement::contiguous(2, 4).unwrap();
+        assert!(s.local_experts(3).is_empty());
+    }
+
+    #[test]
+    fn replicas_are_chosen_deterministically() {
+        let p = ExpertPlacement::contiguous(4, 2).unwrap().with_replicas(&[0]).unwrap();
+        assert_eq!(p.local_experts(1), &[2, 3, 0]);
+        assert_eq!(p.num_physical(), 5);
+        let topk = TopK { tokens: 3, k: 2, ids: vec![0, 1, 0, 2, 3, 0], weights: vec![0.5; 6] };
+        // Expert 0 has physical ids 0 (rank 0) and 4 (rank 1).
+        assert_eq!(p.to_physical(&topk, 0), vec![0, 1, 4, 2, 3, 4]);
+        assert_eq!(p.to_physical(&topk, 1), vec![4, 1, 0, 2, 3, 0]);
+    }
+
+    #[test]
+    fn bad_placements_are_errors() {
+        assert!(ExpertPlacement::from_slots(3, vec![vec![0, 1]]).unwrap_err().to_string().contains("expert 2 is on no rank"));
+        assert!(ExpertPlacement::from_slots(2, vec![vec![0, 1, 1]]).unwrap_err().to_string().contains("twice"));
+        assert!(ExpertPlacement::from_slots(2, vec![vec![0, 5]]).unwrap_err().to_string().contains("expert 5"));
+        assert!(ExpertPlacement::contiguous(4, 0).is_err());
+        let dir = std::env::temp_dir().join(format!("moeflow-placement-{}.json", std::process::id()));
+        std::fs::write(&dir, r#"{"num_experts": 3, "ranks": [[2, 0], [1, 2]]}"#).unwrap();
+        let p = ExpertPlacement::from_json_file(&dir, 3, 2).unwrap();
+        assert_eq!(p.local_experts(0), &[2, 0]);
+        assert!(ExpertPlacement::from_json_file(&dir, 3, 3).unwrap_err().to_string().contains("on 2 ranks"));
+        std::fs::write(&dir, "{").unwrap();
+        assert!(ExpertPlacement::from_json_file(&dir, 3, 2).unwrap_err().to_string().contains("parsing placement"));
+        std::fs::remove_file(&dir).ok();
+    }
+}
