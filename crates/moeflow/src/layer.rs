@@ -3,9 +3,9 @@
 use crate::backend::cpu::gemm::Segment;
 use crate::backend::cpu::packed::PackedStack;
 use crate::config::{MoeConfig, MoeWeights};
-use crate::dispatch::{Local, PrepareFinalize};
+use crate::dispatch::{DispatchInput, Local, PrepareFinalize};
 use crate::error::{check_finite, MoeError, Result};
-use crate::experts::{CpuExperts, ExpertInput, Experts, ReferenceExperts};
+use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts, ReferenceExperts};
 use crate::router::{Router, TopK};
 use crate::tensor::Tensor;
 use crate::DType;
@@ -97,17 +97,20 @@ impl MoeLayer {
         }
         let (e, h) = (config.num_experts, config.hidden);
         let router = config.router.build(e, config.top_k, weights.correction_bias.as_ref().map(|b| b.to_f32_vec()))?;
-        let experts: Box<dyn Experts> = match options.experts {
-            ExpertsKind::Cpu => Box::new(CpuExperts::new(&weights.experts, config.activation)?),
-            ExpertsKind::Reference => Box::new(ReferenceExperts::new(&weights.experts, config.activation)?),
+        let local = match options.strategy.local_experts() {
+            Some(ids) => weights.experts.select(&ids)?,
+            None => weights.experts.clone(),
         };
-        if experts.activation_format() != options.strategy.activation_format() {
+        let experts: Box<dyn Experts> = match options.experts {
+            ExpertsKind::Cpu => Box::new(CpuExperts::new(&local, config.activation)?),
+            ExpertsKind::Reference => Box::new(ReferenceExperts::new(&local, config.activation)?),
+        };
+        let format = options.strategy.activation_format();
+        if !experts.supports(format) {
             return Err(MoeError::Config(format!(
-                "strategy '{}' produces {:?} activations but experts '{}' consume {:?}",
+                "strategy '{}' produces {format:?} activations, which experts '{}' do not take",
                 options.strategy.name(),
-                options.strategy.activation_format(),
                 experts.name(),
-                experts.activation_format()
             )));
         }
         let shared = match &weights.shared {
@@ -137,6 +140,11 @@ impl MoeLayer {
         self.strategy.name()
     }
 
+    /// Bytes this rank sent in the last forward (dispatch and combine).
+    pub fn bytes_moved(&self) -> usize {
+        self.strategy.bytes_moved()
+    }
+
     /// `hidden_states [T, H]` (f32, bf16 or f16) → `[T, H]` f32.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.forward_profiled(hidden)?.0)
@@ -149,9 +157,15 @@ impl MoeLayer {
         let mut ws = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         let mut times = StageTimes::default();
         let t0 = Instant::now();
-        let topk = self.route_f32(&x, tokens)?;
+        let (topk, logits) = if self.strategy.routes_after_dispatch() {
+            let logits = self.logits(&x, tokens);
+            crate::error::check_finite("router logits", &logits)?;
+            (TopK { tokens: 0, k: self.config.top_k, ids: vec![], weights: vec![] }, logits)
+        } else {
+            (self.route_f32(&x, tokens)?, Vec::new())
+        };
         times.route = t0.elapsed().as_secs_f64();
-        let out = self.forward_routed(&x, &topk, &mut ws, &mut times)?;
+        let out = self.forward_routed(&x, tokens, &topk, &logits, &mut ws, &mut times)?;
         Ok((Tensor::from_f32(&[tokens, self.config.hidden], out)?, times))
     }
 
@@ -170,7 +184,13 @@ impl MoeLayer {
         }
         topk.validate(self.config.num_experts)?;
         let mut ws = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
-        let out = self.forward_routed(&x, topk, &mut ws, &mut StageTimes::default())?;
+        if self.strategy.routes_after_dispatch() {
+            return Err(MoeError::Config(format!(
+                "strategy '{}' routes after dispatch: it cannot take a routing",
+                self.strategy.name()
+            )));
+        }
+        let out = self.forward_routed(&x, tokens, topk, &[], &mut ws, &mut StageTimes::default())?;
         Tensor::from_f32(&[tokens, self.config.hidden], out)
     }
 
@@ -196,7 +216,7 @@ impl MoeLayer {
         Ok(x)
     }
 
-    fn route_f32(&self, x: &[f32], tokens: usize) -> Result<TopK> {
+    fn logits(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let e = self.config.num_experts;
         let mut logits = vec![0f32; tokens * e];
         self.gate.gemm(x, self.config.hidden, &[Segment { expert: 0, row_start: 0, rows: tokens }], &mut logits, e);
@@ -205,46 +225,76 @@ impl MoeLayer {
                 row.iter_mut().zip(b).for_each(|(l, b)| *l += b);
             }
         }
-        self.router.route(&logits, tokens)
+        logits
     }
 
-    fn forward_routed(&self, x: &[f32], topk: &TopK, ws: &mut Workspace, times: &mut StageTimes) -> Result<Vec<f32>> {
-        let (h, k) = (self.config.hidden, topk.k);
-        let tokens = topk.tokens;
-        let weights_on_input = self.config.apply_router_weight_on_input;
+    fn route_f32(&self, x: &[f32], tokens: usize) -> Result<TopK> {
+        self.router.route(&self.logits(x, tokens), tokens)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_routed(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        topk: &TopK,
+        logits: &[f32],
+        ws: &mut Workspace,
+        times: &mut StageTimes,
+    ) -> Result<Vec<f32>> {
+        let h = self.config.hidden;
         let t = Instant::now();
-        let prepared = self.strategy.prepare(x, h, topk, weights_on_input)?;
+        let input = DispatchInput {
+            hidden: x,
+            hidden_size: h,
+            tokens,
+            topk,
+            logits,
+            router: self.router.as_ref(),
+            extras: &[],
+            weights_on_input: self.config.apply_router_weight_on_input,
+        };
+        let prepared = self.strategy.prepare(input)?;
         times.prepare = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
-        let rows = prepared.topk.tokens;
         let reduce = self.experts.weight_and_reduce();
-        let out_len = reduce.expert_output_len(rows, k, h);
-        ws.expert_out.resize(out_len, 0.0);
-        let chunk = self.chunk_size.unwrap_or(rows).max(1);
-        let per_row = out_len / rows.max(1);
-        ws.experts.resize(self.experts.workspace_len(chunk.min(rows), k), 0.0);
-        let map = prepared.expert_map.as_deref();
-        let mut start = 0;
-        while start < rows {
-            let end = (start + chunk).min(rows);
-            let input = ExpertInput {
-                hidden: &prepared.hidden[start * h..end * h],
-                tokens: end - start,
-                ids: &prepared.topk.ids[start * k..end * k],
-                weights: &prepared.topk.weights[start * k..end * k],
-                k,
-                expert_map: map,
-                weights_applied: prepared.weights_applied,
-            };
-            self.experts.apply(&input, &mut ws.experts, &mut ws.expert_out[start * per_row..end * per_row])?;
-            start = end;
+        if let Some(layout) = &prepared.batched {
+            let rows = layout.counts.len() * layout.capacity;
+            ws.expert_out.resize(rows * h, 0.0);
+            ws.experts.resize(self.experts.batched_workspace_len(rows), 0.0);
+            let input = BatchedInput { hidden: &prepared.hidden, capacity: layout.capacity, counts: &layout.counts };
+            self.experts.apply_batched(&input, &mut ws.experts, &mut ws.expert_out)?;
+        } else {
+            let rows = prepared.topk.tokens;
+            let k = prepared.topk.k;
+            let out_len = reduce.expert_output_len(rows, k, h);
+            ws.expert_out.resize(out_len, 0.0);
+            let chunk = self.chunk_size.unwrap_or(rows).max(1);
+            let per_row = reduce.expert_output_len(1, k, h);
+            ws.experts.resize(self.experts.workspace_len(chunk.min(rows), k), 0.0);
+            let map = prepared.expert_map.as_deref();
+            let mut start = 0;
+            while start < rows {
+                let end = (start + chunk).min(rows);
+                let input = ExpertInput {
+                    hidden: &prepared.hidden[start * h..end * h],
+                    tokens: end - start,
+                    ids: &prepared.topk.ids[start * k..end * k],
+                    weights: &prepared.topk.weights[start * k..end * k],
+                    k,
+                    expert_map: map,
+                    weights_applied: prepared.weights_applied,
+                };
+                self.experts.apply(&input, &mut ws.experts, &mut ws.expert_out[start * per_row..end * per_row])?;
+                start = end;
+            }
         }
         times.experts = t.elapsed().as_secs_f64();
 
         let t = Instant::now();
         let mut out = vec![0f32; tokens * h];
-        self.strategy.finalize(&prepared, &ws.expert_out, h, reduce, &mut out)?;
+        self.strategy.finalize(&prepared, &ws.expert_out, reduce, &mut out)?;
         times.finalize = t.elapsed().as_secs_f64();
 
         let t = Instant::now();

@@ -106,9 +106,12 @@ impl ExpertPlacement {
         let mut slots = self.slots.clone();
         let ranks = slots.len();
         for &e in hot {
-            let home = self.replicas.get(e).and_then(|r| r.first()).map(|&p| self.physical[p].0).ok_or_else(|| {
-                MoeError::Config(format!("placement: hot expert {e} of {}", self.num_experts))
-            })?;
+            let home = self
+                .replicas
+                .get(e)
+                .and_then(|r| r.first())
+                .map(|&p| self.physical[p].0)
+                .ok_or_else(|| MoeError::Config(format!("placement: hot expert {e} of {}", self.num_experts)))?;
             if let Some(r) = (1..ranks).map(|d| (home + d) % ranks).find(|&r| !slots[r].contains(&e)) {
                 slots[r].push(e);
             }
@@ -199,7 +202,10 @@ mod tests {
 
     #[test]
     fn bad_placements_are_errors() {
-        assert!(ExpertPlacement::from_slots(3, vec![vec![0, 1]]).unwrap_err().to_string().contains("expert 2 is on no rank"));
+        assert!(ExpertPlacement::from_slots(3, vec![vec![0, 1]])
+            .unwrap_err()
+            .to_string()
+            .contains("expert 2 is on no rank"));
         assert!(ExpertPlacement::from_slots(2, vec![vec![0, 1, 1]]).unwrap_err().to_string().contains("twice"));
         assert!(ExpertPlacement::from_slots(2, vec![vec![0, 5]]).unwrap_err().to_string().contains("expert 5"));
         assert!(ExpertPlacement::contiguous(4, 0).is_err());

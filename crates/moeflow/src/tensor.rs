@@ -200,6 +200,32 @@ impl Tensor {
         Tensor { shape: self.shape.clone(), storage: Storage::Cpu(CpuStorage::from_f32(&self.to_f32_vec(), dtype)) }
     }
 
+    /// The sub-tensors `idx` along the first dimension, in that order (`[idx.len(), ...]`).
+    pub fn index_select0(&self, idx: &[usize]) -> Result<Tensor> {
+        let rows = self.shape.first().copied().unwrap_or(0);
+        if let Some(&bad) = idx.iter().find(|&&i| i >= rows) {
+            return Err(MoeError::shape("index_select0 index", format!("< {rows}"), bad));
+        }
+        let per = self.elem_count() / rows.max(1);
+        fn pick<T: Clone>(v: &[T], idx: &[usize], per: usize) -> Vec<T> {
+            idx.iter().flat_map(|&i| v[i * per..(i + 1) * per].iter().cloned()).collect()
+        }
+        let storage = match self.cpu() {
+            CpuStorage::F32(v) => CpuStorage::F32(pick(v, idx, per)),
+            CpuStorage::BF16(v) => CpuStorage::BF16(pick(v, idx, per)),
+            CpuStorage::F16(v) => CpuStorage::F16(pick(v, idx, per)),
+            CpuStorage::F8E4M3(v) => CpuStorage::F8E4M3(pick(v, idx, per)),
+            CpuStorage::F8E5M2(v) => CpuStorage::F8E5M2(pick(v, idx, per)),
+            CpuStorage::I8(v) => CpuStorage::I8(pick(v, idx, per)),
+            CpuStorage::I32(v) => CpuStorage::I32(pick(v, idx, per)),
+        };
+        let mut shape = self.shape.clone();
+        if let Some(d) = shape.first_mut() {
+            *d = idx.len();
+        }
+        Tensor::new(&shape, storage)
+    }
+
     /// Same elements, new shape with the same element count.
     pub fn reshape(mut self, shape: &[usize]) -> Result<Tensor> {
         if shape.iter().product::<usize>() != self.elem_count() {

@@ -1,9 +1,8 @@
 //! The single-rank strategy: nothing to move; finalize is the weight-and-reduce.
 
-use super::{weight_rows, PrepareFinalize, Prepared};
+use super::{check_extras, weight_rows, DispatchInput, PrepareFinalize, Prepared};
 use crate::error::Result;
 use crate::reduce::WeightAndReduce;
-use crate::router::TopK;
 use std::borrow::Cow;
 
 /// All experts on this rank: prepare borrows the input, finalize reduces in place.
@@ -15,21 +14,21 @@ impl PrepareFinalize for Local {
         "local"
     }
 
-    fn prepare<'a>(
-        &self,
-        hidden: &'a [f32],
-        hidden_size: usize,
-        topk: &'a TopK,
-        weights_on_input: bool,
-    ) -> Result<Prepared<'a>> {
-        let hidden =
-            if weights_on_input { Cow::Owned(weight_rows(hidden, hidden_size, topk)?) } else { Cow::Borrowed(hidden) };
+    fn prepare<'a>(&self, input: DispatchInput<'a>) -> Result<Prepared<'a>> {
+        check_extras(input.extras, input.tokens)?;
+        let hidden = if input.weights_on_input {
+            Cow::Owned(weight_rows(input.hidden, input.hidden_size, input.topk)?)
+        } else {
+            Cow::Borrowed(input.hidden)
+        };
         Ok(Prepared {
             hidden,
-            topk: Cow::Borrowed(topk),
+            topk: Cow::Borrowed(input.topk),
             expert_map: None,
-            weights_applied: weights_on_input,
-            state: Box::new(()),
+            batched: None,
+            extras: input.extras.to_vec(),
+            weights_applied: input.weights_on_input,
+            state: Box::new(input.hidden_size),
         })
     }
 
@@ -37,12 +36,12 @@ impl PrepareFinalize for Local {
         &self,
         prepared: &Prepared,
         expert_out: &[f32],
-        hidden_size: usize,
         reduce: &dyn WeightAndReduce,
         out: &mut [f32],
     ) -> Result<()> {
         let topk = &prepared.topk;
-        reduce.apply(expert_out, &topk.weights, topk.k, hidden_size, prepared.weights_applied, out);
+        let h = *prepared.state.downcast_ref::<usize>().expect("local state is the hidden size");
+        reduce.apply(expert_out, &topk.weights, topk.k, h, prepared.weights_applied, out);
         Ok(())
     }
 }

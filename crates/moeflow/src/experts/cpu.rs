@@ -1,7 +1,7 @@
 //! The fast CPU experts: permute rows by expert, two grouped GEMMs on packed weights (f32 or
 //! bf16) around the activation, unpermute to `[tokens, k, H]` unweighted slot rows.
 
-use super::{Activation, ExpertInput, ExpertWeights, Experts};
+use super::{Activation, ActivationFormat, BatchedInput, ExpertInput, ExpertWeights, Experts};
 use crate::backend::cpu::gemm::Segment;
 use crate::backend::cpu::packed::PackedStack;
 use crate::error::{MoeError, Result};
@@ -64,14 +64,20 @@ impl CpuExperts {
             return;
         }
         let activation = self.activation;
-        act.par_chunks_mut(i * 64).zip(h13.par_chunks(2 * i * 64)).for_each(|(act, h13)| {
-            for (arow, hrow) in act.chunks_mut(i).zip(h13.chunks(2 * i)) {
-                let (gate, up) = hrow.split_at(i);
-                for ((o, &g), &u) in arow.iter_mut().zip(gate).zip(up) {
-                    *o = activation.apply(g, u);
+        // Rows outside every segment (the batched format's unused capacity) are skipped.
+        let rows = act.len() / i;
+        let mut used = vec![false; rows];
+        segments.iter().for_each(|s| used[s.row_start..s.row_start + s.rows].iter_mut().for_each(|u| *u = true));
+        act.par_chunks_mut(i).zip(h13.par_chunks(2 * i)).zip(used.par_iter()).with_min_len(16).for_each(
+            |((arow, hrow), &used)| {
+                if used {
+                    let (gate, up) = hrow.split_at(i);
+                    for ((o, &g), &u) in arow.iter_mut().zip(gate).zip(up) {
+                        *o = activation.apply(g, u);
+                    }
                 }
-            }
-        });
+            },
+        );
     }
 
     /// `y = act · w2^T + b2` over rows grouped in `segments`.
@@ -101,6 +107,37 @@ impl Experts for CpuExperts {
 
     fn dims(&self) -> (usize, usize, usize) {
         (self.experts, self.hidden, self.inter)
+    }
+
+    fn supports(&self, _format: ActivationFormat) -> bool {
+        true
+    }
+
+    fn batched_workspace_len(&self, rows: usize) -> usize {
+        rows * 3 * self.inter
+    }
+
+    fn apply_batched(&self, input: &BatchedInput, workspace: &mut [f32], out: &mut [f32]) -> Result<()> {
+        let (h, i, cap) = (self.hidden, self.inter, input.capacity);
+        let rows = self.experts * cap;
+        if input.counts.len() != self.experts || input.hidden.len() != rows * h || out.len() != rows * h {
+            return Err(MoeError::shape("batched expert input", [self.experts, cap, h], input.hidden.len()));
+        }
+        if let Some(e) = input.counts.iter().position(|&c| c > cap) {
+            return Err(MoeError::Config(format!("expert {e} holds {} rows, capacity {cap}", input.counts[e])));
+        }
+        if workspace.len() < self.batched_workspace_len(rows) {
+            return Err(MoeError::Config("expert workspace too small".into()));
+        }
+        let segments: Vec<Segment> = (0..self.experts)
+            .filter(|&e| input.counts[e] > 0)
+            .map(|e| Segment { expert: e, row_start: e * cap, rows: input.counts[e] })
+            .collect();
+        let (h13, rest) = workspace.split_at_mut(rows * 2 * i);
+        let act = &mut rest[..rows * i];
+        self.gemm1_act(input.hidden, &segments, h13, act);
+        self.gemm2(act, &segments, out);
+        Ok(())
     }
 
     fn workspace_len(&self, tokens: usize, k: usize) -> usize {

@@ -65,6 +65,17 @@ impl ExpertWeights {
         Ok((e, h, i))
     }
 
+    /// The experts `ids` (logical ids, in slot order) as a new stack.
+    pub fn select(&self, ids: &[usize]) -> Result<ExpertWeights> {
+        let pick = |t: &Tensor| t.index_select0(ids);
+        Ok(ExpertWeights {
+            w13: pick(&self.w13)?,
+            w2: pick(&self.w2)?,
+            b13: self.b13.as_ref().map(pick).transpose()?,
+            b2: self.b2.as_ref().map(pick).transpose()?,
+        })
+    }
+
     /// Bytes of all expert weights.
     pub fn bytes(&self) -> usize {
         [Some(&self.w13), Some(&self.w2), self.b13.as_ref(), self.b2.as_ref()]
@@ -106,13 +117,25 @@ impl ExpertInput<'_> {
     }
 }
 
+/// Rows in the batched format: `hidden [local, capacity, H]`, expert `e` using its first
+/// `counts[e]` rows.
+#[derive(Clone, Copy, Debug)]
+pub struct BatchedInput<'a> {
+    /// `[local, capacity, H]`.
+    pub hidden: &'a [f32],
+    /// Rows per expert.
+    pub capacity: usize,
+    /// Valid rows per local expert.
+    pub counts: &'a [usize],
+}
+
 /// An expert implementation: sizes its workspace, computes, and says how its output is reduced.
 pub trait Experts: Send + Sync {
     /// Short name for reports.
     fn name(&self) -> &'static str;
-    /// The activation format it consumes.
-    fn activation_format(&self) -> ActivationFormat {
-        ActivationFormat::Standard
+    /// Whether it consumes `format`.
+    fn supports(&self, format: ActivationFormat) -> bool {
+        format == ActivationFormat::Standard
     }
     /// `(local experts, H, I)`.
     fn dims(&self) -> (usize, usize, usize);
@@ -123,4 +146,12 @@ pub trait Experts: Send + Sync {
     /// Computes the experts for `input`, writing `out` (length from
     /// `weight_and_reduce().expert_output_len`); slots whose expert is not local are `-0.0`.
     fn apply(&self, input: &ExpertInput, workspace: &mut [f32], out: &mut [f32]) -> Result<()>;
+    /// f32 elements of scratch space for the batched format with `rows` = local × capacity.
+    fn batched_workspace_len(&self, _rows: usize) -> usize {
+        0
+    }
+    /// Computes the batched format: `out [local, capacity, H]` unweighted, valid rows only.
+    fn apply_batched(&self, _input: &BatchedInput, _workspace: &mut [f32], _out: &mut [f32]) -> Result<()> {
+        Err(MoeError::Unsupported(format!("experts '{}' do not take the batched format", self.name())))
+    }
 }

@@ -1,0 +1,231 @@
+//! A parallel layout (EP × TP, strategy, placement) and the per-rank strategy it builds.
+//!
+//! World rank `w = dp · TP + tp`: the ranks of a TP group (consecutive ranks) hold the same
+//! tokens, and all world ranks are EP ranks, each holding its own experts.
+
+use crate::comm::{run_ranks, Communicator};
+use crate::config::{MoeConfig, MoeWeights};
+use crate::dispatch::{
+    allgather_logits, All2AllV, AllGather, Ep, Local, LowLatency, Multicast, PrepareFinalize, TpPadding, TpSlice,
+};
+use crate::error::{MoeError, Result};
+use crate::layer::{ExpertsKind, LayerOptions, MoeLayer};
+use crate::placement::ExpertPlacement;
+use crate::tensor::Tensor;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The dispatch/combine strategies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum StrategyKind {
+    /// One rank, nothing moves.
+    Local,
+    /// All-gather / reduce-scatter.
+    AllGather,
+    /// All-gather of router logits, routing after dispatch.
+    AllGatherLogits,
+    /// Broadcast per rank, all-reduce.
+    Multicast,
+    /// All-to-all-v of slot rows.
+    All2AllV,
+    /// Fixed-capacity batched dispatch.
+    LowLatency,
+}
+
+impl StrategyKind {
+    /// Every strategy.
+    pub const ALL: [StrategyKind; 6] = [
+        StrategyKind::Local,
+        StrategyKind::AllGather,
+        StrategyKind::AllGatherLogits,
+        StrategyKind::Multicast,
+        StrategyKind::All2AllV,
+        StrategyKind::LowLatency,
+    ];
+
+    /// Name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            StrategyKind::Local => "local",
+            StrategyKind::AllGather => "allgather",
+            StrategyKind::AllGatherLogits => "allgather-logits",
+            StrategyKind::Multicast => "multicast",
+            StrategyKind::All2AllV => "all2allv",
+            StrategyKind::LowLatency => "lowlatency",
+        }
+    }
+}
+
+impl FromStr for StrategyKind {
+    type Err = MoeError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
+            let names: Vec<_> = Self::ALL.iter().map(|k| k.name()).collect();
+            MoeError::Config(format!("unknown strategy '{s}' (known: {})", names.join(", ")))
+        })
+    }
+}
+
+impl std::fmt::Display for StrategyKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How experts are laid out on EP ranks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum PlacementKind {
+    /// Contiguous ranges.
+    Contiguous,
+    /// Expert e on rank e mod EP.
+    RoundRobin,
+    /// A JSON [`crate::placement::PlacementFile`].
+    File(PathBuf),
+}
+
+impl FromStr for PlacementKind {
+    type Err = MoeError;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "contiguous" => PlacementKind::Contiguous,
+            "round-robin" => PlacementKind::RoundRobin,
+            path => PlacementKind::File(PathBuf::from(path)),
+        })
+    }
+}
+
+/// A parallel layout of one layer.
+#[derive(Clone, Debug)]
+pub struct ParallelConfig {
+    /// EP ranks (the whole world).
+    pub ep: usize,
+    /// TP ranks per DP group (must divide `ep`).
+    pub tp: usize,
+    /// Dispatch/combine strategy.
+    pub strategy: StrategyKind,
+    /// Expert layout.
+    pub placement: PlacementKind,
+    /// Experts given one more replica on another rank.
+    pub redundant: Vec<usize>,
+    /// Token capacity per rank of the low-latency strategy.
+    pub max_tokens_per_rank: usize,
+    /// All-gather over the EP group after TP slicing instead of over the DP group.
+    pub sequence_parallel: bool,
+    /// TP padding.
+    pub tp_padding: TpPadding,
+    /// Skip TP slicing (shared-expert DP, replaced all-reduce).
+    pub tp_skip: bool,
+    /// Deadline of every collective.
+    pub timeout: Duration,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        ParallelConfig {
+            ep: 1,
+            tp: 1,
+            strategy: StrategyKind::Local,
+            placement: PlacementKind::Contiguous,
+            redundant: Vec::new(),
+            max_tokens_per_rank: 256,
+            sequence_parallel: false,
+            tp_padding: TpPadding::Multiple,
+            tp_skip: false,
+            timeout: crate::comm::DEFAULT_TIMEOUT,
+        }
+    }
+}
+
+impl ParallelConfig {
+    /// A layout with `ep` ranks, `tp` per DP group, and `strategy`.
+    pub fn new(ep: usize, tp: usize, strategy: StrategyKind) -> Self {
+        ParallelConfig { ep, tp, strategy, ..Default::default() }
+    }
+
+    /// Checks the layout on its own.
+    pub fn validate(&self) -> Result<()> {
+        if self.ep == 0 || self.tp == 0 || !self.ep.is_multiple_of(self.tp) {
+            return Err(MoeError::Config(format!("EP {} must be a positive multiple of TP {}", self.ep, self.tp)));
+        }
+        if self.strategy == StrategyKind::Local && self.ep != 1 {
+            return Err(MoeError::Config(format!("strategy 'local' runs on one rank, not EP {}", self.ep)));
+        }
+        Ok(())
+    }
+
+    /// The expert placement for `num_experts`.
+    pub fn placement(&self, num_experts: usize) -> Result<ExpertPlacement> {
+        let p = match &self.placement {
+            PlacementKind::Contiguous => ExpertPlacement::contiguous(num_experts, self.ep)?,
+            PlacementKind::RoundRobin => ExpertPlacement::round_robin(num_experts, self.ep)?,
+            PlacementKind::File(path) => ExpertPlacement::from_json_file(path, num_experts, self.ep)?,
+        };
+        if self.redundant.is_empty() {
+            Ok(p)
+        } else {
+            p.with_replicas(&self.redundant)
+        }
+    }
+
+    /// This rank's strategy. Collective: every rank of `world` must call it.
+    pub fn build(&self, world: &dyn Communicator, placement: Arc<ExpertPlacement>) -> Result<Box<dyn PrepareFinalize>> {
+        self.validate()?;
+        if world.size() != self.ep {
+            return Err(MoeError::Config(format!("world of {} ranks for EP {}", world.size(), self.ep)));
+        }
+        if self.strategy == StrategyKind::Local {
+            return Ok(Box::new(Local));
+        }
+        let rank = world.rank();
+        let ep = Ep::new(Arc::from(world.split(0, rank)?), placement)?;
+        let tp: Option<Arc<dyn Communicator>> =
+            if self.tp > 1 { Some(Arc::from(world.split(rank / self.tp, rank)?)) } else { None };
+        let base: Box<dyn PrepareFinalize> = match self.strategy {
+            StrategyKind::Local => unreachable!("handled above"),
+            StrategyKind::AllGather => match &tp {
+                Some(tp) if !self.sequence_parallel => {
+                    let dp: Arc<dyn Communicator> = Arc::from(world.split(rank % self.tp, rank)?);
+                    return Ok(Box::new(AllGather::with_dp_tp(ep, dp, tp.clone())));
+                }
+                _ => Box::new(AllGather::new(ep)),
+            },
+            StrategyKind::AllGatherLogits => Box::new(allgather_logits(ep)),
+            StrategyKind::Multicast => Box::new(Multicast::new(ep)),
+            StrategyKind::All2AllV => Box::new(All2AllV::new(ep)),
+            StrategyKind::LowLatency => Box::new(LowLatency::new(ep, self.max_tokens_per_rank)?),
+        };
+        match tp {
+            None => Ok(base),
+            Some(tp) => {
+                let s = TpSlice::new(base, tp, self.tp_padding)?;
+                Ok(Box::new(if self.tp_skip { s.skipped() } else { s }))
+            }
+        }
+    }
+}
+
+/// Runs the layer on `parallel.ep` in-process ranks, rank `r` with `inputs[r]` (ranks of a TP
+/// group must hold the same tokens); returns every rank's output.
+pub fn forward_in_process(
+    config: &MoeConfig,
+    weights: &MoeWeights,
+    parallel: &ParallelConfig,
+    experts: ExpertsKind,
+    chunk_size: Option<usize>,
+    inputs: &[Tensor],
+) -> Result<Vec<Tensor>> {
+    parallel.validate()?;
+    if inputs.len() != parallel.ep {
+        return Err(MoeError::Config(format!("{} inputs for {} ranks", inputs.len(), parallel.ep)));
+    }
+    let placement = Arc::new(parallel.placement(config.num_experts)?);
+    run_ranks(parallel.ep, Some(parallel.timeout), |comm| {
+        let strategy = parallel.build(comm, placement.clone())?;
+        let layer = MoeLayer::new(config, weights, LayerOptions { chunk_size, experts, strategy })?;
+        layer.forward(&inputs[comm.rank()])
+    })
+    .into_iter()
+    .collect()
+}
