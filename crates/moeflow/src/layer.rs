@@ -3,7 +3,7 @@
 use crate::backend::cpu::gemm::Segment;
 use crate::backend::cpu::packed::PackedStack;
 use crate::config::{MoeConfig, MoeWeights};
-use crate::dispatch::{DispatchInput, Local, PrepareFinalize};
+use crate::dispatch::{finalize_async, prepare_async, DispatchInput, Local, PrepareFinalize, Prepared};
 use crate::error::{check_finite, MoeError, Result};
 use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts, ReferenceExperts};
 use crate::router::{Router, TopK};
@@ -30,11 +30,15 @@ pub struct LayerOptions {
     pub experts: ExpertsKind,
     /// Dispatch/combine strategy.
     pub strategy: Box<dyn PrepareFinalize>,
+    /// Dual-batch overlap: a second instance of the strategy (on its own communicator) for
+    /// micro-batch 1, which then runs concurrently with micro-batch 0 so that one's
+    /// communication overlaps the other's expert compute.
+    pub dual_batch: Option<Box<dyn PrepareFinalize>>,
 }
 
 impl Default for LayerOptions {
     fn default() -> Self {
-        LayerOptions { chunk_size: None, experts: ExpertsKind::Cpu, strategy: Box::new(Local) }
+        LayerOptions { chunk_size: None, experts: ExpertsKind::Cpu, strategy: Box::new(Local), dual_batch: None }
     }
 }
 
@@ -83,9 +87,21 @@ pub struct MoeLayer {
     gate_bias: Option<Vec<f32>>,
     experts: Box<dyn Experts>,
     strategy: Box<dyn PrepareFinalize>,
+    /// Strategy of micro-batch 1 under dual-batch overlap.
+    second: Option<Box<dyn PrepareFinalize>>,
     shared: Option<(CpuExperts, Option<Vec<f32>>)>,
     chunk_size: Option<usize>,
-    workspace: Mutex<Workspace>,
+    /// One workspace per micro-batch.
+    workspace: [Mutex<Workspace>; 2],
+}
+
+/// The result of a joined prepare thread.
+fn joined<'a>(r: std::thread::Result<Result<Prepared<'a>>>) -> Result<Prepared<'a>> {
+    r.unwrap_or_else(|_| Err(MoeError::Config("prepare panicked".into())))
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl MoeLayer {
@@ -113,6 +129,11 @@ impl MoeLayer {
                 experts.name(),
             )));
         }
+        if let Some(second) = &options.dual_batch {
+            if second.local_experts() != options.strategy.local_experts() || second.activation_format() != format {
+                return Err(MoeError::Config("the dual-batch strategy must match the main one".into()));
+            }
+        }
         let shared = match &weights.shared {
             None => None,
             Some(s) => Some((CpuExperts::new(&s.mlp, config.activation)?, s.gate.as_ref().map(|g| g.to_f32_vec()))),
@@ -124,9 +145,10 @@ impl MoeLayer {
             gate_bias: weights.gate_bias.as_ref().map(|b| b.to_f32_vec()),
             experts,
             strategy: options.strategy,
+            second: options.dual_batch,
             shared,
             chunk_size: options.chunk_size,
-            workspace: Mutex::new(Workspace::default()),
+            workspace: Default::default(),
         })
     }
 
@@ -140,32 +162,27 @@ impl MoeLayer {
         self.strategy.name()
     }
 
-    /// Bytes this rank sent in the last forward (dispatch and combine).
-    pub fn bytes_moved(&self) -> usize {
-        self.strategy.bytes_moved()
-    }
-
     /// `hidden_states [T, H]` (f32, bf16 or f16) → `[T, H]` f32.
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         Ok(self.forward_profiled(hidden)?.0)
     }
 
-    /// As [`MoeLayer::forward`], also returning per-stage times.
+    /// As [`MoeLayer::forward`], also returning per-stage times (of micro-batch 0 under dual-batch
+    /// overlap).
     pub fn forward_profiled(&self, hidden: &Tensor) -> Result<(Tensor, StageTimes)> {
         let x = self.check_hidden(hidden)?;
         let tokens = hidden.shape()[0];
-        let mut ws = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         let mut times = StageTimes::default();
         let t0 = Instant::now();
         let (topk, logits) = if self.strategy.routes_after_dispatch() {
             let logits = self.logits(&x, tokens);
             crate::error::check_finite("router logits", &logits)?;
-            (TopK { tokens: 0, k: self.config.top_k, ids: vec![], weights: vec![] }, logits)
+            (TopK { tokens, k: self.config.top_k, ids: vec![], weights: vec![] }, logits)
         } else {
             (self.route_f32(&x, tokens)?, Vec::new())
         };
         times.route = t0.elapsed().as_secs_f64();
-        let out = self.forward_routed(&x, tokens, &topk, &logits, &mut ws, &mut times)?;
+        let out = self.forward_batches(&x, tokens, &topk, &logits, &mut times)?;
         Ok((Tensor::from_f32(&[tokens, self.config.hidden], out)?, times))
     }
 
@@ -183,20 +200,75 @@ impl MoeLayer {
             return Err(MoeError::shape("top-k routing [T, k]", [tokens, self.config.top_k], [topk.tokens, topk.k]));
         }
         topk.validate(self.config.num_experts)?;
-        let mut ws = self.workspace.lock().unwrap_or_else(|p| p.into_inner());
         if self.strategy.routes_after_dispatch() {
             return Err(MoeError::Config(format!(
                 "strategy '{}' routes after dispatch: it cannot take a routing",
                 self.strategy.name()
             )));
         }
-        let out = self.forward_routed(&x, tokens, topk, &[], &mut ws, &mut StageTimes::default())?;
+        let out = self.forward_batches(&x, tokens, topk, &[], &mut StageTimes::default())?;
         Tensor::from_f32(&[tokens, self.config.hidden], out)
+    }
+
+    /// One batch, or two micro-batches overlapped (each with its own strategy and workspace):
+    /// micro-batch 1's dispatch runs during micro-batch 0's experts, and micro-batch 0's combine
+    /// during micro-batch 1's experts.
+    fn forward_batches(
+        &self,
+        x: &[f32],
+        tokens: usize,
+        topk: &TopK,
+        logits: &[f32],
+        times: &mut StageTimes,
+    ) -> Result<Vec<f32>> {
+        let Some(second) = &self.second else {
+            let mut ws = lock(&self.workspace[0]);
+            return self.forward_routed(self.strategy.as_ref(), &mut ws, x, tokens, topk, logits, times);
+        };
+        let (h, e) = (self.config.hidden, self.config.num_experts);
+        let t0 = tokens.div_ceil(2);
+        let (x0, x1) = x.split_at(t0 * h);
+        let (k0, k1) = (topk.slice(0, t0), topk.slice(t0, tokens));
+        let (l0, l1) = if logits.is_empty() { (logits, logits) } else { logits.split_at(t0 * e) };
+        let (mut g0, mut g1) = (lock(&self.workspace[0]), lock(&self.workspace[1]));
+        let (ws0, ws1) = (&mut *g0, &mut *g1);
+        let (first, second) = (self.strategy.as_ref(), second.as_ref());
+        let start = Instant::now();
+        let (p0, p1, shared) = std::thread::scope(|s| -> Result<_> {
+            let d0 = prepare_async(s, first, self.dispatch_input(x0, t0, &k0, l0));
+            let d1 = prepare_async(s, second, self.dispatch_input(x1, tokens - t0, &k1, l1));
+            let shared = self.shared_experts(x, tokens, &mut ws0.shared);
+            let p0 = joined(d0.join())?;
+            times.prepare = start.elapsed().as_secs_f64();
+            self.run_experts(&p0, ws0)?;
+            Ok((p0, joined(d1.join())?, shared))
+        })?;
+        times.experts = start.elapsed().as_secs_f64() - times.prepare;
+        let reduce = self.experts.weight_and_reduce();
+        let (mut out, mut out1) = (vec![0f32; t0 * h], vec![0f32; (tokens - t0) * h]);
+        let finalize_start = Instant::now();
+        std::thread::scope(|s| -> Result<()> {
+            let f0 = finalize_async(s, first, &p0, &ws0.expert_out, reduce, &mut out);
+            self.run_experts(&p1, ws1)?;
+            second.finalize(&p1, &ws1.expert_out, reduce, &mut out1)?;
+            f0.join().unwrap_or_else(|_| Err(MoeError::Config("finalize panicked".into())))
+        })?;
+        times.finalize = finalize_start.elapsed().as_secs_f64();
+        out.extend(out1);
+        if let Some(y) = shared {
+            out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+        }
+        Ok(out)
+    }
+
+    /// Bytes this rank sent in the last forward (dispatch and combine, both micro-batches).
+    pub fn bytes_moved(&self) -> usize {
+        self.strategy.bytes_moved() + self.second.as_ref().map_or(0, |s| s.bytes_moved())
     }
 
     /// Bytes of the scratch memory held after the largest call so far.
     pub fn workspace_bytes(&self) -> usize {
-        self.workspace.lock().map(|w| w.bytes()).unwrap_or(0)
+        self.workspace.iter().map(|w| lock(w).bytes()).sum()
     }
 
     fn check_hidden(&self, hidden: &Tensor) -> Result<Vec<f32>> {
@@ -232,84 +304,111 @@ impl MoeLayer {
         self.router.route(&self.logits(x, tokens), tokens)
     }
 
+    /// Prepare (shared experts run meanwhile), experts, finalize, for one (micro-)batch.
     #[allow(clippy::too_many_arguments)]
     fn forward_routed(
         &self,
+        strategy: &dyn PrepareFinalize,
+        ws: &mut Workspace,
         x: &[f32],
         tokens: usize,
         topk: &TopK,
         logits: &[f32],
-        ws: &mut Workspace,
         times: &mut StageTimes,
     ) -> Result<Vec<f32>> {
         let h = self.config.hidden;
         let t = Instant::now();
-        let input = DispatchInput {
+        let input = self.dispatch_input(x, tokens, topk, logits);
+        let (prepared, shared) = std::thread::scope(|s| {
+            let dispatch = prepare_async(s, strategy, input);
+            let shared = self.shared_experts(x, tokens, &mut ws.shared);
+            times.shared = t.elapsed().as_secs_f64();
+            (joined(dispatch.join()), shared)
+        });
+        let prepared = prepared?;
+        times.prepare = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        self.run_experts(&prepared, ws)?;
+        let reduce = self.experts.weight_and_reduce();
+        times.experts = t.elapsed().as_secs_f64();
+
+        let t = Instant::now();
+        let mut out = vec![0f32; tokens * h];
+        strategy.finalize(&prepared, &ws.expert_out, reduce, &mut out)?;
+        times.finalize = t.elapsed().as_secs_f64();
+        if let Some(y) = shared {
+            out.iter_mut().zip(&y).for_each(|(o, v)| *o += v);
+        }
+        Ok(out)
+    }
+
+    fn dispatch_input<'a>(
+        &'a self,
+        x: &'a [f32],
+        tokens: usize,
+        topk: &'a TopK,
+        logits: &'a [f32],
+    ) -> DispatchInput<'a> {
+        DispatchInput {
             hidden: x,
-            hidden_size: h,
+            hidden_size: self.config.hidden,
             tokens,
             topk,
             logits,
             router: self.router.as_ref(),
             extras: &[],
             weights_on_input: self.config.apply_router_weight_on_input,
-        };
-        let prepared = self.strategy.prepare(input)?;
-        times.prepare = t.elapsed().as_secs_f64();
+        }
+    }
 
-        let t = Instant::now();
-        let reduce = self.experts.weight_and_reduce();
+    /// Runs the experts on prepared rows into `ws.expert_out` (standard format in chunks).
+    fn run_experts(&self, prepared: &Prepared, ws: &mut Workspace) -> Result<()> {
+        let h = self.config.hidden;
         if let Some(layout) = &prepared.batched {
             let rows = layout.counts.len() * layout.capacity;
             ws.expert_out.resize(rows * h, 0.0);
             ws.experts.resize(self.experts.batched_workspace_len(rows), 0.0);
             let input = BatchedInput { hidden: &prepared.hidden, capacity: layout.capacity, counts: &layout.counts };
-            self.experts.apply_batched(&input, &mut ws.experts, &mut ws.expert_out)?;
-        } else {
-            let rows = prepared.topk.tokens;
-            let k = prepared.topk.k;
-            let out_len = reduce.expert_output_len(rows, k, h);
-            ws.expert_out.resize(out_len, 0.0);
-            let chunk = self.chunk_size.unwrap_or(rows).max(1);
-            let per_row = reduce.expert_output_len(1, k, h);
-            ws.experts.resize(self.experts.workspace_len(chunk.min(rows), k), 0.0);
-            let map = prepared.expert_map.as_deref();
-            let mut start = 0;
-            while start < rows {
-                let end = (start + chunk).min(rows);
-                let input = ExpertInput {
-                    hidden: &prepared.hidden[start * h..end * h],
-                    tokens: end - start,
-                    ids: &prepared.topk.ids[start * k..end * k],
-                    weights: &prepared.topk.weights[start * k..end * k],
-                    k,
-                    expert_map: map,
-                    weights_applied: prepared.weights_applied,
-                };
-                self.experts.apply(&input, &mut ws.experts, &mut ws.expert_out[start * per_row..end * per_row])?;
-                start = end;
+            return self.experts.apply_batched(&input, &mut ws.experts, &mut ws.expert_out);
+        }
+        let reduce = self.experts.weight_and_reduce();
+        let (rows, k) = (prepared.topk.tokens, prepared.topk.k);
+        ws.expert_out.resize(reduce.expert_output_len(rows, k, h), 0.0);
+        let chunk = self.chunk_size.unwrap_or(rows).max(1);
+        let per_row = reduce.expert_output_len(1, k, h);
+        ws.experts.resize(self.experts.workspace_len(chunk.min(rows), k), 0.0);
+        let mut start = 0;
+        while start < rows {
+            let end = (start + chunk).min(rows);
+            let input = ExpertInput {
+                hidden: &prepared.hidden[start * h..end * h],
+                tokens: end - start,
+                ids: &prepared.topk.ids[start * k..end * k],
+                weights: &prepared.topk.weights[start * k..end * k],
+                k,
+                expert_map: prepared.expert_map.as_deref(),
+                weights_applied: prepared.weights_applied,
+            };
+            self.experts.apply(&input, &mut ws.experts, &mut ws.expert_out[start * per_row..end * per_row])?;
+            start = end;
+        }
+        Ok(())
+    }
+
+    /// Shared experts of `x [tokens, H]`, gated per token when configured.
+    fn shared_experts(&self, x: &[f32], tokens: usize, workspace: &mut Vec<f32>) -> Option<Vec<f32>> {
+        let (mlp, gate) = self.shared.as_ref()?;
+        let h = self.config.hidden;
+        let mut y = vec![0f32; tokens * h];
+        mlp.dense_forward(x, tokens, workspace, &mut y);
+        if let Some(g) = gate {
+            for (row, xr) in y.chunks_mut(h).zip(x.chunks(h)) {
+                let z: f32 = xr.iter().zip(g).map(|(a, b)| a * b).sum();
+                let gate = 1.0 / (1.0 + (-z).exp());
+                row.iter_mut().for_each(|v| *v *= gate);
             }
         }
-        times.experts = t.elapsed().as_secs_f64();
-
-        let t = Instant::now();
-        let mut out = vec![0f32; tokens * h];
-        self.strategy.finalize(&prepared, &ws.expert_out, reduce, &mut out)?;
-        times.finalize = t.elapsed().as_secs_f64();
-
-        let t = Instant::now();
-        if let Some((mlp, gate)) = &self.shared {
-            let mut y = vec![0f32; tokens * h];
-            mlp.dense_forward(x, tokens, &mut ws.shared, &mut y);
-            for (ti, (o, yr)) in out.chunks_mut(h).zip(y.chunks(h)).enumerate() {
-                let g = gate.as_ref().map_or(1.0, |g| {
-                    let z: f32 = x[ti * h..(ti + 1) * h].iter().zip(g).map(|(a, b)| a * b).sum();
-                    1.0 / (1.0 + (-z).exp())
-                });
-                o.iter_mut().zip(yr).for_each(|(o, &v)| *o += g * v);
-            }
-        }
-        times.shared = t.elapsed().as_secs_f64();
-        Ok(out)
+        Some(y)
     }
 }

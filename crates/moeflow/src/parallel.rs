@@ -119,6 +119,8 @@ pub struct ParallelConfig {
     pub tp_skip: bool,
     /// Deadline of every collective.
     pub timeout: Duration,
+    /// Dual-batch overlap: two micro-batches, each on its own strategy instance.
+    pub dual_batch: bool,
 }
 
 impl Default for ParallelConfig {
@@ -134,6 +136,7 @@ impl Default for ParallelConfig {
             tp_padding: TpPadding::Multiple,
             tp_skip: false,
             timeout: crate::comm::DEFAULT_TIMEOUT,
+            dual_batch: false,
         }
     }
 }
@@ -206,6 +209,33 @@ impl ParallelConfig {
     }
 }
 
+impl ParallelConfig {
+    /// This rank's layer (its local experts, its strategy, a second one under dual-batch
+    /// overlap). Collective over `world`.
+    pub fn layer(
+        &self,
+        world: &dyn Communicator,
+        placement: Arc<ExpertPlacement>,
+        config: &MoeConfig,
+        weights: &MoeWeights,
+        experts: ExpertsKind,
+        chunk_size: Option<usize>,
+    ) -> Result<MoeLayer> {
+        let strategy = self.build(world, placement.clone())?;
+        let dual_batch = if self.dual_batch {
+            if self.strategy == StrategyKind::Local {
+                Some(Box::new(Local) as Box<dyn PrepareFinalize>)
+            } else {
+                let own: Box<dyn Communicator> = world.split(0, world.rank())?;
+                Some(self.build(own.as_ref(), placement)?)
+            }
+        } else {
+            None
+        };
+        MoeLayer::new(config, weights, LayerOptions { chunk_size, experts, strategy, dual_batch })
+    }
+}
+
 /// Runs the layer on `parallel.ep` in-process ranks, rank `r` with `inputs[r]` (ranks of a TP
 /// group must hold the same tokens); returns every rank's output.
 pub fn forward_in_process(
@@ -222,8 +252,7 @@ pub fn forward_in_process(
     }
     let placement = Arc::new(parallel.placement(config.num_experts)?);
     run_ranks(parallel.ep, Some(parallel.timeout), |comm| {
-        let strategy = parallel.build(comm, placement.clone())?;
-        let layer = MoeLayer::new(config, weights, LayerOptions { chunk_size, experts, strategy })?;
+        let layer = parallel.layer(comm, placement.clone(), config, weights, experts, chunk_size)?;
         layer.forward(&inputs[comm.rank()])
     })
     .into_iter()

@@ -41,9 +41,11 @@ fn check_matrix(config: &MoeConfig, weights: &MoeWeights, layouts: &[(PlacementK
                 if ep % tp != 0 {
                     continue;
                 }
-                for chunk in [None, Some(3)] {
+                // Chunking and dual-batch overlap, each on its own.
+                for (chunk, dual_batch) in [(None, false), (Some(3), false), (None, true)] {
                     for (placement, redundant) in layouts {
                         let mut p = ParallelConfig::new(ep, tp, strategy);
+                        p.dual_batch = dual_batch;
                         p.placement = placement.clone();
                         p.redundant = redundant.clone();
                         p.max_tokens_per_rank = 16;
@@ -54,7 +56,7 @@ fn check_matrix(config: &MoeConfig, weights: &MoeWeights, layouts: &[(PlacementK
                             assert_eq!(
                                 bits(out),
                                 want[r / tp],
-                                "{strategy} EP {ep} TP {tp} chunk {chunk:?} {placement:?} rank {r}"
+                                "{strategy} EP {ep} TP {tp} chunk {chunk:?} dbo {dual_batch} {placement:?} rank {r}"
                             );
                         }
                         runs += 1;
@@ -63,7 +65,7 @@ fn check_matrix(config: &MoeConfig, weights: &MoeWeights, layouts: &[(PlacementK
             }
         }
     }
-    assert_eq!(runs, STRATEGIES.len() * 8 * 2 * layouts.len());
+    assert_eq!(runs, STRATEGIES.len() * 8 * 3 * layouts.len());
 }
 
 #[test]

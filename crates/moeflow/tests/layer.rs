@@ -138,7 +138,12 @@ fn reference_experts_take_the_no_op_reduce_path() {
         Some(SharedConfig { inter: 4, gated: true }),
     );
     let weights = preset::random_weights(&config, DType::F32, 4);
-    let opts = LayerOptions { experts: ExpertsKind::Reference, chunk_size: Some(3), strategy: Box::new(Local) };
+    let opts = LayerOptions {
+        experts: ExpertsKind::Reference,
+        chunk_size: Some(3),
+        strategy: Box::new(Local),
+        dual_batch: Some(Box::new(Local)),
+    };
     let layer = MoeLayer::new(&config, &weights, opts).unwrap();
     let (x, _) = hidden(8, 10, 5);
     check_against_reference(&config, &weights, &layer, &x, F32_TOL);

@@ -234,3 +234,26 @@ pub(crate) fn check_extras(extras: &[Extra], tokens: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// Starts `strategy.prepare(input)` on a scoped thread: spawning is the hook that starts the
+/// dispatch, joining the handle is the receiver that completes it. The caller computes
+/// meanwhile (shared experts, the other micro-batch).
+pub fn prepare_async<'scope, 'env>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    strategy: &'env dyn PrepareFinalize,
+    input: DispatchInput<'env>,
+) -> std::thread::ScopedJoinHandle<'scope, Result<Prepared<'env>>> {
+    scope.spawn(move || strategy.prepare(input))
+}
+
+/// Starts `strategy.finalize(...)` on a scoped thread; joining the handle completes it.
+pub fn finalize_async<'scope, 'env>(
+    scope: &'scope std::thread::Scope<'scope, 'env>,
+    strategy: &'env dyn PrepareFinalize,
+    prepared: &'env Prepared<'env>,
+    expert_out: &'env [f32],
+    reduce: &'env dyn WeightAndReduce,
+    out: &'env mut [f32],
+) -> std::thread::ScopedJoinHandle<'scope, Result<()>> {
+    scope.spawn(move || strategy.finalize(prepared, expert_out, reduce, out))
+}

@@ -108,7 +108,7 @@ impl PrepareFinalize for TpSlice {
         let chunk = padded / size;
         let start = (self.tp.rank() * chunk).min(t);
         let end = ((self.tp.rank() + 1) * chunk).min(t);
-        let topk = input.topk.slice(start.min(input.topk.tokens), end.min(input.topk.tokens));
+        let topk = input.topk.slice(start, end);
         let extras: Vec<Extra> = input.extras.iter().map(|e| e.gather(start..end)).collect();
         let e = input.router.num_experts();
         let logits = if input.logits.is_empty() { input.logits } else { &input.logits[start * e..end * e] };

@@ -51,8 +51,12 @@ impl TopK {
         check_finite("top-k weights", &self.weights)
     }
 
-    /// Rows `start..end` of this routing.
+    /// Rows `start..end` of this routing (a routing without ids, as strategies that route
+    /// after dispatch receive, stays without ids).
     pub fn slice(&self, start: usize, end: usize) -> TopK {
+        if self.ids.is_empty() {
+            return TopK { tokens: end - start, k: self.k, ids: vec![], weights: vec![] };
+        }
         TopK {
             tokens: end - start,
             k: self.k,
