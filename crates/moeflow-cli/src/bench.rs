@@ -1,9 +1,12 @@
 //! `moeflow bench`: layer time over token counts, against this machine's measured ceilings.
+//! With `--ep N` the layer runs on N in-process ranks, `--tokens` counting tokens per DP group.
 
-use crate::common::{bar, median, spinner, LayerArgs};
+use crate::common::{bar, median, spinner, LayerArgs, ParallelArgs};
 use moeflow::backend::cpu::ceiling;
-use moeflow::{preset, LayerOptions, MoeError, MoeLayer, Result, StageTimes, Tensor};
+use moeflow::comm::{run_ranks, CommExt, Communicator};
+use moeflow::{preset, ExpertsKind, MoeError, MoeLayer, Result, StageTimes, Tensor};
 use serde::Serialize;
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Arguments of `moeflow bench`.
@@ -11,7 +14,9 @@ use std::time::Instant;
 pub struct BenchArgs {
     #[command(flatten)]
     layer: LayerArgs,
-    /// Token counts, comma separated.
+    #[command(flatten)]
+    parallel: ParallelArgs,
+    /// Token counts (per DP group), comma separated.
     #[arg(long, value_delimiter = ',', default_value = "1,32,256")]
     tokens: Vec<usize>,
     /// Write the records as a JSON array to this file.
@@ -31,21 +36,58 @@ pub struct Record {
     pub preset: String,
     pub backend: String,
     pub dtype: String,
+    /// Tokens per DP group.
     pub tokens: usize,
     pub ep: usize,
     pub tp: usize,
     pub strategy: String,
-    /// Median layer time.
+    /// Median layer time (slowest rank).
     pub ms: f64,
+    /// Whole-layer GFLOP/s (all DP groups' tokens).
     pub gflops: f64,
     /// Fraction of the measured dense matmul rate.
     pub matmul_fraction: f64,
     /// max(FLOPs at the matmul rate, weight bytes at the copy bandwidth).
     pub floor_ms: f64,
     pub runs: usize,
-    /// Median time of each stage, ms.
+    /// Median time of each stage on rank 0, ms.
     pub stages_ms: StageTimes,
+    /// Bytes rank 0 sent per forward (dispatch and combine).
     pub bytes_moved_per_rank: usize,
+}
+
+/// Per token count: run times (s), stage times of rank 0, bytes moved by rank 0.
+struct Measured {
+    totals: Vec<f64>,
+    stages: Vec<StageTimes>,
+    bytes: usize,
+}
+
+/// Runs `forward` until `min_runs` and `min_seconds` are met (after a warm-up); `forward`
+/// returns (seconds, stages, bytes). `agree` turns this rank's wish to go on into the group's
+/// decision, so every rank runs the same iterations.
+fn time_loop(
+    args: &BenchArgs,
+    label: String,
+    agree: impl Fn(bool) -> Result<bool>,
+    mut forward: impl FnMut() -> Result<(f64, StageTimes, usize)>,
+) -> Result<Measured> {
+    forward()?;
+    let progress = bar(args.min_runs as u64, label);
+    let mut m = Measured { totals: Vec::new(), stages: Vec::new(), bytes: 0 };
+    let started = Instant::now();
+    while agree(
+        m.totals.len() < args.min_runs || (started.elapsed().as_secs_f64() < args.min_seconds && m.totals.len() < 1000),
+    )? {
+        let (secs, st, bytes) = forward()?;
+        m.totals.push(secs);
+        m.stages.push(st);
+        m.bytes = bytes;
+        progress.set_length(progress.length().unwrap_or(0).max(m.totals.len() as u64));
+        progress.inc(1);
+    }
+    progress.finish_and_clear();
+    Ok(m)
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
@@ -53,58 +95,94 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Err(MoeError::Config("--tokens needs at least one count".into()));
     }
     let (p, config) = args.layer.config()?;
+    let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let weights = args.layer.weights(&config)?;
-    let bar0 = spinner("packing weights".into());
-    let layer = MoeLayer::new(
-        &config,
-        &weights,
-        LayerOptions { chunk_size: args.layer.chunk_size, ..LayerOptions::default() },
-    )?;
-    drop(weights);
-    bar0.finish_and_clear();
     let bar0 = spinner("measuring this machine's matmul rate and copy bandwidth".into());
     let host = ceiling::measure();
     bar0.finish_and_clear();
+    let groups = par.ep / par.tp;
     println!(
-        "moeflow bench: {} on cpu ({} threads), {} weights; matmul {:.1} GFLOP/s (gemm crate, f32), copy {:.1} GB/s",
+        "moeflow bench: {} on cpu ({} threads), {} weights, EP {} TP {} {}; matmul {:.1} GFLOP/s (gemm crate, f32), copy {:.1} GB/s",
         p.name,
         rayon::current_num_threads(),
         args.layer.dtype,
+        par.ep,
+        par.tp,
+        par.strategy,
         host.matmul_gflops,
         host.copy_gbps
     );
+    let measured: Vec<Measured> = if par.ep == 1 && !par.dual_batch {
+        let layer = MoeLayer::new(
+            &config,
+            &weights,
+            moeflow::LayerOptions { chunk_size: args.layer.chunk_size, ..Default::default() },
+        )?;
+        args.tokens
+            .iter()
+            .map(|&t| {
+                let input = Tensor::from_f32(
+                    &[t, config.hidden],
+                    preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ t as u64),
+                )?;
+                time_loop(&args, format!("T = {t}"), Ok, || {
+                    let s = Instant::now();
+                    let (_, st) = layer.forward_profiled(&input)?;
+                    Ok((s.elapsed().as_secs_f64(), st, 0))
+                })
+            })
+            .collect::<Result<_>>()?
+    } else {
+        let placement = Arc::new(par.placement(config.num_experts)?);
+        let results = run_ranks(par.ep, Some(par.timeout), |comm| {
+            let layer =
+                par.layer(comm, placement.clone(), &config, &weights, ExpertsKind::Cpu, args.layer.chunk_size)?;
+            let mut out = Vec::new();
+            for &t in &args.tokens {
+                let seed = args.layer.seed ^ t as u64 ^ ((comm.rank() / par.tp) as u64) << 32;
+                let input = Tensor::from_f32(&[t, config.hidden], preset::uniform(t * config.hidden, 1.0, seed))?;
+                let label = if comm.rank() == 0 { format!("T = {t}") } else { String::new() };
+                let agree = |go: bool| Ok(comm.broadcast_vec("bench.continue", 0, &[u8::from(go)])?[0] == 1);
+                let m = time_loop(&args, label, agree, || {
+                    comm.barrier()?;
+                    let s = Instant::now();
+                    let (_, st) = layer.forward_profiled(&input)?;
+                    let all = comm.all_gather_vec("bench.time", &[s.elapsed().as_secs_f64()])?;
+                    Ok((all.iter().map(|v| v[0]).fold(0.0, f64::max), st, layer.bytes_moved()))
+                });
+                out.push(m?);
+            }
+            Ok(out)
+        });
+        results.into_iter().next().ok_or_else(|| MoeError::Config("no ranks".into()))??
+    };
+    drop(weights);
+
     println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>10} {:>8}   {:>7} {:>7} {:>7} {:>7}",
-        "tokens", "ms", "GFLOP/s", "matmul%", "floor ms", "floor%", "route", "experts", "reduce", "shared"
+        "{:>7} {:>10} {:>9} {:>8} {:>10} {:>7}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>11}",
+        "tokens",
+        "ms",
+        "GFLOP/s",
+        "matmul%",
+        "floor ms",
+        "floor%",
+        "route",
+        "prepare",
+        "experts",
+        "combine",
+        "shared",
+        "MB/rank"
     );
     let per_expert_bytes = 3 * config.hidden * config.inter * args.layer.dtype.size_in_bytes();
     let mut records = Vec::new();
-    for &t in &args.tokens {
-        let x = preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ t as u64);
-        let input = Tensor::from_f32(&[t, config.hidden], x)?;
-        let topk = layer.route(&input)?;
-        let mut hit = vec![false; config.num_experts];
-        topk.ids.iter().for_each(|&e| hit[e as usize] = true);
-        let bytes = hit.iter().filter(|&&h| h).count() * per_expert_bytes
-            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * args.layer.dtype.size_in_bytes());
-        let flops = config.expert_flops(t);
-        layer.forward(&input)?;
-        let progress = bar(args.min_runs as u64, format!("T = {t}"));
-        let (mut totals, mut stages) = (Vec::new(), Vec::new());
-        let started = Instant::now();
-        while totals.len() < args.min_runs
-            || (started.elapsed().as_secs_f64() < args.min_seconds && totals.len() < 1000)
-        {
-            let s = Instant::now();
-            let (_, st) = layer.forward_profiled(&input)?;
-            totals.push(s.elapsed().as_secs_f64());
-            stages.push(st);
-            progress.set_length(progress.length().unwrap_or(0).max(totals.len() as u64));
-            progress.inc(1);
-        }
-        progress.finish_and_clear();
-        let ms = median(&totals) * 1e3;
-        let stage = |f: fn(&StageTimes) -> f64| median(&stages.iter().map(f).collect::<Vec<_>>()) * 1e3;
+    for (&t, m) in args.tokens.iter().zip(measured) {
+        let total_tokens = t * groups;
+        // Floor: all FLOPs at the matmul rate, or every expert's weights read once.
+        let experts_read = config.num_experts.min(total_tokens * config.top_k);
+        let bytes = experts_read * per_expert_bytes;
+        let flops = config.expert_flops(total_tokens);
+        let ms = median(&m.totals) * 1e3;
+        let stage = |f: fn(&StageTimes) -> f64| median(&m.stages.iter().map(f).collect::<Vec<_>>()) * 1e3;
         let stages_ms = StageTimes {
             route: stage(|s| s.route),
             prepare: stage(|s| s.prepare),
@@ -115,7 +193,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let gflops = flops / ms / 1e6;
         let floor_ms = (flops / (host.matmul_gflops * 1e9)).max(bytes as f64 / (host.copy_gbps * 1e9)) * 1e3;
         println!(
-            "{:>7} {:>10.3} {:>9.1} {:>7.0}% {:>10.3} {:>7.0}%   {:>7.2} {:>7.2} {:>7.2} {:>7.2}",
+            "{:>7} {:>10.3} {:>9.1} {:>7.0}% {:>10.3} {:>6.0}%   {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>11.3}",
             t,
             ms,
             gflops,
@@ -123,25 +201,27 @@ pub fn run(args: BenchArgs) -> Result<()> {
             floor_ms,
             100.0 * floor_ms / ms,
             stages_ms.route,
+            stages_ms.prepare,
             stages_ms.experts,
             stages_ms.finalize,
-            stages_ms.shared
+            stages_ms.shared,
+            m.bytes as f64 / 1e6
         );
         records.push(Record {
             preset: p.name.to_string(),
             backend: "cpu".into(),
             dtype: args.layer.dtype.to_string(),
             tokens: t,
-            ep: 1,
-            tp: 1,
-            strategy: layer.strategy_name().into(),
+            ep: par.ep,
+            tp: par.tp,
+            strategy: par.strategy.to_string(),
             ms,
             gflops,
             matmul_fraction: gflops / host.matmul_gflops,
             floor_ms,
-            runs: totals.len(),
+            runs: m.totals.len(),
             stages_ms,
-            bytes_moved_per_rank: 0,
+            bytes_moved_per_rank: m.bytes,
         });
     }
     if let Some(path) = &args.json {

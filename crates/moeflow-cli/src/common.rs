@@ -1,6 +1,7 @@
 //! Pieces shared by subcommands: layer construction from a preset, progress, statistics.
 
 use indicatif::{ProgressBar, ProgressStyle};
+use moeflow::parallel::{ParallelConfig, PlacementKind, StrategyKind};
 use moeflow::{preset, DType, MoeConfig, MoeError, MoeWeights, Result};
 use std::time::Duration;
 
@@ -104,4 +105,64 @@ pub fn median(v: &[f64]) -> f64 {
     } else {
         0.5 * (s[n / 2 - 1] + s[n / 2])
     }
+}
+
+/// Options that pick a parallel layout.
+#[derive(clap::Args, Clone, Debug)]
+pub struct ParallelArgs {
+    /// Expert-parallel ranks (in-process threads on CPU).
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
+    /// Tensor-parallel ranks per DP group (must divide --ep).
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Dispatch/combine strategy: local, allgather, allgather-logits, multicast, all2allv,
+    /// lowlatency (default: local on one rank, all2allv otherwise).
+    #[arg(long)]
+    pub strategy: Option<StrategyKind>,
+    /// Expert placement: contiguous, round-robin, or a JSON file {"num_experts": E, "ranks": [[...], ...]}.
+    #[arg(long, default_value = "contiguous")]
+    pub placement: PlacementKind,
+    /// Experts to give one redundant replica, comma separated.
+    #[arg(long, value_delimiter = ',')]
+    pub redundant: Vec<usize>,
+    /// Two micro-batches overlapping communication and compute.
+    #[arg(long)]
+    pub dual_batch: bool,
+    /// Token capacity per rank of the lowlatency strategy (default: the largest batch asked for).
+    #[arg(long)]
+    pub max_tokens_per_rank: Option<usize>,
+    /// With TP: gather over the EP group after TP slicing (allgather).
+    #[arg(long)]
+    pub sequence_parallel: bool,
+}
+
+impl ParallelArgs {
+    /// The layout; `largest_batch` sizes the low-latency capacity unless given.
+    pub fn config(&self, largest_batch: usize) -> Result<ParallelConfig> {
+        let strategy = self.strategy.unwrap_or(if self.ep == 1 { StrategyKind::Local } else { StrategyKind::All2AllV });
+        let p = ParallelConfig {
+            placement: self.placement.clone(),
+            redundant: self.redundant.clone(),
+            dual_batch: self.dual_batch,
+            max_tokens_per_rank: self.max_tokens_per_rank.unwrap_or(largest_batch.max(1)),
+            sequence_parallel: self.sequence_parallel,
+            ..ParallelConfig::new(self.ep, self.tp, strategy)
+        };
+        p.validate()?;
+        Ok(p)
+    }
+}
+
+/// Splits `tokens` over `groups` DP groups: contiguous, the first groups one larger.
+pub fn split_tokens(tokens: usize, groups: usize) -> Vec<(usize, usize)> {
+    let (base, extra) = (tokens / groups, tokens % groups);
+    let mut start = 0;
+    (0..groups)
+        .map(|g| {
+            let n = base + usize::from(g < extra);
+            start += n;
+            (start - n, start)
+        })
+        .collect()
 }

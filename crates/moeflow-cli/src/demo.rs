@@ -1,8 +1,11 @@
 //! `moeflow demo`: the embedded default. A preset layer with random weights on CPU, checked
-//! against the f64 reference, with a short report.
+//! against the f64 reference, with a short report. With `--ep N` the layer runs on N
+//! in-process ranks and is also compared bit for bit with one rank.
 
-use crate::common::{median, spinner, LayerArgs};
-use moeflow::{preset, reference, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use crate::common::{median, spinner, split_tokens, LayerArgs, ParallelArgs};
+use moeflow::comm::{run_ranks, CommExt, Communicator};
+use moeflow::{preset, reference, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// Arguments of `moeflow demo`.
@@ -10,7 +13,9 @@ use std::time::Instant;
 pub struct DemoArgs {
     #[command(flatten)]
     layer: LayerArgs,
-    /// Tokens in the batch.
+    #[command(flatten)]
+    parallel: ParallelArgs,
+    /// Tokens in the batch (split over the DP groups).
     #[arg(long, default_value_t = 64)]
     tokens: usize,
     /// Timed runs (the median is reported).
@@ -23,13 +28,24 @@ const TOLERANCE: f64 = 2e-5;
 
 pub fn run(args: DemoArgs) -> Result<()> {
     let (p, config) = args.layer.config()?;
+    let par = args.parallel.config(args.tokens.div_ceil((args.parallel.ep / args.parallel.tp.max(1)).max(1)))?;
     println!(
-        "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, cpu",
-        p.name, p.model, config.num_experts, config.top_k, config.hidden, config.inter, args.layer.dtype
+        "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, cpu, EP {} TP {} {}{}",
+        p.name,
+        p.model,
+        config.num_experts,
+        config.top_k,
+        config.hidden,
+        config.inter,
+        args.layer.dtype,
+        par.ep,
+        par.tp,
+        par.strategy,
+        if par.dual_batch { " (dual-batch)" } else { "" }
     );
     let weights = args.layer.weights(&config)?;
     let bar = spinner("packing weights".into());
-    let layer = MoeLayer::new(
+    let single = MoeLayer::new(
         &config,
         &weights,
         LayerOptions { chunk_size: args.layer.chunk_size, ..LayerOptions::default() },
@@ -39,22 +55,62 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let t = args.tokens;
     let x = preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ 0x5eed);
     let input = Tensor::from_f32(&[t, config.hidden], x.clone())?;
-    let topk = layer.route(&input)?;
-    let mut out = layer.forward(&input)?;
-    let mut times = Vec::new();
-    for _ in 0..args.runs.max(1) {
-        let start = Instant::now();
-        out = layer.forward(&input)?;
-        times.push(start.elapsed().as_secs_f64());
-    }
-    let secs = median(&times);
+    let topk = single.route(&input)?;
+    let (out, secs, runs) = if par.ep == 1 && !par.dual_batch {
+        let mut out = single.forward(&input)?;
+        let mut times = Vec::new();
+        for _ in 0..args.runs.max(1) {
+            let start = Instant::now();
+            out = single.forward(&input)?;
+            times.push(start.elapsed().as_secs_f64());
+        }
+        (out, median(&times), times.len())
+    } else {
+        // Each DP group takes a contiguous share of the tokens; TP ranks of a group share it.
+        let h = config.hidden;
+        let groups = split_tokens(t, par.ep / par.tp);
+        let placement = Arc::new(par.placement(config.num_experts)?);
+        let bar = spinner(format!("running on {} in-process ranks", par.ep));
+        let results = run_ranks(par.ep, Some(par.timeout), |comm| {
+            let layer =
+                par.layer(comm, placement.clone(), &config, &weights, ExpertsKind::Cpu, args.layer.chunk_size)?;
+            let (a, b) = groups[comm.rank() / par.tp];
+            let mine = Tensor::from_f32(&[b - a, h], x[a * h..b * h].to_vec())?;
+            let mut out = layer.forward(&mine)?;
+            let mut times = Vec::new();
+            for _ in 0..args.runs.max(1) {
+                comm.barrier()?;
+                let start = Instant::now();
+                out = layer.forward(&mine)?;
+                // The layer time is the slowest rank's.
+                let all = comm.all_gather_vec("demo.time", &[start.elapsed().as_secs_f64()])?;
+                times.push(all.iter().map(|v| v[0]).fold(0.0, f64::max));
+            }
+            Ok((out, times))
+        });
+        bar.finish_and_clear();
+        let mut rows = Vec::with_capacity(t * h);
+        let mut times = Vec::new();
+        for (r, res) in results.into_iter().enumerate() {
+            let (o, ts) = res?;
+            if r % par.tp == 0 {
+                rows.extend(o.to_f32_vec());
+            }
+            if r == 0 {
+                times = ts;
+            }
+        }
+        let same = rows.iter().zip(single.forward(&input)?.to_f32_vec()).all(|(a, b)| a.to_bits() == b.to_bits());
+        println!("  vs one rank     {}", if same { "bit-for-bit identical" } else { "DIFFERENT" });
+        if !same {
+            return Err(MoeError::Config("the parallel layout changed the result".into()));
+        }
+        (Tensor::from_f32(&[t, h], rows)?, median(&times), times.len())
+    };
 
     let bar = spinner("checking against the f64 reference".into());
-    let ids: Vec<usize> = topk.ids.iter().map(|&i| i as usize).collect();
-    let w: Vec<f64> = topk.weights.iter().map(|&v| v as f64).collect();
-    let want = reference::forward_with_routing(&config, &weights, &x, &ids, &w)?;
     let routed = reference::forward(&config, &weights, &x)?;
-    bar.finish_and_clear();
+    let ids: Vec<usize> = topk.ids.iter().map(|&i| i as usize).collect();
     // Routing must equal the f64 reference's, except where two scores are within 1e-4.
     let (k, e) = (config.top_k, config.num_experts);
     let (mut differ, mut max_gap) = (0usize, 0f64);
@@ -71,6 +127,13 @@ pub fn run(args: DemoArgs) -> Result<()> {
             "routing differs from the reference on {differ} tokens (score gap {max_gap:.2e})"
         )));
     }
+    let want = if differ == 0 {
+        routed.out
+    } else {
+        let w: Vec<f64> = topk.weights.iter().map(|&v| v as f64).collect();
+        reference::forward_with_routing(&config, &weights, &x, &ids, &w)?
+    };
+    bar.finish_and_clear();
 
     let got = out.to_f32_vec();
     let max_err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max);
@@ -90,7 +153,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     println!("  max abs error   {max_err:.3e} (max |out| {scale:.3e})");
     println!("  relative error  {rel:.3e} (bound {TOLERANCE:.0e})");
-    println!("  time            {:.2} ms (median of {})", secs * 1e3, times.len());
+    println!("  time            {:.2} ms (median of {runs})", secs * 1e3);
     println!("  throughput      {:.1} GFLOP/s", config.expert_flops(t) / secs / 1e9);
     if rel > TOLERANCE {
         return Err(MoeError::Config(format!("relative error {rel:.3e} exceeds {TOLERANCE:.0e}")));

@@ -1,6 +1,7 @@
 //! The `moeflow` command line: `demo`, `bench` (see `--help`).
 
 mod bench;
+mod check;
 mod common;
 mod demo;
 
@@ -20,6 +21,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Time the layer over token counts; GFLOP/s against this machine's measured matmul rate.
     Bench(bench::BenchArgs),
+    /// Every strategy × EP × TP × chunking × dual-batch against one rank and the f64 reference.
+    Check(check::CheckArgs),
 }
 
 fn main() {
@@ -27,6 +30,7 @@ fn main() {
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Check(args) => check::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");
