@@ -37,6 +37,7 @@ pub mod dtype;
 pub mod error;
 pub mod experts;
 pub mod layer;
+pub mod model;
 pub mod parallel;
 pub mod placement;
 pub mod preset;

@@ -1,0 +1,144 @@
+//! DeepSeek-V2 and V3: `mlp.gate.weight` (+ `e_score_correction_bias` in V3),
+//! `mlp.experts.N.*_proj`, `mlp.shared_experts.*_proj` (n_shared_experts wide); MoE layers from
+//! `first_k_dense_replace` and `moe_layer_freq`. V3's released fp8 e4m3 weights with
+//! `weight_scale_inv` per 128×128 block are dequantized on load.
+
+use super::dequant::fp8_block;
+use super::qwen_moe::proj_names;
+use super::{stack_experts, Checkpoint, Family, HfConfig};
+use crate::config::{MoeConfig, MoeWeights, SharedConfig, SharedWeights};
+use crate::error::{MoeError, Result};
+use crate::experts::Activation;
+use crate::router::RouterConfig;
+use crate::DType;
+
+pub(crate) struct DeepSeek;
+
+/// Block size of fp8 weight scales (`quantization_config.weight_block_size`, default 128).
+fn block_size(ckpt: &Checkpoint) -> usize {
+    ckpt.config
+        .json
+        .get("quantization_config")
+        .and_then(|q| q.get("weight_block_size"))
+        .and_then(|b| b.get(0))
+        .and_then(|v| v.as_u64())
+        .map_or(128, |v| v as usize)
+}
+
+fn is_fp8(ckpt: &Checkpoint, name: &str) -> bool {
+    ckpt.info(name).map(|(_, d)| d.starts_with("f8")).unwrap_or(false)
+}
+
+/// A projection `[n, k]` in f32, dequantized when stored as fp8 with block scales.
+fn weight(ckpt: &Checkpoint, name: &str, n: usize, k: usize) -> Result<Vec<f32>> {
+    let w = ckpt.f32s(name, &[n, k])?;
+    if !is_fp8(ckpt, name) {
+        return Ok(w);
+    }
+    let b = block_size(ckpt);
+    let scale = ckpt.f32s(&format!("{name}_scale_inv"), &[n.div_ceil(b), k.div_ceil(b)])?;
+    fp8_block(&w, &scale, n, k, b)
+}
+
+fn triplet(ckpt: &Checkpoint, p: &str, (h, i): (usize, usize)) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
+    Ok((
+        weight(ckpt, &format!("{p}gate_proj.weight"), i, h)?,
+        weight(ckpt, &format!("{p}up_proj.weight"), i, h)?,
+        weight(ckpt, &format!("{p}down_proj.weight"), h, i)?,
+    ))
+}
+
+impl Family for DeepSeek {
+    fn is_moe_layer(cfg: &HfConfig, layer: usize) -> Result<bool> {
+        let freq = cfg.usize_or("moe_layer_freq", 1)?.max(1);
+        Ok(cfg.usize_or("n_routed_experts", 0)? > 0
+            && layer >= cfg.usize_or("first_k_dense_replace", 0)?
+            && layer % freq == 0)
+    }
+
+    fn config(cfg: &HfConfig) -> Result<MoeConfig> {
+        let inter = cfg.usize("moe_intermediate_size")?;
+        let n_group = cfg.usize_or("n_group", 1)?.max(1);
+        let topk_group = cfg.usize_or("topk_group", 1)?.max(1);
+        let renormalize = cfg.bool_or("norm_topk_prob", false)?;
+        let scaling = cfg.f64_or("routed_scaling_factor", 1.0)? as f32;
+        let v3 = cfg.model_type == "deepseek_v3";
+        let scoring = cfg.str_or("scoring_func", if v3 { "sigmoid" } else { "softmax" })?;
+        let method = cfg.str_or("topk_method", if v3 { "noaux_tc" } else { "greedy" })?;
+        let router = match (scoring, method) {
+            ("sigmoid", "noaux_tc") => RouterConfig::SigmoidGrouped { n_group, topk_group, renormalize, scaling },
+            ("softmax", "greedy") => RouterConfig::SoftmaxGrouped { n_group: 1, topk_group: 1, renormalize, scaling },
+            ("softmax", "group_limited_greedy") => {
+                RouterConfig::SoftmaxGrouped { n_group, topk_group, renormalize, scaling }
+            }
+            (s, m) => {
+                return Err(MoeError::Unsupported(format!(
+                    "DeepSeek routing scoring_func '{s}' with topk_method '{m}'"
+                )))
+            }
+        };
+        let shared = match cfg.usize_or("n_shared_experts", 0)? {
+            0 => None,
+            n => Some(SharedConfig { inter: n * inter, gated: false }),
+        };
+        Ok(MoeConfig {
+            hidden: cfg.usize("hidden_size")?,
+            inter,
+            num_experts: cfg.usize("n_routed_experts")?,
+            top_k: cfg.usize("num_experts_per_tok")?,
+            router,
+            activation: Activation::Silu,
+            apply_router_weight_on_input: false,
+            shared,
+        })
+    }
+
+    fn tensor_names(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig) -> Vec<String> {
+        let p = format!("{prefix}mlp.");
+        let mut names = vec![format!("{p}gate.weight")];
+        if matches!(c.router, RouterConfig::SigmoidGrouped { .. }) {
+            names.push(format!("{p}gate.e_score_correction_bias"));
+        }
+        let mut projections = Vec::new();
+        for e in 0..c.num_experts {
+            projections.extend(proj_names(&format!("{p}experts.{e}.")));
+        }
+        if c.shared.is_some() {
+            projections.extend(proj_names(&format!("{p}shared_experts.")));
+        }
+        for name in projections {
+            if is_fp8(ckpt, &name) {
+                names.push(format!("{name}_scale_inv"));
+            }
+            names.push(name);
+        }
+        names
+    }
+
+    fn load(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig, dtype: DType) -> Result<MoeWeights> {
+        let p = format!("{prefix}mlp.");
+        let (h, i, e) = (c.hidden, c.inter, c.num_experts);
+        let experts = stack_experts(e, (h, i), dtype, |x| triplet(ckpt, &format!("{p}experts.{x}."), (h, i)))?;
+        let shared = match c.shared {
+            None => None,
+            Some(s) => Some(SharedWeights {
+                mlp: stack_experts(1, (h, s.inter), dtype, |_| {
+                    triplet(ckpt, &format!("{p}shared_experts."), (h, s.inter))
+                })?,
+                gate: None,
+            }),
+        };
+        let correction_bias = if matches!(c.router, RouterConfig::SigmoidGrouped { .. }) {
+            Some(ckpt.tensor(&format!("{p}gate.e_score_correction_bias"), &[e])?)
+        } else {
+            None
+        };
+        Ok(MoeWeights {
+            gate: ckpt.tensor(&format!("{p}gate.weight"), &[e, h])?,
+            gate_bias: None,
+            correction_bias,
+            experts,
+            shared,
+        })
+    }
+}

@@ -1,0 +1,105 @@
+//! GPT-OSS: `mlp.router.weight/bias`, fused `mlp.experts.gate_up_proj [E, H, 2I]` with gate and
+//! up interleaved on the last axis, `gate_up_proj_bias [E, 2I]`, `down_proj [E, I, H]`,
+//! `down_proj_bias [E, H]`. Released checkpoints store the two projections as MXFP4
+//! (`*_blocks [E, out, in/32, 16]`, `*_scales [E, out, in/32]`), dequantized here.
+
+use super::dequant::mxfp4;
+use super::{Checkpoint, Family, HfConfig};
+use crate::config::{MoeConfig, MoeWeights};
+use crate::error::Result;
+use crate::experts::{Activation, ExpertWeights};
+use crate::router::RouterConfig;
+use crate::tensor::Tensor;
+use crate::DType;
+
+pub(crate) struct GptOss;
+
+/// `[E, out, in]` f32 from MXFP4 blocks when present, else from the dense tensor stored
+/// `[E, in, out]` (transposed here).
+fn projection(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) -> Result<Vec<f32>> {
+    let blocks = format!("{name}_blocks");
+    if ckpt.has(&blocks) {
+        let groups = inp / 32;
+        let b = ckpt.bytes(&blocks, &[e, out, groups, 16])?;
+        let s = ckpt.bytes(&format!("{name}_scales"), &[e, out, groups])?;
+        return mxfp4(b, s, e * out, groups);
+    }
+    let dense = ckpt.f32s(name, &[e, inp, out])?;
+    let mut t = vec![0f32; e * out * inp];
+    for x in 0..e {
+        for i in 0..inp {
+            for o in 0..out {
+                t[(x * out + o) * inp + i] = dense[(x * inp + i) * out + o];
+            }
+        }
+    }
+    Ok(t)
+}
+
+impl Family for GptOss {
+    fn is_moe_layer(_cfg: &HfConfig, _layer: usize) -> Result<bool> {
+        Ok(true)
+    }
+
+    fn config(cfg: &HfConfig) -> Result<MoeConfig> {
+        Ok(MoeConfig {
+            hidden: cfg.usize("hidden_size")?,
+            inter: cfg.usize("intermediate_size")?,
+            num_experts: cfg.usize("num_local_experts")?,
+            top_k: cfg.usize("num_experts_per_tok")?,
+            router: RouterConfig::TopKSoftmax,
+            activation: Activation::SwigluOai {
+                alpha: cfg.f64_or("swiglu_alpha", 1.702)? as f32,
+                limit: cfg.f64_or("swiglu_limit", 7.0)? as f32,
+            },
+            apply_router_weight_on_input: false,
+            shared: None,
+        })
+    }
+
+    fn tensor_names(ckpt: &Checkpoint, prefix: &str, _c: &MoeConfig) -> Vec<String> {
+        let p = format!("{prefix}mlp.");
+        let mut names = vec![format!("{p}router.weight"), format!("{p}router.bias")];
+        for w in ["gate_up_proj", "down_proj"] {
+            let base = format!("{p}experts.{w}");
+            if ckpt.has(&format!("{base}_blocks")) {
+                names.push(format!("{base}_blocks"));
+                names.push(format!("{base}_scales"));
+            } else {
+                names.push(base.clone());
+            }
+            names.push(format!("{base}_bias"));
+        }
+        names
+    }
+
+    fn load(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig, dtype: DType) -> Result<MoeWeights> {
+        let p = format!("{prefix}mlp.");
+        let (e, h, i) = (c.num_experts, c.hidden, c.inter);
+        // gate_up rows alternate gate, up: de-interleave into gate rows then up rows.
+        let gu = projection(ckpt, &format!("{p}experts.gate_up_proj"), e, 2 * i, h)?;
+        let gub = ckpt.f32s(&format!("{p}experts.gate_up_proj_bias"), &[e, 2 * i])?;
+        let (mut w13, mut b13) = (vec![0f32; e * 2 * i * h], vec![0f32; e * 2 * i]);
+        for x in 0..e {
+            for j in 0..2 * i {
+                let dst = x * 2 * i + if j % 2 == 0 { j / 2 } else { i + j / 2 };
+                w13[dst * h..(dst + 1) * h].copy_from_slice(&gu[(x * 2 * i + j) * h..(x * 2 * i + j + 1) * h]);
+                b13[dst] = gub[x * 2 * i + j];
+            }
+        }
+        let w2 = projection(ckpt, &format!("{p}experts.down_proj"), e, h, i)?;
+        let experts = ExpertWeights {
+            w13: Tensor::from_f32_as(&[e, 2 * i, h], &w13, dtype)?,
+            w2: Tensor::from_f32_as(&[e, h, i], &w2, dtype)?,
+            b13: Some(Tensor::from_f32(&[e, 2 * i], b13)?),
+            b2: Some(ckpt.tensor(&format!("{p}experts.down_proj_bias"), &[e, h])?.to_dtype(DType::F32)),
+        };
+        Ok(MoeWeights {
+            gate: ckpt.tensor(&format!("{p}router.weight"), &[e, h])?,
+            gate_bias: Some(ckpt.tensor(&format!("{p}router.bias"), &[e])?),
+            correction_bias: None,
+            experts,
+            shared: None,
+        })
+    }
+}
