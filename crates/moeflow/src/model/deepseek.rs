@@ -53,7 +53,7 @@ impl Family for DeepSeek {
         let freq = cfg.usize_or("moe_layer_freq", 1)?.max(1);
         Ok(cfg.usize_or("n_routed_experts", 0)? > 0
             && layer >= cfg.usize_or("first_k_dense_replace", 0)?
-            && layer % freq == 0)
+            && layer.is_multiple_of(freq))
     }
 
     fn config(cfg: &HfConfig) -> Result<MoeConfig> {

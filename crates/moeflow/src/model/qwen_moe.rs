@@ -36,7 +36,7 @@ impl Family for QwenMoe {
         let step = cfg.usize_or("decoder_sparse_step", 1)?.max(1);
         Ok(!cfg.usize_list("mlp_only_layers")?.contains(&layer)
             && cfg.usize_any(&["num_experts", "num_local_experts"])? > 0
-            && (layer + 1) % step == 0)
+            && (layer + 1).is_multiple_of(step))
     }
 
     fn config(cfg: &HfConfig) -> Result<MoeConfig> {
