@@ -4,6 +4,8 @@ mod bench;
 mod check;
 mod common;
 mod demo;
+mod inspect;
+mod run;
 
 use clap::{Parser, Subcommand};
 
@@ -23,6 +25,10 @@ enum Command {
     Bench(bench::BenchArgs),
     /// Every strategy × EP × TP × chunking × dual-batch against one rank and the f64 reference.
     Check(check::CheckArgs),
+    /// Describe a Hugging Face MoE model directory (architecture, MoE layers, shapes, bytes).
+    Inspect(inspect::InspectArgs),
+    /// Run one MoE block of a Hugging Face checkpoint on hidden states from a safetensors file.
+    Run(run::RunArgs),
 }
 
 fn main() {
@@ -31,6 +37,8 @@ fn main() {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
         Command::Check(args) => check::run(args),
+        Command::Inspect(args) => inspect::run(args),
+        Command::Run(args) => run::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

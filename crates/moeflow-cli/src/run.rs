@@ -1,0 +1,91 @@
+//! `moeflow run`: one MoE block of a Hugging Face checkpoint on hidden states from a file.
+
+use crate::common::{split_tokens, ParallelArgs};
+use moeflow::comm::run_ranks;
+use moeflow::model::{io, Checkpoint};
+use moeflow::{DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Arguments of `moeflow run`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    /// Model directory (config.json + safetensors, single file or sharded).
+    #[arg(long)]
+    model: PathBuf,
+    /// Decoder layer whose MoE block runs (default: the first MoE layer).
+    #[arg(long)]
+    layer: Option<usize>,
+    /// safetensors file with `hidden_states` [T, H] (f32, bf16 or f16).
+    #[arg(long)]
+    input: PathBuf,
+    /// Output safetensors file; gets `hidden_states` [T, H] in f32 (written atomically).
+    #[arg(long)]
+    output: PathBuf,
+    /// Dtype the expert weights are held in: f32 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Rows given to the experts at a time.
+    #[arg(long)]
+    chunk_size: Option<usize>,
+    #[command(flatten)]
+    parallel: ParallelArgs,
+}
+
+pub fn run(args: RunArgs) -> Result<()> {
+    let ckpt = Checkpoint::open(&args.model)?;
+    let x = io::read_hidden_states(&args.input, "hidden_states")?;
+    let block = ckpt.load_moe_block(args.layer, args.dtype)?;
+    let (t, h) = (x.shape()[0], x.shape()[1]);
+    if h != block.config.hidden {
+        return Err(MoeError::shape(
+            format!("hidden_states in {}", args.input.display()),
+            format!("[T, {}] (the model's hidden size)", block.config.hidden),
+            x.shape(),
+        ));
+    }
+    let groups = args.parallel.ep / args.parallel.tp.max(1);
+    let par = args.parallel.config(t.div_ceil(groups.max(1)))?;
+    let start = Instant::now();
+    let out = if par.ep == 1 && !par.dual_batch {
+        let layer = MoeLayer::new(
+            &block.config,
+            &block.weights,
+            LayerOptions { chunk_size: args.chunk_size, ..Default::default() },
+        )?;
+        layer.forward(&x)?
+    } else {
+        let xs = x.to_f32_vec();
+        let shares = split_tokens(t, par.ep / par.tp);
+        let placement = Arc::new(par.placement(block.config.num_experts)?);
+        let results = run_ranks(par.ep, Some(par.timeout), |comm| {
+            let layer =
+                par.layer(comm, placement.clone(), &block.config, &block.weights, ExpertsKind::Cpu, args.chunk_size)?;
+            let (a, b) = shares[moeflow::comm::Communicator::rank(comm) / par.tp];
+            layer.forward(&Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?)
+        });
+        let mut rows = Vec::with_capacity(t * h);
+        for (r, res) in results.into_iter().enumerate() {
+            let o = res?;
+            if r % par.tp == 0 {
+                rows.extend(o.to_f32_vec());
+            }
+        }
+        Tensor::from_f32(&[t, h], rows)?
+    };
+    let secs = start.elapsed().as_secs_f64();
+    io::write_f32_atomic(&args.output, &[("hidden_states", &out)])?;
+    println!(
+        "{} layer {}: {t} tokens through {} experts (top-{}), EP {} {}, {:.2} ms -> {}",
+        ckpt.architecture()?.name(),
+        block.layer,
+        block.config.num_experts,
+        block.config.top_k,
+        par.ep,
+        par.strategy,
+        secs * 1e3,
+        args.output.display()
+    );
+    Ok(())
+}

@@ -1,0 +1,110 @@
+//! The command line end to end: `run` against the transformers fixtures, errors leave no
+//! output, and `demo`, `check`, `bench`, `inspect` do what the README says.
+
+use moeflow::model::io::read_hidden_states;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn moeflow(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_moeflow")).args(args).output().expect("the binary runs")
+}
+
+fn fixture(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures").join(name)
+}
+
+fn tmp(name: &str) -> PathBuf {
+    let p = std::env::temp_dir().join(format!("moeflow-cli-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_file(&p);
+    p
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+fn check_run(name: &str, layer: &str, extra: &[&str]) {
+    let dir = fixture(name);
+    let out = tmp(&format!("{name}.safetensors"));
+    let (m, i, o) =
+        (dir.display().to_string(), dir.join("input.safetensors").display().to_string(), out.display().to_string());
+    let mut args = vec!["run", "--model", &m, "--layer", layer, "--input", &i, "--output", &o];
+    args.extend(extra);
+    let res = moeflow(&args);
+    assert!(res.status.success(), "{}", text(&res));
+    let got = read_hidden_states(&out, "hidden_states").unwrap().to_f32_vec();
+    let want = read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f32_vec();
+    let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+    assert!(err <= 1e-5, "{name} {extra:?}: relative error {err:e}");
+    std::fs::remove_file(out).ok();
+}
+
+#[test]
+fn run_matches_transformers() {
+    check_run("mixtral", "1", &[]);
+    check_run("deepseek_v3_fp8", "2", &["--ep", "4", "--tp", "2", "--strategy", "allgather"]);
+    check_run("gpt_oss_mxfp4", "1", &["--ep", "2", "--strategy", "all2allv", "--dual-batch"]);
+    check_run("qwen2_moe", "1", &["--ep", "3", "--strategy", "lowlatency"]);
+}
+
+#[test]
+fn failed_runs_leave_no_output() {
+    let out = tmp("none.safetensors");
+    let o = out.display().to_string();
+    let v3 = fixture("deepseek_v3").display().to_string();
+    let input = fixture("deepseek_v3/input.safetensors").display().to_string();
+    let res = moeflow(&["run", "--model", &v3, "--layer", "0", "--input", &input, "--output", &o]);
+    assert!(!res.status.success());
+    assert!(text(&res).contains("layer 0 is not a MoE layer"), "{}", text(&res));
+    assert!(!out.exists());
+    // An input of the wrong hidden size (32 for a 64-wide model).
+    let oss = fixture("gpt_oss").display().to_string();
+    let res = moeflow(&["run", "--model", &oss, "--input", &input, "--output", &o]);
+    assert!(!res.status.success());
+    assert!(text(&res).contains("hidden size") && text(&res).contains("[7, 32]"), "{}", text(&res));
+    assert!(!out.exists());
+    // An input without hidden_states.
+    let res = moeflow(&[
+        "run",
+        "--model",
+        &oss,
+        "--input",
+        &fixture("gpt_oss/model.safetensors").display().to_string(),
+        "--output",
+        &o,
+    ]);
+    assert!(text(&res).contains("no tensor 'hidden_states'"), "{}", text(&res));
+    assert!(!out.exists());
+}
+
+#[test]
+fn demo_check_bench_inspect() {
+    let res = moeflow(&["demo", "--experts", "8", "--tokens", "6"]);
+    assert!(res.status.success() && text(&res).contains("check           OK"), "{}", text(&res));
+    let res = moeflow(&["demo", "--experts", "8", "--tokens", "6", "--ep", "4", "--strategy", "multicast"]);
+    assert!(text(&res).contains("bit-for-bit identical"), "{}", text(&res));
+    let res = moeflow(&["check", "--ep", "1,2,3"]);
+    assert!(res.status.success() && text(&res).contains("all layouts bit-for-bit identical"), "{}", text(&res));
+    let json = tmp("bench.json");
+    let j = json.display().to_string();
+    let res =
+        moeflow(&["bench", "--experts", "8", "--tokens", "0,3", "--min-runs", "2", "--min-seconds", "0", "--json", &j]);
+    assert!(res.status.success(), "{}", text(&res));
+    let records: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let records = records.as_array().unwrap();
+    assert_eq!(records.len(), 2);
+    for key in ["preset", "backend", "dtype", "tokens", "ep", "strategy", "ms", "gflops"] {
+        assert!(records[1].get(key).is_some(), "record lacks {key}");
+    }
+    assert_eq!(records[1]["tokens"], 3);
+    std::fs::remove_file(json).ok();
+    let res = moeflow(&["inspect", "--model", &fixture("qwen2_moe").display().to_string()]);
+    assert!(
+        res.status.success() && text(&res).contains("qwen2_moe") && text(&res).contains("sigmoid-gated"),
+        "{}",
+        text(&res)
+    );
+    let res = moeflow(&["demo", "--preset", "nope"]);
+    assert!(!res.status.success() && text(&res).contains("known: olmoe-1b-7b"));
+}
