@@ -1,7 +1,7 @@
 //! `moeflow bench`: layer time over token counts, against this machine's measured ceilings.
 //! With `--ep N` the layer runs on N in-process ranks, `--tokens` counting tokens per DP group.
 
-use crate::common::{bar, median, spinner, LayerArgs, ParallelArgs};
+use crate::common::{bar, median, spinner, Backend, LayerArgs, ParallelArgs};
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::{run_ranks, CommExt, Communicator};
 use moeflow::{preset, ExpertsKind, MoeError, MoeLayer, Result, StageTimes, Tensor};
@@ -28,6 +28,9 @@ pub struct BenchArgs {
     /// Keep running until this many seconds have been timed (per token count).
     #[arg(long, default_value_t = 1.0)]
     min_seconds: f64,
+    /// cpu, or cuda (one GPU; weights generated on the device in bf16).
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: Backend,
 }
 
 /// One measured configuration (the schema every bench writes).
@@ -93,6 +96,9 @@ fn time_loop(
 pub fn run(args: BenchArgs) -> Result<()> {
     if args.tokens.is_empty() {
         return Err(MoeError::Config("--tokens needs at least one count".into()));
+    }
+    if args.backend == Backend::Cuda {
+        return run_cuda(&args);
     }
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
@@ -230,6 +236,85 @@ pub fn run(args: BenchArgs) -> Result<()> {
         std::fs::write(path, text + "\n")
             .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
         println!("wrote {} records to {}", records.len(), path.display());
+    }
+    Ok(())
+}
+
+/// `bench --backend cuda`: CUDA-event stage times (medians), TFLOP/s, HBM GB/s, and the
+/// fraction of the floor (FLOPs at the measured GEMM rate, bytes at the measured copy rate).
+fn run_cuda(args: &BenchArgs) -> Result<()> {
+    let (p, config) = args.layer.config()?;
+    if args.parallel.ep != 1 {
+        return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
+    }
+    let bar0 = spinner("generating weights on the GPU".into());
+    let gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
+    bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
+    let (gemm_tflops, copy_gbps) = gpu.measure_ceilings()?;
+    bar0.finish_and_clear();
+    println!(
+        "moeflow bench: {} on {} ({} experts, top-{}, bf16); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
+        p.name,
+        gpu.device_name(),
+        config.num_experts,
+        config.top_k,
+        gemm_tflops,
+        copy_gbps
+    );
+    println!(
+        "{:>7} {:>9} {:>8} {:>8} {:>9} {:>7}   {:>6} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6}",
+        "tokens", "ms", "TFLOP/s", "GB/s", "floor ms", "floor%", "route", "permute", "gemm1", "act", "gemm2", "combine", "shared"
+    );
+    let per_expert = 3 * config.hidden * config.inter * 2;
+    let mut records = Vec::new();
+    for &t in &args.tokens {
+        for _ in 0..3 {
+            gpu.forward_timed(t, args.layer.seed)?;
+        }
+        let runs = args.min_runs.max(20);
+        let samples: Vec<_> = (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
+        let med = |f: fn(&moeflow::backend::cuda::GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+        let ms = med(|s| s.total);
+        let flops = config.expert_flops(t);
+        let experts_read = config.num_experts.min(t * config.top_k);
+        let bytes = experts_read * per_expert + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2) + t * config.hidden * 8;
+        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        println!(
+            "{:>7} {:>9.3} {:>8.1} {:>8.0} {:>9.3} {:>6.0}%   {:>6.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>6.3}",
+            t,
+            ms,
+            flops / ms / 1e9,
+            bytes as f64 / ms / 1e6,
+            floor,
+            100.0 * floor / ms,
+            med(|s| s.route),
+            med(|s| s.permute),
+            med(|s| s.gemm1),
+            med(|s| s.act),
+            med(|s| s.gemm2),
+            med(|s| s.combine),
+            med(|s| s.shared)
+        );
+        records.push(Record {
+            preset: p.name.to_string(),
+            backend: "cuda".into(),
+            dtype: "bf16".into(),
+            tokens: t,
+            ep: 1,
+            tp: 1,
+            strategy: "local".into(),
+            ms,
+            gflops: flops / ms / 1e6,
+            matmul_fraction: flops / ms / 1e9 / gemm_tflops,
+            floor_ms: floor,
+            runs,
+            stages_ms: StageTimes { route: med(|s| s.route), prepare: med(|s| s.permute), experts: med(|s| s.gemm1 + s.act + s.gemm2), finalize: med(|s| s.combine), shared: med(|s| s.shared) },
+            bytes_moved_per_rank: 0,
+        });
+    }
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&records).map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
+        std::fs::write(path, text + "\n").map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
     }
     Ok(())
 }

@@ -107,6 +107,15 @@ pub fn median(v: &[f64]) -> f64 {
     }
 }
 
+/// Where the layer runs.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Backend {
+    /// Host threads.
+    Cpu,
+    /// One NVIDIA GPU (needs a build with `--features cuda`).
+    Cuda,
+}
+
 /// Options that pick a parallel layout.
 #[derive(clap::Args, Clone, Debug)]
 pub struct ParallelArgs {

@@ -1,6 +1,6 @@
 //! `moeflow run`: one MoE block of a Hugging Face checkpoint on hidden states from a file.
 
-use crate::common::{split_tokens, ParallelArgs};
+use crate::common::{split_tokens, Backend, ParallelArgs};
 use moeflow::comm::run_ranks;
 use moeflow::model::{io, Checkpoint};
 use moeflow::{DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
@@ -31,6 +31,9 @@ pub struct RunArgs {
     chunk_size: Option<usize>,
     #[command(flatten)]
     parallel: ParallelArgs,
+    /// cpu, or cuda (one GPU; expert weights in bf16).
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: Backend,
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
@@ -48,7 +51,12 @@ pub fn run(args: RunArgs) -> Result<()> {
     let groups = args.parallel.ep / args.parallel.tp.max(1);
     let par = args.parallel.config(t.div_ceil(groups.max(1)))?;
     let start = Instant::now();
-    let out = if par.ep == 1 && !par.dual_batch {
+    let out = if args.backend == Backend::Cuda {
+        if par.ep != 1 {
+            return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
+        }
+        moeflow::backend::cuda::CudaMoeLayer::new(&block.config, &block.weights)?.forward(&x)?
+    } else if par.ep == 1 && !par.dual_batch {
         let layer = MoeLayer::new(
             &block.config,
             &block.weights,

@@ -1,1 +1,72 @@
+//! Backends: the CPU one always, CUDA with the `cuda` feature (a stand-in without it that
+//! answers every call with a clear error).
 pub mod cpu;
+
+/// Milliseconds per stage of one forward, from CUDA events.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct GpuStageTimes {
+    /// f32 → bf16, router GEMM and top-k.
+    pub route: f64,
+    /// Counts, offsets, scatter, gather.
+    pub permute: f64,
+    /// First grouped GEMM.
+    pub gemm1: f64,
+    /// Activation.
+    pub act: f64,
+    /// Second grouped GEMM.
+    pub gemm2: f64,
+    /// Weighted combine.
+    pub combine: f64,
+    /// Shared experts.
+    pub shared: f64,
+    /// Whole layer on the device.
+    pub total: f64,
+}
+
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+
+/// Stand-in for builds without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+pub mod cuda {
+    use crate::config::{MoeConfig, MoeWeights};
+    use crate::error::{MoeError, Result};
+    use crate::tensor::Tensor;
+
+    fn missing() -> MoeError {
+        MoeError::Unsupported("this moeflow was built without CUDA; rebuild with `--features cuda`".into())
+    }
+
+    pub use crate::backend::GpuStageTimes;
+
+    /// The CUDA layer; without the feature every constructor is an error.
+    pub struct CudaMoeLayer(());
+
+    impl CudaMoeLayer {
+        /// Always an error without the feature.
+        pub fn new(_config: &MoeConfig, _weights: &MoeWeights) -> Result<Self> {
+            Err(missing())
+        }
+        /// Always an error without the feature.
+        pub fn random(_config: &MoeConfig, _seed: u64) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn forward(&self, _hidden: &Tensor) -> Result<Tensor> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn forward_timed(&self, _tokens: usize, _seed: u64) -> Result<GpuStageTimes> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn device_name(&self) -> String {
+            String::new()
+        }
+    }
+}

@@ -14,7 +14,7 @@ const MR: usize = 6;
 /// Reduction block: one panel block (`KC * NR` f32 = 16 KiB) stays in L1 across row blocks.
 const KC: usize = 256;
 /// Panels handled by one parallel task.
-const PANELS_PER_TASK: usize = 8;
+const PANELS_PER_TASK: usize = 4;
 
 /// One expert's rows: `rows` consecutive rows of `A` and `C` starting at `row_start`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -1,0 +1,261 @@
+// moeflow CUDA kernels: routing, permute, activation, combine, conversions.
+// bf16 values are handled as raw 16-bit patterns (no header needed under NVRTC).
+typedef unsigned short bf16_t;
+typedef unsigned long long u64;
+#define INFINITY __int_as_float(0x7f800000)
+
+__device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((unsigned int)v) << 16); }
+__device__ __forceinline__ bf16_t f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);                                          // round to nearest even
+    return (bf16_t)(u >> 16);
+}
+
+extern "C" {
+
+__global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f32_to_bf16(x[i]);
+}
+
+// Deterministic uniform values in [-scale, scale) from (seed, index): for large benchmarks.
+__global__ void fill_uniform_bf16(bf16_t* y, long n, u64 seed, float scale) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) / 16777216.0f;
+        y[i] = f32_to_bf16((2.0f * u - 1.0f) * scale);
+    }
+}
+
+__global__ void fill_uniform_f32(float* y, long n, u64 seed, float scale) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        z ^= z >> 31;
+        y[i] = (2.0f * ((float)(z >> 40) / 16777216.0f) - 1.0f) * scale;
+    }
+}
+
+// logits[t, e] += bias[e]
+__global__ void add_row_bias(float* x, const float* bias, int rows, int cols) {
+    long n = (long)rows * cols;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] += bias[i % cols];
+}
+
+// Router kinds: 0 softmax top-k, 1 top-k then softmax, 2 sigmoid + bias grouped (DeepSeek-V3),
+// 3 softmax group-limited (DeepSeek-V2). One thread per token; ties go to the lower id.
+#define MAX_K 32
+__device__ float choice_score(const float* l, int e, int kind, float mx, float sum, const float* bias) {
+    if (kind == 0 || kind == 3) return __expf(l[e] - mx) / sum;
+    if (kind == 2) return 1.0f / (1.0f + __expf(-l[e])) + (bias ? bias[e] : 0.0f);
+    return l[e];
+}
+
+__global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
+                      int renorm, float scaling, int* ids, float* weights) {
+    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= T) return;
+    const float* l = logits + (long)t * E;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
+    for (int e = 0; e < E; e++) sum += __expf(l[e] - mx);
+    // Group mask (bit g set: group kept); at most 64 groups.
+    u64 keep = ~0ull;
+    int per = E / n_group;
+    if (n_group > 1) {
+        keep = 0;
+        for (int r = 0; r < topk_group; r++) {
+            int best = -1;
+            float bs = -INFINITY;
+            for (int g = 0; g < n_group; g++) {
+                if (keep >> g & 1ull) continue;
+                float gs;
+                if (kind == 2) {
+                    float a = -INFINITY, b = -INFINITY;
+                    for (int e = g * per; e < (g + 1) * per; e++) {
+                        float s = choice_score(l, e, kind, mx, sum, bias);
+                        if (s > a) { b = a; a = s; } else if (s > b) { b = s; }
+                    }
+                    gs = a + b;
+                } else {
+                    gs = -INFINITY;
+                    for (int e = g * per; e < (g + 1) * per; e++) gs = fmaxf(gs, choice_score(l, e, kind, mx, sum, bias));
+                }
+                if (best < 0 || gs > bs) { best = g; bs = gs; }
+            }
+            keep |= 1ull << best;
+        }
+    }
+    int chosen[MAX_K];
+    for (int j = 0; j < k; j++) {
+        int best = -1;
+        float bs = -INFINITY;
+        for (int e = 0; e < E; e++) {
+            if (n_group > 1 && !(keep >> (e / per) & 1ull)) continue;
+            bool taken = false;
+            for (int q = 0; q < j; q++) taken |= chosen[q] == e;
+            if (taken) continue;
+            float s = choice_score(l, e, kind, mx, sum, bias);
+            if (best < 0 || s > bs) { best = e; bs = s; }
+        }
+        chosen[j] = best;
+    }
+    float w[MAX_K];
+    float total = 0.0f;
+    if (kind == 1) {
+        float m = l[chosen[0]];
+        for (int j = 0; j < k; j++) m = fmaxf(m, l[chosen[j]]);
+        for (int j = 0; j < k; j++) { w[j] = __expf(l[chosen[j]] - m); total += w[j]; }
+        for (int j = 0; j < k; j++) w[j] /= total;
+    } else {
+        for (int j = 0; j < k; j++) {
+            int e = chosen[j];
+            w[j] = kind == 2 ? 1.0f / (1.0f + __expf(-l[e])) : __expf(l[e] - mx) / sum;
+            total += w[j];
+        }
+        if (kind == 0) {
+            if (renorm) for (int j = 0; j < k; j++) w[j] /= total;
+        } else if (kind == 2) {
+            if (renorm && k > 1) for (int j = 0; j < k; j++) w[j] /= (total + 1e-20f);
+            for (int j = 0; j < k; j++) w[j] *= scaling;
+        } else {
+            if (renorm && k > 1) for (int j = 0; j < k; j++) w[j] /= (total + 1e-20f);
+            else for (int j = 0; j < k; j++) w[j] *= scaling;
+        }
+    }
+    for (int j = 0; j < k; j++) { ids[(long)t * k + j] = chosen[j]; weights[(long)t * k + j] = w[j]; }
+}
+
+// One warp per expert: counts[e] = number of slots routed to e.
+__global__ void count_slots(const int* ids, int slots, int E, int* counts) {
+    int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (e >= E) return;
+    int c = 0;
+    for (int base = 0; base < slots; base += 32) {
+        int s = base + lane;
+        c += __popc(__ballot_sync(0xffffffffu, s < slots && ids[s] == e));
+    }
+    if (lane == 0) counts[e] = c;
+}
+
+// offsets[e] = sum of counts before e; offsets[E] = total. One thread (E is at most a few hundred).
+__global__ void exclusive_scan(const int* counts, int E, int* offsets) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+        int acc = 0;
+        for (int e = 0; e < E; e++) { offsets[e] = acc; acc += counts[e]; }
+        offsets[E] = acc;
+    }
+}
+
+// One warp per expert: rows of expert e in slot order (deterministic), with both maps.
+__global__ void scatter_slots(const int* ids, int slots, int E, const int* offsets, int* row_of_slot, int* slot_of_row,
+                              int* expert_of_row) {
+    int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
+    int lane = threadIdx.x % 32;
+    if (e >= E) return;
+    int pos = offsets[e];
+    for (int base = 0; base < slots; base += 32) {
+        int s = base + lane;
+        bool hit = s < slots && ids[s] == e;
+        unsigned int mask = __ballot_sync(0xffffffffu, hit);
+        if (hit) {
+            int r = pos + __popc(mask & ((1u << lane) - 1u));
+            row_of_slot[s] = r;
+            slot_of_row[r] = s;
+            expert_of_row[r] = e;
+        }
+        pos += __popc(mask);
+    }
+}
+
+// a[r, :] = x[slot_of_row[r] / k, :] (bf16 rows); one block per row.
+__global__ void gather_rows(const bf16_t* x, int H, const int* slot_of_row, int k, int R, bf16_t* a) {
+    int r = blockIdx.x;
+    if (r >= R) return;
+    const bf16_t* src = x + (long)(slot_of_row[r] / k) * H;
+    bf16_t* dst = a + (long)r * H;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+}
+
+// act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
+// 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu. expert_of_row may be null (dense MLP).
+__global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, long R, int I, int kind,
+                            float alpha, float limit, bf16_t* out) {
+    long n = R * I;
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+        long r = idx / I;
+        int i = idx % I;
+        float g = bf16_to_f32(h13[r * 2 * I + i]);
+        float u = bf16_to_f32(h13[r * 2 * I + I + i]);
+        if (b13) {
+            int e = expert_of_row ? expert_of_row[r] : 0;
+            g += b13[(long)e * 2 * I + i];
+            u += b13[(long)e * 2 * I + I + i];
+        }
+        float v;
+        if (kind == 0) v = g / (1.0f + __expf(-g)) * u;
+        else if (kind == 1) v = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+        else if (kind == 2) v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+        else {
+            g = fminf(g, limit);
+            u = fminf(fmaxf(u, -limit), limit);
+            v = (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
+        }
+        out[idx] = f32_to_bf16(v);
+    }
+}
+
+// out[t, h] = sum_j w[t, j] * (y[row_of_slot[t k + j], h] + b2[ids[t k + j], h]), in slot order.
+__global__ void combine(const bf16_t* y, const float* b2, const int* ids, const float* w, const int* row_of_slot, int T,
+                        int k, int H, int weights_applied, float* out) {
+    long n = (long)T * H;
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+        long t = idx / H;
+        int h = idx % H;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            long s = t * k + j;
+            float v = bf16_to_f32(y[(long)row_of_slot[s] * H + h]);
+            if (b2) v += b2[(long)ids[s] * H + h];
+            acc += (weights_applied ? 1.0f : w[s]) * v;
+        }
+        out[idx] = acc;
+    }
+}
+
+// x[t, :] *= w[t] (router weight applied on the input, top-1).
+__global__ void scale_rows_bf16(bf16_t* x, const float* w, int T, int H) {
+    long n = (long)T * H;
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x)
+        x[idx] = f32_to_bf16(bf16_to_f32(x[idx]) * w[idx / H]);
+}
+
+// out[t, :] += g_t * ys[t, :], g_t = sigmoid(x[t] . gate) when gate is given, else 1. One block per token.
+__global__ void add_shared(float* out, const bf16_t* ys, const float* x, const float* gate, int T, int H) {
+    int t = blockIdx.x;
+    if (t >= T) return;
+    __shared__ float red[32];
+    float g = 1.0f;
+    if (gate) {
+        float part = 0.0f;
+        for (int h = threadIdx.x; h < H; h += blockDim.x) part += x[(long)t * H + h] * gate[h];
+        for (int o = 16; o > 0; o >>= 1) part += __shfl_down_sync(0xffffffffu, part, o);
+        if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = part;
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            float z = 0.0f;
+            for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) z += red[i];
+            red[0] = 1.0f / (1.0f + __expf(-z));
+        }
+        __syncthreads();
+        g = red[0];
+    }
+    for (int h = threadIdx.x; h < H; h += blockDim.x) out[(long)t * H + h] += g * bf16_to_f32(ys[(long)t * H + h]);
+}
+
+}  // extern "C"

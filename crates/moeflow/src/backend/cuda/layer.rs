@@ -1,0 +1,670 @@
+//! The whole single-rank MoE layer on one GPU: router in f32, rows permuted by expert on the
+//! device (counts and offsets computed there, rows in slot order so runs repeat exactly),
+//! bf16 grouped GEMMs with f32 accumulation (one cuBLAS grouped call per GEMM), activation,
+//! and a weighted combine in slot order.
+
+use super::{err, Gpu};
+pub use crate::backend::GpuStageTimes;
+use crate::config::{MoeConfig, MoeWeights};
+use crate::error::{MoeError, Result};
+use crate::experts::Activation;
+use crate::router::RouterConfig;
+use crate::tensor::Tensor;
+use cudarc::cublas::{sys as cb, CudaBlas};
+use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Mutex;
+
+struct Kernels {
+    to_bf16: CudaFunction,
+    add_bias: CudaFunction,
+    route: CudaFunction,
+    count: CudaFunction,
+    scan: CudaFunction,
+    scatter: CudaFunction,
+    gather: CudaFunction,
+    act: CudaFunction,
+    combine: CudaFunction,
+    add_shared: CudaFunction,
+    fill_bf16: CudaFunction,
+    fill_f32: CudaFunction,
+}
+
+struct SharedMlp {
+    inter: usize,
+    w13: CudaSlice<u16>,
+    w2: CudaSlice<u16>,
+    gate: Option<CudaSlice<f32>>,
+}
+
+struct DeviceWeights {
+    gate: CudaSlice<f32>,
+    gate_bias: Option<CudaSlice<f32>>,
+    correction_bias: Option<CudaSlice<f32>>,
+    w13: CudaSlice<u16>,
+    w2: CudaSlice<u16>,
+    b13: Option<CudaSlice<f32>>,
+    b2: Option<CudaSlice<f32>>,
+    shared: Option<SharedMlp>,
+}
+
+/// Scratch buffers for up to `tokens` tokens.
+struct Buffers {
+    tokens: usize,
+    x: CudaSlice<f32>,
+    x_bf: CudaSlice<u16>,
+    logits: CudaSlice<f32>,
+    ids: CudaSlice<i32>,
+    weights: CudaSlice<f32>,
+    counts: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    row_of_slot: CudaSlice<i32>,
+    slot_of_row: CudaSlice<i32>,
+    expert_of_row: CudaSlice<i32>,
+    a: CudaSlice<u16>,
+    h13: CudaSlice<u16>,
+    act: CudaSlice<u16>,
+    y: CudaSlice<u16>,
+    out: CudaSlice<f32>,
+    ptrs: CudaSlice<u64>,
+}
+
+/// One MoE layer resident on a GPU.
+pub struct CudaMoeLayer {
+    gpu: Gpu,
+    blas: CudaBlas,
+    config: MoeConfig,
+    k: Kernels,
+    w: DeviceWeights,
+    bufs: Mutex<Option<Buffers>>,
+}
+
+fn bf16_bits(t: &Tensor) -> Vec<u16> {
+    match t.cpu() {
+        crate::tensor::CpuStorage::BF16(v) => v.iter().map(|x| x.to_bits()).collect(),
+        _ => t.to_f32_vec().iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect(),
+    }
+}
+
+fn grid(n: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+fn rows(n: usize, threads: u32) -> LaunchConfig {
+    LaunchConfig { grid_dim: (n.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl CudaMoeLayer {
+    fn open(config: &MoeConfig) -> Result<(Gpu, CudaBlas, Kernels)> {
+        config.validate()?;
+        if config.apply_router_weight_on_input {
+            return Err(MoeError::Unsupported("apply_router_weight_on_input on the CUDA backend".into()));
+        }
+        if config.top_k > 32 {
+            return Err(MoeError::Unsupported(format!("top-k {} above 32 on the CUDA backend", config.top_k)));
+        }
+        let gpu = Gpu::new(0)?;
+        let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
+        let f = |n: &str| gpu.function(n);
+        let k = Kernels {
+            to_bf16: f("f32_to_bf16_kernel")?,
+            add_bias: f("add_row_bias")?,
+            route: f("route")?,
+            count: f("count_slots")?,
+            scan: f("exclusive_scan")?,
+            scatter: f("scatter_slots")?,
+            gather: f("gather_rows")?,
+            act: f("act_and_mul")?,
+            combine: f("combine")?,
+            add_shared: f("add_shared")?,
+            fill_bf16: f("fill_uniform_bf16")?,
+            fill_f32: f("fill_uniform_f32")?,
+        };
+        Ok((gpu, blas, k))
+    }
+
+    /// Uploads `weights` (expert weights as bf16, router in f32).
+    pub fn new(config: &MoeConfig, weights: &MoeWeights) -> Result<Self> {
+        weights.validate(config)?;
+        let (gpu, blas, k) = Self::open(config)?;
+        let s = &gpu.stream;
+        let up_f32 = |t: &Tensor| s.clone_htod(&t.to_f32_vec()).map_err(|e| err("upload", e));
+        let up_bf16 = |t: &Tensor| s.clone_htod(&bf16_bits(t)).map_err(|e| err("upload", e));
+        let w = DeviceWeights {
+            gate: up_f32(&weights.gate)?,
+            gate_bias: weights.gate_bias.as_ref().map(up_f32).transpose()?,
+            correction_bias: weights.correction_bias.as_ref().map(up_f32).transpose()?,
+            w13: up_bf16(&weights.experts.w13)?,
+            w2: up_bf16(&weights.experts.w2)?,
+            b13: weights.experts.b13.as_ref().map(up_f32).transpose()?,
+            b2: weights.experts.b2.as_ref().map(up_f32).transpose()?,
+            shared: match (&weights.shared, config.shared) {
+                (Some(sw), Some(sc)) => Some(SharedMlp {
+                    inter: sc.inter,
+                    w13: up_bf16(&sw.mlp.w13)?,
+                    w2: up_bf16(&sw.mlp.w2)?,
+                    gate: sw.gate.as_ref().map(up_f32).transpose()?,
+                }),
+                _ => None,
+            },
+        };
+        Ok(CudaMoeLayer { gpu, blas, config: config.clone(), k, w, bufs: Mutex::new(None) })
+    }
+
+    /// A layer whose weights are generated on the device (uniform, seeded), for benchmarks of
+    /// shapes too large to build on the host.
+    pub fn random(config: &MoeConfig, seed: u64) -> Result<Self> {
+        let (gpu, blas, k) = Self::open(config)?;
+        let (e, h, i) = (config.num_experts, config.hidden, config.inter);
+        let biases = matches!(config.router, RouterConfig::TopKSoftmax);
+        let sh = 1.0 / (h as f32).sqrt();
+        let mut n = 0u64;
+        let mut f32s = |len: usize, scale: f32| -> Result<CudaSlice<f32>> {
+            n += 1;
+            let s = gpu.stream.alloc_zeros::<f32>(len).map_err(|e| err("alloc", e))?;
+            let (ptr, lenl, seed) = (dptr(&s, &gpu), len as i64, seed ^ (n << 40));
+            // SAFETY: fill_uniform_f32(float*, long, u64, float) writes `len` floats of `s`.
+            unsafe { gpu.stream.launch_builder(&k.fill_f32).arg(&ptr).arg(&lenl).arg(&seed).arg(&scale).launch(grid(len)) }
+                .map_err(|e| err("fill", e))?;
+            Ok(s)
+        };
+        let gate = f32s(e * h, 3.0 * sh)?;
+        let gate_bias = if biases { Some(f32s(e, 0.5)?) } else { None };
+        let correction_bias = if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
+        let b13 = if biases { Some(f32s(e * 2 * i, 0.1)?) } else { None };
+        let b2 = if biases { Some(f32s(e * h, 0.1)?) } else { None };
+        let mut m = 100u64;
+        let mut bf16s = |len: usize, scale: f32| -> Result<CudaSlice<u16>> {
+            m += 1;
+            let s = gpu.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e))?;
+            let (ptr, lenl, seed) = (dptr(&s, &gpu), len as i64, seed ^ (m << 40));
+            // SAFETY: fill_uniform_bf16(bf16*, long, u64, float) writes `len` values of `s`.
+            unsafe { gpu.stream.launch_builder(&k.fill_bf16).arg(&ptr).arg(&lenl).arg(&seed).arg(&scale).launch(grid(len)) }
+                .map_err(|e| err("fill", e))?;
+            Ok(s)
+        };
+        let w13 = bf16s(e * 2 * i * h, 2.0 * sh)?;
+        let w2 = bf16s(e * h * i, 2.0 / (i as f32).sqrt())?;
+        let shared = match config.shared {
+            Some(sc) => Some(SharedMlp {
+                inter: sc.inter,
+                w13: bf16s(2 * sc.inter * h, 2.0 * sh)?,
+                w2: bf16s(h * sc.inter, 2.0 / (sc.inter as f32).sqrt())?,
+                gate: None,
+            }),
+            None => None,
+        };
+        let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared };
+        Ok(CudaMoeLayer { gpu, blas, config: config.clone(), k, w, bufs: Mutex::new(None) })
+    }
+
+    /// The layer's configuration.
+    pub fn config(&self) -> &MoeConfig {
+        &self.config
+    }
+
+    /// The device's name.
+    pub fn device_name(&self) -> String {
+        self.gpu.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
+    }
+
+    /// `hidden_states [T, H]` → `[T, H]` f32 (copies in and out included).
+    pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        let s = hidden.shape();
+        if s.len() != 2 || s[1] != self.config.hidden {
+            return Err(MoeError::shape("hidden_states", format!("[T, {}]", self.config.hidden), s));
+        }
+        let x = hidden.to_f32_vec();
+        crate::error::check_finite("hidden_states", &x)?;
+        let t = s[0];
+        let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let b = self.buffers(&mut guard, t)?;
+        self.gpu.stream.memcpy_htod(&x, &mut b.x.slice_mut(0..t * self.config.hidden)).map_err(|e| err("copy in", e))?;
+        self.run(b, t, false)?;
+        let mut out = vec![0f32; t * self.config.hidden];
+        self.gpu.stream.memcpy_dtoh(&b.out.slice(0..t * self.config.hidden), &mut out).map_err(|e| err("copy out", e))?;
+        Tensor::from_f32(&[t, self.config.hidden], out)
+    }
+
+    /// Runs `tokens` tokens of uniform random input already on the device and returns the
+    /// per-stage event times (for benchmarks).
+    pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
+        let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let b = self.buffers(&mut guard, tokens)?;
+        let n = tokens * self.config.hidden;
+        let (ptr, len, scale) = (dptr(&b.x, &self.gpu), n as i64, 1.0f32);
+        // SAFETY: fills the first `n` floats of the input buffer, which holds at least `n`.
+        unsafe { self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n)) }
+            .map_err(|e| err("fill", e))?;
+        self.run(b, tokens, true)
+    }
+
+    fn buffers<'a>(&self, guard: &'a mut Option<Buffers>, tokens: usize) -> Result<&'a mut Buffers> {
+        if guard.as_ref().is_none_or(|b| b.tokens < tokens) {
+            *guard = None;
+            let c = &self.config;
+            let (t, h, e, i, k) = (tokens.max(1), c.hidden, c.num_experts, c.inter, c.top_k);
+            let wide = i.max(c.shared.map_or(0, |s| s.inter));
+            let s = &self.gpu.stream;
+            let r = t * k;
+            macro_rules! z {
+                ($ty:ty, $n:expr) => {
+                    s.alloc_zeros::<$ty>($n).map_err(|e| err("allocating workspace", e))?
+                };
+            }
+            *guard = Some(Buffers {
+                tokens: t,
+                x: z!(f32, t * h),
+                x_bf: z!(u16, t * h),
+                logits: z!(f32, t * e),
+                ids: z!(i32, r),
+                weights: z!(f32, r),
+                counts: z!(i32, e),
+                offsets: z!(i32, e + 1),
+                row_of_slot: z!(i32, r),
+                slot_of_row: z!(i32, r),
+                expert_of_row: z!(i32, r),
+                a: z!(u16, r * h),
+                h13: z!(u16, r.max(t) * 2 * wide),
+                act: z!(u16, r.max(t) * wide),
+                y: z!(u16, r.max(t) * h),
+                out: z!(f32, t * h),
+                ptrs: z!(u64, 3 * e.max(1)),
+            });
+        }
+        Ok(guard.as_mut().expect("allocated above"))
+    }
+
+    /// Measured ceilings of this GPU: dense bf16 GEMM TFLOP/s (cuBLAS, 8192³) and copy GB/s
+    /// (bytes read + written, 1 GiB device-to-device), medians of 5 runs after a warm-up.
+    pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
+        let g = &self.gpu;
+        let n = 8192usize;
+        let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
+        let (a, w, mut c) = (alloc(n * n)?, alloc(n * n)?, alloc(n * n)?);
+        let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+            let mut v = Vec::new();
+            for rep in 0..6 {
+                let (e0, e1) = (g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)), g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)));
+                let (e0, e1) = (e0.map_err(|e| err("event", e))?, e1.map_err(|e| err("event", e))?);
+                e0.record(&g.stream).map_err(|e| err("event", e))?;
+                f()?;
+                e1.record(&g.stream).map_err(|e| err("event", e))?;
+                e1.synchronize().map_err(|e| err("event", e))?;
+                if rep > 0 {
+                    v.push(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64);
+                }
+            }
+            v.sort_by(f64::total_cmp);
+            Ok(v[v.len() / 2])
+        };
+        let (ap, cp) = (dptr(&a, g), dptr(&c, g));
+        let gemm_ms = time(&mut || self.dense_gemm(&w, n, n, ap, cp, n))?;
+        let bytes = 1usize << 30;
+        let (src, mut dst) = (alloc(bytes / 2)?, alloc(bytes / 2)?);
+        let copy_ms = time(&mut || g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| err("copy", e)))?;
+        let _ = &mut c;
+        Ok((2.0 * (n * n * n) as f64 / gemm_ms / 1e9, 2.0 * bytes as f64 / copy_ms / 1e6))
+    }
+
+    /// Bytes of device memory of the weights.
+    pub fn weight_bytes(&self) -> usize {
+        2 * (self.w.w13.len() + self.w.w2.len()) + self.w.shared.as_ref().map_or(0, |s| 2 * (s.w13.len() + s.w2.len()))
+    }
+
+    #[allow(clippy::too_many_lines)]
+    fn run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
+        let c = &self.config;
+        let (h, e, i, k) = (c.hidden, c.num_experts, c.inter, c.top_k);
+        let g = &self.gpu;
+        let s = &g.stream;
+        let marks: Vec<cudarc::driver::CudaEvent> = if timed {
+            (0..8)
+                .map(|_| g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e)))
+                .collect::<Result<_>>()?
+        } else {
+            Vec::new()
+        };
+        let mark = |n: usize| -> Result<()> {
+            if let Some(ev) = marks.get(n) {
+                ev.record(s).map_err(|e| err("event", e))?;
+            }
+            Ok(())
+        };
+        let p = |x: &CudaSlice<f32>| dptr(x, g);
+        let pi = |x: &CudaSlice<i32>| dptr(x, g);
+        let pb = |x: &CudaSlice<u16>| dptr(x, g);
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
+        mark(0)?;
+        if t == 0 {
+            return Ok(GpuStageTimes::default());
+        }
+        // Route.
+        let (n_th, n) = (t * h, (t * h) as i64);
+        let (xp, xbp) = (p(&b.x), pb(&b.x_bf));
+        // SAFETY: every launch below passes device pointers to buffers sized for `t` tokens
+        // (see `buffers`) with the scalar types the kernel in moe.cu declares.
+        unsafe {
+            s.launch_builder(&self.k.to_bf16).arg(&xp).arg(&xbp).arg(&n).launch(grid(n_th)).map_err(|e| err("to_bf16", e))?;
+        }
+        self.gemm_f32_router(b, t)?;
+        if let Some(bias) = &self.w.gate_bias {
+            let (lp, bp, ti, ei) = (p(&b.logits), p(bias), t as i32, e as i32);
+            // SAFETY: as above.
+            unsafe { s.launch_builder(&self.k.add_bias).arg(&lp).arg(&bp).arg(&ti).arg(&ei).launch(grid(t * e)) }
+                .map_err(|e| err("add_bias", e))?;
+        }
+        let (kind, n_group, topk_group, renorm, scaling) = match c.router {
+            RouterConfig::Softmax { renormalize } => (0i32, 1i32, 1i32, renormalize as i32, 1.0f32),
+            RouterConfig::TopKSoftmax => (1, 1, 1, 0, 1.0),
+            RouterConfig::SigmoidGrouped { n_group, topk_group, renormalize, scaling } => {
+                (2, n_group as i32, topk_group as i32, renormalize as i32, scaling)
+            }
+            RouterConfig::SoftmaxGrouped { n_group, topk_group, renormalize, scaling } => {
+                (3, n_group as i32, topk_group as i32, renormalize as i32, scaling)
+            }
+        };
+        if n_group > 64 {
+            return Err(MoeError::Unsupported("more than 64 expert groups on the CUDA backend".into()));
+        }
+        {
+            let (lp, bp, ti, ei, ki) = (p(&b.logits), opt(&self.w.correction_bias), t as i32, e as i32, k as i32);
+            let (ip, wp) = (pi(&b.ids), p(&b.weights));
+            // SAFETY: as above.
+            unsafe {
+                s.launch_builder(&self.k.route)
+                    .arg(&lp)
+                    .arg(&bp)
+                    .arg(&ti)
+                    .arg(&ei)
+                    .arg(&ki)
+                    .arg(&kind)
+                    .arg(&n_group)
+                    .arg(&topk_group)
+                    .arg(&renorm)
+                    .arg(&scaling)
+                    .arg(&ip)
+                    .arg(&wp)
+                    .launch(LaunchConfig { grid_dim: (t.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
+            }
+            .map_err(|e| err("route", e))?;
+        }
+        mark(1)?;
+        // Permute.
+        let slots = (t * k) as i32;
+        let (ip, cp, op, ei) = (pi(&b.ids), pi(&b.counts), pi(&b.offsets), e as i32);
+        let (rs, sr, er) = (pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row));
+        let warps = LaunchConfig { grid_dim: (e.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: as above.
+        unsafe {
+            s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps).map_err(|e| err("count", e))?;
+            s.launch_builder(&self.k.scan).arg(&cp).arg(&ei).arg(&op).launch(rows(1, 32)).map_err(|e| err("scan", e))?;
+            s.launch_builder(&self.k.scatter)
+                .arg(&ip)
+                .arg(&slots)
+                .arg(&ei)
+                .arg(&op)
+                .arg(&rs)
+                .arg(&sr)
+                .arg(&er)
+                .launch(warps)
+                .map_err(|e| err("scatter", e))?;
+            let (hi, ki, ri, ap) = (h as i32, k as i32, slots, pb(&b.a));
+            s.launch_builder(&self.k.gather)
+                .arg(&xbp)
+                .arg(&hi)
+                .arg(&sr)
+                .arg(&ki)
+                .arg(&ri)
+                .arg(&ap)
+                .launch(rows(t * k, 256))
+                .map_err(|e| err("gather", e))?;
+        }
+        // The grouped GEMM takes per-group sizes on the host.
+        let mut counts = vec![0i32; e];
+        s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
+        let mut groups = Vec::new();
+        let mut off = 0usize;
+        for (x, &cnt) in counts.iter().enumerate() {
+            if cnt > 0 {
+                groups.push((x, off, cnt as usize));
+            }
+            off += cnt as usize;
+        }
+        mark(2)?;
+        self.grouped_gemm(b, &self.w.w13, 2 * i, h, pb(&b.a), pb(&b.h13), &groups)?;
+        mark(3)?;
+        let (act_kind, alpha, limit) = act_params(c.activation);
+        {
+            let (hp, b13, rr, ii, ap) = (pb(&b.h13), opt(&self.w.b13), (t * k) as i64, i as i32, pb(&b.act));
+            // SAFETY: as above.
+            unsafe {
+                s.launch_builder(&self.k.act)
+                    .arg(&hp)
+                    .arg(&b13)
+                    .arg(&er)
+                    .arg(&rr)
+                    .arg(&ii)
+                    .arg(&act_kind)
+                    .arg(&alpha)
+                    .arg(&limit)
+                    .arg(&ap)
+                    .launch(grid(t * k * i))
+            }
+            .map_err(|e| err("act_and_mul", e))?;
+        }
+        mark(4)?;
+        self.grouped_gemm(b, &self.w.w2, h, i, pb(&b.act), pb(&b.y), &groups)?;
+        mark(5)?;
+        {
+            let (yp, b2, wp, ti, ki, hi, zero, outp) =
+                (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
+            // SAFETY: as above.
+            unsafe {
+                s.launch_builder(&self.k.combine)
+                    .arg(&yp)
+                    .arg(&b2)
+                    .arg(&ip)
+                    .arg(&wp)
+                    .arg(&rs)
+                    .arg(&ti)
+                    .arg(&ki)
+                    .arg(&hi)
+                    .arg(&zero)
+                    .arg(&outp)
+                    .launch(grid(t * h))
+            }
+            .map_err(|e| err("combine", e))?;
+        }
+        mark(6)?;
+        if let Some(sh) = &self.w.shared {
+            let si = sh.inter;
+            self.dense_gemm(&sh.w13, 2 * si, h, pb(&b.x_bf), pb(&b.h13), t)?;
+            let (hp, null, rr, ii, ap) = (pb(&b.h13), 0u64, t as i64, si as i32, pb(&b.act));
+            let (yp, xp2, gp, ti, hi, outp) = (pb(&b.y), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
+            // SAFETY: as above; null pointers select the kernels' "no bias"/"no gate" paths.
+            unsafe {
+                s.launch_builder(&self.k.act)
+                    .arg(&hp)
+                    .arg(&null)
+                    .arg(&null)
+                    .arg(&rr)
+                    .arg(&ii)
+                    .arg(&act_kind)
+                    .arg(&alpha)
+                    .arg(&limit)
+                    .arg(&ap)
+                    .launch(grid(t * si))
+                    .map_err(|e| err("shared act", e))?;
+            }
+            self.dense_gemm(&sh.w2, h, si, pb(&b.act), pb(&b.y), t)?;
+            // SAFETY: as above.
+            unsafe {
+                s.launch_builder(&self.k.add_shared)
+                    .arg(&outp)
+                    .arg(&yp)
+                    .arg(&xp2)
+                    .arg(&gp)
+                    .arg(&ti)
+                    .arg(&hi)
+                    .launch(rows(t, 256))
+                    .map_err(|e| err("add_shared", e))?;
+            }
+        }
+        mark(7)?;
+        s.synchronize().map_err(|e| err("synchronize", e))?;
+        if !timed {
+            return Ok(GpuStageTimes::default());
+        }
+        let ms = |a: usize, z: usize| -> Result<f64> { Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64) };
+        Ok(GpuStageTimes {
+            route: ms(0, 1)?,
+            permute: ms(1, 2)?,
+            gemm1: ms(2, 3)?,
+            act: ms(3, 4)?,
+            gemm2: ms(4, 5)?,
+            combine: ms(5, 6)?,
+            shared: ms(6, 7)?,
+            total: ms(0, 7)?,
+        })
+    }
+
+    /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 (pedantic f32: no TF32).
+    fn gemm_f32_router(&self, b: &Buffers, t: usize) -> Result<()> {
+        let (h, e) = (self.config.hidden as i32, self.config.num_experts as i32);
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        let g = &self.gpu;
+        // SAFETY: column-major view: C [E, T] = gate [H, E]ᵀ · x [H, T]; all buffers hold at
+        // least those many f32 values.
+        let st = unsafe {
+            cb::cublasGemmEx(
+                *self.blas.handle(),
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                e,
+                t as i32,
+                h,
+                &alpha as *const f32 as *const _,
+                dptr(&self.w.gate, g) as *const _,
+                cb::cudaDataType_t::CUDA_R_32F,
+                h,
+                dptr(&b.x, g) as *const _,
+                cb::cudaDataType_t::CUDA_R_32F,
+                h,
+                &beta as *const f32 as *const _,
+                dptr(&b.logits, g) as *mut _,
+                cb::cudaDataType_t::CUDA_R_32F,
+                e,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check(st, "router GEMM")
+    }
+
+    /// For each group (expert, first row, rows): `C[rows, n] = A[rows, kdim] · W[expert]ᵀ`,
+    /// bf16 in and out, f32 accumulation, one grouped cuBLAS call.
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_gemm(&self, b: &mut Buffers, w: &CudaSlice<u16>, n: usize, kdim: usize, a: u64, c: u64, groups: &[(usize, usize, usize)]) -> Result<()> {
+        if groups.is_empty() {
+            return Ok(());
+        }
+        let g = &self.gpu;
+        let count = groups.len();
+        let wbase = dptr(w, g);
+        let mut ptrs = Vec::with_capacity(3 * count);
+        ptrs.extend(groups.iter().map(|&(x, _, _)| wbase + 2 * (x * n * kdim) as u64));
+        ptrs.extend(groups.iter().map(|&(_, off, _)| a + 2 * (off * kdim) as u64));
+        ptrs.extend(groups.iter().map(|&(_, off, _)| c + 2 * (off * n) as u64));
+        g.stream.memcpy_htod(&ptrs, &mut b.ptrs.slice_mut(0..3 * count)).map_err(|e| err("GEMM pointer arrays", e))?;
+        let base = dptr(&b.ptrs, g);
+        let ta = vec![cb::cublasOperation_t::CUBLAS_OP_T; count];
+        let tb = vec![cb::cublasOperation_t::CUBLAS_OP_N; count];
+        let m: Vec<i32> = vec![n as i32; count];
+        let nn: Vec<i32> = groups.iter().map(|&(_, _, r)| r as i32).collect();
+        let kk: Vec<i32> = vec![kdim as i32; count];
+        let ones = vec![1.0f32; count];
+        let zeros = vec![0.0f32; count];
+        let sizes = vec![1i32; count];
+        // SAFETY: column-major per group: C [n, rows] = W [kdim, n]ᵀ · A [kdim, rows]; the
+        // device pointer arrays (uploaded above, stream-ordered) address `count` matrices of
+        // those sizes inside the weight and workspace buffers; host arrays have `count` entries.
+        let st = unsafe {
+            cb::cublasGemmGroupedBatchedEx(
+                *self.blas.handle(),
+                ta.as_ptr(),
+                tb.as_ptr(),
+                m.as_ptr(),
+                nn.as_ptr(),
+                kk.as_ptr(),
+                ones.as_ptr() as *const _,
+                base as *const *const _,
+                cb::cudaDataType_t::CUDA_R_16BF,
+                kk.as_ptr(),
+                (base + 8 * count as u64) as *const *const _,
+                cb::cudaDataType_t::CUDA_R_16BF,
+                kk.as_ptr(),
+                zeros.as_ptr() as *const _,
+                (base + 16 * count as u64) as *const *mut _,
+                cb::cudaDataType_t::CUDA_R_16BF,
+                m.as_ptr(),
+                count as i32,
+                sizes.as_ptr(),
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            )
+        };
+        check(st, "grouped GEMM")
+    }
+
+    /// `C[rows, n] = A[rows, kdim] · W[n, kdim]ᵀ`, bf16 in and out (shared experts).
+    fn dense_gemm(&self, w: &CudaSlice<u16>, n: usize, kdim: usize, a: u64, c: u64, rows_: usize) -> Result<()> {
+        let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: column-major C [n, rows] = W [kdim, n]ᵀ · A [kdim, rows] within the buffers.
+        let st = unsafe {
+            cb::cublasGemmEx(
+                *self.blas.handle(),
+                cb::cublasOperation_t::CUBLAS_OP_T,
+                cb::cublasOperation_t::CUBLAS_OP_N,
+                n as i32,
+                rows_ as i32,
+                kdim as i32,
+                &alpha as *const f32 as *const _,
+                dptr(w, &self.gpu) as *const _,
+                cb::cudaDataType_t::CUDA_R_16BF,
+                kdim as i32,
+                a as *const _,
+                cb::cudaDataType_t::CUDA_R_16BF,
+                kdim as i32,
+                &beta as *const f32 as *const _,
+                c as *mut _,
+                cb::cudaDataType_t::CUDA_R_16BF,
+                n as i32,
+                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        };
+        check(st, "shared-expert GEMM")
+    }
+}
+
+fn check(st: cb::cublasStatus_t, what: &str) -> Result<()> {
+    if st == cb::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(err(what, st))
+    }
+}
+
+/// The raw device address of `s` (event tracking is off, so the guard has nothing to do).
+fn dptr<T>(s: &CudaSlice<T>, g: &Gpu) -> u64 {
+    let (p, _guard) = s.device_ptr(&g.stream);
+    p
+}
+
+fn act_params(a: Activation) -> (i32, f32, f32) {
+    match a {
+        Activation::Silu => (0, 0.0, 0.0),
+        Activation::GeluErf => (1, 0.0, 0.0),
+        Activation::GeluTanh => (2, 0.0, 0.0),
+        Activation::SwigluOai { alpha, limit } => (3, alpha, limit),
+    }
+}

@@ -1,0 +1,74 @@
+//! The CUDA backend (feature `cuda`): cudarc with dynamic loading, kernels compiled at run time
+//! by NVRTC for the device's architecture (cached per process), expert GEMMs as one grouped
+//! cuBLAS call each.
+
+mod layer;
+
+pub use layer::CudaMoeLayer;
+pub use super::GpuStageTimes;
+
+use crate::error::{MoeError, Result};
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use std::sync::{Arc, Mutex, OnceLock};
+
+/// The kernel sources, compiled once per process and device.
+const KERNELS: &str = include_str!("kernels/moe.cu");
+
+fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
+    MoeError::Unsupported(format!("CUDA: {what}: {e:?}"))
+}
+
+/// One GPU: context, stream, compiled kernels.
+pub struct Gpu {
+    /// The context.
+    pub ctx: Arc<CudaContext>,
+    /// The stream every operation runs on.
+    pub stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+}
+
+/// Compiled modules by device ordinal.
+type ModuleCache = Mutex<Vec<(usize, Arc<CudaModule>)>>;
+
+static MODULES: OnceLock<ModuleCache> = OnceLock::new();
+
+impl Gpu {
+    /// Opens device `ordinal`; a clear error when no driver or device is present.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // SAFETY: only probes whether the CUDA driver library can be loaded.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(MoeError::Unsupported("no CUDA driver found (libcuda.so); use --backend cpu".into()));
+        }
+        let count = CudaContext::device_count().map_err(|e| err("counting devices", e))?;
+        if ordinal as i32 >= count {
+            return Err(MoeError::Unsupported(format!("CUDA device {ordinal} requested, {count} present")));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| err("creating context", e))?;
+        // SAFETY: moeflow orders all work on one stream per layer, so cudarc's per-buffer event
+        // tracking is not needed.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| err("creating stream", e))?;
+        let module = Self::module(&ctx, ordinal)?;
+        Ok(Gpu { ctx, stream, module })
+    }
+
+    fn module(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<CudaModule>> {
+        let cache = MODULES.get_or_init(|| Mutex::new(Vec::new()));
+        let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((_, m)) = cache.iter().find(|(o, _)| *o == ordinal) {
+            return Ok(m.clone());
+        }
+        let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), use_fast_math: Some(false), ..Default::default() };
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| err("NVRTC compile of moe.cu", e))?;
+        let module = ctx.load_module(ptx).map_err(|e| err("loading module", e))?;
+        cache.push((ordinal, module.clone()));
+        Ok(module)
+    }
+
+    /// Kernel `name` of moe.cu.
+    pub fn function(&self, name: &str) -> Result<CudaFunction> {
+        self.module.load_function(name).map_err(|e| err(&format!("kernel {name}"), e))
+    }
+}

@@ -1,0 +1,104 @@
+//! The CUDA layer against the f64 reference and the transformers fixtures. Needs the `cuda`
+//! feature and a GPU: without a GPU every test prints SKIPPED and checks nothing; CI builds
+//! without the feature, where the stand-in's error is tested in tests/layer.rs instead.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::*;
+use moeflow::backend::cuda::CudaMoeLayer;
+use moeflow::model::{io, Checkpoint};
+use moeflow::{preset, reference, Activation, DType, MoeConfig, MoeWeights, RouterConfig, SharedConfig, Tensor};
+
+/// bf16 path: activations rounded to bf16 before each GEMM and GEMM outputs stored in bf16
+/// (8 significand bits: 2^-8 ≈ 4e-3 per rounding, a few roundings in sequence).
+const BF16_TOL: f64 = 2.5e-2;
+
+fn layer(config: &MoeConfig, weights: &MoeWeights) -> Option<CudaMoeLayer> {
+    match CudaMoeLayer::new(config, weights) {
+        Ok(l) => Some(l),
+        Err(e) if e.to_string().contains("no CUDA driver") || e.to_string().contains("device 0 requested") => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            None
+        }
+        Err(e) => panic!("{e}"),
+    }
+}
+
+fn rel(got: &[f32], want: &[f64]) -> f64 {
+    let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
+}
+
+#[test]
+fn every_router_and_activation_matches_reference() {
+    let cases = [
+        (RouterConfig::Softmax { renormalize: true }, Activation::Silu, None, 8, 2),
+        (RouterConfig::Softmax { renormalize: false }, Activation::GeluErf, None, 7, 1),
+        (RouterConfig::TopKSoftmax, Activation::GPT_OSS, None, 12, 4),
+        (RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 }, Activation::Silu, Some(SharedConfig { inter: 40, gated: false }), 16, 6),
+        (RouterConfig::SoftmaxGrouped { n_group: 4, topk_group: 2, renormalize: false, scaling: 16.0 }, Activation::GeluTanh, Some(SharedConfig { inter: 24, gated: true }), 16, 3),
+    ];
+    for (router, act, shared, e, k) in cases {
+        // Hidden 200 and intermediate 72: not multiples of 128.
+        let config = small_config(200, 72, e, k, router.clone(), act, shared);
+        let weights = preset::random_weights(&config, DType::BF16, 5);
+        let Some(gpu) = layer(&config, &weights) else { return };
+        for tokens in [0, 1, 7, 300] {
+            let (x, xt) = hidden(tokens, 200, tokens as u64 + 9);
+            let got = gpu.forward(&xt).unwrap().to_f32_vec();
+            assert_eq!(got.len(), tokens * 200);
+            if tokens == 0 {
+                continue;
+            }
+            let want = reference::forward(&config, &weights, &x).unwrap().out;
+            let err = rel(&got, &want);
+            println!("{router:?} {act:?} T {tokens}: relative error {err:.2e}");
+            assert!(err <= BF16_TOL, "{router:?} {act:?} T {tokens}: {err:e}");
+            // The same result run after run.
+            assert_eq!(gpu.forward(&xt).unwrap().to_f32_vec(), got);
+        }
+    }
+}
+
+#[test]
+fn one_hot_expert_and_unused_experts() {
+    let config = small_config(64, 32, 10, 2, RouterConfig::TopKSoftmax, Activation::GPT_OSS, None);
+    let mut weights = preset::random_weights(&config, DType::BF16, 6);
+    let mut bias = vec![0f32; 10];
+    bias[3] = 60.0;
+    weights.gate_bias = Some(Tensor::from_f32(&[10], bias).unwrap());
+    let Some(gpu) = layer(&config, &weights) else { return };
+    let (x, xt) = hidden(513, 64, 1);
+    let err = rel(&gpu.forward(&xt).unwrap().to_f32_vec(), &reference::forward(&config, &weights, &x).unwrap().out);
+    println!("one hot expert: relative error {err:.2e}");
+    assert!(err <= BF16_TOL);
+}
+
+/// The fixtures: `MOEFLOW_FIXTURES`, the source tree this was built from, or `./fixtures`.
+fn fixtures() -> std::path::PathBuf {
+    if let Ok(d) = std::env::var("MOEFLOW_FIXTURES") {
+        return d.into();
+    }
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    if built.exists() {
+        built
+    } else {
+        "fixtures".into()
+    }
+}
+
+#[test]
+fn fixtures_through_the_gpu() {
+    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v3_fp8", "gpt_oss", "gpt_oss_mxfp4"] {
+        let dir = fixtures().join(name);
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let block = Checkpoint::open(&dir).unwrap().load_moe_block(Some(meta["layer"].as_u64().unwrap() as usize), DType::BF16).unwrap();
+        let Some(gpu) = layer(&block.config, &block.weights) else { return };
+        let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
+        let want: Vec<f64> = io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
+        let err = rel(&gpu.forward(&x).unwrap().to_f32_vec(), &want);
+        println!("fixture {name}: relative error {err:.2e} (weights rounded to bf16)");
+        assert!(err <= BF16_TOL, "{name}: {err:e}");
+    }
+}
