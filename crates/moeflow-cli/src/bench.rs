@@ -263,7 +263,19 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     );
     println!(
         "{:>7} {:>9} {:>8} {:>8} {:>9} {:>7}   {:>6} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6}",
-        "tokens", "ms", "TFLOP/s", "GB/s", "floor ms", "floor%", "route", "permute", "gemm1", "act", "gemm2", "combine", "shared"
+        "tokens",
+        "ms",
+        "TFLOP/s",
+        "GB/s",
+        "floor ms",
+        "floor%",
+        "route",
+        "permute",
+        "gemm1",
+        "act",
+        "gemm2",
+        "combine",
+        "shared"
     );
     let per_expert = 3 * config.hidden * config.inter * 2;
     let mut records = Vec::new();
@@ -272,12 +284,16 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             gpu.forward_timed(t, args.layer.seed)?;
         }
         let runs = args.min_runs.max(20);
-        let samples: Vec<_> = (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
-        let med = |f: fn(&moeflow::backend::cuda::GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+        let samples: Vec<_> =
+            (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
+        let med =
+            |f: fn(&moeflow::backend::cuda::GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
         let ms = med(|s| s.total);
         let flops = config.expert_flops(t);
         let experts_read = config.num_experts.min(t * config.top_k);
-        let bytes = experts_read * per_expert + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2) + t * config.hidden * 8;
+        let bytes = experts_read * per_expert
+            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2)
+            + t * config.hidden * 8;
         let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
         println!(
             "{:>7} {:>9.3} {:>8.1} {:>8.0} {:>9.3} {:>6.0}%   {:>6.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>6.3}",
@@ -308,13 +324,21 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             matmul_fraction: flops / ms / 1e9 / gemm_tflops,
             floor_ms: floor,
             runs,
-            stages_ms: StageTimes { route: med(|s| s.route), prepare: med(|s| s.permute), experts: med(|s| s.gemm1 + s.act + s.gemm2), finalize: med(|s| s.combine), shared: med(|s| s.shared) },
+            stages_ms: StageTimes {
+                route: med(|s| s.route),
+                prepare: med(|s| s.permute),
+                experts: med(|s| s.gemm1 + s.act + s.gemm2),
+                finalize: med(|s| s.combine),
+                shared: med(|s| s.shared),
+            },
             bytes_moved_per_rank: 0,
         });
     }
     if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&records).map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
-        std::fs::write(path, text + "\n").map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
+        let text = serde_json::to_string_pretty(&records)
+            .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
     }
     Ok(())
 }

@@ -36,8 +36,20 @@ fn every_router_and_activation_matches_reference() {
         (RouterConfig::Softmax { renormalize: true }, Activation::Silu, None, 8, 2),
         (RouterConfig::Softmax { renormalize: false }, Activation::GeluErf, None, 7, 1),
         (RouterConfig::TopKSoftmax, Activation::GPT_OSS, None, 12, 4),
-        (RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 }, Activation::Silu, Some(SharedConfig { inter: 40, gated: false }), 16, 6),
-        (RouterConfig::SoftmaxGrouped { n_group: 4, topk_group: 2, renormalize: false, scaling: 16.0 }, Activation::GeluTanh, Some(SharedConfig { inter: 24, gated: true }), 16, 3),
+        (
+            RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 },
+            Activation::Silu,
+            Some(SharedConfig { inter: 40, gated: false }),
+            16,
+            6,
+        ),
+        (
+            RouterConfig::SoftmaxGrouped { n_group: 4, topk_group: 2, renormalize: false, scaling: 16.0 },
+            Activation::GeluTanh,
+            Some(SharedConfig { inter: 24, gated: true }),
+            16,
+            3,
+        ),
     ];
     for (router, act, shared, e, k) in cases {
         // Hidden 200 and intermediate 72: not multiples of 128.
@@ -90,13 +102,28 @@ fn fixtures() -> std::path::PathBuf {
 
 #[test]
 fn fixtures_through_the_gpu() {
-    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v3_fp8", "gpt_oss", "gpt_oss_mxfp4"] {
+    for name in [
+        "mixtral",
+        "qwen2_moe",
+        "qwen3_moe",
+        "olmoe",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v3_fp8",
+        "gpt_oss",
+        "gpt_oss_mxfp4",
+    ] {
         let dir = fixtures().join(name);
-        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
-        let block = Checkpoint::open(&dir).unwrap().load_moe_block(Some(meta["layer"].as_u64().unwrap() as usize), DType::BF16).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let block = Checkpoint::open(&dir)
+            .unwrap()
+            .load_moe_block(Some(meta["layer"].as_u64().unwrap() as usize), DType::BF16)
+            .unwrap();
         let Some(gpu) = layer(&block.config, &block.weights) else { return };
         let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
-        let want: Vec<f64> = io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
+        let want: Vec<f64> =
+            io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
         let err = rel(&gpu.forward(&x).unwrap().to_f32_vec(), &want);
         println!("fixture {name}: relative error {err:.2e} (weights rounded to bf16)");
         assert!(err <= BF16_TOL, "{name}: {err:e}");

@@ -23,7 +23,6 @@ pub struct GpuStageTimes {
     pub total: f64,
 }
 
-
 #[cfg(feature = "cuda")]
 pub mod cuda;
 

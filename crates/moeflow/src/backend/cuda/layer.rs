@@ -71,6 +71,11 @@ struct Buffers {
 /// One MoE layer resident on a GPU.
 pub struct CudaMoeLayer {
     gpu: Gpu,
+    /// Side streams, each with its own cuBLAS handle, so that per-expert GEMMs (each too small
+    /// to fill the GPU) run concurrently.
+    side: Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>,
+    /// One grouped cuBLAS call per GEMM instead of one call per expert (`MOEFLOW_GROUPED_GEMM=1`).
+    grouped: bool,
     blas: CudaBlas,
     config: MoeConfig,
     k: Kernels,
@@ -86,7 +91,11 @@ fn bf16_bits(t: &Tensor) -> Vec<u16> {
 }
 
 fn grid(n: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
 }
 
 fn rows(n: usize, threads: u32) -> LaunchConfig {
@@ -98,6 +107,12 @@ impl CudaMoeLayer {
         config.validate()?;
         if config.apply_router_weight_on_input {
             return Err(MoeError::Unsupported("apply_router_weight_on_input on the CUDA backend".into()));
+        }
+        if config.num_experts > 1024 {
+            return Err(MoeError::Unsupported(format!(
+                "{} experts above 1024 on the CUDA backend",
+                config.num_experts
+            )));
         }
         if config.top_k > 32 {
             return Err(MoeError::Unsupported(format!("top-k {} above 32 on the CUDA backend", config.top_k)));
@@ -147,7 +162,16 @@ impl CudaMoeLayer {
                 _ => None,
             },
         };
-        Ok(CudaMoeLayer { gpu, blas, config: config.clone(), k, w, bufs: Mutex::new(None) })
+        Ok(CudaMoeLayer {
+            side: side_streams(&gpu)?,
+            gpu,
+            grouped: grouped_from_env(),
+            blas,
+            config: config.clone(),
+            k,
+            w,
+            bufs: Mutex::new(None),
+        })
     }
 
     /// A layer whose weights are generated on the device (uniform, seeded), for benchmarks of
@@ -163,13 +187,16 @@ impl CudaMoeLayer {
             let s = gpu.stream.alloc_zeros::<f32>(len).map_err(|e| err("alloc", e))?;
             let (ptr, lenl, seed) = (dptr(&s, &gpu), len as i64, seed ^ (n << 40));
             // SAFETY: fill_uniform_f32(float*, long, u64, float) writes `len` floats of `s`.
-            unsafe { gpu.stream.launch_builder(&k.fill_f32).arg(&ptr).arg(&lenl).arg(&seed).arg(&scale).launch(grid(len)) }
-                .map_err(|e| err("fill", e))?;
+            unsafe {
+                gpu.stream.launch_builder(&k.fill_f32).arg(&ptr).arg(&lenl).arg(&seed).arg(&scale).launch(grid(len))
+            }
+            .map_err(|e| err("fill", e))?;
             Ok(s)
         };
         let gate = f32s(e * h, 3.0 * sh)?;
         let gate_bias = if biases { Some(f32s(e, 0.5)?) } else { None };
-        let correction_bias = if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
+        let correction_bias =
+            if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
         let b13 = if biases { Some(f32s(e * 2 * i, 0.1)?) } else { None };
         let b2 = if biases { Some(f32s(e * h, 0.1)?) } else { None };
         let mut m = 100u64;
@@ -178,8 +205,10 @@ impl CudaMoeLayer {
             let s = gpu.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e))?;
             let (ptr, lenl, seed) = (dptr(&s, &gpu), len as i64, seed ^ (m << 40));
             // SAFETY: fill_uniform_bf16(bf16*, long, u64, float) writes `len` values of `s`.
-            unsafe { gpu.stream.launch_builder(&k.fill_bf16).arg(&ptr).arg(&lenl).arg(&seed).arg(&scale).launch(grid(len)) }
-                .map_err(|e| err("fill", e))?;
+            unsafe {
+                gpu.stream.launch_builder(&k.fill_bf16).arg(&ptr).arg(&lenl).arg(&seed).arg(&scale).launch(grid(len))
+            }
+            .map_err(|e| err("fill", e))?;
             Ok(s)
         };
         let w13 = bf16s(e * 2 * i * h, 2.0 * sh)?;
@@ -194,7 +223,16 @@ impl CudaMoeLayer {
             None => None,
         };
         let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared };
-        Ok(CudaMoeLayer { gpu, blas, config: config.clone(), k, w, bufs: Mutex::new(None) })
+        Ok(CudaMoeLayer {
+            side: side_streams(&gpu)?,
+            gpu,
+            grouped: grouped_from_env(),
+            blas,
+            config: config.clone(),
+            k,
+            w,
+            bufs: Mutex::new(None),
+        })
     }
 
     /// The layer's configuration.
@@ -218,10 +256,16 @@ impl CudaMoeLayer {
         let t = s[0];
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         let b = self.buffers(&mut guard, t)?;
-        self.gpu.stream.memcpy_htod(&x, &mut b.x.slice_mut(0..t * self.config.hidden)).map_err(|e| err("copy in", e))?;
+        self.gpu
+            .stream
+            .memcpy_htod(&x, &mut b.x.slice_mut(0..t * self.config.hidden))
+            .map_err(|e| err("copy in", e))?;
         self.run(b, t, false)?;
         let mut out = vec![0f32; t * self.config.hidden];
-        self.gpu.stream.memcpy_dtoh(&b.out.slice(0..t * self.config.hidden), &mut out).map_err(|e| err("copy out", e))?;
+        self.gpu
+            .stream
+            .memcpy_dtoh(&b.out.slice(0..t * self.config.hidden), &mut out)
+            .map_err(|e| err("copy out", e))?;
         Tensor::from_f32(&[t, self.config.hidden], out)
     }
 
@@ -233,8 +277,10 @@ impl CudaMoeLayer {
         let n = tokens * self.config.hidden;
         let (ptr, len, scale) = (dptr(&b.x, &self.gpu), n as i64, 1.0f32);
         // SAFETY: fills the first `n` floats of the input buffer, which holds at least `n`.
-        unsafe { self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n)) }
-            .map_err(|e| err("fill", e))?;
+        unsafe {
+            self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n))
+        }
+        .map_err(|e| err("fill", e))?;
         self.run(b, tokens, true)
     }
 
@@ -284,7 +330,10 @@ impl CudaMoeLayer {
         let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
             let mut v = Vec::new();
             for rep in 0..6 {
-                let (e0, e1) = (g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)), g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)));
+                let (e0, e1) = (
+                    g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)),
+                    g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)),
+                );
                 let (e0, e1) = (e0.map_err(|e| err("event", e))?, e1.map_err(|e| err("event", e))?);
                 e0.record(&g.stream).map_err(|e| err("event", e))?;
                 f()?;
@@ -344,7 +393,12 @@ impl CudaMoeLayer {
         // SAFETY: every launch below passes device pointers to buffers sized for `t` tokens
         // (see `buffers`) with the scalar types the kernel in moe.cu declares.
         unsafe {
-            s.launch_builder(&self.k.to_bf16).arg(&xp).arg(&xbp).arg(&n).launch(grid(n_th)).map_err(|e| err("to_bf16", e))?;
+            s.launch_builder(&self.k.to_bf16)
+                .arg(&xp)
+                .arg(&xbp)
+                .arg(&n)
+                .launch(grid(n_th))
+                .map_err(|e| err("to_bf16", e))?;
         }
         self.gemm_f32_router(b, t)?;
         if let Some(bias) = &self.w.gate_bias {
@@ -384,7 +438,11 @@ impl CudaMoeLayer {
                     .arg(&scaling)
                     .arg(&ip)
                     .arg(&wp)
-                    .launch(LaunchConfig { grid_dim: (t.div_ceil(128) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
+                    .launch(LaunchConfig {
+                        grid_dim: (t.div_ceil(4) as u32, 1, 1),
+                        block_dim: (128, 1, 1),
+                        shared_mem_bytes: 0,
+                    })
             }
             .map_err(|e| err("route", e))?;
         }
@@ -393,11 +451,22 @@ impl CudaMoeLayer {
         let slots = (t * k) as i32;
         let (ip, cp, op, ei) = (pi(&b.ids), pi(&b.counts), pi(&b.offsets), e as i32);
         let (rs, sr, er) = (pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row));
-        let warps = LaunchConfig { grid_dim: (e.div_ceil(8) as u32, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+        let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         // SAFETY: as above.
         unsafe {
-            s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps).map_err(|e| err("count", e))?;
-            s.launch_builder(&self.k.scan).arg(&cp).arg(&ei).arg(&op).launch(rows(1, 32)).map_err(|e| err("scan", e))?;
+            s.launch_builder(&self.k.count)
+                .arg(&ip)
+                .arg(&slots)
+                .arg(&ei)
+                .arg(&cp)
+                .launch(warps)
+                .map_err(|e| err("count", e))?;
+            s.launch_builder(&self.k.scan)
+                .arg(&cp)
+                .arg(&ei)
+                .arg(&op)
+                .launch(rows(1, 32))
+                .map_err(|e| err("scan", e))?;
             s.launch_builder(&self.k.scatter)
                 .arg(&ip)
                 .arg(&slots)
@@ -515,7 +584,9 @@ impl CudaMoeLayer {
         if !timed {
             return Ok(GpuStageTimes::default());
         }
-        let ms = |a: usize, z: usize| -> Result<f64> { Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64) };
+        let ms = |a: usize, z: usize| -> Result<f64> {
+            Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
+        };
         Ok(GpuStageTimes {
             route: ms(0, 1)?,
             permute: ms(1, 2)?,
@@ -564,8 +635,42 @@ impl CudaMoeLayer {
     /// For each group (expert, first row, rows): `C[rows, n] = A[rows, kdim] · W[expert]ᵀ`,
     /// bf16 in and out, f32 accumulation, one grouped cuBLAS call.
     #[allow(clippy::too_many_arguments)]
-    fn grouped_gemm(&self, b: &mut Buffers, w: &CudaSlice<u16>, n: usize, kdim: usize, a: u64, c: u64, groups: &[(usize, usize, usize)]) -> Result<()> {
+    fn grouped_gemm(
+        &self,
+        b: &mut Buffers,
+        w: &CudaSlice<u16>,
+        n: usize,
+        kdim: usize,
+        a: u64,
+        c: u64,
+        groups: &[(usize, usize, usize)],
+    ) -> Result<()> {
         if groups.is_empty() {
+            return Ok(());
+        }
+        if !self.grouped {
+            // One cuBLAS GEMM per expert, spread over the side streams: each picks its best
+            // tensor-core kernel for its size, and together they fill the GPU.
+            let main = &self.gpu.stream;
+            for (st, _) in &self.side {
+                st.join(main).map_err(|e| err("stream fork", e))?;
+            }
+            let wbase = dptr(w, &self.gpu);
+            for (q, &(x, off, r)) in groups.iter().enumerate() {
+                let blas = &self.side[q % self.side.len()].1;
+                gemm_bf16(
+                    blas,
+                    wbase + 2 * (x * n * kdim) as u64,
+                    n,
+                    kdim,
+                    a + 2 * (off * kdim) as u64,
+                    c + 2 * (off * n) as u64,
+                    r,
+                )?;
+            }
+            for (st, _) in &self.side {
+                main.join(st).map_err(|e| err("stream join", e))?;
+            }
             return Ok(());
         }
         let g = &self.gpu;
@@ -617,33 +722,56 @@ impl CudaMoeLayer {
 
     /// `C[rows, n] = A[rows, kdim] · W[n, kdim]ᵀ`, bf16 in and out (shared experts).
     fn dense_gemm(&self, w: &CudaSlice<u16>, n: usize, kdim: usize, a: u64, c: u64, rows_: usize) -> Result<()> {
-        let (alpha, beta) = (1.0f32, 0.0f32);
-        // SAFETY: column-major C [n, rows] = W [kdim, n]ᵀ · A [kdim, rows] within the buffers.
-        let st = unsafe {
-            cb::cublasGemmEx(
-                *self.blas.handle(),
-                cb::cublasOperation_t::CUBLAS_OP_T,
-                cb::cublasOperation_t::CUBLAS_OP_N,
-                n as i32,
-                rows_ as i32,
-                kdim as i32,
-                &alpha as *const f32 as *const _,
-                dptr(w, &self.gpu) as *const _,
-                cb::cudaDataType_t::CUDA_R_16BF,
-                kdim as i32,
-                a as *const _,
-                cb::cudaDataType_t::CUDA_R_16BF,
-                kdim as i32,
-                &beta as *const f32 as *const _,
-                c as *mut _,
-                cb::cudaDataType_t::CUDA_R_16BF,
-                n as i32,
-                cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        };
-        check(st, "shared-expert GEMM")
+        gemm_bf16(&self.blas, dptr(w, &self.gpu), n, kdim, a, c, rows_)
     }
+}
+
+/// `C[rows, n] = A[rows, kdim] · W[n, kdim]ᵀ` on `blas`'s stream, bf16 in and out, f32
+/// accumulation; `w`, `a`, `c` are device addresses.
+fn gemm_bf16(blas: &CudaBlas, w: u64, n: usize, kdim: usize, a: u64, c: u64, rows_: usize) -> Result<()> {
+    let (alpha, beta) = (1.0f32, 0.0f32);
+    // SAFETY: column-major C [n, rows] = W [kdim, n]ᵀ · A [kdim, rows]; the caller passes
+    // addresses of buffers holding at least those many bf16 values.
+    let st = unsafe {
+        cb::cublasGemmEx(
+            *blas.handle(),
+            cb::cublasOperation_t::CUBLAS_OP_T,
+            cb::cublasOperation_t::CUBLAS_OP_N,
+            n as i32,
+            rows_ as i32,
+            kdim as i32,
+            &alpha as *const f32 as *const _,
+            w as *const _,
+            cb::cudaDataType_t::CUDA_R_16BF,
+            kdim as i32,
+            a as *const _,
+            cb::cudaDataType_t::CUDA_R_16BF,
+            kdim as i32,
+            &beta as *const f32 as *const _,
+            c as *mut _,
+            cb::cudaDataType_t::CUDA_R_16BF,
+            n as i32,
+            cb::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+            cb::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+        )
+    };
+    check(st, "bf16 GEMM")
+}
+
+/// Side streams for concurrent per-expert GEMMs (`MOEFLOW_GEMM_STREAMS`, default 4).
+fn side_streams(gpu: &Gpu) -> Result<Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>> {
+    let n = std::env::var("MOEFLOW_GEMM_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
+    (0..n)
+        .map(|_| {
+            let st = gpu.ctx.new_stream().map_err(|e| err("creating stream", e))?;
+            let blas = CudaBlas::new(st.clone()).map_err(|e| err("cuBLAS handle", e))?;
+            Ok((st, blas))
+        })
+        .collect()
+}
+
+fn grouped_from_env() -> bool {
+    std::env::var("MOEFLOW_GROUPED_GEMM").is_ok_and(|v| v == "1")
 }
 
 fn check(st: cb::cublasStatus_t, what: &str) -> Result<()> {

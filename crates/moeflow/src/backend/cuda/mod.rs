@@ -4,8 +4,8 @@
 
 mod layer;
 
-pub use layer::CudaMoeLayer;
 pub use super::GpuStageTimes;
+pub use layer::CudaMoeLayer;
 
 use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};

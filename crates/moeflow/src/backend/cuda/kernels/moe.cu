@@ -47,100 +47,141 @@ __global__ void add_row_bias(float* x, const float* bias, int rows, int cols) {
 }
 
 // Router kinds: 0 softmax top-k, 1 top-k then softmax, 2 sigmoid + bias grouped (DeepSeek-V3),
-// 3 softmax group-limited (DeepSeek-V2). One thread per token; ties go to the lower id.
+// 3 softmax group-limited (DeepSeek-V2). One warp per token, choice scores in shared memory;
+// ties go to the lower id. E <= MAX_E, k <= MAX_K, n_group <= 64.
 #define MAX_K 32
-__device__ float choice_score(const float* l, int e, int kind, float mx, float sum, const float* bias) {
-    if (kind == 0 || kind == 3) return __expf(l[e] - mx) / sum;
-    if (kind == 2) return 1.0f / (1.0f + __expf(-l[e])) + (bias ? bias[e] : 0.0f);
-    return l[e];
+#define MAX_E 1024
+#define WARPS 4
+
+__device__ __forceinline__ void warp_argmax(float& v, int& i) {
+    for (int o = 16; o > 0; o >>= 1) {
+        float ov = __shfl_xor_sync(0xffffffffu, v, o);
+        int oi = __shfl_xor_sync(0xffffffffu, i, o);
+        if (oi >= 0 && (i < 0 || ov > v || (ov == v && oi < i))) { v = ov; i = oi; }
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
 }
 
 __global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
                       int renorm, float scaling, int* ids, float* weights) {
-    int t = blockIdx.x * blockDim.x + threadIdx.x;
+    __shared__ float sc[WARPS][MAX_E];
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int t = blockIdx.x * WARPS + warp;
     if (t >= T) return;
     const float* l = logits + (long)t * E;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int e = 0; e < E; e++) mx = fmaxf(mx, l[e]);
-    for (int e = 0; e < E; e++) sum += __expf(l[e] - mx);
-    // Group mask (bit g set: group kept); at most 64 groups.
-    u64 keep = ~0ull;
-    int per = E / n_group;
+    float* s = sc[warp];
+    float mx = -INFINITY;
+    for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+    mx = warp_max(mx);
+    float sum = 0.0f;
+    for (int e = lane; e < E; e += 32) sum += __expf(l[e] - mx);
+    sum = warp_sum(sum);
+    for (int e = lane; e < E; e += 32) {
+        float v;
+        if (kind == 0 || kind == 3) v = __expf(l[e] - mx) / sum;
+        else if (kind == 2) v = 1.0f / (1.0f + __expf(-l[e])) + (bias ? bias[e] : 0.0f);
+        else v = l[e];
+        s[e] = v;
+    }
+    __syncwarp();
     if (n_group > 1) {
-        keep = 0;
-        for (int r = 0; r < topk_group; r++) {
-            int best = -1;
-            float bs = -INFINITY;
-            for (int g = 0; g < n_group; g++) {
-                if (keep >> g & 1ull) continue;
-                float gs;
-                if (kind == 2) {
-                    float a = -INFINITY, b = -INFINITY;
-                    for (int e = g * per; e < (g + 1) * per; e++) {
-                        float s = choice_score(l, e, kind, mx, sum, bias);
-                        if (s > a) { b = a; a = s; } else if (s > b) { b = s; }
-                    }
-                    gs = a + b;
-                } else {
-                    gs = -INFINITY;
-                    for (int e = g * per; e < (g + 1) * per; e++) gs = fmaxf(gs, choice_score(l, e, kind, mx, sum, bias));
-                }
-                if (best < 0 || gs > bs) { best = g; bs = gs; }
+        int per = E / n_group;
+        // Group scores: lane g handles groups g and g + 32.
+        float gs[2] = {-INFINITY, -INFINITY};
+        for (int q = 0; q < 2; q++) {
+            int g = lane + 32 * q;
+            if (g >= n_group) continue;
+            float a = -INFINITY, b = -INFINITY;
+            for (int e = g * per; e < (g + 1) * per; e++) {
+                float v = s[e];
+                if (v > a) { b = a; a = v; } else if (v > b) { b = v; }
             }
-            keep |= 1ull << best;
+            gs[q] = kind == 2 ? a + b : a;
         }
+        unsigned long long keep = 0;
+        for (int r = 0; r < topk_group; r++) {
+            float v = -INFINITY;
+            int i = -1;
+            for (int q = 0; q < 2; q++) {
+                int g = lane + 32 * q;
+                if (g < n_group && !(keep >> g & 1ull) && (i < 0 || gs[q] > v)) { v = gs[q]; i = g; }
+            }
+            warp_argmax(v, i);
+            keep |= 1ull << i;
+        }
+        for (int e = lane; e < E; e += 32)
+            if (!(keep >> (e / per) & 1ull)) s[e] = -INFINITY;
+        __syncwarp();
     }
-    int chosen[MAX_K];
+    int chosen = -1;  // lane j < k holds choice j
     for (int j = 0; j < k; j++) {
-        int best = -1;
-        float bs = -INFINITY;
-        for (int e = 0; e < E; e++) {
-            if (n_group > 1 && !(keep >> (e / per) & 1ull)) continue;
-            bool taken = false;
-            for (int q = 0; q < j; q++) taken |= chosen[q] == e;
-            if (taken) continue;
-            float s = choice_score(l, e, kind, mx, sum, bias);
-            if (best < 0 || s > bs) { best = e; bs = s; }
-        }
-        chosen[j] = best;
+        float v = -INFINITY;
+        int i = -1;
+        for (int e = lane; e < E; e += 32)
+            if (s[e] != -INFINITY && (i < 0 || s[e] > v)) { v = s[e]; i = e; }
+        warp_argmax(v, i);
+        if (lane == j) chosen = i;
+        __syncwarp();
+        if (lane == 0) s[i] = -INFINITY;
+        __syncwarp();
     }
-    float w[MAX_K];
-    float total = 0.0f;
+    bool mine = lane < k;
+    float w = 0.0f;
+    if (mine) {
+        if (kind == 1) w = l[chosen];
+        else if (kind == 2) w = 1.0f / (1.0f + __expf(-l[chosen]));
+        else w = __expf(l[chosen] - mx) / sum;
+    }
     if (kind == 1) {
-        float m = l[chosen[0]];
-        for (int j = 0; j < k; j++) m = fmaxf(m, l[chosen[j]]);
-        for (int j = 0; j < k; j++) { w[j] = __expf(l[chosen[j]] - m); total += w[j]; }
-        for (int j = 0; j < k; j++) w[j] /= total;
-    } else {
-        for (int j = 0; j < k; j++) {
-            int e = chosen[j];
-            w[j] = kind == 2 ? 1.0f / (1.0f + __expf(-l[e])) : __expf(l[e] - mx) / sum;
-            total += w[j];
-        }
-        if (kind == 0) {
-            if (renorm) for (int j = 0; j < k; j++) w[j] /= total;
-        } else if (kind == 2) {
-            if (renorm && k > 1) for (int j = 0; j < k; j++) w[j] /= (total + 1e-20f);
-            for (int j = 0; j < k; j++) w[j] *= scaling;
-        } else {
-            if (renorm && k > 1) for (int j = 0; j < k; j++) w[j] /= (total + 1e-20f);
-            else for (int j = 0; j < k; j++) w[j] *= scaling;
-        }
+        float m = warp_max(mine ? w : -INFINITY);
+        w = mine ? __expf(w - m) : 0.0f;
     }
-    for (int j = 0; j < k; j++) { ids[(long)t * k + j] = chosen[j]; weights[(long)t * k + j] = w[j]; }
+    float total = warp_sum(mine ? w : 0.0f);
+    if (kind == 1) w /= total;
+    else if (kind == 0) { if (renorm) w /= total; }
+    else if (kind == 2) { if (renorm && k > 1) w /= (total + 1e-20f); w *= scaling; }
+    else { if (renorm && k > 1) w /= (total + 1e-20f); else w *= scaling; }
+    if (mine) {
+        ids[(long)t * k + lane] = chosen;
+        weights[(long)t * k + lane] = w;
+    }
 }
 
-// One warp per expert: counts[e] = number of slots routed to e.
+// Counts and deterministic positions, one block of 32 warps per expert: warp w takes a
+// contiguous chunk of slots; chunks are ordered, and within a chunk lanes are, so rows of an
+// expert follow slot order.
+#define SCAN_WARPS 32
+__device__ int chunk_of(int slots, int w, int* lo) {
+    int per = (slots + SCAN_WARPS - 1) / SCAN_WARPS;
+    *lo = min(slots, w * per);
+    return min(slots, (w + 1) * per);
+}
+
 __global__ void count_slots(const int* ids, int slots, int E, int* counts) {
-    int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (e >= E) return;
+    __shared__ int part[SCAN_WARPS];
+    int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int lo, hi = chunk_of(slots, w, &lo);
     int c = 0;
-    for (int base = 0; base < slots; base += 32) {
+    for (int base = lo; base < hi; base += 32) {
         int s = base + lane;
-        c += __popc(__ballot_sync(0xffffffffu, s < slots && ids[s] == e));
+        c += __popc(__ballot_sync(0xffffffffu, s < hi && ids[s] == e));
     }
-    if (lane == 0) counts[e] = c;
+    if (lane == 0) part[w] = c;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int i = 0; i < SCAN_WARPS; i++) total += part[i];
+        counts[e] = total;
+    }
 }
 
 // offsets[e] = sum of counts before e; offsets[E] = total. One thread (E is at most a few hundred).
@@ -152,16 +193,24 @@ __global__ void exclusive_scan(const int* counts, int E, int* offsets) {
     }
 }
 
-// One warp per expert: rows of expert e in slot order (deterministic), with both maps.
+// Rows of expert e in slot order, with both maps; one block of 32 warps per expert.
 __global__ void scatter_slots(const int* ids, int slots, int E, const int* offsets, int* row_of_slot, int* slot_of_row,
                               int* expert_of_row) {
-    int e = blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
-    int lane = threadIdx.x % 32;
-    if (e >= E) return;
-    int pos = offsets[e];
-    for (int base = 0; base < slots; base += 32) {
+    __shared__ int part[SCAN_WARPS];
+    int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int lo, hi = chunk_of(slots, w, &lo);
+    int c = 0;
+    for (int base = lo; base < hi; base += 32) {
         int s = base + lane;
-        bool hit = s < slots && ids[s] == e;
+        c += __popc(__ballot_sync(0xffffffffu, s < hi && ids[s] == e));
+    }
+    if (lane == 0) part[w] = c;
+    __syncthreads();
+    int pos = offsets[e];
+    for (int i = 0; i < w; i++) pos += part[i];
+    for (int base = lo; base < hi; base += 32) {
+        int s = base + lane;
+        bool hit = s < hi && ids[s] == e;
         unsigned int mask = __ballot_sync(0xffffffffu, hit);
         if (hit) {
             int r = pos + __popc(mask & ((1u << lane) - 1u));
@@ -173,13 +222,19 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* offse
     }
 }
 
-// a[r, :] = x[slot_of_row[r] / k, :] (bf16 rows); one block per row.
+// a[r, :] = x[slot_of_row[r] / k, :] (bf16 rows); one block per row, 16-byte moves when H % 8 == 0.
 __global__ void gather_rows(const bf16_t* x, int H, const int* slot_of_row, int k, int R, bf16_t* a) {
     int r = blockIdx.x;
     if (r >= R) return;
     const bf16_t* src = x + (long)(slot_of_row[r] / k) * H;
     bf16_t* dst = a + (long)r * H;
-    for (int h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+    if (H % 8 == 0) {
+        const uint4* s4 = (const uint4*)src;
+        uint4* d4 = (uint4*)dst;
+        for (int h = threadIdx.x; h < H / 8; h += blockDim.x) d4[h] = s4[h];
+    } else {
+        for (int h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+    }
 }
 
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
