@@ -41,6 +41,7 @@ pub mod model;
 pub mod parallel;
 pub mod placement;
 pub mod preset;
+pub mod quant;
 pub mod reduce;
 pub mod reference;
 pub mod router;
