@@ -359,6 +359,7 @@ impl MoeLayer {
             router: self.router.as_ref(),
             extras: &[],
             weights_on_input: self.config.apply_router_weight_on_input,
+            quant: self.experts.input_quant(),
         }
     }
 

@@ -215,6 +215,7 @@ fn extra_tensors_travel_with_their_rows() {
                 router: router.as_ref(),
                 extras: std::slice::from_ref(&extra),
                 weights_on_input: false,
+                quant: moeflow::quant::QuantConfig::None,
             };
             let prepared = s.prepare(input)?;
             let e = &prepared.extras[0];

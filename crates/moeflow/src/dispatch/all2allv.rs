@@ -8,6 +8,7 @@
 use super::{check_extras, gather_counts, local_rows, DispatchInput, Ep, Extra, PrepareFinalize, Prepared};
 use crate::comm::CommExt;
 use crate::error::{MoeError, Result};
+use crate::quant::{dequantize, QuantRows};
 use crate::reduce::{WeightAndReduce, WeightedSum};
 use crate::router::TopK;
 use std::borrow::Cow;
@@ -62,10 +63,14 @@ impl PrepareFinalize for All2AllV {
         let send_counts: Vec<Vec<u64>> = sent.iter().map(|v| vec![v.len() as u64]).collect();
         let received: Vec<usize> =
             c.all_to_all_vec("all2allv.split_sizes", send_counts)?.into_iter().map(|v| v[0] as usize).collect();
-        let part_rows = |d: usize| -> Vec<f32> {
-            sent[d].iter().flat_map(|&s| rows[(s / k) * h..(s / k + 1) * h].iter().copied()).collect()
+        let (rb, sp) = (rows.config.row_bytes(h), rows.config.scales_per_row(h));
+        let part_rows =
+            |d: usize| -> Vec<u8> { sent[d].iter().flat_map(|&s| rows.data[(s / k) * rb..(s / k + 1) * rb].iter().copied()).collect() };
+        let part_scales = |d: usize| -> Vec<f32> {
+            sent[d].iter().flat_map(|&s| rows.scales[(s / k) * sp..(s / k + 1) * sp].iter().copied()).collect()
         };
         let got_rows = c.all_to_all_vec("all2allv.rows", (0..n).map(part_rows).collect())?;
+        let got_scales = c.all_to_all_vec("all2allv.scales", (0..n).map(part_scales).collect())?;
         let got_ids =
             c.all_to_all_vec("all2allv.ids", (0..n).map(|d| sent[d].iter().map(|&s| topk.ids[s]).collect()).collect())?;
         let mut extras = Vec::new();
@@ -74,7 +79,7 @@ impl PrepareFinalize for All2AllV {
             extras.push(Extra { width: e.width, data: c.all_to_all_vec("all2allv.extra", parts)?.concat() });
         }
         for (src, (r, ids)) in got_rows.iter().zip(&got_ids).enumerate() {
-            if r.len() != received[src] * h || ids.len() != received[src] {
+            if r.len() != received[src] * rb || ids.len() != received[src] {
                 return Err(MoeError::Comm {
                     rank: c.rank(),
                     op: "all2allv.rows".into(),
@@ -84,10 +89,11 @@ impl PrepareFinalize for All2AllV {
         }
         let total: usize = received.iter().sum();
         let remote: usize = (0..n).filter(|&d| d != c.rank()).map(|d| sent[d].len()).sum();
-        self.bytes
-            .store(remote * (h * 4 + 4 + input.extras.iter().map(|e| e.width * 4).sum::<usize>()), Ordering::Relaxed);
+        let per_row = rb + 4 * sp + 4 + input.extras.iter().map(|e| e.width * 4).sum::<usize>();
+        self.bytes.store(remote * per_row, Ordering::Relaxed);
+        let hidden = dequantize(&QuantRows { data: got_rows.concat(), scales: got_scales.concat(), ..rows.clone() });
         Ok(Prepared {
-            hidden: Cow::Owned(got_rows.concat()),
+            hidden: Cow::Owned(hidden),
             topk: Cow::Owned(TopK { tokens: total, k: 1, ids: got_ids.concat(), weights: vec![1.0; total] }),
             expert_map: Some(self.ep.expert_map()),
             batched: None,

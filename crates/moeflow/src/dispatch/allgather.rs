@@ -11,6 +11,7 @@ use super::{
 };
 use crate::comm::{CommExt, Communicator};
 use crate::error::Result;
+use crate::quant::{dequantize, quantize, QuantRows};
 use crate::reduce::WeightAndReduce;
 use crate::router::TopK;
 use std::borrow::Cow;
@@ -102,12 +103,18 @@ impl PrepareFinalize for AllGather {
                 Ok(Extra { width: e.width, data: gather_padded(g, "allgather.extra", &e.data, e.width, &rows.counts)? })
             })
             .collect::<Result<Vec<_>>>()?;
-        let mut sent = max * (h * 4 + input.extras.iter().map(|e| e.width * 4).sum::<usize>());
+        let (rb, sp) = (input.quant.row_bytes(h), input.quant.scales_per_row(h));
+        let mut sent = max * (rb + 4 * sp + input.extras.iter().map(|e| e.width * 4).sum::<usize>());
+        let gather_rows = |q: &QuantRows| -> Result<Vec<f32>> {
+            let data = gather_padded(g, "allgather.hidden", &q.data, rb, &rows.counts)?;
+            let scales = gather_padded(g, "allgather.scales", &q.scales, sp, &rows.counts)?;
+            Ok(dequantize(&QuantRows { data, scales, ..q.clone() }))
+        };
         let (hidden, topk, weights_applied) = match self.payload {
             Payload::TopK => {
                 let (local, topk) = local_rows(&input, &self.ep.placement, offset)?;
                 let k = topk.k;
-                let hidden = gather_padded(g, "allgather.hidden", &local, h, &rows.counts)?;
+                let hidden = gather_rows(&local)?;
                 let ids = gather_padded(g, "allgather.ids", &topk.ids, k, &rows.counts)?;
                 let weights = gather_padded(g, "allgather.weights", &topk.weights, k, &rows.counts)?;
                 sent += max * k * 8;
@@ -115,7 +122,7 @@ impl PrepareFinalize for AllGather {
             }
             Payload::Logits => {
                 let e = input.router.num_experts();
-                let hidden = gather_padded(g, "allgather.hidden", input.hidden, h, &rows.counts)?;
+                let hidden = gather_rows(&quantize(input.quant, input.hidden, h)?)?;
                 let logits = gather_padded(g, "allgather.logits", input.logits, e, &rows.counts)?;
                 sent += max * e * 4;
                 let routed = input.router.route(&logits, total)?;

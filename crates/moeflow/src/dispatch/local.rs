@@ -1,6 +1,7 @@
 //! The single-rank strategy: nothing to move; finalize is the weight-and-reduce.
 
-use super::{check_extras, weight_rows, DispatchInput, PrepareFinalize, Prepared};
+use super::{check_extras, outgoing_rows, weight_rows, DispatchInput, PrepareFinalize, Prepared};
+use crate::quant::{dequantize, QuantConfig};
 use crate::error::Result;
 use crate::reduce::WeightAndReduce;
 use std::borrow::Cow;
@@ -16,7 +17,11 @@ impl PrepareFinalize for Local {
 
     fn prepare<'a>(&self, input: DispatchInput<'a>) -> Result<Prepared<'a>> {
         check_extras(input.extras, input.tokens)?;
-        let hidden = if input.weights_on_input {
+        // Nothing travels, but quantization is applied all the same, so a quantized layer
+        // computes the same on one rank as on many.
+        let hidden = if input.quant != QuantConfig::None {
+            Cow::Owned(dequantize(&outgoing_rows(&input)?))
+        } else if input.weights_on_input {
             Cow::Owned(weight_rows(input.hidden, input.hidden_size, input.topk)?)
         } else {
             Cow::Borrowed(input.hidden)

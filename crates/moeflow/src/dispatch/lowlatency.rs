@@ -7,7 +7,8 @@
 //! rows per expert always suffice). Combine returns fixed `[M, k, H]` buffers and the weighted
 //! sum runs at home. A batch above M is an error before any communication.
 
-use super::{check_extras, weight_rows, BatchedLayout, DispatchInput, Ep, Extra, PrepareFinalize, Prepared};
+use super::{check_extras, outgoing_rows, BatchedLayout, DispatchInput, Ep, Extra, PrepareFinalize, Prepared};
+use crate::quant::{dequantize, QuantRows};
 use crate::comm::CommExt;
 use crate::error::{MoeError, Result};
 use crate::reduce::{WeightAndReduce, WeightedSum};
@@ -49,9 +50,9 @@ impl LowLatency {
 }
 
 /// One fixed-size message: `[count, local slot per (token, k) (M·k, -1 = not here),
-/// rows (M·H f32 bits), extras (M·width each)]`, all 32-bit words.
-fn message_len(m: usize, k: usize, h: usize, extras: &[Extra]) -> usize {
-    1 + m * k + m * h + extras.iter().map(|e| m * e.width).sum::<usize>()
+/// rows (M·`row_words`), scales (M·`scales`), extras (M·width each)]`, all 32-bit words.
+fn message_len(m: usize, k: usize, row_words: usize, scales: usize, extras: &[Extra]) -> usize {
+    1 + m * k + m * (row_words + scales) + extras.iter().map(|e| m * e.width).sum::<usize>()
 }
 
 impl PrepareFinalize for LowLatency {
@@ -76,15 +77,14 @@ impl PrepareFinalize for LowLatency {
             )));
         }
         check_extras(input.extras, t)?;
-        let rows: Cow<[f32]> = if input.weights_on_input {
-            Cow::Owned(weight_rows(input.hidden, h, input.topk)?)
-        } else {
-            Cow::Borrowed(input.hidden)
-        };
+        let rows = outgoing_rows(&input)?;
+        let (rb, sp) = (rows.config.row_bytes(h), rows.config.scales_per_row(h));
+        let rw = rb.div_ceil(4);
+        let (rows_at, scales_at, extras_at) = (1 + m * k, 1 + m * k + m * rw, 1 + m * k + m * (rw + sp));
         // Global token index r·M + t: replicas are chosen without exchanging counts.
         let phys = p.to_physical(input.topk, c.rank() * m);
         let mut sent = vec![Vec::new(); n];
-        let len = message_len(m, k, h, input.extras);
+        let len = message_len(m, k, rw, sp, input.extras);
         let mut msgs = vec![vec![0u32; len]; n];
         let maps: Vec<Vec<i32>> = (0..n).map(|d| p.expert_map(d)).collect();
         for (d, msg) in msgs.iter_mut().enumerate() {
@@ -100,9 +100,12 @@ impl PrepareFinalize for LowLatency {
                 for j in slots {
                     msg[1 + i * k + j] = maps[d][phys[tok * k + j] as usize] as u32;
                 }
-                let row = &mut msg[1 + m * k + i * h..1 + m * k + (i + 1) * h];
-                row.iter_mut().zip(&rows[tok * h..(tok + 1) * h]).for_each(|(w, v)| *w = v.to_bits());
-                let mut at = 1 + m * k + m * h;
+                let row: &mut [u8] = bytemuck::cast_slice_mut(&mut msg[rows_at + i * rw..rows_at + (i + 1) * rw]);
+                row[..rb].copy_from_slice(&rows.data[tok * rb..(tok + 1) * rb]);
+                for (w, sc) in msg[scales_at + i * sp..scales_at + (i + 1) * sp].iter_mut().zip(&rows.scales[tok * sp..]) {
+                    *w = sc.to_bits();
+                }
+                let mut at = extras_at;
                 for e in input.extras {
                     msg[at + i * e.width..at + (i + 1) * e.width]
                         .copy_from_slice(&e.data[tok * e.width..(tok + 1) * e.width]);
@@ -115,7 +118,8 @@ impl PrepareFinalize for LowLatency {
         // Batched layout.
         let local = p.local_experts(c.rank()).len();
         let cap = self.capacity();
-        let mut hidden = vec![0f32; local * cap * h];
+        let mut data = vec![0u8; local * cap * rb];
+        let mut scales = vec![0f32; local * cap * sp];
         let mut extras: Vec<Extra> =
             input.extras.iter().map(|e| Extra { width: e.width, data: vec![0; local * cap * e.width] }).collect();
         let mut counts = vec![0usize; local];
@@ -138,9 +142,12 @@ impl PrepareFinalize for LowLatency {
                     let r = l * cap + counts[l];
                     counts[l] += 1;
                     origin[r] = Some((src, i, j));
-                    let row = &msg[1 + m * k + i * h..1 + m * k + (i + 1) * h];
-                    hidden[r * h..(r + 1) * h].iter_mut().zip(row).for_each(|(v, &w)| *v = f32::from_bits(w));
-                    let mut at = 1 + m * k + m * h;
+                    let row: &[u8] = bytemuck::cast_slice(&msg[rows_at + i * rw..rows_at + (i + 1) * rw]);
+                    data[r * rb..(r + 1) * rb].copy_from_slice(&row[..rb]);
+                    for (sc, &w) in scales[r * sp..(r + 1) * sp].iter_mut().zip(&msg[scales_at + i * sp..]) {
+                        *sc = f32::from_bits(w);
+                    }
+                    let mut at = extras_at;
                     for e in extras.iter_mut() {
                         let w = e.width;
                         e.data[r * w..(r + 1) * w].copy_from_slice(&msg[at + i * w..at + (i + 1) * w]);
@@ -150,6 +157,7 @@ impl PrepareFinalize for LowLatency {
             }
         }
         self.bytes.store((n - 1) * len * 4, Ordering::Relaxed);
+        let hidden = dequantize(&QuantRows { data, scales, ..rows });
         Ok(Prepared {
             hidden: Cow::Owned(hidden),
             topk: Cow::Owned(TopK { tokens: 0, k, ids: vec![], weights: vec![] }),

@@ -38,6 +38,7 @@ use crate::comm::{CommExt, Communicator};
 use crate::error::{MoeError, Result};
 use crate::experts::ActivationFormat;
 use crate::placement::ExpertPlacement;
+use crate::quant::{quantize, QuantConfig, QuantRows};
 use crate::reduce::WeightAndReduce;
 use crate::router::{Router, TopK};
 use std::any::Any;
@@ -81,6 +82,8 @@ pub struct DispatchInput<'a> {
     pub extras: &'a [Extra],
     /// Multiply rows by their router weight before they leave (top-k = 1).
     pub weights_on_input: bool,
+    /// Format the rows travel in (quantized before they leave, scales alongside).
+    pub quant: QuantConfig,
 }
 
 /// Rows in the batched format: `[local_experts, capacity, H]`, expert `e` using its first
@@ -196,20 +199,21 @@ pub(crate) fn gather_counts(comm: &dyn Communicator, op: &str, tokens: usize) ->
     Ok(comm.all_gather_vec(op, &[tokens as u64])?.into_iter().map(|v| v[0] as usize).collect())
 }
 
-/// Prepared rows with physical ids for `input`, whose first token has global index
-/// `first_token`: rows weighted if asked, ids mapped to replicas. Returns (rows, topk).
-pub(crate) fn local_rows<'a>(
-    input: &DispatchInput<'a>,
-    placement: &ExpertPlacement,
-    first_token: usize,
-) -> Result<(Cow<'a, [f32]>, TopK)> {
-    let rows = if input.weights_on_input {
-        Cow::Owned(weight_rows(input.hidden, input.hidden_size, input.topk)?)
-    } else {
-        Cow::Borrowed(input.hidden)
-    };
+/// This rank's rows as they leave, for `input` whose first token has global index
+/// `first_token`: weighted if asked, quantized to `input.quant`; ids mapped to replicas.
+pub(crate) fn local_rows(input: &DispatchInput<'_>, placement: &ExpertPlacement, first_token: usize) -> Result<(QuantRows, TopK)> {
+    let rows = outgoing_rows(input)?;
     let topk = TopK { ids: placement.to_physical(input.topk, first_token), ..input.topk.clone() };
     Ok((rows, topk))
+}
+
+/// `input`'s rows, weighted when asked, quantized to `input.quant`.
+pub(crate) fn outgoing_rows(input: &DispatchInput<'_>) -> Result<QuantRows> {
+    if input.weights_on_input {
+        quantize(input.quant, &weight_rows(input.hidden, input.hidden_size, input.topk)?, input.hidden_size)
+    } else {
+        quantize(input.quant, input.hidden, input.hidden_size)
+    }
 }
 
 /// The finalize state shared by the gather-based strategies: this rank's rows within the

@@ -6,6 +6,7 @@ use super::{
 };
 use crate::comm::{CommExt, Communicator};
 use crate::error::Result;
+use crate::quant::{dequantize, QuantRows};
 use crate::reduce::WeightAndReduce;
 use crate::router::TopK;
 use std::borrow::Cow;
@@ -54,7 +55,9 @@ impl PrepareFinalize for Multicast {
         let rows = GatheredRows { counts, rank: c.rank() };
         let total = rows.counts.iter().sum();
         let (local, topk) = local_rows(&input, &self.ep.placement, rows.offset())?;
-        let hidden = multicast(c, "multicast.hidden", &local)?;
+        let data = multicast(c, "multicast.hidden", &local.data)?;
+        let scales = multicast(c, "multicast.scales", &local.scales)?;
+        let hidden = dequantize(&QuantRows { data, scales, ..local.clone() });
         let ids = multicast(c, "multicast.ids", &topk.ids)?;
         let weights = multicast(c, "multicast.weights", &topk.weights)?;
         let extras = input
@@ -62,7 +65,7 @@ impl PrepareFinalize for Multicast {
             .iter()
             .map(|e| Ok(Extra { width: e.width, data: multicast(c, "multicast.extra", &e.data)? }))
             .collect::<Result<Vec<_>>>()?;
-        let sent = (local.len() + 2 * topk.ids.len() + input.extras.iter().map(|e| e.data.len()).sum::<usize>()) * 4;
+        let sent = local.data.len() + 4 * (local.scales.len() + 2 * topk.ids.len() + input.extras.iter().map(|e| e.data.len()).sum::<usize>());
         self.bytes.store(sent * (c.size() - 1), Ordering::Relaxed);
         Ok(Prepared {
             hidden: Cow::Owned(hidden),

@@ -139,6 +139,11 @@ pub trait Experts: Send + Sync {
     }
     /// `(local experts, H, I)`.
     fn dims(&self) -> (usize, usize, usize);
+    /// The format the experts take their input in: prepare quantizes rows to it before they
+    /// travel (unless the experts quantize themselves, `defer_input_quant`).
+    fn input_quant(&self) -> crate::quant::QuantConfig {
+        crate::quant::QuantConfig::None
+    }
     /// f32 elements of scratch space needed for `tokens` rows with `k` slots each.
     fn workspace_len(&self, tokens: usize, k: usize) -> usize;
     /// How finalize must turn this implementation's output into token rows.
