@@ -30,6 +30,8 @@ pub struct LayerOptions {
     pub experts: ExpertsKind,
     /// Dispatch/combine strategy.
     pub strategy: Box<dyn PrepareFinalize>,
+    /// Format rows are quantized to before dispatch (the CPU experts then take that input).
+    pub quant: crate::quant::QuantConfig,
     /// Dual-batch overlap: a second instance of the strategy (on its own communicator) for
     /// micro-batch 1, which then runs concurrently with micro-batch 0 so that one's
     /// communication overlaps the other's expert compute.
@@ -38,7 +40,13 @@ pub struct LayerOptions {
 
 impl Default for LayerOptions {
     fn default() -> Self {
-        LayerOptions { chunk_size: None, experts: ExpertsKind::Cpu, strategy: Box::new(Local), dual_batch: None }
+        LayerOptions {
+            chunk_size: None,
+            experts: ExpertsKind::Cpu,
+            strategy: Box::new(Local),
+            dual_batch: None,
+            quant: crate::quant::QuantConfig::None,
+        }
     }
 }
 
@@ -118,9 +126,16 @@ impl MoeLayer {
             None => weights.experts.clone(),
         };
         let experts: Box<dyn Experts> = match options.experts {
-            ExpertsKind::Cpu => Box::new(CpuExperts::new(&local, config.activation)?),
+            ExpertsKind::Cpu => Box::new(CpuExperts::new(&local, config.activation)?.with_input_quant(options.quant)),
             ExpertsKind::Reference => Box::new(ReferenceExperts::new(&local, config.activation)?),
         };
+        if experts.input_quant() != options.quant {
+            return Err(MoeError::Config(format!(
+                "experts '{}' do not take {} input; quantized dispatch needs the cpu experts",
+                experts.name(),
+                options.quant
+            )));
+        }
         let format = options.strategy.activation_format();
         if !experts.supports(format) {
             return Err(MoeError::Config(format!(

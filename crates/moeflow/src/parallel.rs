@@ -121,6 +121,8 @@ pub struct ParallelConfig {
     pub timeout: Duration,
     /// Dual-batch overlap: two micro-batches, each on its own strategy instance.
     pub dual_batch: bool,
+    /// Format rows travel in.
+    pub quant: crate::quant::QuantConfig,
 }
 
 impl Default for ParallelConfig {
@@ -137,6 +139,7 @@ impl Default for ParallelConfig {
             tp_skip: false,
             timeout: crate::comm::DEFAULT_TIMEOUT,
             dual_batch: false,
+            quant: crate::quant::QuantConfig::None,
         }
     }
 }
@@ -232,7 +235,7 @@ impl ParallelConfig {
         } else {
             None
         };
-        MoeLayer::new(config, weights, LayerOptions { chunk_size, experts, strategy, dual_batch })
+        MoeLayer::new(config, weights, LayerOptions { chunk_size, experts, strategy, dual_batch, quant: self.quant })
     }
 }
 

@@ -125,6 +125,7 @@ pub fn random_weights(config: &MoeConfig, dtype: DType, seed: u64) -> MoeWeights
         w2: tensor(&[experts, h, inter], 2.0 / (inter as f32).sqrt(), s + 1, dtype),
         b13: bias.then(|| tensor(&[experts, 2 * inter], 0.1, s + 2, DType::F32)),
         b2: bias.then(|| tensor(&[experts, h], 0.1, s + 3, DType::F32)),
+        quant: None,
     };
     MoeWeights {
         gate: tensor(&[e, h], 3.0 * sh, seed, DType::F32),

@@ -101,8 +101,8 @@ struct Flat {
 impl Flat {
     fn new(w: &crate::experts::ExpertWeights) -> Self {
         Flat {
-            w13: w.w13.to_f32_vec(),
-            w2: w.w2.to_f32_vec(),
+            w13: w.w13_f32(),
+            w2: w.w2_f32(),
             b13: w.b13.as_ref().map(|b| b.to_f32_vec()),
             b2: w.b2.as_ref().map(|b| b.to_f32_vec()),
         }

@@ -143,6 +143,7 @@ fn reference_experts_take_the_no_op_reduce_path() {
         chunk_size: Some(3),
         strategy: Box::new(Local),
         dual_batch: Some(Box::new(Local)),
+        ..LayerOptions::default()
     };
     let layer = MoeLayer::new(&config, &weights, opts).unwrap();
     let (x, _) = hidden(8, 10, 5);

@@ -64,8 +64,9 @@ impl PrepareFinalize for All2AllV {
         let received: Vec<usize> =
             c.all_to_all_vec("all2allv.split_sizes", send_counts)?.into_iter().map(|v| v[0] as usize).collect();
         let (rb, sp) = (rows.config.row_bytes(h), rows.config.scales_per_row(h));
-        let part_rows =
-            |d: usize| -> Vec<u8> { sent[d].iter().flat_map(|&s| rows.data[(s / k) * rb..(s / k + 1) * rb].iter().copied()).collect() };
+        let part_rows = |d: usize| -> Vec<u8> {
+            sent[d].iter().flat_map(|&s| rows.data[(s / k) * rb..(s / k + 1) * rb].iter().copied()).collect()
+        };
         let part_scales = |d: usize| -> Vec<f32> {
             sent[d].iter().flat_map(|&s| rows.scales[(s / k) * sp..(s / k + 1) * sp].iter().copied()).collect()
         };

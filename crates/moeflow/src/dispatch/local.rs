@@ -1,8 +1,8 @@
 //! The single-rank strategy: nothing to move; finalize is the weight-and-reduce.
 
 use super::{check_extras, outgoing_rows, weight_rows, DispatchInput, PrepareFinalize, Prepared};
-use crate::quant::{dequantize, QuantConfig};
 use crate::error::Result;
+use crate::quant::{dequantize, QuantConfig};
 use crate::reduce::WeightAndReduce;
 use std::borrow::Cow;
 

@@ -8,9 +8,9 @@
 //! sum runs at home. A batch above M is an error before any communication.
 
 use super::{check_extras, outgoing_rows, BatchedLayout, DispatchInput, Ep, Extra, PrepareFinalize, Prepared};
-use crate::quant::{dequantize, QuantRows};
 use crate::comm::CommExt;
 use crate::error::{MoeError, Result};
+use crate::quant::{dequantize, QuantRows};
 use crate::reduce::{WeightAndReduce, WeightedSum};
 use crate::router::TopK;
 use std::borrow::Cow;
@@ -102,7 +102,9 @@ impl PrepareFinalize for LowLatency {
                 }
                 let row: &mut [u8] = bytemuck::cast_slice_mut(&mut msg[rows_at + i * rw..rows_at + (i + 1) * rw]);
                 row[..rb].copy_from_slice(&rows.data[tok * rb..(tok + 1) * rb]);
-                for (w, sc) in msg[scales_at + i * sp..scales_at + (i + 1) * sp].iter_mut().zip(&rows.scales[tok * sp..]) {
+                for (w, sc) in
+                    msg[scales_at + i * sp..scales_at + (i + 1) * sp].iter_mut().zip(&rows.scales[tok * sp..])
+                {
                     *w = sc.to_bits();
                 }
                 let mut at = extras_at;

@@ -201,7 +201,11 @@ pub(crate) fn gather_counts(comm: &dyn Communicator, op: &str, tokens: usize) ->
 
 /// This rank's rows as they leave, for `input` whose first token has global index
 /// `first_token`: weighted if asked, quantized to `input.quant`; ids mapped to replicas.
-pub(crate) fn local_rows(input: &DispatchInput<'_>, placement: &ExpertPlacement, first_token: usize) -> Result<(QuantRows, TopK)> {
+pub(crate) fn local_rows(
+    input: &DispatchInput<'_>,
+    placement: &ExpertPlacement,
+    first_token: usize,
+) -> Result<(QuantRows, TopK)> {
     let rows = outgoing_rows(input)?;
     let topk = TopK { ids: placement.to_physical(input.topk, first_token), ..input.topk.clone() };
     Ok((rows, topk))

@@ -65,7 +65,8 @@ impl PrepareFinalize for Multicast {
             .iter()
             .map(|e| Ok(Extra { width: e.width, data: multicast(c, "multicast.extra", &e.data)? }))
             .collect::<Result<Vec<_>>>()?;
-        let sent = local.data.len() + 4 * (local.scales.len() + 2 * topk.ids.len() + input.extras.iter().map(|e| e.data.len()).sum::<usize>());
+        let sent = local.data.len()
+            + 4 * (local.scales.len() + 2 * topk.ids.len() + input.extras.iter().map(|e| e.data.len()).sum::<usize>());
         self.bytes.store(sent * (c.size() - 1), Ordering::Relaxed);
         Ok(Prepared {
             hidden: Cow::Owned(hidden),

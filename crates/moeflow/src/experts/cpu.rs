@@ -19,22 +19,39 @@ pub struct CpuExperts {
     w2: PackedStack,
     b13: Option<Vec<f32>>,
     b2: Option<Vec<f32>>,
+    input_quant: crate::quant::QuantConfig,
 }
 
 impl CpuExperts {
-    /// Packs `weights` (f32 stays f32, bf16 stays bf16, f16 becomes f32).
+    /// Packs `weights` (f32 stays f32, bf16 stays bf16, f16 becomes f32, quantized weights stay
+    /// quantized).
     pub fn new(weights: &ExpertWeights, activation: Activation) -> Result<Self> {
         let (e, h, i) = weights.dims()?;
+        let (w13, w2) = match weights.codes() {
+            Some((format, c13, s13, c2, s2)) => {
+                (PackedStack::quantized(format, c13, s13, e, 2 * i, h), PackedStack::quantized(format, c2, s2, e, h, i))
+            }
+            None => {
+                (PackedStack::from_tensor(&weights.w13, e, 2 * i, h), PackedStack::from_tensor(&weights.w2, e, h, i))
+            }
+        };
         Ok(CpuExperts {
             experts: e,
             hidden: h,
             inter: i,
             activation,
-            w13: PackedStack::from_tensor(&weights.w13, e, 2 * i, h),
-            w2: PackedStack::from_tensor(&weights.w2, e, h, i),
+            input_quant: crate::quant::QuantConfig::None,
+            w13,
+            w2,
             b13: weights.b13.as_ref().map(|b| b.to_f32_vec()),
             b2: weights.b2.as_ref().map(|b| b.to_f32_vec()),
         })
+    }
+
+    /// The same experts taking their input quantized to `quant` (dispatch quantizes rows).
+    pub fn with_input_quant(mut self, quant: crate::quant::QuantConfig) -> Self {
+        self.input_quant = quant;
+        self
     }
 
     /// Bytes of packed weights.
@@ -111,6 +128,10 @@ impl Experts for CpuExperts {
 
     fn supports(&self, _format: ActivationFormat) -> bool {
         true
+    }
+
+    fn input_quant(&self) -> crate::quant::QuantConfig {
+        self.input_quant
     }
 
     fn batched_workspace_len(&self, rows: usize) -> usize {

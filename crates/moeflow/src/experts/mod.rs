@@ -9,9 +9,11 @@ mod reference;
 
 pub use activation::Activation;
 pub use cpu::CpuExperts;
+
 pub use reference::{expert_row_f64, ReferenceExperts};
 
 use crate::error::{MoeError, Result};
+use crate::quant::WeightQuant;
 use crate::reduce::WeightAndReduce;
 use crate::tensor::Tensor;
 use crate::DType;
@@ -36,6 +38,29 @@ pub struct ExpertWeights {
     pub b13: Option<Tensor>,
     /// Optional `[E, H]` bias of the second GEMM.
     pub b2: Option<Tensor>,
+    /// Set when `w13`/`w2` hold quantized codes (fp8 e4m3 or int8) with these scales.
+    pub quant: Option<QuantizedScales>,
+}
+
+/// Scales of quantized expert weights: `w13 [E, scales_len(2I, H)]`, `w2 [E, scales_len(H, I)]`.
+#[derive(Clone, Debug)]
+pub struct QuantizedScales {
+    /// The storage format.
+    pub format: WeightQuant,
+    /// Scales of `w13`.
+    pub w13: Tensor,
+    /// Scales of `w2`.
+    pub w2: Tensor,
+}
+
+/// The codes of a quantized weight tensor (fp8 bits or int8 two's complement).
+fn code_bytes(t: &Tensor) -> Vec<u8> {
+    use crate::tensor::CpuStorage;
+    match t.cpu() {
+        CpuStorage::F8E4M3(v) => v.iter().map(|x| x.to_bits()).collect(),
+        CpuStorage::I8(v) => v.iter().map(|&x| x as u8).collect(),
+        _ => Vec::new(),
+    }
 }
 
 impl ExpertWeights {
@@ -53,16 +78,85 @@ impl ExpertWeights {
         if let Some(b) = &self.b2 {
             b.expect_shape("b2", &[e, h])?;
         }
+        let expected = match &self.quant {
+            None => [DType::F32, DType::BF16, DType::F16].as_slice(),
+            Some(q) => {
+                q.w13.expect_shape("w13 scales", &[e, q.format.scales_len(2 * i, h)])?;
+                q.w2.expect_shape("w2 scales", &[e, q.format.scales_len(h, i)])?;
+                match q.format {
+                    WeightQuant::Fp8Block(_) => [DType::F8E4M3].as_slice(),
+                    WeightQuant::Int8Channel => [DType::I8].as_slice(),
+                }
+            }
+        };
         for (what, t) in [("w13", &self.w13), ("w2", &self.w2)] {
-            if !matches!(t.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+            if !expected.contains(&t.dtype()) {
+                let names: Vec<&str> = expected.iter().map(|d| d.name()).collect();
                 return Err(MoeError::DType {
                     what: what.into(),
-                    expected: "f32, bf16 or f16".into(),
+                    expected: names.join(" or "),
                     got: t.dtype().to_string(),
                 });
             }
         }
         Ok((e, h, i))
+    }
+
+    /// `w13` as f32 values (dequantized when quantized).
+    pub fn w13_f32(&self) -> Vec<f32> {
+        match &self.quant {
+            None => self.w13.to_f32_vec(),
+            Some(q) => {
+                let s = self.w13.shape();
+                q.format.dequantize(&code_bytes(&self.w13), &q.w13.to_f32_vec(), s[0], s[1], s[2])
+            }
+        }
+    }
+
+    /// `w2` as f32 values (dequantized when quantized).
+    pub fn w2_f32(&self) -> Vec<f32> {
+        match &self.quant {
+            None => self.w2.to_f32_vec(),
+            Some(q) => {
+                let s = self.w2.shape();
+                q.format.dequantize(&code_bytes(&self.w2), &q.w2.to_f32_vec(), s[0], s[1], s[2])
+            }
+        }
+    }
+
+    /// Codes and scales of `w13` and `w2` when quantized.
+    pub fn codes(&self) -> Option<(WeightQuant, Vec<u8>, Vec<f32>, Vec<u8>, Vec<f32>)> {
+        let q = self.quant.as_ref()?;
+        Some((q.format, code_bytes(&self.w13), q.w13.to_f32_vec(), code_bytes(&self.w2), q.w2.to_f32_vec()))
+    }
+
+    /// The same experts stored in `format` (quantized from their f32 values).
+    pub fn quantized(&self, format: WeightQuant) -> Result<ExpertWeights> {
+        let (e, h, i) = self.dims()?;
+        let (c13, s13) = format.quantize(&self.w13_f32(), e, 2 * i, h)?;
+        let (c2, s2) = format.quantize(&self.w2_f32(), e, h, i)?;
+        let codes = |c: Vec<u8>, shape: &[usize]| {
+            Tensor::new(
+                shape,
+                match format {
+                    WeightQuant::Fp8Block(_) => {
+                        crate::tensor::CpuStorage::F8E4M3(c.into_iter().map(float8::F8E4M3::from_bits).collect())
+                    }
+                    WeightQuant::Int8Channel => crate::tensor::CpuStorage::I8(c.into_iter().map(|b| b as i8).collect()),
+                },
+            )
+        };
+        Ok(ExpertWeights {
+            w13: codes(c13, &[e, 2 * i, h])?,
+            w2: codes(c2, &[e, h, i])?,
+            b13: self.b13.clone(),
+            b2: self.b2.clone(),
+            quant: Some(QuantizedScales {
+                format,
+                w13: Tensor::from_f32(&[e, format.scales_len(2 * i, h)], s13)?,
+                w2: Tensor::from_f32(&[e, format.scales_len(h, i)], s2)?,
+            }),
+        })
     }
 
     /// The experts `ids` (logical ids, in slot order) as a new stack.
@@ -73,6 +167,10 @@ impl ExpertWeights {
             w2: pick(&self.w2)?,
             b13: self.b13.as_ref().map(pick).transpose()?,
             b2: self.b2.as_ref().map(pick).transpose()?,
+            quant: match &self.quant {
+                None => None,
+                Some(q) => Some(QuantizedScales { format: q.format, w13: pick(&q.w13)?, w2: pick(&q.w2)? }),
+            },
         })
     }
 

@@ -50,8 +50,8 @@ impl ReferenceExperts {
         Ok(ReferenceExperts {
             dims: weights.dims()?,
             activation,
-            w13: weights.w13.to_f32_vec(),
-            w2: weights.w2.to_f32_vec(),
+            w13: weights.w13_f32(),
+            w2: weights.w2_f32(),
             b13: weights.b13.as_ref().map(|b| b.to_f32_vec()),
             b2: weights.b2.as_ref().map(|b| b.to_f32_vec()),
         })

@@ -8,8 +8,10 @@ use super::qwen_moe::proj_names;
 use super::{stack_experts, Checkpoint, Family, HfConfig};
 use crate::config::{MoeConfig, MoeWeights, SharedConfig, SharedWeights};
 use crate::error::{MoeError, Result};
-use crate::experts::Activation;
+use crate::experts::{Activation, ExpertWeights, QuantizedScales};
+use crate::quant::WeightQuant;
 use crate::router::RouterConfig;
+use crate::tensor::Tensor;
 use crate::DType;
 
 pub(crate) struct DeepSeek;
@@ -46,6 +48,51 @@ fn triplet(ckpt: &Checkpoint, p: &str, (h, i): (usize, usize)) -> Result<(Vec<f3
         weight(ckpt, &format!("{p}up_proj.weight"), i, h)?,
         weight(ckpt, &format!("{p}down_proj.weight"), h, i)?,
     ))
+}
+
+/// The fp8 codes and block scales of `count` experts, kept as they are stored.
+fn keep_fp8(
+    ckpt: &Checkpoint,
+    count: usize,
+    (h, i): (usize, usize),
+    at: &dyn Fn(usize) -> String,
+) -> Result<ExpertWeights> {
+    let b = block_size(ckpt);
+    if i % b != 0 {
+        return Err(MoeError::Unsupported(format!(
+            "keeping fp8 weights needs the intermediate size ({i}) to be a multiple of the {b}-wide scale blocks"
+        )));
+    }
+    let (mut c13, mut s13, mut c2, mut s2) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    for x in 0..count {
+        let p = at(x);
+        for (w, n, k) in [("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)] {
+            let name = format!("{p}{w}.weight");
+            if !is_fp8(ckpt, &name) {
+                return Err(MoeError::Unsupported(format!("{name} is not stored in fp8: nothing to keep")));
+            }
+            let (codes, scales) = if w == "down_proj" { (&mut c2, &mut s2) } else { (&mut c13, &mut s13) };
+            if let crate::tensor::CpuStorage::F8E4M3(v) = ckpt.tensor(&name, &[n, k])?.cpu() {
+                codes.extend(v.iter().map(|q| q.to_bits()));
+            }
+            scales.extend(ckpt.f32s(&format!("{name}_scale_inv"), &[n.div_ceil(b), k.div_ceil(b)])?);
+        }
+    }
+    let codes = |c: Vec<u8>, shape: &[usize]| {
+        Tensor::new(shape, crate::tensor::CpuStorage::F8E4M3(c.into_iter().map(float8::F8E4M3::from_bits).collect()))
+    };
+    let format = WeightQuant::Fp8Block(b);
+    Ok(ExpertWeights {
+        w13: codes(c13, &[count, 2 * i, h])?,
+        w2: codes(c2, &[count, h, i])?,
+        b13: None,
+        b2: None,
+        quant: Some(QuantizedScales {
+            format,
+            w13: Tensor::from_f32(&[count, format.scales_len(2 * i, h)], s13)?,
+            w2: Tensor::from_f32(&[count, format.scales_len(h, i)], s2)?,
+        }),
+    })
 }
 
 impl Family for DeepSeek {
@@ -118,15 +165,17 @@ impl Family for DeepSeek {
     fn load(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig, dtype: DType) -> Result<MoeWeights> {
         let p = format!("{prefix}mlp.");
         let (h, i, e) = (c.hidden, c.inter, c.num_experts);
-        let experts = stack_experts(e, (h, i), dtype, |x| triplet(ckpt, &format!("{p}experts.{x}."), (h, i)))?;
+        let stack = |count: usize, inter: usize, at: &dyn Fn(usize) -> String| {
+            if dtype == DType::F8E4M3 {
+                keep_fp8(ckpt, count, (h, inter), at)
+            } else {
+                stack_experts(count, (h, inter), dtype, |x| triplet(ckpt, &at(x), (h, inter)))
+            }
+        };
+        let experts = stack(e, i, &|x| format!("{p}experts.{x}."))?;
         let shared = match c.shared {
             None => None,
-            Some(s) => Some(SharedWeights {
-                mlp: stack_experts(1, (h, s.inter), dtype, |_| {
-                    triplet(ckpt, &format!("{p}shared_experts."), (h, s.inter))
-                })?,
-                gate: None,
-            }),
+            Some(s) => Some(SharedWeights { mlp: stack(1, s.inter, &|_| format!("{p}shared_experts."))?, gate: None }),
         };
         let correction_bias = if matches!(c.router, RouterConfig::SigmoidGrouped { .. }) {
             Some(ckpt.tensor(&format!("{p}gate.e_score_correction_bias"), &[e])?)

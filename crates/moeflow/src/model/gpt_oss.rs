@@ -93,6 +93,7 @@ impl Family for GptOss {
             w2: Tensor::from_f32_as(&[e, h, i], &w2, dtype)?,
             b13: Some(Tensor::from_f32(&[e, 2 * i], b13)?),
             b2: Some(ckpt.tensor(&format!("{p}experts.down_proj_bias"), &[e, h])?.to_dtype(DType::F32)),
+            quant: None,
         };
         Ok(MoeWeights {
             gate: ckpt.tensor(&format!("{p}router.weight"), &[e, h])?,

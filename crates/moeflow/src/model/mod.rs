@@ -149,16 +149,23 @@ impl Checkpoint {
     }
 
     /// Loads layer `layer`'s MoE block (default: the first MoE layer), expert weights as
-    /// `dtype` (f32 or bf16). Only that block's tensors are read.
+    /// `dtype`: f32 or bf16, or f8e4m3 to keep a DeepSeek-V3 fp8 checkpoint's codes and block
+    /// scales as stored. Only that block's tensors are read.
     pub fn load_moe_block(&self, layer: Option<usize>, dtype: DType) -> Result<MoeBlock> {
-        if !matches!(dtype, DType::F32 | DType::BF16) {
-            return Err(MoeError::Config(format!("weights load as f32 or bf16, not {dtype}")));
+        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F8E4M3) {
+            return Err(MoeError::Config(format!("weights load as f32, bf16 or f8e4m3 (kept fp8), not {dtype}")));
         }
         let layer = match layer {
             Some(l) => l,
             None => *self.moe_layers()?.first().ok_or_else(|| MoeError::Config("the model has no MoE layer".into()))?,
         };
         let arch = self.check_layer(layer)?;
+        if dtype == DType::F8E4M3 && !matches!(arch, Architecture::DeepseekV2 | Architecture::DeepseekV3) {
+            return Err(MoeError::Unsupported(format!(
+                "keeping fp8 weights is for DeepSeek fp8 checkpoints, not {}",
+                arch.name()
+            )));
+        }
         let config = self.moe_config(layer)?;
         let p = prefix(layer);
         self.require(&dispatch!(arch, tensor_names(self, &p, &config)))?;
@@ -201,7 +208,7 @@ pub(crate) fn stack_experts(
     } else {
         (concat0(&w13t, &[count, 2 * i, h])?, concat0(&w2t, &[count, h, i])?)
     };
-    Ok(ExpertWeights { w13, w2, b13: None, b2: None })
+    Ok(ExpertWeights { w13, w2, b13: None, b2: None, quant: None })
 }
 
 /// Concatenates same-typed tensors along the first dimension.

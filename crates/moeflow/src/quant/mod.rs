@@ -15,11 +15,13 @@
 mod fp8;
 mod int8;
 mod mxfp;
+mod weights;
 
 use crate::error::{check_finite, MoeError, Result};
 use std::str::FromStr;
 
 pub use fp8::{fp8_e4m3_decode, fp8_e4m3_encode, FP8_E4M3_MAX};
+pub use weights::WeightQuant;
 
 /// A quantization format for activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -39,7 +41,8 @@ pub enum QuantConfig {
 
 impl QuantConfig {
     /// Every format.
-    pub const ALL: [QuantConfig; 5] = [QuantConfig::None, QuantConfig::Int8, QuantConfig::Fp8, QuantConfig::Fp8Block, QuantConfig::Mxfp8];
+    pub const ALL: [QuantConfig; 5] =
+        [QuantConfig::None, QuantConfig::Int8, QuantConfig::Fp8, QuantConfig::Fp8Block, QuantConfig::Mxfp8];
 
     /// Name on the command line.
     pub fn name(self) -> &'static str {
@@ -147,9 +150,7 @@ pub fn quantize(config: QuantConfig, x: &[f32], h: usize) -> Result<QuantRows> {
 pub fn dequantize(q: &QuantRows) -> Vec<f32> {
     let h = q.hidden;
     match q.config {
-        QuantConfig::None => {
-            q.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        }
+        QuantConfig::None => q.data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect(),
         QuantConfig::Int8 => int8::dequantize(&q.data, &q.scales, h, h.max(1)),
         QuantConfig::Fp8 => fp8::dequantize(&q.data, &q.scales, h, h.max(1)),
         QuantConfig::Fp8Block => fp8::dequantize(&q.data, &q.scales, h, 128),

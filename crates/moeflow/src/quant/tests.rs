@@ -10,7 +10,9 @@ fn representable_values_round_trip_exactly() {
     let q = quantize(QuantConfig::Int8, &x, x.len()).unwrap();
     assert_eq!(dequantize(&q), x);
     // fp8: e4m3 values with amax = 448 (scale 1) are exact, per token and per block.
-    let x: Vec<f32> = [448.0, -448.0, 0.5, 1.0, -2.25, 0.015625, 3.5, -0.0, 240.0, 0.001953125, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0].repeat(16);
+    let x: Vec<f32> =
+        [448.0, -448.0, 0.5, 1.0, -2.25, 0.015625, 3.5, -0.0, 240.0, 0.001953125, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0]
+            .repeat(16);
     for cfg in [QuantConfig::Fp8, QuantConfig::Fp8Block] {
         let q = quantize(cfg, &x, x.len()).unwrap();
         assert_eq!(dequantize(&q), x, "{cfg}");
@@ -28,7 +30,8 @@ fn random_rows_stay_within_half_a_step() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(3);
     for cfg in QuantConfig::ALL {
         for h in [1, 31, 129, 300] {
-            let x: Vec<f32> = (0..5 * h).map(|_| rng.gen_range(-3.0..3.0) * if rng.gen_bool(0.1) { 100.0 } else { 1.0 }).collect();
+            let x: Vec<f32> =
+                (0..5 * h).map(|_| rng.gen_range(-3.0..3.0) * if rng.gen_bool(0.1) { 100.0 } else { 1.0 }).collect();
             let q = quantize(cfg, &x, h).unwrap();
             assert_eq!(q.rows(), 5);
             assert_eq!(q.scales.len(), 5 * cfg.scales_per_row(h));

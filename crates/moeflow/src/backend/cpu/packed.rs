@@ -103,9 +103,37 @@ pub enum PackedStack {
     F32(PackedMatrices<f32>),
     /// bf16 weights, widened in the kernel.
     BF16(PackedMatrices<bf16>),
+    /// Quantized weights kept as codes and scales; each expert is dequantized into packed f32
+    /// panels just before its GEMM, so only one expert at a time exists in f32.
+    Quantized {
+        /// Storage format.
+        format: crate::quant::WeightQuant,
+        /// Stacked matrices.
+        count: usize,
+        /// Rows of each matrix.
+        n: usize,
+        /// Columns of each matrix.
+        k: usize,
+        /// `[count, n, k]` codes.
+        codes: Vec<u8>,
+        /// Scales, `format.scales_len(n, k)` per matrix.
+        scales: Vec<f32>,
+    },
 }
 
 impl PackedStack {
+    /// Keeps quantized codes and scales of `count` matrices `[n, k]`.
+    pub fn quantized(
+        format: crate::quant::WeightQuant,
+        codes: Vec<u8>,
+        scales: Vec<f32>,
+        count: usize,
+        n: usize,
+        k: usize,
+    ) -> Self {
+        PackedStack::Quantized { format, count, n, k, codes, scales }
+    }
+
     /// Packs a `[count, n, k]` tensor: bf16 stays bf16, every other float type becomes f32.
     pub fn from_tensor(t: &crate::Tensor, count: usize, n: usize, k: usize) -> Self {
         match t.cpu() {
@@ -119,6 +147,14 @@ impl PackedStack {
         match self {
             PackedStack::F32(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
             PackedStack::BF16(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
+            PackedStack::Quantized { format, n, k, codes, scales, .. } => {
+                for s in segments.iter().filter(|s| s.rows > 0) {
+                    let w = format.dequantize_one(codes, scales, s.expert, *n, *k);
+                    let packed = PackedMatrices::pack(&w, 1, *n, *k);
+                    let one = [super::gemm::Segment { expert: 0, ..*s }];
+                    super::gemm::grouped_gemm(a, lda, &one, &packed, c, ldc);
+                }
+            }
         }
     }
 
@@ -127,6 +163,7 @@ impl PackedStack {
         match self {
             PackedStack::F32(w) => w.bytes(),
             PackedStack::BF16(w) => w.bytes(),
+            PackedStack::Quantized { codes, scales, .. } => codes.len() + 4 * scales.len(),
         }
     }
 }

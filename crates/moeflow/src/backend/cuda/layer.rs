@@ -148,8 +148,9 @@ impl CudaMoeLayer {
             gate: up_f32(&weights.gate)?,
             gate_bias: weights.gate_bias.as_ref().map(up_f32).transpose()?,
             correction_bias: weights.correction_bias.as_ref().map(up_f32).transpose()?,
-            w13: up_bf16(&weights.experts.w13)?,
-            w2: up_bf16(&weights.experts.w2)?,
+            // Quantized experts run on the GPU as bf16 of their dequantized values.
+            w13: up_bf16(&Tensor::from_f32(weights.experts.w13.shape(), weights.experts.w13_f32())?)?,
+            w2: up_bf16(&Tensor::from_f32(weights.experts.w2.shape(), weights.experts.w2_f32())?)?,
             b13: weights.experts.b13.as_ref().map(up_f32).transpose()?,
             b2: weights.experts.b2.as_ref().map(up_f32).transpose()?,
             shared: match (&weights.shared, config.shared) {

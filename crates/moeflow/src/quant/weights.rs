@@ -1,0 +1,126 @@
+//! Quantized expert weights: fp8 e4m3 with 2-D block scales (DeepSeek-V3's 128×128) and int8
+//! with one scale per output channel.
+
+use super::fp8::{fp8_e4m3_decode, fp8_e4m3_encode, FP8_E4M3_MAX};
+use crate::error::{MoeError, Result};
+use serde::{Deserialize, Serialize};
+
+/// How expert weights are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum WeightQuant {
+    /// fp8 e4m3 codes, one f32 scale per `block × block` tile (`weight_scale_inv`).
+    Fp8Block(usize),
+    /// int8 codes, one f32 scale per output row.
+    Int8Channel,
+}
+
+impl WeightQuant {
+    /// Scales of one `[n, k]` matrix.
+    pub fn scales_len(self, n: usize, k: usize) -> usize {
+        match self {
+            WeightQuant::Fp8Block(b) => n.div_ceil(b) * k.div_ceil(b),
+            WeightQuant::Int8Channel => n,
+        }
+    }
+
+    /// Quantizes `count` matrices `[n, k]` stored back to back: (codes, scales).
+    pub fn quantize(self, w: &[f32], count: usize, n: usize, k: usize) -> Result<(Vec<u8>, Vec<f32>)> {
+        crate::error::check_finite("expert weights to quantize", w)?;
+        if w.len() != count * n * k {
+            return Err(MoeError::shape("weights to quantize", [count, n, k], w.len()));
+        }
+        let mut codes = vec![0u8; w.len()];
+        let mut scales = Vec::with_capacity(count * self.scales_len(n, k));
+        for (m, c) in w.chunks(n * k).zip(codes.chunks_mut(n * k)) {
+            match self {
+                WeightQuant::Fp8Block(b) => {
+                    for bi in 0..n.div_ceil(b) {
+                        for bj in 0..k.div_ceil(b) {
+                            let (rows, cols) = (bi * b..((bi + 1) * b).min(n), bj * b..((bj + 1) * b).min(k));
+                            let amax = rows
+                                .clone()
+                                .flat_map(|r| m[r * k + cols.start..r * k + cols.end].iter())
+                                .fold(0f32, |a, v| a.max(v.abs()));
+                            let scale = amax / FP8_E4M3_MAX;
+                            scales.push(scale);
+                            if scale > 0.0 {
+                                for r in rows.clone() {
+                                    for j in cols.clone() {
+                                        c[r * k + j] = fp8_e4m3_encode(m[r * k + j] / scale);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+                WeightQuant::Int8Channel => {
+                    for r in 0..n {
+                        let row = &m[r * k..(r + 1) * k];
+                        let scale = row.iter().fold(0f32, |a, v| a.max(v.abs())) / 127.0;
+                        scales.push(scale);
+                        if scale > 0.0 {
+                            for (q, v) in c[r * k..(r + 1) * k].iter_mut().zip(row) {
+                                *q = ((v / scale).round().clamp(-127.0, 127.0) as i8) as u8;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok((codes, scales))
+    }
+
+    /// Matrix `e` of a stack back to f32 `[n, k]`.
+    pub fn dequantize_one(self, codes: &[u8], scales: &[f32], e: usize, n: usize, k: usize) -> Vec<f32> {
+        let (c, s) =
+            (&codes[e * n * k..(e + 1) * n * k], &scales[e * self.scales_len(n, k)..(e + 1) * self.scales_len(n, k)]);
+        match self {
+            WeightQuant::Fp8Block(b) => {
+                let lut: Vec<f32> = (0..=255u8).map(fp8_e4m3_decode).collect();
+                let bk = k.div_ceil(b);
+                c.iter().enumerate().map(|(i, &q)| lut[q as usize] * s[(i / k / b) * bk + (i % k) / b]).collect()
+            }
+            WeightQuant::Int8Channel => c.iter().enumerate().map(|(i, &q)| (q as i8) as f32 * s[i / k]).collect(),
+        }
+    }
+
+    /// Every matrix of a stack back to f32.
+    pub fn dequantize(self, codes: &[u8], scales: &[f32], count: usize, n: usize, k: usize) -> Vec<f32> {
+        (0..count).flat_map(|e| self.dequantize_one(codes, scales, e, n, k)).collect()
+    }
+
+    /// Relative precision of one weight (half a step).
+    pub fn step(self) -> f64 {
+        match self {
+            WeightQuant::Fp8Block(_) => 1.0 / 16.0,
+            WeightQuant::Int8Channel => 0.5 / 127.0,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weights_round_trip_and_scale_per_block() {
+        // Two 3×4 matrices, block 2: blocks with different magnitudes get their own scale.
+        let w: Vec<f32> = vec![
+            448.0, 1.0, 0.5, 0.25, 2.0, -448.0, 0.125, 0.0, 2.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0,
+            0.0, 0.0, 0.0, 0.0,
+        ];
+        let q = WeightQuant::Fp8Block(2);
+        let (codes, scales) = q.quantize(&w, 2, 3, 4).unwrap();
+        assert_eq!(scales.len(), 2 * 4);
+        assert_eq!(scales[0], 1.0);
+        assert_eq!(&scales[4..], &[0.0; 4], "an all-zero matrix has zero scales and stays zero");
+        let back = q.dequantize(&codes, &scales, 2, 3, 4);
+        assert_eq!(back, w, "these values are representable in their blocks");
+        let q = WeightQuant::Int8Channel;
+        let w: Vec<f32> = vec![127.0, -1.0, 2.0, 0.0, 0.0, 0.0];
+        let (codes, scales) = q.quantize(&w, 1, 2, 3).unwrap();
+        assert_eq!(scales, vec![1.0, 0.0]);
+        assert_eq!(q.dequantize(&codes, &scales, 1, 2, 3), w);
+        assert!(q.quantize(&[f32::NAN; 6], 1, 2, 3).is_err());
+    }
+}
