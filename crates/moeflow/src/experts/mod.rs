@@ -53,6 +53,21 @@ pub struct QuantizedScales {
     pub w2: Tensor,
 }
 
+/// Raw codes and scales of quantized expert weights.
+#[derive(Clone, Debug)]
+pub struct QuantizedCodes {
+    /// Storage format.
+    pub format: WeightQuant,
+    /// `w13` codes `[E, 2I, H]`.
+    pub w13: Vec<u8>,
+    /// `w13` scales.
+    pub w13_scales: Vec<f32>,
+    /// `w2` codes `[E, H, I]`.
+    pub w2: Vec<u8>,
+    /// `w2` scales.
+    pub w2_scales: Vec<f32>,
+}
+
 /// The codes of a quantized weight tensor (fp8 bits or int8 two's complement).
 fn code_bytes(t: &Tensor) -> Vec<u8> {
     use crate::tensor::CpuStorage;
@@ -125,9 +140,15 @@ impl ExpertWeights {
     }
 
     /// Codes and scales of `w13` and `w2` when quantized.
-    pub fn codes(&self) -> Option<(WeightQuant, Vec<u8>, Vec<f32>, Vec<u8>, Vec<f32>)> {
+    pub fn codes(&self) -> Option<QuantizedCodes> {
         let q = self.quant.as_ref()?;
-        Some((q.format, code_bytes(&self.w13), q.w13.to_f32_vec(), code_bytes(&self.w2), q.w2.to_f32_vec()))
+        Some(QuantizedCodes {
+            format: q.format,
+            w13: code_bytes(&self.w13),
+            w13_scales: q.w13.to_f32_vec(),
+            w2: code_bytes(&self.w2),
+            w2_scales: q.w2.to_f32_vec(),
+        })
     }
 
     /// The same experts stored in `format` (quantized from their f32 values).
