@@ -28,9 +28,10 @@ impl CpuExperts {
     pub fn new(weights: &ExpertWeights, activation: Activation) -> Result<Self> {
         let (e, h, i) = weights.dims()?;
         let (w13, w2) = match weights.codes() {
-            Some((format, c13, s13, c2, s2)) => {
-                (PackedStack::quantized(format, c13, s13, e, 2 * i, h), PackedStack::quantized(format, c2, s2, e, h, i))
-            }
+            Some(q) => (
+                PackedStack::quantized(q.format, q.w13, q.w13_scales, e, 2 * i, h),
+                PackedStack::quantized(q.format, q.w2, q.w2_scales, e, h, i),
+            ),
             None => {
                 (PackedStack::from_tensor(&weights.w13, e, 2 * i, h), PackedStack::from_tensor(&weights.w2, e, h, i))
             }
