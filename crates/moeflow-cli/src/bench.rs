@@ -1,7 +1,7 @@
 //! `moeflow bench`: layer time over token counts, against this machine's measured ceilings.
 //! With `--ep N` the layer runs on N in-process ranks, `--tokens` counting tokens per DP group.
 
-use crate::common::{bar, median, spinner, Backend, LayerArgs, ParallelArgs};
+use crate::common::{bar, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::{run_ranks, CommExt, Communicator};
 use moeflow::{preset, ExpertsKind, MoeError, MoeLayer, Result, StageTimes, Tensor};
@@ -44,6 +44,10 @@ pub struct Record {
     pub ep: usize,
     pub tp: usize,
     pub strategy: String,
+    /// Quantization of activations (and weights).
+    pub quant: String,
+    /// Relative error against the unquantized f32 path (single rank, quantized runs only).
+    pub rel_error: Option<f64>,
     /// Median layer time (slowest rank).
     pub ms: f64,
     /// Whole-layer GFLOP/s (all DP groups' tokens).
@@ -102,19 +106,28 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
-    let weights = args.layer.weights(&config)?;
+    let mut weights = args.layer.weights(&config)?;
+    // The unquantized path, to measure the quantized one's error against.
+    let f32_path = if par.quant != moeflow::quant::QuantConfig::None && par.ep == 1 {
+        Some(MoeLayer::new(&config, &weights, moeflow::LayerOptions::default())?)
+    } else {
+        None
+    };
+    quantize_weights(&mut weights, par.quant)?;
+    let mut errors: Vec<Option<f64>> = Vec::new();
     let bar0 = spinner("measuring this machine's matmul rate and copy bandwidth".into());
     let host = ceiling::measure();
     bar0.finish_and_clear();
     let groups = par.ep / par.tp;
     println!(
-        "moeflow bench: {} on cpu ({} threads), {} weights, EP {} TP {} {}; matmul {:.1} GFLOP/s (gemm crate, f32), copy {:.1} GB/s",
+        "moeflow bench: {} on cpu ({} threads), {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s (gemm crate, f32), copy {:.1} GB/s",
         p.name,
         rayon::current_num_threads(),
         args.layer.dtype,
         par.ep,
         par.tp,
         par.strategy,
+        par.quant,
         host.matmul_gflops,
         host.copy_gbps
     );
@@ -131,6 +144,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
                     &[t, config.hidden],
                     preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ t as u64),
                 )?;
+                errors.push(match &f32_path {
+                    Some(f) => {
+                        let (q, r) = (layer.forward(&input)?.to_f32_vec(), f.forward(&input)?.to_f32_vec());
+                        let scale = r.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+                        Some(q.iter().zip(&r).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) as f64 / scale as f64)
+                    }
+                    None => None,
+                });
                 time_loop(&args, format!("T = {t}"), Ok, || {
                     let s = Instant::now();
                     let (_, st) = layer.forward_profiled(&input)?;
@@ -181,7 +202,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     );
     let per_expert_bytes = 3 * config.hidden * config.inter * args.layer.dtype.size_in_bytes();
     let mut records = Vec::new();
-    for (&t, m) in args.tokens.iter().zip(measured) {
+    errors.resize(args.tokens.len(), None);
+    for ((&t, m), rel_error) in args.tokens.iter().zip(measured).zip(errors) {
         let total_tokens = t * groups;
         // Floor: all FLOPs at the matmul rate, or every expert's weights read once.
         let experts_read = config.num_experts.min(total_tokens * config.top_k);
@@ -213,6 +235,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             stages_ms.shared,
             m.bytes as f64 / 1e6
         );
+        if let Some(e) = rel_error {
+            println!("{:>7} {} relative error against the unquantized f32 path: {e:.3e}", "", par.quant);
+        }
         records.push(Record {
             preset: p.name.to_string(),
             backend: "cpu".into(),
@@ -221,6 +246,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             ep: par.ep,
             tp: par.tp,
             strategy: par.strategy.to_string(),
+            quant: par.quant.to_string(),
+            rel_error,
             ms,
             gflops,
             matmul_fraction: gflops / host.matmul_gflops,
@@ -319,6 +346,8 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             ep: 1,
             tp: 1,
             strategy: "local".into(),
+            quant: "none".into(),
+            rel_error: None,
             ms,
             gflops: flops / ms / 1e6,
             matmul_fraction: flops / ms / 1e9 / gemm_tflops,

@@ -28,6 +28,9 @@ pub struct CheckArgs {
     /// Seed of weights and inputs.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Quantization of dispatch (and weights): none, int8, fp8, fp8-block, mxfp8.
+    #[arg(long, default_value = "none")]
+    quant: moeflow::quant::QuantConfig,
 }
 
 /// Tokens of DP group g: uneven, with empty groups.
@@ -52,7 +55,14 @@ pub fn run(args: CheckArgs) -> Result<()> {
     config.inter = args.inter;
     config.shared = config.shared.map(|s| moeflow::SharedConfig { inter: args.inter, ..s });
     config.validate()?;
-    let weights = preset::random_weights(&config, args.dtype, args.seed);
+    let original = preset::random_weights(&config, args.dtype, args.seed);
+    let mut weights = original.clone();
+    crate::common::quantize_weights(&mut weights, args.quant)?;
+    let tolerance = if args.quant == moeflow::quant::QuantConfig::None {
+        TOLERANCE
+    } else {
+        crate::common::quant_bound(args.quant)
+    };
     let h = config.hidden;
     let inputs: Vec<Tensor> = BATCHES
         .iter()
@@ -60,28 +70,29 @@ pub fn run(args: CheckArgs) -> Result<()> {
         .map(|(g, &t)| Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, args.seed + 1 + g as u64)))
         .collect::<Result<_>>()?;
     let bar0 = spinner("single rank and f64 reference".into());
-    let single = MoeLayer::new(&config, &weights, LayerOptions::default())?;
+    let single = MoeLayer::new(&config, &weights, LayerOptions { quant: args.quant, ..LayerOptions::default() })?;
     let mut want = Vec::new();
     let mut worst = 0f64;
     for x in &inputs {
         let out = single.forward(x)?.to_f32_vec();
-        let r = reference::forward(&config, &weights, &x.to_f32_vec())?.out;
+        let r = reference::forward(&config, &original, &x.to_f32_vec())?.out;
         let scale = r.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
         worst = out.iter().zip(&r).map(|(&a, &b)| (a as f64 - b).abs() / scale).fold(worst, f64::max);
         want.push(out);
     }
     bar0.finish_and_clear();
     println!(
-        "moeflow check: {} routing ({}), {} activation, H {h}, I {}, {} experts, top-{}, {} weights; one rank vs f64: {worst:.2e} (bound {TOLERANCE:.0e})",
+        "moeflow check: {} routing ({}), {} activation, H {h}, I {}, {} experts, top-{}, {} weights; quant {}; one rank vs f64: {worst:.2e} (bound {tolerance:.1e})",
         p.name,
         config.router.describe(),
         config.activation.name(),
         config.inter,
         config.num_experts,
         config.top_k,
-        args.dtype
+        args.dtype,
+        args.quant
     );
-    if worst > TOLERANCE {
+    if worst > tolerance {
         return Err(MoeError::Config(format!("single rank differs from the reference by {worst:.2e}")));
     }
     let variants: [(&str, Option<usize>, bool); 3] =
@@ -106,6 +117,7 @@ pub fn run(args: CheckArgs) -> Result<()> {
             let mut par = ParallelConfig::new(ep, tp, s);
             par.dual_batch = dual;
             par.max_tokens_per_rank = 16;
+            par.quant = args.quant;
             let rank_inputs: Vec<Tensor> = (0..ep).map(|r| inputs[r / tp].clone()).collect();
             let cell = match forward_in_process(&config, &weights, &par, ExpertsKind::Cpu, chunk, &rank_inputs) {
                 Ok(outs) => {

@@ -2,6 +2,7 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 use moeflow::parallel::{ParallelConfig, PlacementKind, StrategyKind};
+use moeflow::quant::{QuantConfig, WeightQuant};
 use moeflow::{preset, DType, MoeConfig, MoeError, MoeWeights, Result};
 use std::time::Duration;
 
@@ -144,6 +145,33 @@ pub struct ParallelArgs {
     /// With TP: gather over the EP group after TP slicing (allgather).
     #[arg(long)]
     pub sequence_parallel: bool,
+    /// Quantization: none, int8 (int8 rows, int8 per-channel weights), fp8 / fp8-block / mxfp8
+    /// (fp8 rows per token / per 128 / per 32 with e8m0 scales, fp8 128×128-block weights).
+    #[arg(long, default_value = "none")]
+    pub quant: QuantConfig,
+}
+
+/// The weight format that goes with an activation format.
+pub fn weight_quant(quant: QuantConfig) -> Option<WeightQuant> {
+    match quant {
+        QuantConfig::None => None,
+        QuantConfig::Int8 => Some(WeightQuant::Int8Channel),
+        QuantConfig::Fp8 | QuantConfig::Fp8Block | QuantConfig::Mxfp8 => Some(WeightQuant::Fp8Block(128)),
+    }
+}
+
+/// Quantizes the routed experts of `weights` for `quant` unless they already are.
+pub fn quantize_weights(weights: &mut MoeWeights, quant: QuantConfig) -> Result<()> {
+    if let (Some(format), None) = (weight_quant(quant), &weights.experts.quant) {
+        weights.experts = weights.experts.quantized(format)?;
+    }
+    Ok(())
+}
+
+/// Relative error bound of a quantized layer: twice the activation and weight half-steps (see
+/// tests/quant.rs), plus f32 rounding.
+pub fn quant_bound(quant: QuantConfig) -> f64 {
+    2.0 * (quant.step() + weight_quant(quant).map_or(0.0, |w| w.step())) + 2e-5
 }
 
 impl ParallelArgs {
@@ -156,6 +184,7 @@ impl ParallelArgs {
             dual_batch: self.dual_batch,
             max_tokens_per_rank: self.max_tokens_per_rank.unwrap_or(largest_batch.max(1)),
             sequence_parallel: self.sequence_parallel,
+            quant: self.quant,
             ..ParallelConfig::new(self.ep, self.tp, strategy)
         };
         p.validate()?;

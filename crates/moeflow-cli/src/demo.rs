@@ -2,7 +2,7 @@
 //! against the f64 reference, with a short report. With `--ep N` the layer runs on N
 //! in-process ranks and is also compared bit for bit with one rank.
 
-use crate::common::{median, spinner, split_tokens, Backend, LayerArgs, ParallelArgs};
+use crate::common::{median, quant_bound, quantize_weights, spinner, split_tokens, Backend, LayerArgs, ParallelArgs};
 use moeflow::comm::{run_ranks, CommExt, Communicator};
 use moeflow::{preset, reference, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
 use std::sync::Arc;
@@ -49,12 +49,14 @@ pub fn run(args: DemoArgs) -> Result<()> {
         par.strategy,
         if par.dual_batch { " (dual-batch)" } else { "" }
     );
-    let weights = args.layer.weights(&config)?;
+    let original = args.layer.weights(&config)?;
+    let mut weights = original.clone();
+    quantize_weights(&mut weights, par.quant)?;
     let bar = spinner("packing weights".into());
     let single = MoeLayer::new(
         &config,
         &weights,
-        LayerOptions { chunk_size: args.layer.chunk_size, ..LayerOptions::default() },
+        LayerOptions { chunk_size: args.layer.chunk_size, quant: par.quant, ..LayerOptions::default() },
     )?;
     bar.finish_and_clear();
 
@@ -62,7 +64,14 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let x = preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ 0x5eed);
     let input = Tensor::from_f32(&[t, config.hidden], x.clone())?;
     let topk = single.route(&input)?;
-    let tolerance = if args.backend == Backend::Cuda { BF16_TOLERANCE } else { TOLERANCE };
+    let tolerance = match (args.backend, par.quant) {
+        (Backend::Cuda, _) => BF16_TOLERANCE,
+        (_, moeflow::quant::QuantConfig::None) => TOLERANCE,
+        (_, q) => quant_bound(q),
+    };
+    if par.quant != moeflow::quant::QuantConfig::None {
+        println!("  quantization    {} (activations and weights; error measured against unquantized f64)", par.quant);
+    }
     let (out, secs, runs) = if args.backend == Backend::Cuda {
         if par.ep != 1 {
             return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
@@ -130,7 +139,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
 
     let bar = spinner("checking against the f64 reference".into());
-    let routed = reference::forward(&config, &weights, &x)?;
+    let routed = reference::forward(&config, &original, &x)?;
     let ids: Vec<usize> = topk.ids.iter().map(|&i| i as usize).collect();
     // Routing must equal the f64 reference's, except where two scores are within 1e-4.
     let (k, e) = (config.top_k, config.num_experts);
@@ -152,7 +161,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         routed.out
     } else {
         let w: Vec<f64> = topk.weights.iter().map(|&v| v as f64).collect();
-        reference::forward_with_routing(&config, &weights, &x, &ids, &w)?
+        reference::forward_with_routing(&config, &original, &x, &ids, &w)?
     };
     bar.finish_and_clear();
 

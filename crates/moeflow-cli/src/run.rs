@@ -1,8 +1,9 @@
 //! `moeflow run`: one MoE block of a Hugging Face checkpoint on hidden states from a file.
 
-use crate::common::{split_tokens, Backend, ParallelArgs};
+use crate::common::{quantize_weights, split_tokens, Backend, ParallelArgs};
 use moeflow::comm::run_ranks;
 use moeflow::model::{io, Checkpoint};
+use moeflow::quant::QuantConfig;
 use moeflow::{DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -39,7 +40,16 @@ pub struct RunArgs {
 pub fn run(args: RunArgs) -> Result<()> {
     let ckpt = Checkpoint::open(&args.model)?;
     let x = io::read_hidden_states(&args.input, "hidden_states")?;
-    let block = ckpt.load_moe_block(args.layer, args.dtype)?;
+    // fp8 formats keep a DeepSeek fp8 checkpoint's weights as stored; otherwise weights load
+    // as --dtype and are quantized here.
+    let fp8 = matches!(args.parallel.quant, QuantConfig::Fp8 | QuantConfig::Fp8Block | QuantConfig::Mxfp8);
+    let mut block = match fp8 {
+        true => {
+            ckpt.load_moe_block(args.layer, DType::F8E4M3).or_else(|_| ckpt.load_moe_block(args.layer, args.dtype))?
+        }
+        false => ckpt.load_moe_block(args.layer, args.dtype)?,
+    };
+    quantize_weights(&mut block.weights, args.parallel.quant)?;
     let (t, h) = (x.shape()[0], x.shape()[1]);
     if h != block.config.hidden {
         return Err(MoeError::shape(

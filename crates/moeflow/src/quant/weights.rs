@@ -3,6 +3,7 @@
 
 use super::fp8::{fp8_e4m3_decode, fp8_e4m3_encode, FP8_E4M3_MAX};
 use crate::error::{MoeError, Result};
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// How expert weights are stored.
@@ -78,9 +79,9 @@ impl WeightQuant {
             WeightQuant::Fp8Block(b) => {
                 let lut: Vec<f32> = (0..=255u8).map(fp8_e4m3_decode).collect();
                 let bk = k.div_ceil(b);
-                c.iter().enumerate().map(|(i, &q)| lut[q as usize] * s[(i / k / b) * bk + (i % k) / b]).collect()
+                c.par_iter().enumerate().map(|(i, &q)| lut[q as usize] * s[(i / k / b) * bk + (i % k) / b]).collect()
             }
-            WeightQuant::Int8Channel => c.iter().enumerate().map(|(i, &q)| (q as i8) as f32 * s[i / k]).collect(),
+            WeightQuant::Int8Channel => c.par_iter().enumerate().map(|(i, &q)| (q as i8) as f32 * s[i / k]).collect(),
         }
     }
 
