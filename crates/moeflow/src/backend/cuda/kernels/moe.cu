@@ -184,12 +184,13 @@ __global__ void count_slots(const int* ids, int slots, int E, int* counts) {
     }
 }
 
-// offsets[e] = sum of counts before e; offsets[E] = total. One thread (E is at most a few hundred).
-__global__ void exclusive_scan(const int* counts, int E, int* offsets) {
+// offsets[e] = sum of counts before e (cap = 0), or e * cap (padded: every expert owns cap
+// rows); offsets[E] = total rows. One thread (E is at most a few hundred).
+__global__ void exclusive_scan(const int* counts, int E, int cap, int* offsets) {
     if (blockIdx.x == 0 && threadIdx.x == 0) {
         int acc = 0;
-        for (int e = 0; e < E; e++) { offsets[e] = acc; acc += counts[e]; }
-        offsets[E] = acc;
+        for (int e = 0; e < E; e++) { offsets[e] = cap > 0 ? e * cap : acc; acc += counts[e]; }
+        offsets[E] = cap > 0 ? E * cap : acc;
     }
 }
 
@@ -222,12 +223,13 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* offse
     }
 }
 
-// a[r, :] = x[slot_of_row[r] / k, :] (bf16 rows); one block per row, 16-byte moves when H % 8 == 0.
-__global__ void gather_rows(const bf16_t* x, int H, const int* slot_of_row, int k, int R, bf16_t* a) {
-    int r = blockIdx.x;
-    if (r >= R) return;
-    const bf16_t* src = x + (long)(slot_of_row[r] / k) * H;
-    bf16_t* dst = a + (long)r * H;
+// a[row_of_slot[s], :] = x[s / k, :] (bf16 rows); one block per slot, 16-byte moves when
+// H % 8 == 0. Rows no slot maps to (padding) are left as they are.
+__global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int k, int slots, bf16_t* a) {
+    int s = blockIdx.x;
+    if (s >= slots) return;
+    const bf16_t* src = x + (long)(s / k) * H;
+    bf16_t* dst = a + (long)row_of_slot[s] * H;
     if (H % 8 == 0) {
         const uint4* s4 = (const uint4*)src;
         uint4* d4 = (uint4*)dst;
@@ -239,8 +241,8 @@ __global__ void gather_rows(const bf16_t* x, int H, const int* slot_of_row, int 
 
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
 // 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu. expert_of_row may be null (dense MLP).
-__global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, long R, int I, int kind,
-                            float alpha, float limit, bf16_t* out) {
+__global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, int cap, long R, int I,
+                            int kind, float alpha, float limit, bf16_t* out) {
     long n = R * I;
     for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
         long r = idx / I;
@@ -248,7 +250,7 @@ __global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expe
         float g = bf16_to_f32(h13[r * 2 * I + i]);
         float u = bf16_to_f32(h13[r * 2 * I + I + i]);
         if (b13) {
-            int e = expert_of_row ? expert_of_row[r] : 0;
+            int e = cap > 0 ? (int)(r / cap) : (expert_of_row ? expert_of_row[r] : 0);
             g += b13[(long)e * 2 * I + i];
             u += b13[(long)e * 2 * I + I + i];
         }
