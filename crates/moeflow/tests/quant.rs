@@ -141,3 +141,32 @@ fn deepseek_fp8_checkpoint_kept_in_fp8() {
     let olmoe = Checkpoint::open(&dir.join("../olmoe")).unwrap();
     assert!(olmoe.load_moe_block(None, DType::F8E4M3).is_err());
 }
+
+#[test]
+fn every_format_on_the_conformance_fixtures() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
+    for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"] {
+        let dir = root.join(name);
+        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let block = Checkpoint::open(&dir).unwrap().load_moe_block(Some(meta["layer"].as_u64().unwrap() as usize), DType::F32).unwrap();
+        let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
+        let want = io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
+        for act in QuantConfig::ALL {
+            let wq = match act {
+                QuantConfig::None => None,
+                QuantConfig::Int8 => Some(WeightQuant::Int8Channel),
+                _ => Some(WeightQuant::Fp8Block(128)),
+            };
+            let mut w = block.weights.clone();
+            if let Some(q) = wq {
+                w.experts = w.experts.quantized(q).unwrap();
+            }
+            let layer = MoeLayer::new(&block.config, &w, LayerOptions { quant: act, ..LayerOptions::default() }).unwrap();
+            // The router runs in f32 on the unquantized input, so routing matches transformers';
+            // only the expert math carries the formats' error.
+            let err = rel(&layer.forward(&x).unwrap().to_f32_vec(), &want);
+            println!("fixture {name:<12} {act:<9} relative error {err:.2e}");
+            assert!(err <= bound(act, wq), "{name} {act}: {err:e}");
+        }
+    }
+}
