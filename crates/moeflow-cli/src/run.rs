@@ -40,14 +40,11 @@ pub struct RunArgs {
 pub fn run(args: RunArgs) -> Result<()> {
     let ckpt = Checkpoint::open(&args.model)?;
     let x = io::read_hidden_states(&args.input, "hidden_states")?;
-    // fp8 formats keep a DeepSeek fp8 checkpoint's weights as stored; otherwise weights load
-    // as --dtype and are quantized here.
-    let fp8 = matches!(args.parallel.quant, QuantConfig::Fp8 | QuantConfig::Fp8Block | QuantConfig::Mxfp8);
-    let mut block = match fp8 {
-        true => {
-            ckpt.load_moe_block(args.layer, DType::F8E4M3).or_else(|_| ckpt.load_moe_block(args.layer, args.dtype))?
-        }
-        false => ckpt.load_moe_block(args.layer, args.dtype)?,
+    // With a quantization asked for, quantized checkpoint weights stay as stored (DeepSeek fp8
+    // blocks, GPT-OSS MXFP4); other weights load as --dtype and are quantized below.
+    let mut block = match args.parallel.quant {
+        QuantConfig::None => ckpt.load_moe_block(args.layer, args.dtype)?,
+        _ => ckpt.load_moe_block_quantized(args.layer).or_else(|_| ckpt.load_moe_block(args.layer, args.dtype))?,
     };
     quantize_weights(&mut block.weights, args.parallel.quant)?;
     let (t, h) = (x.shape()[0], x.shape()[1]);

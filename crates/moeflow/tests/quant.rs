@@ -117,7 +117,7 @@ fn fp8_dispatch_moves_a_quarter_of_f32_bytes() {
 fn deepseek_fp8_checkpoint_kept_in_fp8() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/deepseek_v3_fp8");
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let kept = ckpt.load_moe_block(Some(2), DType::F8E4M3).unwrap();
+    let kept = ckpt.load_moe_block_quantized(Some(2)).unwrap();
     assert_eq!(kept.weights.experts.w13.dtype(), DType::F8E4M3);
     assert!(kept.weights.experts.quant.is_some());
     let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
@@ -137,9 +137,26 @@ fn deepseek_fp8_checkpoint_kept_in_fp8() {
     let err = rel(&layer.forward(&x).unwrap().to_f32_vec(), &want);
     println!("deepseek_v3_fp8 fixture, fp8-block activations: relative error {err:.2e}");
     assert!(err <= bound(QuantConfig::Fp8Block, None), "{err:e}");
-    // Other families refuse to keep fp8.
+    // Checkpoints without quantized experts have nothing to keep.
     let olmoe = Checkpoint::open(&dir.join("../olmoe")).unwrap();
-    assert!(olmoe.load_moe_block(None, DType::F8E4M3).is_err());
+    assert!(olmoe.load_moe_block_quantized(None).unwrap_err().to_string().contains("no quantized experts"));
+}
+
+#[test]
+fn gpt_oss_mxfp4_checkpoint_kept_in_mxfp4() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures/gpt_oss_mxfp4");
+    let kept = Checkpoint::open(&dir).unwrap().load_moe_block_quantized(Some(1)).unwrap();
+    let q = kept.weights.experts.quant.as_ref().unwrap();
+    assert_eq!(q.format, WeightQuant::Mxfp4);
+    assert_eq!(kept.weights.experts.w13.dtype(), DType::I8, "one fp4 code per byte");
+    let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
+    let want = io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
+    // transformers computed the expected output from the dequantized weights: the same model.
+    let layer = MoeLayer::new(&kept.config, &kept.weights, LayerOptions::default()).unwrap();
+    let err = rel(&layer.forward(&x).unwrap().to_f32_vec(), &want);
+    assert!(err <= 1e-5, "{err:e}");
+    let dense = Checkpoint::open(&dir.join("../gpt_oss")).unwrap();
+    assert!(dense.load_moe_block_quantized(None).unwrap_err().to_string().contains("no MXFP4"));
 }
 
 #[test]
@@ -147,8 +164,12 @@ fn every_format_on_the_conformance_fixtures() {
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fixtures");
     for name in ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "gpt_oss"] {
         let dir = root.join(name);
-        let meta: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
-        let block = Checkpoint::open(&dir).unwrap().load_moe_block(Some(meta["layer"].as_u64().unwrap() as usize), DType::F32).unwrap();
+        let meta: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("meta.json")).unwrap()).unwrap();
+        let block = Checkpoint::open(&dir)
+            .unwrap()
+            .load_moe_block(Some(meta["layer"].as_u64().unwrap() as usize), DType::F32)
+            .unwrap();
         let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
         let want = io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
         for act in QuantConfig::ALL {
@@ -161,7 +182,8 @@ fn every_format_on_the_conformance_fixtures() {
             if let Some(q) = wq {
                 w.experts = w.experts.quantized(q).unwrap();
             }
-            let layer = MoeLayer::new(&block.config, &w, LayerOptions { quant: act, ..LayerOptions::default() }).unwrap();
+            let layer =
+                MoeLayer::new(&block.config, &w, LayerOptions { quant: act, ..LayerOptions::default() }).unwrap();
             // The router runs in f32 on the unquantized input, so routing matches transformers';
             // only the expert math carries the formats' error.
             let err = rel(&layer.forward(&x).unwrap().to_f32_vec(), &want);

@@ -100,7 +100,7 @@ impl ExpertWeights {
                 q.w2.expect_shape("w2 scales", &[e, q.format.scales_len(h, i)])?;
                 match q.format {
                     WeightQuant::Fp8Block(_) => [DType::F8E4M3].as_slice(),
-                    WeightQuant::Int8Channel => [DType::I8].as_slice(),
+                    WeightQuant::Int8Channel | WeightQuant::Mxfp4 => [DType::I8].as_slice(),
                 }
             }
         };
@@ -163,7 +163,9 @@ impl ExpertWeights {
                     WeightQuant::Fp8Block(_) => {
                         crate::tensor::CpuStorage::F8E4M3(c.into_iter().map(float8::F8E4M3::from_bits).collect())
                     }
-                    WeightQuant::Int8Channel => crate::tensor::CpuStorage::I8(c.into_iter().map(|b| b as i8).collect()),
+                    WeightQuant::Int8Channel | WeightQuant::Mxfp4 => {
+                        crate::tensor::CpuStorage::I8(c.into_iter().map(|b| b as i8).collect())
+                    }
                 },
             )
         };

@@ -163,31 +163,38 @@ impl Family for DeepSeek {
     }
 
     fn load(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig, dtype: DType) -> Result<MoeWeights> {
-        let p = format!("{prefix}mlp.");
-        let (h, i, e) = (c.hidden, c.inter, c.num_experts);
-        let stack = |count: usize, inter: usize, at: &dyn Fn(usize) -> String| {
-            if dtype == DType::F8E4M3 {
-                keep_fp8(ckpt, count, (h, inter), at)
-            } else {
-                stack_experts(count, (h, inter), dtype, |x| triplet(ckpt, &at(x), (h, inter)))
-            }
-        };
-        let experts = stack(e, i, &|x| format!("{p}experts.{x}."))?;
-        let shared = match c.shared {
-            None => None,
-            Some(s) => Some(SharedWeights { mlp: stack(1, s.inter, &|_| format!("{p}shared_experts."))?, gate: None }),
-        };
-        let correction_bias = if matches!(c.router, RouterConfig::SigmoidGrouped { .. }) {
-            Some(ckpt.tensor(&format!("{p}gate.e_score_correction_bias"), &[e])?)
-        } else {
-            None
-        };
-        Ok(MoeWeights {
-            gate: ckpt.tensor(&format!("{p}gate.weight"), &[e, h])?,
-            gate_bias: None,
-            correction_bias,
-            experts,
-            shared,
+        load_with(ckpt, prefix, c, &|count, inter, at| {
+            stack_experts(count, (c.hidden, inter), dtype, |x| triplet(ckpt, &at(x), (c.hidden, inter)))
         })
     }
+
+    fn load_quantized(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig) -> Result<MoeWeights> {
+        load_with(ckpt, prefix, c, &|count, inter, at| keep_fp8(ckpt, count, (c.hidden, inter), at))
+    }
+}
+
+/// Reads `count` experts of intermediate size `inter`; expert x's tensors start with `at(x)`.
+type Stacker<'a> = dyn Fn(usize, usize, &dyn Fn(usize) -> String) -> Result<ExpertWeights> + 'a;
+
+/// The block, its routed and shared experts read by `stack`.
+fn load_with(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig, stack: &Stacker) -> Result<MoeWeights> {
+    let p = format!("{prefix}mlp.");
+    let (h, i, e) = (c.hidden, c.inter, c.num_experts);
+    let experts = stack(e, i, &|x| format!("{p}experts.{x}."))?;
+    let shared = match c.shared {
+        None => None,
+        Some(s) => Some(SharedWeights { mlp: stack(1, s.inter, &|_| format!("{p}shared_experts."))?, gate: None }),
+    };
+    let correction_bias = if matches!(c.router, RouterConfig::SigmoidGrouped { .. }) {
+        Some(ckpt.tensor(&format!("{p}gate.e_score_correction_bias"), &[e])?)
+    } else {
+        None
+    };
+    Ok(MoeWeights {
+        gate: ckpt.tensor(&format!("{p}gate.weight"), &[e, h])?,
+        gate_bias: None,
+        correction_bias,
+        experts,
+        shared,
+    })
 }

@@ -6,9 +6,12 @@
 use super::dequant::mxfp4;
 use super::{Checkpoint, Family, HfConfig};
 use crate::config::{MoeConfig, MoeWeights};
+use crate::error::MoeError;
 use crate::error::Result;
-use crate::experts::{Activation, ExpertWeights};
+use crate::experts::{Activation, ExpertWeights, QuantizedScales};
+use crate::quant::WeightQuant;
 use crate::router::RouterConfig;
+use crate::tensor::CpuStorage;
 use crate::tensor::Tensor;
 use crate::DType;
 
@@ -34,6 +37,25 @@ fn projection(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) -
         }
     }
     Ok(t)
+}
+
+/// MXFP4 `name_blocks [E, out, in/32, 16]` and `name_scales [E, out, in/32]` as one code per
+/// byte `[E, out, in]` and f32 scales `[E, out · in/32]`.
+fn mxfp4_codes(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) -> Result<(Vec<u8>, Vec<f32>)> {
+    let groups = inp / 32;
+    let b = ckpt.bytes(&format!("{name}_blocks"), &[e, out, groups, 16])?;
+    let s = ckpt.bytes(&format!("{name}_scales"), &[e, out, groups])?;
+    let codes = b.iter().flat_map(|&x| [x & 0x0f, x >> 4]).collect();
+    Ok((codes, s.iter().map(|&x| f32::powi(2.0, x as i32 - 127)).collect()))
+}
+
+/// Row `j` of the interleaved gate/up projection goes to row `dst(j)`: gate rows first.
+fn deinterleaved(j: usize, i: usize) -> usize {
+    if j % 2 == 0 {
+        j / 2
+    } else {
+        i + j / 2
+    }
 }
 
 impl Family for GptOss {
@@ -82,7 +104,7 @@ impl Family for GptOss {
         let (mut w13, mut b13) = (vec![0f32; e * 2 * i * h], vec![0f32; e * 2 * i]);
         for x in 0..e {
             for j in 0..2 * i {
-                let dst = x * 2 * i + if j % 2 == 0 { j / 2 } else { i + j / 2 };
+                let dst = x * 2 * i + deinterleaved(j, i);
                 w13[dst * h..(dst + 1) * h].copy_from_slice(&gu[(x * 2 * i + j) * h..(x * 2 * i + j + 1) * h]);
                 b13[dst] = gub[x * 2 * i + j];
             }
@@ -94,6 +116,49 @@ impl Family for GptOss {
             b13: Some(Tensor::from_f32(&[e, 2 * i], b13)?),
             b2: Some(ckpt.tensor(&format!("{p}experts.down_proj_bias"), &[e, h])?.to_dtype(DType::F32)),
             quant: None,
+        };
+        Ok(MoeWeights {
+            gate: ckpt.tensor(&format!("{p}router.weight"), &[e, h])?,
+            gate_bias: Some(ckpt.tensor(&format!("{p}router.bias"), &[e])?),
+            correction_bias: None,
+            experts,
+            shared: None,
+        })
+    }
+
+    fn load_quantized(ckpt: &Checkpoint, prefix: &str, c: &MoeConfig) -> Result<MoeWeights> {
+        let p = format!("{prefix}mlp.");
+        let (e, h, i) = (c.num_experts, c.hidden, c.inter);
+        if !ckpt.has(&format!("{p}experts.gate_up_proj_blocks")) {
+            return Err(MoeError::Unsupported("this GPT-OSS checkpoint stores no MXFP4 experts to keep".into()));
+        }
+        let (gu, gus) = mxfp4_codes(ckpt, &format!("{p}experts.gate_up_proj"), e, 2 * i, h)?;
+        let (c2, s2) = mxfp4_codes(ckpt, &format!("{p}experts.down_proj"), e, h, i)?;
+        // De-interleave gate/up rows of codes, scales and bias.
+        let gub = ckpt.f32s(&format!("{p}experts.gate_up_proj_bias"), &[e, 2 * i])?;
+        let (g, per) = (h / 32, 2 * i);
+        let (mut c13, mut s13, mut b13) = (vec![0u8; e * per * h], vec![0f32; e * per * g], vec![0f32; e * per]);
+        for x in 0..e {
+            for j in 0..per {
+                let (src, dst) = (x * per + j, x * per + deinterleaved(j, i));
+                c13[dst * h..(dst + 1) * h].copy_from_slice(&gu[src * h..(src + 1) * h]);
+                s13[dst * g..(dst + 1) * g].copy_from_slice(&gus[src * g..(src + 1) * g]);
+                b13[dst] = gub[src];
+            }
+        }
+        let codes =
+            |c: Vec<u8>, shape: &[usize]| Tensor::new(shape, CpuStorage::I8(c.into_iter().map(|b| b as i8).collect()));
+        let format = WeightQuant::Mxfp4;
+        let experts = ExpertWeights {
+            w13: codes(c13, &[e, 2 * i, h])?,
+            w2: codes(c2, &[e, h, i])?,
+            b13: Some(Tensor::from_f32(&[e, 2 * i], b13)?),
+            b2: Some(ckpt.tensor(&format!("{p}experts.down_proj_bias"), &[e, h])?.to_dtype(DType::F32)),
+            quant: Some(QuantizedScales {
+                format,
+                w13: Tensor::from_f32(&[e, format.scales_len(2 * i, h)], s13)?,
+                w2: Tensor::from_f32(&[e, format.scales_len(h, i)], s2)?,
+            }),
         };
         Ok(MoeWeights {
             gate: ckpt.tensor(&format!("{p}router.weight"), &[e, h])?,

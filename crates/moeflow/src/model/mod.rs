@@ -78,9 +78,14 @@ pub(crate) trait Family {
     fn tensor_names(ckpt: &Checkpoint, prefix: &str, config: &MoeConfig) -> Vec<String>;
     /// Reads the block's weights, expert and shared weights stored as `dtype`.
     fn load(ckpt: &Checkpoint, prefix: &str, config: &MoeConfig, dtype: DType) -> Result<MoeWeights>;
+    /// Reads the block keeping quantized expert weights as the checkpoint stores them.
+    fn load_quantized(ckpt: &Checkpoint, _prefix: &str, _config: &MoeConfig) -> Result<MoeWeights> {
+        Err(MoeError::Unsupported(format!("{} checkpoints store no quantized experts to keep", ckpt.config.model_type)))
+    }
 }
 
 /// The weights of one MoE block, with where they came from.
+#[derive(Clone, Debug)]
 pub struct MoeBlock {
     /// Decoder layer index.
     pub layer: usize,
@@ -149,11 +154,11 @@ impl Checkpoint {
     }
 
     /// Loads layer `layer`'s MoE block (default: the first MoE layer), expert weights as
-    /// `dtype`: f32 or bf16, or f8e4m3 to keep a DeepSeek-V3 fp8 checkpoint's codes and block
-    /// scales as stored. Only that block's tensors are read.
+    /// `dtype` (f32 or bf16; quantized checkpoints are dequantized). Only that block's tensors
+    /// are read.
     pub fn load_moe_block(&self, layer: Option<usize>, dtype: DType) -> Result<MoeBlock> {
-        if !matches!(dtype, DType::F32 | DType::BF16 | DType::F8E4M3) {
-            return Err(MoeError::Config(format!("weights load as f32, bf16 or f8e4m3 (kept fp8), not {dtype}")));
+        if !matches!(dtype, DType::F32 | DType::BF16) {
+            return Err(MoeError::Config(format!("weights load as f32 or bf16, not {dtype}")));
         }
         let layer = match layer {
             Some(l) => l,
@@ -170,6 +175,24 @@ impl Checkpoint {
         let p = prefix(layer);
         self.require(&dispatch!(arch, tensor_names(self, &p, &config)))?;
         let weights = dispatch!(arch, load(self, &p, &config, dtype))?;
+        weights.validate(&config)?;
+        Ok(MoeBlock { layer, config, weights })
+    }
+}
+
+impl Checkpoint {
+    /// As [`Checkpoint::load_moe_block`], keeping the routed experts quantized as stored: a
+    /// DeepSeek-V3 fp8 checkpoint's codes and 128×128 block scales, GPT-OSS's MXFP4 blocks.
+    pub fn load_moe_block_quantized(&self, layer: Option<usize>) -> Result<MoeBlock> {
+        let layer = match layer {
+            Some(l) => l,
+            None => *self.moe_layers()?.first().ok_or_else(|| MoeError::Config("the model has no MoE layer".into()))?,
+        };
+        let arch = self.check_layer(layer)?;
+        let config = self.moe_config(layer)?;
+        let p = prefix(layer);
+        self.require(&dispatch!(arch, tensor_names(self, &p, &config)))?;
+        let weights = dispatch!(arch, load_quantized(self, &p, &config))?;
         weights.validate(&config)?;
         Ok(MoeBlock { layer, config, weights })
     }

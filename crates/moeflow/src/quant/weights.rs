@@ -13,7 +13,14 @@ pub enum WeightQuant {
     Fp8Block(usize),
     /// int8 codes, one f32 scale per output row.
     Int8Channel,
+    /// fp4 (e2m1) codes, one per byte, with a power-of-two scale per 32 values along a row
+    /// (MXFP4, as GPT-OSS checkpoints store their experts).
+    Mxfp4,
 }
+
+/// The 16 fp4 (e2m1) values, by code.
+pub const FP4_E2M1: [f32; 16] =
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0];
 
 impl WeightQuant {
     /// Scales of one `[n, k]` matrix.
@@ -21,6 +28,7 @@ impl WeightQuant {
         match self {
             WeightQuant::Fp8Block(b) => n.div_ceil(b) * k.div_ceil(b),
             WeightQuant::Int8Channel => n,
+            WeightQuant::Mxfp4 => n * k.div_ceil(32),
         }
     }
 
@@ -54,6 +62,30 @@ impl WeightQuant {
                         }
                     }
                 }
+                WeightQuant::Mxfp4 => {
+                    for r in 0..n {
+                        for (g, (src, dst)) in
+                            m[r * k..(r + 1) * k].chunks(32).zip(c[r * k..(r + 1) * k].chunks_mut(32)).enumerate()
+                        {
+                            let _ = g;
+                            let amax = src.iter().fold(0f32, |a, v| a.max(v.abs()));
+                            if amax == 0.0 {
+                                scales.push(0.0);
+                                continue;
+                            }
+                            let scale = f32::powi(2.0, (amax / 6.0).log2().ceil().clamp(-127.0, 127.0) as i32);
+                            scales.push(scale);
+                            for (q, v) in dst.iter_mut().zip(src) {
+                                let x = v / scale;
+                                *q = (0..16u8)
+                                    .min_by(|&a, &b| {
+                                        (FP4_E2M1[a as usize] - x).abs().total_cmp(&(FP4_E2M1[b as usize] - x).abs())
+                                    })
+                                    .unwrap_or(0);
+                            }
+                        }
+                    }
+                }
                 WeightQuant::Int8Channel => {
                     for r in 0..n {
                         let row = &m[r * k..(r + 1) * k];
@@ -82,6 +114,13 @@ impl WeightQuant {
                 c.par_iter().enumerate().map(|(i, &q)| lut[q as usize] * s[(i / k / b) * bk + (i % k) / b]).collect()
             }
             WeightQuant::Int8Channel => c.par_iter().enumerate().map(|(i, &q)| (q as i8) as f32 * s[i / k]).collect(),
+            WeightQuant::Mxfp4 => {
+                let groups = k.div_ceil(32);
+                c.par_iter()
+                    .enumerate()
+                    .map(|(i, &q)| FP4_E2M1[(q & 15) as usize] * s[(i / k) * groups + (i % k) / 32])
+                    .collect()
+            }
         }
     }
 
@@ -95,6 +134,9 @@ impl WeightQuant {
         match self {
             WeightQuant::Fp8Block(_) => 1.0 / 16.0,
             WeightQuant::Int8Channel => 0.5 / 127.0,
+            // e2m1: one mantissa bit, relative spacing up to 1/2 (half a step: 1/4) over the
+            // normal range; the scale keeps each block's largest value near the top.
+            WeightQuant::Mxfp4 => 0.25,
         }
     }
 }
@@ -123,5 +165,11 @@ mod tests {
         assert_eq!(scales, vec![1.0, 0.0]);
         assert_eq!(q.dequantize(&codes, &scales, 1, 2, 3), w);
         assert!(q.quantize(&[f32::NAN; 6], 1, 2, 3).is_err());
+        // MXFP4: fp4 values times a power of two are exact.
+        let q = WeightQuant::Mxfp4;
+        let w: Vec<f32> = [6.0, -3.0, 0.5, 1.5].repeat(8).iter().map(|v| v * 4.0).collect();
+        let (codes, scales) = q.quantize(&w, 1, 1, 32).unwrap();
+        assert_eq!(scales, vec![4.0]);
+        assert_eq!(q.dequantize(&codes, &scales, 1, 1, 32), w);
     }
 }
