@@ -51,7 +51,7 @@ fn mxfp4_codes(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) 
 
 /// Row `j` of the interleaved gate/up projection goes to row `dst(j)`: gate rows first.
 fn deinterleaved(j: usize, i: usize) -> usize {
-    if j % 2 == 0 {
+    if j.is_multiple_of(2) {
         j / 2
     } else {
         i + j / 2
