@@ -1,5 +1,6 @@
 //! fp8 e4m3 codes with one f32 scale per group of values (per token, or 1×128 blocks).
 
+use super::scaled::{dequantize_groups, quantize_groups};
 use float8::F8E4M3;
 
 /// Largest finite e4m3 value.
@@ -17,26 +18,10 @@ pub fn fp8_e4m3_decode(code: u8) -> f32 {
 
 /// `x [rows, h]` → (codes, scales `[rows, ceil(h / group)]`), scale = amax / 448.
 pub(super) fn quantize(x: &[f32], h: usize, group: usize) -> (Vec<u8>, Vec<f32>) {
-    let mut data = vec![0u8; x.len()];
-    let mut scales = Vec::with_capacity(x.len().div_ceil(group.max(1)));
-    for (row, out) in x.chunks(h.max(1)).zip(data.chunks_mut(h.max(1))) {
-        for (g, o) in row.chunks(group).zip(out.chunks_mut(group)) {
-            let amax = g.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / FP8_E4M3_MAX;
-            scales.push(scale);
-            if scale > 0.0 {
-                for (v, q) in g.iter().zip(o.iter_mut()) {
-                    *q = fp8_e4m3_encode(v / scale);
-                }
-            }
-        }
-    }
-    (data, scales)
+    quantize_groups(x, h, group, FP8_E4M3_MAX, fp8_e4m3_encode)
 }
 
 /// Codes and scales back to f32.
 pub(super) fn dequantize(data: &[u8], scales: &[f32], h: usize, group: usize) -> Vec<f32> {
-    let per_row = h.div_ceil(group.max(1));
-    let lut: Vec<f32> = (0..=255u8).map(fp8_e4m3_decode).collect();
-    data.iter().enumerate().map(|(i, &q)| lut[q as usize] * scales[(i / h) * per_row + (i % h) / group]).collect()
+    dequantize_groups(data, scales, h, group, fp8_e4m3_decode)
 }

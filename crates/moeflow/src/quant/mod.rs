@@ -15,6 +15,7 @@
 mod fp8;
 mod int8;
 mod mxfp;
+mod scaled;
 mod weights;
 
 use crate::error::{check_finite, MoeError, Result};
