@@ -199,7 +199,8 @@ unsafe fn dispatch_kernel<T: PanelElem>(use_avx2: bool, mr: usize, t: Tile<T>) {
             _ => return avx2::kernel::<T, 6>(&t),
         }
     }
-    let _ = use_avx2;
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = use_avx2; // only the x86-64 build has an AVX2 kernel to choose
     portable_kernel(mr, &t)
 }
 

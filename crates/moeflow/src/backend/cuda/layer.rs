@@ -328,7 +328,7 @@ impl CudaMoeLayer {
         let g = &self.gpu;
         let n = 8192usize;
         let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
-        let (a, w, mut c) = (alloc(n * n)?, alloc(n * n)?, alloc(n * n)?);
+        let (a, w, c) = (alloc(n * n)?, alloc(n * n)?, alloc(n * n)?);
         let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
             let mut v = Vec::new();
             for rep in 0..6 {
@@ -353,7 +353,6 @@ impl CudaMoeLayer {
         let bytes = 1usize << 30;
         let (src, mut dst) = (alloc(bytes / 2)?, alloc(bytes / 2)?);
         let copy_ms = time(&mut || g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| err("copy", e)))?;
-        let _ = &mut c;
         Ok((2.0 * (n * n * n) as f64 / gemm_ms / 1e9, 2.0 * bytes as f64 / copy_ms / 1e6))
     }
 
