@@ -183,9 +183,10 @@ impl Experts for CpuExperts {
         // Permute: slots grouped by local expert, in token-then-slot order within an expert.
         let mut counts = vec![0usize; self.experts];
         let local: Vec<Option<usize>> = (0..slots).map(|s| input.local_expert(s)).collect();
-        for &l in local.iter().flatten() {
+        for (s, l) in local.iter().enumerate() {
+            let Some(l) = *l else { continue };
             if l >= self.experts {
-                return Err(MoeError::ExpertOutOfRange { id: l as i64, num_experts: self.experts, token: 0, slot: 0 });
+                return Err(MoeError::ExpertOutOfRange { id: l as i64, num_experts: self.experts, token: s / k, slot: s % k });
             }
             counts[l] += 1;
         }
