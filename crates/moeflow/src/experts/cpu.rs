@@ -186,7 +186,12 @@ impl Experts for CpuExperts {
         for (s, l) in local.iter().enumerate() {
             let Some(l) = *l else { continue };
             if l >= self.experts {
-                return Err(MoeError::ExpertOutOfRange { id: l as i64, num_experts: self.experts, token: s / k, slot: s % k });
+                return Err(MoeError::ExpertOutOfRange {
+                    id: l as i64,
+                    num_experts: self.experts,
+                    token: s / k,
+                    slot: s % k,
+                });
             }
             counts[l] += 1;
         }

@@ -22,7 +22,7 @@ use crate::error::{check_finite, MoeError, Result};
 use std::str::FromStr;
 
 pub use fp8::{fp8_e4m3_decode, fp8_e4m3_encode, FP8_E4M3_MAX};
-pub use weights::WeightQuant;
+pub use weights::{Dequantizer, WeightQuant};
 
 /// A quantization format for activations.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

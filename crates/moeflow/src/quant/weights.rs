@@ -141,6 +141,54 @@ impl WeightQuant {
     }
 }
 
+/// Element access to one quantized matrix `[n, k]` without materialising it.
+pub struct Dequantizer<'a> {
+    format: WeightQuant,
+    codes: &'a [u8],
+    scales: &'a [f32],
+    k: usize,
+    lut: [f32; 256],
+}
+
+impl<'a> Dequantizer<'a> {
+    /// Matrix `e` of a stack of `[n, k]` matrices.
+    pub fn new(format: WeightQuant, codes: &'a [u8], scales: &'a [f32], e: usize, n: usize, k: usize) -> Self {
+        let per = format.scales_len(n, k);
+        let mut lut = [0f32; 256];
+        for (q, v) in lut.iter_mut().enumerate() {
+            *v = match format {
+                WeightQuant::Fp8Block(_) => fp8_e4m3_decode(q as u8),
+                WeightQuant::Int8Channel => (q as u8 as i8) as f32,
+                WeightQuant::Mxfp4 => FP4_E2M1[q & 15],
+            };
+        }
+        Dequantizer {
+            format,
+            codes: &codes[e * n * k..(e + 1) * n * k],
+            scales: &scales[e * per..(e + 1) * per],
+            k,
+            lut,
+        }
+    }
+
+    /// Row `r` in f32 into `out` (`k` values; the same values [`WeightQuant::dequantize_one`]
+    /// gives), one scale lookup per block.
+    pub fn row(&self, r: usize, out: &mut [f32]) {
+        let k = self.k;
+        let codes = &self.codes[r * k..(r + 1) * k];
+        let (block, scales): (usize, &[f32]) = match self.format {
+            WeightQuant::Fp8Block(b) => (b, &self.scales[(r / b) * k.div_ceil(b)..]),
+            WeightQuant::Int8Channel => (k.max(1), &self.scales[r..]),
+            WeightQuant::Mxfp4 => (32, &self.scales[r * k.div_ceil(32)..]),
+        };
+        for ((o, q), s) in out.chunks_mut(block).zip(codes.chunks(block)).zip(scales) {
+            for (v, &c) in o.iter_mut().zip(q) {
+                *v = self.lut[c as usize] * s;
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -171,5 +219,8 @@ mod tests {
         let (codes, scales) = q.quantize(&w, 1, 1, 32).unwrap();
         assert_eq!(scales, vec![4.0]);
         assert_eq!(q.dequantize(&codes, &scales, 1, 1, 32), w);
+        let mut row = vec![0f32; 32];
+        Dequantizer::new(q, &codes, &scales, 0, 1, 32).row(0, &mut row);
+        assert_eq!(row, w);
     }
 }

@@ -49,6 +49,12 @@ pub struct PackedMatrices<T> {
     data: Vec<T>,
 }
 
+impl Default for PackedMatrices<f32> {
+    fn default() -> Self {
+        Self::empty()
+    }
+}
+
 impl<T: PanelElem> PackedMatrices<T> {
     /// Packs `count` row-major matrices `[n, k]` stored back to back in `src`.
     pub fn pack(src: &[T], count: usize, n: usize, k: usize) -> Self {
@@ -96,6 +102,39 @@ impl<T: PanelElem> PackedMatrices<T> {
     }
 }
 
+impl PackedMatrices<f32> {
+    /// An empty buffer for [`PackedMatrices::refill`].
+    pub fn empty() -> Self {
+        PackedMatrices { count: 0, n: 0, k: 0, data: Vec::new() }
+    }
+
+    /// Becomes one matrix `[n, k]` whose row `r` is written by `row(r, out)`, packed in
+    /// parallel, reusing the allocation.
+    pub fn refill(&mut self, n: usize, k: usize, row: impl Fn(usize, &mut [f32]) + Sync) {
+        use rayon::prelude::*;
+        let panels = n.div_ceil(NR);
+        (self.count, self.n, self.k) = (1, n, k);
+        self.data.resize(panels * NR * k, 0.0);
+        if k == 0 {
+            return;
+        }
+        self.data.par_chunks_mut(NR * k).enumerate().for_each(|(p, panel)| {
+            let mut tmp = vec![0f32; k];
+            for j in 0..NR {
+                let col = p * NR + j;
+                if col < n {
+                    row(col, &mut tmp);
+                } else {
+                    tmp.fill(0.0);
+                }
+                for (kk, &v) in tmp.iter().enumerate() {
+                    panel[kk * NR + j] = v;
+                }
+            }
+        });
+    }
+}
+
 /// Packed stacked weights in the element type they were given in.
 #[derive(Clone, Debug)]
 pub enum PackedStack {
@@ -118,6 +157,8 @@ pub enum PackedStack {
         codes: Vec<u8>,
         /// Scales, `format.scales_len(n, k)` per matrix.
         scales: Vec<f32>,
+        /// Reused f32 panels of the expert being computed.
+        scratch: std::sync::Arc<std::sync::Mutex<PackedMatrices<f32>>>,
     },
 }
 
@@ -131,7 +172,7 @@ impl PackedStack {
         n: usize,
         k: usize,
     ) -> Self {
-        PackedStack::Quantized { format, count, n, k, codes, scales }
+        PackedStack::Quantized { format, count, n, k, codes, scales, scratch: Default::default() }
     }
 
     /// Packs a `[count, n, k]` tensor: bf16 stays bf16, every other float type becomes f32.
@@ -147,10 +188,11 @@ impl PackedStack {
         match self {
             PackedStack::F32(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
             PackedStack::BF16(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
-            PackedStack::Quantized { format, n, k, codes, scales, .. } => {
+            PackedStack::Quantized { format, n, k, codes, scales, scratch, .. } => {
+                let mut packed = scratch.lock().unwrap_or_else(|p| p.into_inner());
                 for s in segments.iter().filter(|s| s.rows > 0) {
-                    let w = format.dequantize_one(codes, scales, s.expert, *n, *k);
-                    let packed = PackedMatrices::pack(&w, 1, *n, *k);
+                    let d = crate::quant::Dequantizer::new(*format, codes, scales, s.expert, *n, *k);
+                    packed.refill(*n, *k, |r, out| d.row(r, out));
                     let one = [super::gemm::Segment { expert: 0, ..*s }];
                     super::gemm::grouped_gemm(a, lda, &one, &packed, c, ldc);
                 }
