@@ -129,3 +129,34 @@ fn fixtures_through_the_gpu() {
         assert!(err <= BF16_TOL, "{name}: {err:e}");
     }
 }
+
+#[test]
+fn quantization_kernels_match_the_cpu_bit_for_bit() {
+    use moeflow::backend::cuda::CudaQuant;
+    use moeflow::quant::{dequantize, quantize, QuantConfig};
+    let gpu = match CudaQuant::new() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    for q in [QuantConfig::Int8, QuantConfig::Fp8, QuantConfig::Fp8Block, QuantConfig::Mxfp8] {
+        for h in [1usize, 33, 300, 7168] {
+            // Rows of very different magnitudes, an all-zero row, and values deep in e4m3's
+            // subnormal range relative to their row's maximum.
+            let mut x = preset::uniform(6 * h, 1.0, h as u64);
+            for (r, row) in x.chunks_mut(h).enumerate() {
+                let scale = [1.0, 1e3, 1e-3, 0.0, 37.5, 1.0][r];
+                row.iter_mut().for_each(|v| *v *= scale);
+            }
+            x[5 * h] = 1e4;
+            let cpu = quantize(q, &x, h).unwrap();
+            let dev = gpu.quantize(q, &x, h).unwrap();
+            assert_eq!(dev.scales, cpu.scales, "{q} h {h}: scales");
+            assert_eq!(dev.data, cpu.data, "{q} h {h}: codes");
+            assert_eq!(gpu.dequantize(&cpu).unwrap(), dequantize(&cpu), "{q} h {h}: dequantize");
+        }
+        println!("{q}: codes, scales and dequantized values identical to the CPU");
+    }
+}

@@ -73,7 +73,7 @@ impl WeightQuant {
                                 scales.push(0.0);
                                 continue;
                             }
-                            let scale = f32::powi(2.0, (amax / 6.0).log2().ceil().clamp(-127.0, 127.0) as i32);
+                            let scale = f32::powi(2.0, super::mxfp::ceil_log2(amax / 6.0).clamp(-127, 127));
                             scales.push(scale);
                             for (q, v) in dst.iter_mut().zip(src) {
                                 let x = v / scale;

@@ -3,9 +3,11 @@
 //! cuBLAS call each.
 
 mod layer;
+mod quant;
 
 pub use super::GpuStageTimes;
 pub use layer::CudaMoeLayer;
+pub use quant::CudaQuant;
 
 use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};

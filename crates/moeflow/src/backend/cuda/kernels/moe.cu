@@ -316,3 +316,82 @@ __global__ void add_shared(float* out, const bf16_t* ys, const float* x, const f
 }
 
 }  // extern "C"
+
+// ---- Quantization of rows (must match crates/moeflow/src/quant bit for bit) ----
+extern "C" {
+
+__device__ unsigned char fp8_e4m3_encode(float v) {
+    v = fminf(fmaxf(v, -448.0f), 448.0f);
+    unsigned char sign = v < 0.0f ? 0x80 : 0;
+    float a = fabsf(v);
+    if (a == 0.0f) return sign;
+    int e;
+    frexpf(a, &e);  // a = m * 2^e, m in [0.5, 1)
+    e -= 1;         // a = m' * 2^e, m' in [1, 2)
+    if (e < -6) {   // subnormal: multiples of 2^-9
+        int q = (int)rintf(a * 512.0f);
+        return sign | (unsigned char)q;  // q == 8 is the smallest normal, code 0x08
+    }
+    int q = (int)rintf(ldexpf(a, -e) * 8.0f);  // 8..16
+    if (q == 16) { q = 8; e += 1; }
+    return sign | (unsigned char)(((e + 7) << 3) | (q - 8));
+}
+
+__device__ float fp8_e4m3_decode(unsigned char c) {
+    int e = (c >> 3) & 15, m = c & 7;
+    float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + m / 8.0f, e - 7);
+    return (c & 0x80) ? -v : v;
+}
+
+__device__ int ceil_log2(float v) {
+    unsigned int b = __float_as_uint(v);
+    int e = (b >> 23) & 0xff;
+    if (e == 0) return -127;
+    return e - 127 + ((b & 0x7fffff) != 0);
+}
+
+// One block per (row, group): kind 1 int8 (amax / 127), 2 fp8 (amax / 448), 3 MXFP8
+// (power-of-two scale per group).
+__global__ void quantize_rows(const float* x, int H, int group, int kind, unsigned char* codes, float* scales) {
+    int r = blockIdx.x, g = blockIdx.y, groups = gridDim.y;
+    int lo = g * group, hi = min(H, lo + group);
+    const float* row = x + (long)r * H;
+    __shared__ float red[32];
+    float m = 0.0f;
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) m = fmaxf(m, fabsf(row[i]));
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float a = 0.0f;
+        for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) a = fmaxf(a, red[i]);
+        float s;
+        if (kind == 1) s = a / 127.0f;
+        else if (kind == 2) s = a / 448.0f;
+        else s = a == 0.0f ? 0.0f : ldexpf(1.0f, max(-127, min(127, ceil_log2(a / 448.0f))));
+        red[0] = s;
+        scales[(long)r * groups + g] = s;
+    }
+    __syncthreads();
+    float s = red[0];
+    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+        unsigned char q = 0;
+        if (s > 0.0f) {
+            float v = row[i] / s;
+            q = kind == 1 ? (unsigned char)(signed char)fminf(fmaxf(roundf(v), -127.0f), 127.0f) : fp8_e4m3_encode(v);
+        }
+        codes[(long)r * H + i] = q;
+    }
+}
+
+__global__ void dequantize_rows(const unsigned char* codes, const float* scales, long n, int H, int group, int kind, float* out) {
+    int groups = (H + group - 1) / group;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        long r = i / H;
+        int c = i % H;
+        float v = kind == 1 ? (float)(signed char)codes[i] : fp8_e4m3_decode(codes[i]);
+        out[i] = v * scales[r * groups + c / group];
+    }
+}
+
+}  // extern "C"

@@ -1,0 +1,97 @@
+//! Row quantization on the GPU: every activation format of [`crate::quant`], bit for bit the
+//! same codes and scales as the CPU.
+
+use super::{err, Gpu};
+use crate::error::{check_finite, MoeError, Result};
+use crate::quant::{QuantConfig, QuantRows};
+use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
+
+/// Quantize/dequantize kernels on one GPU.
+pub struct CudaQuant {
+    gpu: Gpu,
+    quantize: CudaFunction,
+    dequantize: CudaFunction,
+}
+
+fn kind(q: QuantConfig) -> Result<i32> {
+    match q {
+        QuantConfig::Int8 => Ok(1),
+        QuantConfig::Fp8 | QuantConfig::Fp8Block => Ok(2),
+        QuantConfig::Mxfp8 => Ok(3),
+        QuantConfig::None => Err(MoeError::Config("no quantization to run".into())),
+    }
+}
+
+impl CudaQuant {
+    /// Opens GPU 0.
+    pub fn new() -> Result<Self> {
+        let gpu = Gpu::new(0)?;
+        let (quantize, dequantize) = (gpu.function("quantize_rows")?, gpu.function("dequantize_rows")?);
+        Ok(CudaQuant { gpu, quantize, dequantize })
+    }
+
+    /// Quantizes `x [rows, h]` on the device.
+    pub fn quantize(&self, q: QuantConfig, x: &[f32], h: usize) -> Result<QuantRows> {
+        check_finite("activations to quantize", x)?;
+        let (kind, group) = (kind(q)?, q.group(h));
+        let rows = x.len() / h.max(1);
+        let groups = q.scales_per_row(h);
+        let s = &self.gpu.stream;
+        let dx = s.clone_htod(x).map_err(|e| err("upload", e))?;
+        let codes = s.alloc_zeros::<u8>(x.len().max(1)).map_err(|e| err("alloc", e))?;
+        let scales = s.alloc_zeros::<f32>((rows * groups).max(1)).map_err(|e| err("alloc", e))?;
+        if rows > 0 && h > 0 {
+            let (xp, cp, sp) = (dx.device_ptr(s).0, codes.device_ptr(s).0, scales.device_ptr(s).0);
+            let (hi, gi) = (h as i32, group as i32);
+            let cfg =
+                LaunchConfig { grid_dim: (rows as u32, groups as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: quantize_rows(const float*, int, int, int, u8*, float*) over buffers of
+            // rows·h values and rows·groups scales.
+            unsafe {
+                s.launch_builder(&self.quantize).arg(&xp).arg(&hi).arg(&gi).arg(&kind).arg(&cp).arg(&sp).launch(cfg)
+            }
+            .map_err(|e| err("quantize_rows", e))?;
+        }
+        let mut data = s.clone_dtoh(&codes).map_err(|e| err("download", e))?;
+        let mut sc = s.clone_dtoh(&scales).map_err(|e| err("download", e))?;
+        data.truncate(x.len());
+        sc.truncate(rows * groups);
+        Ok(QuantRows { config: q, hidden: h, data, scales: sc })
+    }
+
+    /// Dequantizes on the device.
+    pub fn dequantize(&self, rows: &QuantRows) -> Result<Vec<f32>> {
+        let (kind, h) = (kind(rows.config)?, rows.hidden);
+        let n = rows.data.len();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        let s = &self.gpu.stream;
+        let (codes, scales) = (
+            s.clone_htod(&rows.data).map_err(|e| err("upload", e))?,
+            s.clone_htod(&rows.scales).map_err(|e| err("upload", e))?,
+        );
+        let out = s.alloc_zeros::<f32>(n).map_err(|e| err("alloc", e))?;
+        let (cp, sp, op) = (codes.device_ptr(s).0, scales.device_ptr(s).0, out.device_ptr(s).0);
+        let (nl, hi, gi) = (n as i64, h as i32, rows.config.group(h) as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).min(65_535) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: dequantize_rows(const u8*, const float*, long, int, int, int, float*) over n codes.
+        unsafe {
+            s.launch_builder(&self.dequantize)
+                .arg(&cp)
+                .arg(&sp)
+                .arg(&nl)
+                .arg(&hi)
+                .arg(&gi)
+                .arg(&kind)
+                .arg(&op)
+                .launch(cfg)
+        }
+        .map_err(|e| err("dequantize_rows", e))?;
+        s.clone_dtoh(&out).map_err(|e| err("download", e))
+    }
+}
