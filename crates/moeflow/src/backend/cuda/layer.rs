@@ -66,6 +66,10 @@ struct Buffers {
     y: CudaSlice<u16>,
     out: CudaSlice<f32>,
     ptrs: CudaSlice<u64>,
+    /// Shared experts' intermediate, activation and output (they run on a side stream).
+    sh13: CudaSlice<u16>,
+    sact: CudaSlice<u16>,
+    sy: CudaSlice<u16>,
 }
 
 /// One MoE layer resident on a GPU.
@@ -317,6 +321,9 @@ impl CudaMoeLayer {
                 y: z!(u16, r.max(t) * h),
                 out: z!(f32, t * h),
                 ptrs: z!(u64, 3 * e.max(1)),
+                sh13: z!(u16, (t * 2 * c.shared.map_or(0, |s| s.inter)).max(1)),
+                sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
+                sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
             });
         }
         Ok(guard.as_mut().expect("allocated above"))
@@ -448,6 +455,7 @@ impl CudaMoeLayer {
             .map_err(|e| err("route", e))?;
         }
         mark(1)?;
+        self.shared_on_side_stream(b, t)?;
         // Permute.
         let slots = (t * k) as i32;
         let (ip, cp, op, ei) = (pi(&b.ids), pi(&b.counts), pi(&b.offsets), e as i32);
@@ -566,28 +574,9 @@ impl CudaMoeLayer {
         }
         mark(6)?;
         if let Some(sh) = &self.w.shared {
-            let si = sh.inter;
-            self.dense_gemm(&sh.w13, 2 * si, h, pb(&b.x_bf), pb(&b.h13), t)?;
-            let (hp, null, zero_cap, rr, ii, ap) = (pb(&b.h13), 0u64, 0i32, t as i64, si as i32, pb(&b.act));
-            let (yp, xp2, gp, ti, hi, outp) = (pb(&b.y), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
-            // SAFETY: as above; null pointers select the kernels' "no bias"/"no gate" paths.
-            unsafe {
-                s.launch_builder(&self.k.act)
-                    .arg(&hp)
-                    .arg(&null)
-                    .arg(&null)
-                    .arg(&zero_cap)
-                    .arg(&rr)
-                    .arg(&ii)
-                    .arg(&act_kind)
-                    .arg(&alpha)
-                    .arg(&limit)
-                    .arg(&ap)
-                    .launch(grid(t * si))
-                    .map_err(|e| err("shared act", e))?;
-            }
-            self.dense_gemm(&sh.w2, h, si, pb(&b.act), pb(&b.y), t)?;
-            // SAFETY: as above.
+            s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
+            let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
+            // SAFETY: as above; the shared output was computed on the side stream joined above.
             unsafe {
                 s.launch_builder(&self.k.add_shared)
                     .arg(&outp)
@@ -739,6 +728,38 @@ impl CudaMoeLayer {
             )
         };
         check(st, "grouped GEMM")
+    }
+
+    /// Starts the shared experts of the `t` tokens in `b.x_bf` on side stream 0, writing `b.sy`;
+    /// they overlap the routed experts until the main stream joins the side stream.
+    fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
+        let Some(sh) = &self.w.shared else { return Ok(()) };
+        let (h, si) = (self.config.hidden, sh.inter);
+        let (stream, blas) = (&self.side[0].0, &self.side[0].1);
+        stream.join(&self.gpu.stream).map_err(|e| err("stream fork", e))?;
+        let g = &self.gpu;
+        gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, dptr(&b.x_bf, g), dptr(&b.sh13, g), t)?;
+        let (act_kind, alpha, limit) = act_params(self.config.activation);
+        let (hp, null, zero_cap, rr, ii, ap) = (dptr(&b.sh13, g), 0u64, 0i32, t as i64, si as i32, dptr(&b.sact, g));
+        // SAFETY: act_and_mul over t rows of the shared buffers, sized for t tokens; null
+        // pointers select the kernel's "no bias" path.
+        unsafe {
+            stream
+                .launch_builder(&self.k.act)
+                .arg(&hp)
+                .arg(&null)
+                .arg(&null)
+                .arg(&zero_cap)
+                .arg(&rr)
+                .arg(&ii)
+                .arg(&act_kind)
+                .arg(&alpha)
+                .arg(&limit)
+                .arg(&ap)
+                .launch(grid(t * si))
+                .map_err(|e| err("shared act", e))?;
+        }
+        gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
     }
 
     /// Padded layout: expert `x` owns rows `x·cap..(x+1)·cap`; one strided-batched GEMM
