@@ -32,6 +32,8 @@ pub struct LayerOptions {
     pub strategy: Box<dyn PrepareFinalize>,
     /// Format rows are quantized to before dispatch (the CPU experts then take that input).
     pub quant: crate::quant::QuantConfig,
+    /// The experts quantize their input on arrival instead (rows travel unquantized).
+    pub defer_input_quant: bool,
     /// Dual-batch overlap: a second instance of the strategy (on its own communicator) for
     /// micro-batch 1, which then runs concurrently with micro-batch 0 so that one's
     /// communication overlaps the other's expert compute.
@@ -46,6 +48,7 @@ impl Default for LayerOptions {
             strategy: Box::new(Local),
             dual_batch: None,
             quant: crate::quant::QuantConfig::None,
+            defer_input_quant: false,
         }
     }
 }
@@ -126,7 +129,11 @@ impl MoeLayer {
             None => weights.experts.clone(),
         };
         let experts: Box<dyn Experts> = match options.experts {
-            ExpertsKind::Cpu => Box::new(CpuExperts::new(&local, config.activation)?.with_input_quant(options.quant)),
+            ExpertsKind::Cpu => Box::new(
+                CpuExperts::new(&local, config.activation)?
+                    .with_input_quant(options.quant)
+                    .deferring_input_quant(options.defer_input_quant),
+            ),
             ExpertsKind::Reference => Box::new(ReferenceExperts::new(&local, config.activation)?),
         };
         if experts.input_quant() != options.quant {
@@ -374,7 +381,11 @@ impl MoeLayer {
             router: self.router.as_ref(),
             extras: &[],
             weights_on_input: self.config.apply_router_weight_on_input,
-            quant: self.experts.input_quant(),
+            quant: if self.experts.defer_input_quant() {
+                crate::quant::QuantConfig::None
+            } else {
+                self.experts.input_quant()
+            },
         }
     }
 

@@ -121,8 +121,10 @@ pub struct ParallelConfig {
     pub timeout: Duration,
     /// Dual-batch overlap: two micro-batches, each on its own strategy instance.
     pub dual_batch: bool,
-    /// Format rows travel in.
+    /// Format rows are quantized to.
     pub quant: crate::quant::QuantConfig,
+    /// Rows travel unquantized and the experts quantize them on arrival.
+    pub defer_input_quant: bool,
 }
 
 impl Default for ParallelConfig {
@@ -140,6 +142,7 @@ impl Default for ParallelConfig {
             timeout: crate::comm::DEFAULT_TIMEOUT,
             dual_batch: false,
             quant: crate::quant::QuantConfig::None,
+            defer_input_quant: false,
         }
     }
 }
@@ -235,7 +238,18 @@ impl ParallelConfig {
         } else {
             None
         };
-        MoeLayer::new(config, weights, LayerOptions { chunk_size, experts, strategy, dual_batch, quant: self.quant })
+        MoeLayer::new(
+            config,
+            weights,
+            LayerOptions {
+                chunk_size,
+                experts,
+                strategy,
+                dual_batch,
+                quant: self.quant,
+                defer_input_quant: self.defer_input_quant,
+            },
+        )
     }
 }
 

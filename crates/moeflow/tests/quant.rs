@@ -192,3 +192,31 @@ fn every_format_on_the_conformance_fixtures() {
         }
     }
 }
+
+#[test]
+fn deferred_input_quantization_computes_the_same_and_moves_f32_rows() {
+    use moeflow::comm::{run_ranks, Communicator};
+    use std::sync::Arc;
+    let config = small_config(128, 24, 6, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::F32, 35);
+    for strategy in [StrategyKind::All2AllV, StrategyKind::LowLatency, StrategyKind::AllGather] {
+        let run = |defer: bool| -> Vec<(Vec<f32>, usize)> {
+            let mut p = ParallelConfig::new(2, 1, strategy);
+            (p.quant, p.defer_input_quant, p.max_tokens_per_rank) = (QuantConfig::Fp8Block, defer, 16);
+            let placement = Arc::new(p.placement(6).unwrap());
+            run_ranks(2, None, |comm| {
+                let layer = p.layer(comm, placement.clone(), &config, &weights, ExpertsKind::Cpu, None)?;
+                let out = layer.forward(&hidden(9, 128, 50 + comm.rank() as u64).1)?;
+                Ok((out.to_f32_vec(), layer.bytes_moved()))
+            })
+            .into_iter()
+            .map(|r| r.unwrap())
+            .collect()
+        };
+        let (now, deferred) = (run(false), run(true));
+        for r in 0..2 {
+            assert_eq!(now[r].0, deferred[r].0, "{strategy} rank {r}: same numbers either way");
+            assert!(deferred[r].1 > now[r].1, "{strategy} rank {r}: f32 rows are bigger on the wire");
+        }
+    }
+}

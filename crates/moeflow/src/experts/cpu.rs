@@ -20,6 +20,7 @@ pub struct CpuExperts {
     b13: Option<Vec<f32>>,
     b2: Option<Vec<f32>>,
     input_quant: crate::quant::QuantConfig,
+    defer_input_quant: bool,
 }
 
 impl CpuExperts {
@@ -42,6 +43,7 @@ impl CpuExperts {
             inter: i,
             activation,
             input_quant: crate::quant::QuantConfig::None,
+            defer_input_quant: false,
             w13,
             w2,
             b13: weights.b13.as_ref().map(|b| b.to_f32_vec()),
@@ -52,6 +54,12 @@ impl CpuExperts {
     /// The same experts taking their input quantized to `quant` (dispatch quantizes rows).
     pub fn with_input_quant(mut self, quant: crate::quant::QuantConfig) -> Self {
         self.input_quant = quant;
+        self
+    }
+
+    /// The same experts quantizing their input themselves instead of having prepare do it.
+    pub fn deferring_input_quant(mut self, defer: bool) -> Self {
+        self.defer_input_quant = defer;
         self
     }
 
@@ -135,6 +143,10 @@ impl Experts for CpuExperts {
         self.input_quant
     }
 
+    fn defer_input_quant(&self) -> bool {
+        self.defer_input_quant
+    }
+
     fn batched_workspace_len(&self, rows: usize) -> usize {
         rows * 3 * self.inter
     }
@@ -157,7 +169,15 @@ impl Experts for CpuExperts {
             .collect();
         let (h13, rest) = workspace.split_at_mut(rows * 2 * i);
         let act = &mut rest[..rows * i];
-        self.gemm1_act(input.hidden, &segments, h13, act);
+        let deferred;
+        let hidden = if self.defer_input_quant && self.input_quant != crate::quant::QuantConfig::None {
+            // Rows arrived unquantized: quantize them here, as prepare would have.
+            deferred = crate::quant::dequantize(&crate::quant::quantize(self.input_quant, input.hidden, h)?);
+            &deferred[..]
+        } else {
+            input.hidden
+        };
+        self.gemm1_act(hidden, &segments, h13, act);
         self.gemm2(act, &segments, out);
         Ok(())
     }
@@ -223,6 +243,11 @@ impl Experts for CpuExperts {
             let t = s as usize / k;
             row.copy_from_slice(&input.hidden[t * h..(t + 1) * h]);
         });
+        if self.defer_input_quant && self.input_quant != crate::quant::QuantConfig::None {
+            // Rows arrived unquantized: quantize them here, as prepare would have.
+            let q = crate::quant::quantize(self.input_quant, rows_buf, h)?;
+            rows_buf.copy_from_slice(&crate::quant::dequantize(&q));
+        }
         self.gemm1_act(rows_buf, &segments, h13, act);
         self.gemm2(act, &segments, rows_buf);
         let y = &*rows_buf;

@@ -265,6 +265,11 @@ pub trait Experts: Send + Sync {
     fn input_quant(&self) -> crate::quant::QuantConfig {
         crate::quant::QuantConfig::None
     }
+    /// The experts quantize their input themselves (`defer_input_quant`): prepare sends rows
+    /// unquantized and [`Experts::apply`] quantizes them on arrival.
+    fn defer_input_quant(&self) -> bool {
+        false
+    }
     /// f32 elements of scratch space needed for `tokens` rows with `k` slots each.
     fn workspace_len(&self, tokens: usize, k: usize) -> usize;
     /// How finalize must turn this implementation's output into token rows.
