@@ -135,7 +135,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let layer = MoeLayer::new(
             &config,
             &weights,
-            moeflow::LayerOptions { chunk_size: args.layer.chunk_size, ..Default::default() },
+            moeflow::LayerOptions {
+                chunk_size: args.layer.chunk_size,
+                quant: par.quant,
+                defer_input_quant: par.defer_input_quant,
+                ..Default::default()
+            },
         )?;
         args.tokens
             .iter()

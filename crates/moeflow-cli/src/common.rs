@@ -149,6 +149,9 @@ pub struct ParallelArgs {
     /// (fp8 rows per token / per 128 / per 32 with e8m0 scales, fp8 128×128-block weights).
     #[arg(long, default_value = "none")]
     pub quant: QuantConfig,
+    /// Send rows unquantized and let the experts quantize them on arrival.
+    #[arg(long)]
+    pub defer_input_quant: bool,
 }
 
 /// The weight format that goes with an activation format.
@@ -185,6 +188,7 @@ impl ParallelArgs {
             max_tokens_per_rank: self.max_tokens_per_rank.unwrap_or(largest_batch.max(1)),
             sequence_parallel: self.sequence_parallel,
             quant: self.quant,
+            defer_input_quant: self.defer_input_quant,
             ..ParallelConfig::new(self.ep, self.tp, strategy)
         };
         p.validate()?;

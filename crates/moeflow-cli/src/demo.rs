@@ -56,7 +56,12 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let single = MoeLayer::new(
         &config,
         &weights,
-        LayerOptions { chunk_size: args.layer.chunk_size, quant: par.quant, ..LayerOptions::default() },
+        LayerOptions {
+            chunk_size: args.layer.chunk_size,
+            quant: par.quant,
+            defer_input_quant: par.defer_input_quant,
+            ..LayerOptions::default()
+        },
     )?;
     bar.finish_and_clear();
 

@@ -67,7 +67,12 @@ pub fn run(args: RunArgs) -> Result<()> {
         let layer = MoeLayer::new(
             &block.config,
             &block.weights,
-            LayerOptions { chunk_size: args.chunk_size, ..Default::default() },
+            LayerOptions {
+                chunk_size: args.chunk_size,
+                quant: par.quant,
+                defer_input_quant: par.defer_input_quant,
+                ..Default::default()
+            },
         )?;
         layer.forward(&x)?
     } else {
