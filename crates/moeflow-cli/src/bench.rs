@@ -279,6 +279,9 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     if args.parallel.ep != 1 {
         return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
     }
+    if args.parallel.quant != moeflow::quant::QuantConfig::None {
+        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+    }
     let bar0 = spinner("generating weights on the GPU".into());
     let gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");

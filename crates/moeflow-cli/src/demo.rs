@@ -81,6 +81,11 @@ pub fn run(args: DemoArgs) -> Result<()> {
         if par.ep != 1 {
             return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
         }
+        if par.quant != moeflow::quant::QuantConfig::None {
+            return Err(MoeError::Unsupported(
+                "--quant on --backend cuda: quantized GEMMs are not implemented yet".into(),
+            ));
+        }
         let gpu = moeflow::backend::cuda::CudaMoeLayer::new(&config, &weights)?;
         println!("  device          {}", gpu.device_name());
         let mut out = gpu.forward(&input)?;

@@ -62,6 +62,11 @@ pub fn run(args: RunArgs) -> Result<()> {
         if par.ep != 1 {
             return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
         }
+        if par.quant != moeflow::quant::QuantConfig::None {
+            return Err(MoeError::Unsupported(
+                "--quant on --backend cuda: quantized GEMMs are not implemented yet".into(),
+            ));
+        }
         moeflow::backend::cuda::CudaMoeLayer::new(&block.config, &block.weights)?.forward(&x)?
     } else if par.ep == 1 && !par.dual_batch {
         let layer = MoeLayer::new(
