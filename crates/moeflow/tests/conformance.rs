@@ -137,3 +137,26 @@ fn bad_checkpoints_are_clear_errors() {
     std::fs::remove_file(&file).unwrap();
     assert!(err_of(Checkpoint::open(&dir)).contains("model.safetensors"));
 }
+
+#[test]
+fn inputs_of_the_wrong_dtype_or_rank_are_clear_errors() {
+    // A hand-written safetensors file: 8-byte header length, JSON header, data.
+    let write = |name: &str, dtype: &str, shape: &[usize], bytes: usize| {
+        let header =
+            format!(r#"{{"hidden_states":{{"dtype":"{dtype}","shape":{shape:?},"data_offsets":[0,{bytes}]}}}}"#);
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend(header.as_bytes());
+        file.extend(vec![0u8; bytes]);
+        let path = std::env::temp_dir().join(format!("moeflow-{name}-{}.safetensors", std::process::id()));
+        std::fs::write(&path, file).unwrap();
+        path
+    };
+    let p = write("i32", "I32", &[2, 3], 24);
+    let e = err_of(io::read_hidden_states(&p, "hidden_states"));
+    assert!(e.contains("hidden_states") && e.contains("I32") && e.contains("f32, bf16 or f16"), "{e}");
+    let p = write("rank3", "F32", &[1, 2, 3], 24);
+    let e = err_of(io::read_hidden_states(&p, "hidden_states"));
+    assert!(e.contains("[T, H]") && e.contains("[1, 2, 3]"), "{e}");
+    let e = err_of(io::read_hidden_states(&p, "x"));
+    assert!(e.contains("no tensor 'x'") && e.contains("hidden_states"), "{e}");
+}
