@@ -531,26 +531,7 @@ impl CudaMoeLayer {
             self.grouped_gemm(b, &self.w.w13, 2 * i, h, pb(&b.a), pb(&b.h13), &groups)?;
         }
         mark(3)?;
-        let (act_kind, alpha, limit) = act_params(c.activation);
-        {
-            let (hp, b13, rr, ii, ap) = (pb(&b.h13), opt(&self.w.b13), act_rows as i64, i as i32, pb(&b.act));
-            // SAFETY: as above.
-            unsafe {
-                s.launch_builder(&self.k.act)
-                    .arg(&hp)
-                    .arg(&b13)
-                    .arg(&er)
-                    .arg(&capi)
-                    .arg(&rr)
-                    .arg(&ii)
-                    .arg(&act_kind)
-                    .arg(&alpha)
-                    .arg(&limit)
-                    .arg(&ap)
-                    .launch(grid(act_rows * i))
-            }
-            .map_err(|e| err("act_and_mul", e))?;
-        }
+        self.act(s, pb(&b.h13), opt(&self.w.b13), er, capi, act_rows, i, pb(&b.act))?;
         mark(4)?;
         if cap > 0 {
             self.padded_gemm(&self.w.w2, h, i, pb(&b.act), pb(&b.y), e, cap)?;
@@ -745,27 +726,47 @@ impl CudaMoeLayer {
         stream.join(&self.gpu.stream).map_err(|e| err("stream fork", e))?;
         let g = &self.gpu;
         gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, dptr(&b.x_bf, g), dptr(&b.sh13, g), t)?;
-        let (act_kind, alpha, limit) = act_params(self.config.activation);
-        let (hp, null, zero_cap, rr, ii, ap) = (dptr(&b.sh13, g), 0u64, 0i32, t as i64, si as i32, dptr(&b.sact, g));
-        // SAFETY: act_and_mul over t rows of the shared buffers, sized for t tokens; null
-        // pointers select the kernel's "no bias" path.
+        // Null bias and expert map: the shared MLP is one expert without biases.
+        self.act(stream, dptr(&b.sh13, g), 0, 0, 0, t, si, dptr(&b.sact, g))?;
+        gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
+    }
+
+    /// Launches act-and-mul on `stream`: `out [rows, inter] = act(h13 gate + b13) · (up + b13)`,
+    /// the bias row chosen by `expert_of_row` (or `row / cap` when `cap > 0`); 0 addresses mean
+    /// no bias / no map.
+    #[allow(clippy::too_many_arguments)]
+    fn act(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        h13: u64,
+        b13: u64,
+        expert_of_row: u64,
+        cap: i32,
+        rows: usize,
+        inter: usize,
+        out: u64,
+    ) -> Result<()> {
+        let (kind, alpha, limit) = act_params(self.config.activation);
+        let (rows_l, inter_i) = (rows as i64, inter as i32);
+        // SAFETY: act_and_mul(bf16*, float*, int*, int, long, int, int, float, float, bf16*)
+        // over `rows` rows of buffers the caller sized for them.
         unsafe {
             stream
                 .launch_builder(&self.k.act)
-                .arg(&hp)
-                .arg(&null)
-                .arg(&null)
-                .arg(&zero_cap)
-                .arg(&rr)
-                .arg(&ii)
-                .arg(&act_kind)
+                .arg(&h13)
+                .arg(&b13)
+                .arg(&expert_of_row)
+                .arg(&cap)
+                .arg(&rows_l)
+                .arg(&inter_i)
+                .arg(&kind)
                 .arg(&alpha)
                 .arg(&limit)
-                .arg(&ap)
-                .launch(grid(t * si))
-                .map_err(|e| err("shared act", e))?;
+                .arg(&out)
+                .launch(grid(rows * inter))
         }
-        gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
+        .map(|_| ())
+        .map_err(|e| err("act_and_mul", e))
     }
 
     /// Padded layout: expert `x` owns rows `x·cap..(x+1)·cap`; one strided-batched GEMM
