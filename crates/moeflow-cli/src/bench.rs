@@ -3,8 +3,9 @@
 
 use crate::common::{bar, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
 use moeflow::backend::cpu::ceiling;
-use moeflow::comm::{run_ranks, CommExt, Communicator};
-use moeflow::{preset, ExpertsKind, MoeError, MoeLayer, Result, StageTimes, Tensor};
+use moeflow::comm::CommExt;
+use moeflow::parallel::{on_ranks, RankHost};
+use moeflow::{preset, MoeError, MoeLayer, Result, StageTimes, Tensor};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,6 +62,8 @@ pub struct Record {
     pub stages_ms: StageTimes,
     /// Bytes rank 0 sent per forward (dispatch and combine).
     pub bytes_moved_per_rank: usize,
+    /// Those bytes over rank 0's prepare + finalize time, GB/s.
+    pub comm_gbps: Option<f64>,
 }
 
 /// Per token count: run times (s), stage times of rank 0, bytes moved by rank 0.
@@ -101,8 +104,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.tokens.is_empty() {
         return Err(MoeError::Config("--tokens needs at least one count".into()));
     }
-    if args.backend == Backend::Cuda {
+    let gpu = args.backend == Backend::Cuda;
+    let host = RankHost::detect(gpu)?;
+    if gpu && args.parallel.ep == 1 && !args.parallel.dual_batch && host == RankHost::Gpus {
         return run_cuda(&args);
+    }
+    if gpu && args.parallel.quant != moeflow::quant::QuantConfig::None {
+        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
     }
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
@@ -115,23 +123,41 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     quantize_weights(&mut weights, par.quant)?;
     let mut errors: Vec<Option<f64>> = Vec::new();
-    let bar0 = spinner("measuring this machine's matmul rate and copy bandwidth".into());
-    let host = ceiling::measure();
+    // The ceilings: this machine's matmul and copy rates, or the GPU's GEMM and copy rates.
+    let device = match &host {
+        RankHost::Launched(env) => env.local_rank,
+        _ => 0,
+    };
+    let bar0 = spinner("measuring the matmul rate and copy bandwidth".into());
+    let (matmul_gflops, copy_gbps, ceiling_name) = if gpu {
+        let (tflops, gbps) = moeflow::backend::cuda::measure_ceilings(device)?;
+        (tflops * 1e3, gbps, "cuBLAS bf16 8192³")
+    } else {
+        let host = ceiling::measure();
+        (host.matmul_gflops, host.copy_gbps, "gemm crate, f32")
+    };
     bar0.finish_and_clear();
     let groups = par.ep / par.tp;
-    println!(
-        "moeflow bench: {} on cpu ({} threads), {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s (gemm crate, f32), copy {:.1} GB/s",
-        p.name,
-        rayon::current_num_threads(),
-        args.layer.dtype,
-        par.ep,
-        par.tp,
-        par.strategy,
-        par.quant,
-        host.matmul_gflops,
-        host.copy_gbps
-    );
-    let measured: Vec<Measured> = if par.ep == 1 && !par.dual_batch {
+    let rank0 = !matches!(&host, RankHost::Launched(env) if env.rank != 0);
+    if rank0 {
+        println!(
+            "moeflow bench: {} on {}, {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}), copy {:.1} GB/s",
+            p.name,
+            match &host {
+                RankHost::Threads => format!("cpu ({} threads)", rayon::current_num_threads()),
+                RankHost::Gpus => format!("{} GPUs (threads, NCCL)", par.ep),
+                RankHost::Launched(env) => format!("{} GPU processes (NCCL)", env.world_size),
+            },
+            args.layer.dtype,
+            par.ep,
+            par.tp,
+            par.strategy,
+            par.quant,
+            matmul_gflops,
+            copy_gbps
+        );
+    }
+    let measured: Vec<Measured> = if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
         let layer = MoeLayer::new(
             &config,
             &weights,
@@ -166,9 +192,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .collect::<Result<_>>()?
     } else {
         let placement = Arc::new(par.placement(config.num_experts)?);
-        let results = run_ranks(par.ep, Some(par.timeout), |comm| {
-            let layer =
-                par.layer(comm, placement.clone(), &config, &weights, ExpertsKind::Cpu, args.layer.chunk_size)?;
+        let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
+            let layer = par.layer(comm, placement.clone(), &config, &weights, kind, args.layer.chunk_size)?;
             let mut out = Vec::new();
             for &t in &args.tokens {
                 let seed = args.layer.seed ^ t as u64 ^ ((comm.rank() / par.tp) as u64) << 32;
@@ -186,12 +211,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             Ok(out)
         });
-        results.into_iter().next().ok_or_else(|| MoeError::Config("no ranks".into()))??
+        let mut first = None;
+        for (_, r) in results {
+            let r = r?;
+            first.get_or_insert(r);
+        }
+        first.ok_or_else(|| MoeError::Config("no ranks".into()))?
     };
     drop(weights);
+    if !rank0 {
+        return Ok(());
+    }
 
     println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>10} {:>7}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>11}",
+        "{:>7} {:>10} {:>9} {:>8} {:>10} {:>7}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}",
         "tokens",
         "ms",
         "GFLOP/s",
@@ -203,9 +236,10 @@ pub fn run(args: BenchArgs) -> Result<()> {
         "experts",
         "combine",
         "shared",
-        "MB/rank"
+        "MB/rank",
+        "GB/s"
     );
-    let per_expert_bytes = 3 * config.hidden * config.inter * args.layer.dtype.size_in_bytes();
+    let per_expert_bytes = 3 * config.hidden * config.inter * if gpu { 2 } else { args.layer.dtype.size_in_bytes() };
     let mut records = Vec::new();
     errors.resize(args.tokens.len(), None);
     for ((&t, m), rel_error) in args.tokens.iter().zip(measured).zip(errors) {
@@ -224,13 +258,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
             shared: stage(|s| s.shared),
         };
         let gflops = flops / ms / 1e6;
-        let floor_ms = (flops / (host.matmul_gflops * 1e9)).max(bytes as f64 / (host.copy_gbps * 1e9)) * 1e3;
+        // In-process CPU ranks share one machine; GPU ranks each bring their own ceilings.
+        let devices = if gpu { par.ep as f64 } else { 1.0 };
+        let floor_ms = (flops / (devices * matmul_gflops * 1e9)).max(bytes as f64 / (devices * copy_gbps * 1e9)) * 1e3;
+        // Dispatch and combine bytes of rank 0 over its prepare and finalize time.
+        let comm_ms = stages_ms.prepare + stages_ms.finalize;
+        let comm_gbps = if comm_ms > 0.0 { m.bytes as f64 / comm_ms / 1e6 } else { 0.0 };
         println!(
-            "{:>7} {:>10.3} {:>9.1} {:>7.0}% {:>10.3} {:>6.0}%   {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>11.3}",
+            "{:>7} {:>10.3} {:>9.1} {:>7.0}% {:>10.3} {:>6.0}%   {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>11.3} {:>7.1}",
             t,
             ms,
             gflops,
-            100.0 * gflops / host.matmul_gflops,
+            100.0 * gflops / (devices * matmul_gflops),
             floor_ms,
             100.0 * floor_ms / ms,
             stages_ms.route,
@@ -238,15 +277,16 @@ pub fn run(args: BenchArgs) -> Result<()> {
             stages_ms.experts,
             stages_ms.finalize,
             stages_ms.shared,
-            m.bytes as f64 / 1e6
+            m.bytes as f64 / 1e6,
+            comm_gbps
         );
         if let Some(e) = rel_error {
             println!("{:>7} {} relative error against the unquantized f32 path: {e:.3e}", "", par.quant);
         }
         records.push(Record {
             preset: p.name.to_string(),
-            backend: "cpu".into(),
-            dtype: args.layer.dtype.to_string(),
+            backend: if gpu { "cuda" } else { "cpu" }.into(),
+            dtype: if gpu { "bf16".to_string() } else { args.layer.dtype.to_string() },
             tokens: t,
             ep: par.ep,
             tp: par.tp,
@@ -255,11 +295,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
             rel_error,
             ms,
             gflops,
-            matmul_fraction: gflops / host.matmul_gflops,
+            matmul_fraction: gflops / (devices * matmul_gflops),
             floor_ms,
             runs: m.totals.len(),
             stages_ms,
             bytes_moved_per_rank: m.bytes,
+            comm_gbps: (m.bytes > 0).then_some(comm_gbps),
         });
     }
     if let Some(path) = &args.json {
@@ -369,6 +410,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
                 shared: med(|s| s.shared),
             },
             bytes_moved_per_rank: 0,
+            comm_gbps: None,
         });
     }
     if let Some(path) = &args.json {

@@ -152,6 +152,10 @@ pub struct ParallelArgs {
     /// Send rows unquantized and let the experts quantize them on arrival.
     #[arg(long)]
     pub defer_input_quant: bool,
+    /// Deadline of every collective, seconds: a rank that does not answer in time fails the
+    /// job with an error naming the operation.
+    #[arg(long, default_value_t = 60.0)]
+    pub timeout: f64,
 }
 
 /// The weight format that goes with an activation format.
@@ -189,6 +193,9 @@ impl ParallelArgs {
             sequence_parallel: self.sequence_parallel,
             quant: self.quant,
             defer_input_quant: self.defer_input_quant,
+            timeout: std::time::Duration::try_from_secs_f64(self.timeout).ok().filter(|t| !t.is_zero()).ok_or_else(
+                || MoeError::Config(format!("--timeout {} is not a positive number of seconds", self.timeout)),
+            )?,
             ..ParallelConfig::new(self.ep, self.tp, strategy)
         };
         p.validate()?;

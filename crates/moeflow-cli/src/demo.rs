@@ -1,10 +1,13 @@
 //! `moeflow demo`: the embedded default. A preset layer with random weights on CPU, checked
 //! against the f64 reference, with a short report. With `--ep N` the layer runs on N
-//! in-process ranks and is also compared bit for bit with one rank.
+//! in-process ranks and is also compared bit for bit with one rank; with `--backend cuda` on N
+//! GPUs over NCCL (one thread each, or one process each under `moeflow launch`), where each
+//! rank's tokens are checked against the reference.
 
 use crate::common::{median, quant_bound, quantize_weights, spinner, split_tokens, Backend, LayerArgs, ParallelArgs};
-use moeflow::comm::{run_ranks, CommExt, Communicator};
-use moeflow::{preset, reference, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use moeflow::comm::CommExt;
+use moeflow::parallel::{on_ranks, RankHost};
+use moeflow::{preset, reference, LayerOptions, MoeError, MoeLayer, Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -36,7 +39,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.div_ceil((args.parallel.ep / args.parallel.tp.max(1)).max(1)))?;
     println!(
-        "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, cpu, EP {} TP {} {}{}",
+        "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, {}, EP {} TP {} {}{}",
         p.name,
         p.model,
         config.num_experts,
@@ -44,6 +47,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         config.hidden,
         config.inter,
         args.layer.dtype,
+        if args.backend == Backend::Cuda { "cuda" } else { "cpu" },
         par.ep,
         par.tp,
         par.strategy,
@@ -77,15 +81,14 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if par.quant != moeflow::quant::QuantConfig::None {
         println!("  quantization    {} (activations and weights; error measured against unquantized f64)", par.quant);
     }
-    let (out, secs, runs) = if args.backend == Backend::Cuda {
-        if par.ep != 1 {
-            return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
-        }
-        if par.quant != moeflow::quant::QuantConfig::None {
-            return Err(MoeError::Unsupported(
-                "--quant on --backend cuda: quantized GEMMs are not implemented yet".into(),
-            ));
-        }
+    let gpu = args.backend == Backend::Cuda;
+    if gpu && par.quant != moeflow::quant::QuantConfig::None {
+        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+    }
+    let host = RankHost::detect(gpu)?;
+    let h = config.hidden;
+    // Tokens [lo, hi) of the batch that this process computed (all of them unless launched).
+    let (out, (lo, hi), secs, runs) = if gpu && par.ep == 1 && host == RankHost::Gpus && !par.dual_batch {
         let gpu = moeflow::backend::cuda::CudaMoeLayer::new(&config, &weights)?;
         println!("  device          {}", gpu.device_name());
         let mut out = gpu.forward(&input)?;
@@ -95,8 +98,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
             out = gpu.forward(&input)?;
             times.push(start.elapsed().as_secs_f64());
         }
-        (out, median(&times), times.len())
-    } else if par.ep == 1 && !par.dual_batch {
+        (out, (0, t), median(&times), times.len())
+    } else if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
         let mut out = single.forward(&input)?;
         let mut times = Vec::new();
         for _ in 0..args.runs.max(1) {
@@ -104,16 +107,19 @@ pub fn run(args: DemoArgs) -> Result<()> {
             out = single.forward(&input)?;
             times.push(start.elapsed().as_secs_f64());
         }
-        (out, median(&times), times.len())
+        (out, (0, t), median(&times), times.len())
     } else {
         // Each DP group takes a contiguous share of the tokens; TP ranks of a group share it.
-        let h = config.hidden;
         let groups = split_tokens(t, par.ep / par.tp);
         let placement = Arc::new(par.placement(config.num_experts)?);
-        let bar = spinner(format!("running on {} in-process ranks", par.ep));
-        let results = run_ranks(par.ep, Some(par.timeout), |comm| {
-            let layer =
-                par.layer(comm, placement.clone(), &config, &weights, ExpertsKind::Cpu, args.layer.chunk_size)?;
+        let what = match &host {
+            RankHost::Threads => format!("{} in-process ranks", par.ep),
+            RankHost::Gpus => format!("{} GPUs (one thread each, NCCL)", par.ep),
+            RankHost::Launched(env) => format!("rank {} of {} processes (NCCL)", env.rank, env.world_size),
+        };
+        let bar = spinner(format!("running on {what}"));
+        let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
+            let layer = par.layer(comm, placement.clone(), &config, &weights, kind, args.layer.chunk_size)?;
             let (a, b) = groups[comm.rank() / par.tp];
             let mine = Tensor::from_f32(&[b - a, h], x[a * h..b * h].to_vec())?;
             let mut out = layer.forward(&mine)?;
@@ -130,29 +136,40 @@ pub fn run(args: DemoArgs) -> Result<()> {
         });
         bar.finish_and_clear();
         let mut rows = Vec::with_capacity(t * h);
-        let mut times = Vec::new();
-        for (r, res) in results.into_iter().enumerate() {
+        let (mut times, mut lo, mut hi) = (Vec::new(), t, 0);
+        for (r, res) in results {
             let (o, ts) = res?;
             if r % par.tp == 0 {
+                let (a, b) = groups[r / par.tp];
+                (lo, hi) = (lo.min(a), hi.max(b));
                 rows.extend(o.to_f32_vec());
             }
-            if r == 0 {
+            if times.is_empty() {
                 times = ts;
             }
         }
-        let same = rows.iter().zip(single.forward(&input)?.to_f32_vec()).all(|(a, b)| a.to_bits() == b.to_bits());
-        println!("  vs one rank     {}", if same { "bit-for-bit identical" } else { "DIFFERENT" });
-        if !same {
-            return Err(MoeError::Config("the parallel layout changed the result".into()));
+        println!("  ranks           {what}");
+        if !gpu {
+            let same = rows.iter().zip(single.forward(&input)?.to_f32_vec()).all(|(a, b)| a.to_bits() == b.to_bits());
+            println!("  vs one rank     {}", if same { "bit-for-bit identical" } else { "DIFFERENT" });
+            if !same {
+                return Err(MoeError::Config("the parallel layout changed the result".into()));
+            }
         }
-        (Tensor::from_f32(&[t, h], rows)?, median(&times), times.len())
+        (Tensor::from_f32(&[hi.saturating_sub(lo), h], rows)?, (lo.min(hi), hi), median(&times), times.len())
     };
+    // Checked below: tokens lo..hi.
+    let x = &x[lo * h..hi * h];
+    let (k, e) = (config.top_k, config.num_experts);
+    let topk_ids = &topk.ids[lo * k..hi * k];
+    let topk_weights = &topk.weights[lo * k..hi * k];
+    let t_all = t;
+    let t = hi - lo;
 
     let bar = spinner("checking against the f64 reference".into());
-    let routed = reference::forward(&config, &original, &x)?;
-    let ids: Vec<usize> = topk.ids.iter().map(|&i| i as usize).collect();
+    let routed = reference::forward(&config, &original, x)?;
+    let ids: Vec<usize> = topk_ids.iter().map(|&i| i as usize).collect();
     // Routing must equal the f64 reference's, except where two scores are within 1e-4.
-    let (k, e) = (config.top_k, config.num_experts);
     let (mut differ, mut max_gap) = (0usize, 0f64);
     for tok in 0..t {
         let (a, b) = (&ids[tok * k..(tok + 1) * k], &routed.ids[tok * k..(tok + 1) * k]);
@@ -170,8 +187,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let want = if differ == 0 {
         routed.out
     } else {
-        let w: Vec<f64> = topk.weights.iter().map(|&v| v as f64).collect();
-        reference::forward_with_routing(&config, &original, &x, &ids, &w)?
+        let w: Vec<f64> = topk_weights.iter().map(|&v| v as f64).collect();
+        reference::forward_with_routing(&config, &original, x, &ids, &w)?
     };
     bar.finish_and_clear();
 
@@ -180,11 +197,15 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
     let rel = if scale > 0.0 { max_err / scale } else { max_err };
     let mut hits = vec![0usize; config.num_experts];
-    topk.ids.iter().for_each(|&e| hits[e as usize] += 1);
+    topk_ids.iter().for_each(|&e| hits[e as usize] += 1);
     let hit = hits.iter().filter(|&&c| c > 0).count();
     let busiest = hits.iter().max().copied().unwrap_or(0);
 
-    println!("  tokens          {t}");
+    if t == t_all {
+        println!("  tokens          {t}");
+    } else {
+        println!("  tokens          {t} of {t_all} (this rank's share: {lo}..{hi})");
+    }
     println!("  experts hit     {hit} of {} (busiest: {busiest} rows)", config.num_experts);
     if differ == 0 {
         println!("  routing         identical to the f64 reference");

@@ -5,6 +5,7 @@ mod check;
 mod common;
 mod demo;
 mod inspect;
+mod launch;
 mod run;
 
 use clap::{Parser, Subcommand};
@@ -29,6 +30,8 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Run one MoE block of a Hugging Face checkpoint on hidden states from a safetensors file.
     Run(run::RunArgs),
+    /// Start one process per GPU (RANK, WORLD_SIZE, ... set) running the moeflow command after `--`.
+    Launch(launch::LaunchArgs),
 }
 
 fn main() {
@@ -39,6 +42,7 @@ fn main() {
         Command::Check(args) => check::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),
+        Command::Launch(args) => launch::run(args),
     };
     if let Err(e) = result {
         eprintln!("error: {e}");

@@ -20,6 +20,11 @@ pub enum ExpertsKind {
     Cpu,
     /// The f64 reference experts (slow; weights and reduces itself).
     Reference,
+    /// bf16 GEMMs on CUDA GPU `device` (feature `cuda`).
+    Cuda {
+        /// Device ordinal.
+        device: usize,
+    },
 }
 
 /// How a layer runs, beyond what the model defines.
@@ -135,6 +140,7 @@ impl MoeLayer {
                     .deferring_input_quant(options.defer_input_quant),
             ),
             ExpertsKind::Reference => Box::new(ReferenceExperts::new(&local, config.activation)?),
+            ExpertsKind::Cuda { device } => crate::backend::cuda::experts(&local, config.activation, device)?,
         };
         if experts.input_quant() != options.quant {
             return Err(MoeError::Config(format!(

@@ -253,6 +253,79 @@ impl ParallelConfig {
     }
 }
 
+/// Where the ranks of a layout run.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RankHost {
+    /// One thread per rank, messages through memory, CPU experts.
+    Threads,
+    /// One thread per GPU (rank r on GPU r), NCCL, CUDA experts (feature `cuda`).
+    Gpus,
+    /// This process is one rank of a job started by a launcher (NCCL, CUDA experts on GPU
+    /// `LOCAL_RANK`).
+    Launched(crate::comm::LaunchEnv),
+}
+
+impl RankHost {
+    /// The ranks for `gpu` (CUDA experts or CPU ones): a launched job when the launcher's
+    /// environment is set, else in-process threads.
+    pub fn detect(gpu: bool) -> Result<RankHost> {
+        match crate::comm::LaunchEnv::from_env()? {
+            Some(env) if gpu => Ok(RankHost::Launched(env)),
+            Some(_) => Err(MoeError::Config(
+                "RANK/WORLD_SIZE are set, but multi-process jobs run over NCCL: add --backend cuda".into(),
+            )),
+            None if gpu => Ok(RankHost::Gpus),
+            None => Ok(RankHost::Threads),
+        }
+    }
+}
+
+/// Runs `f` on the `size` ranks of `host` that live here (all of them, or this process's
+/// one), each with its communicator and the experts it should use. Returns `(rank, result)`
+/// per rank run here. An error on one rank fails the others' collectives; none waits past
+/// `timeout`.
+pub fn on_ranks<T: Send>(
+    host: &RankHost,
+    size: usize,
+    timeout: Duration,
+    f: impl Fn(&dyn Communicator, ExpertsKind) -> Result<T> + Sync,
+) -> Vec<(usize, Result<T>)> {
+    match host {
+        RankHost::Threads => {
+            run_ranks(size, Some(timeout), |c| f(c, ExpertsKind::Cpu)).into_iter().enumerate().collect()
+        }
+        #[cfg(feature = "cuda")]
+        RankHost::Gpus => {
+            let devices: Vec<usize> = (0..size).collect();
+            crate::backend::cuda::run_ranks_nccl(&devices, timeout, |c| f(c, ExpertsKind::Cuda { device: c.rank() }))
+                .into_iter()
+                .enumerate()
+                .collect()
+        }
+        #[cfg(feature = "cuda")]
+        RankHost::Launched(env) => {
+            if env.world_size != size {
+                let e = MoeError::Config(format!("WORLD_SIZE={} but the layout has {size} ranks", env.world_size));
+                return vec![(env.rank, Err(e))];
+            }
+            let result = crate::backend::cuda::NcclComm::from_env(env, timeout).and_then(|comm| {
+                let r =
+                    crate::comm::catch_rank_panic(env.rank, || f(&comm, ExpertsKind::Cuda { device: env.local_rank }));
+                if let Err(e) = &r {
+                    comm.abort(&format!("rank {} failed: {e}", env.rank));
+                }
+                r
+            });
+            vec![(env.rank, result)]
+        }
+        #[cfg(not(feature = "cuda"))]
+        RankHost::Gpus | RankHost::Launched(_) => {
+            let e = || MoeError::Unsupported("GPU ranks need a build with `--features cuda`".into());
+            (0..size).map(|r| (r, Err(e()))).collect()
+        }
+    }
+}
+
 /// Runs the layer on `parallel.ep` in-process ranks, rank `r` with `inputs[r]` (ranks of a TP
 /// group must hold the same tokens); returns every rank's output.
 pub fn forward_in_process(

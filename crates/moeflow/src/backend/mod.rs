@@ -39,6 +39,25 @@ pub mod cuda {
 
     pub use crate::backend::GpuStageTimes;
 
+    /// No devices without the feature.
+    pub fn device_count() -> usize {
+        0
+    }
+
+    /// Always an error without the feature.
+    pub fn measure_ceilings(_device: usize) -> Result<(f64, f64)> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
+    pub fn experts(
+        _weights: &crate::experts::ExpertWeights,
+        _activation: crate::experts::Activation,
+        _device: usize,
+    ) -> Result<Box<dyn crate::experts::Experts>> {
+        Err(missing())
+    }
+
     /// The CUDA layer; without the feature every constructor is an error.
     pub struct CudaMoeLayer(());
 

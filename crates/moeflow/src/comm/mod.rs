@@ -5,8 +5,10 @@
 //! on top of it that a native backend (NCCL) may replace. Reductions sum in rank order, so they
 //! are deterministic. Every call has a deadline; a failure on one rank becomes an error on all.
 
+mod rendezvous;
 mod threads;
 
+pub use rendezvous::{LaunchEnv, Rendezvous};
 pub use threads::{run_ranks, ThreadComm, ThreadGroup};
 
 use crate::error::{MoeError, Result};
@@ -15,6 +17,25 @@ use std::time::Duration;
 
 /// Default deadline of a collective.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The first failure of a job, shared by its ranks, sub-groups and liveness watchers: once
+/// set, every pending and later collective returns an error carrying it.
+#[derive(Clone, Debug, Default)]
+pub struct Failure(std::sync::Arc<std::sync::Mutex<Option<String>>>);
+
+impl Failure {
+    /// Records `reason` unless a failure was recorded already.
+    pub fn set(&self, reason: &str) {
+        let mut f = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if f.is_none() {
+            *f = Some(reason.to_string());
+        }
+    }
+    /// The recorded failure.
+    pub fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+}
 
 /// A group of ranks that exchange data collectively. All ranks of a group must call the same
 /// collectives in the same order.
@@ -46,6 +67,18 @@ pub trait Communicator: Send + Sync {
     fn barrier(&self) -> Result<()> {
         self.all_to_all_v("barrier", vec![Vec::new(); self.size()]).map(|_| ())
     }
+}
+
+/// Runs one rank's body, turning a panic into an error that names the rank.
+pub(crate) fn catch_rank_panic<T>(rank: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| p.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(MoeError::Comm { rank, op: "rank body".into(), message: format!("panicked: {msg}") })
+    })
 }
 
 /// Typed collectives over [`Communicator`]'s byte primitives.

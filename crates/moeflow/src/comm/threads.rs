@@ -8,7 +8,6 @@
 use super::{CommExt, Communicator, DEFAULT_TIMEOUT};
 use crate::error::{MoeError, Result};
 use std::collections::HashMap;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -188,21 +187,7 @@ pub fn run_ranks<T: Send>(
             .map(|comm| {
                 let f = &f;
                 s.spawn(move || {
-                    let r = match catch_unwind(AssertUnwindSafe(|| f(comm))) {
-                        Ok(r) => r,
-                        Err(p) => {
-                            let msg = p
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| p.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "unknown panic".into());
-                            Err(MoeError::Comm {
-                                rank: comm.rank,
-                                op: "rank body".into(),
-                                message: format!("panicked: {msg}"),
-                            })
-                        }
-                    };
+                    let r = super::catch_rank_panic(comm.rank, || f(comm));
                     if let Err(e) = &r {
                         comm.abort(&format!("rank {} failed: {e}", comm.rank));
                     }

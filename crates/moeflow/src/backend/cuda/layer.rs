@@ -94,7 +94,7 @@ fn bf16_bits(t: &Tensor) -> Vec<u16> {
     }
 }
 
-fn grid(n: usize) -> LaunchConfig {
+pub(super) fn grid(n: usize) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(256).clamp(1, 65_535) as u32, 1, 1),
         block_dim: (256, 1, 1),
@@ -329,38 +329,9 @@ impl CudaMoeLayer {
         Ok(guard.as_mut().expect("allocated above"))
     }
 
-    /// Measured ceilings of this GPU: dense bf16 GEMM TFLOP/s (cuBLAS, 8192³) and copy GB/s
-    /// (bytes read + written, 1 GiB device-to-device), medians of 5 runs after a warm-up.
+    /// Measured ceilings of this GPU: see [`super::measure_ceilings`].
     pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
-        let g = &self.gpu;
-        let n = 8192usize;
-        let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
-        let (a, w, c) = (alloc(n * n)?, alloc(n * n)?, alloc(n * n)?);
-        let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-            let mut v = Vec::new();
-            for rep in 0..6 {
-                let (e0, e1) = (
-                    g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)),
-                    g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)),
-                );
-                let (e0, e1) = (e0.map_err(|e| err("event", e))?, e1.map_err(|e| err("event", e))?);
-                e0.record(&g.stream).map_err(|e| err("event", e))?;
-                f()?;
-                e1.record(&g.stream).map_err(|e| err("event", e))?;
-                e1.synchronize().map_err(|e| err("event", e))?;
-                if rep > 0 {
-                    v.push(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64);
-                }
-            }
-            v.sort_by(f64::total_cmp);
-            Ok(v[v.len() / 2])
-        };
-        let (ap, cp) = (dptr(&a, g), dptr(&c, g));
-        let gemm_ms = time(&mut || self.dense_gemm(&w, n, n, ap, cp, n))?;
-        let bytes = 1usize << 30;
-        let (src, mut dst) = (alloc(bytes / 2)?, alloc(bytes / 2)?);
-        let copy_ms = time(&mut || g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| err("copy", e)))?;
-        Ok((2.0 * (n * n * n) as f64 / gemm_ms / 1e9, 2.0 * bytes as f64 / copy_ms / 1e6))
+        super::ceiling::measure(&self.gpu, &self.blas)
     }
 
     /// Bytes of device memory of the weights.
@@ -814,16 +785,11 @@ impl CudaMoeLayer {
         };
         check(st, "padded batched GEMM")
     }
-
-    /// `C[rows, n] = A[rows, kdim] · W[n, kdim]ᵀ`, bf16 in and out (shared experts).
-    fn dense_gemm(&self, w: &CudaSlice<u16>, n: usize, kdim: usize, a: u64, c: u64, rows_: usize) -> Result<()> {
-        gemm_bf16(&self.blas, dptr(w, &self.gpu), n, kdim, a, c, rows_)
-    }
 }
 
 /// `C[rows, n] = A[rows, kdim] · W[n, kdim]ᵀ` on `blas`'s stream, bf16 in and out, f32
 /// accumulation; `w`, `a`, `c` are device addresses.
-fn gemm_bf16(blas: &CudaBlas, w: u64, n: usize, kdim: usize, a: u64, c: u64, rows_: usize) -> Result<()> {
+pub(super) fn gemm_bf16(blas: &CudaBlas, w: u64, n: usize, kdim: usize, a: u64, c: u64, rows_: usize) -> Result<()> {
     let (alpha, beta) = (1.0f32, 0.0f32);
     // SAFETY: column-major C [n, rows] = W [kdim, n]ᵀ · A [kdim, rows]; the caller passes
     // addresses of buffers holding at least those many bf16 values.
@@ -902,7 +868,7 @@ fn dptr<T>(s: &CudaSlice<T>, g: &Gpu) -> u64 {
     p
 }
 
-fn act_params(a: Activation) -> (i32, f32, f32) {
+pub(super) fn act_params(a: Activation) -> (i32, f32, f32) {
     match a {
         Activation::Silu => (0, 0.0, 0.0),
         Activation::GeluErf => (1, 0.0, 0.0),

@@ -2,11 +2,35 @@
 //! by NVRTC for the device's architecture (cached per process), expert GEMMs as one grouped
 //! cuBLAS call each.
 
+mod ceiling;
+mod experts;
 mod layer;
+mod nccl;
 mod quant;
 
 pub use super::GpuStageTimes;
+pub use ceiling::measure_ceilings;
+pub use experts::CudaExperts;
 pub use layer::CudaMoeLayer;
+
+/// Number of CUDA devices (0 without a driver).
+pub fn device_count() -> usize {
+    // SAFETY: only probes whether the CUDA driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return 0;
+    }
+    CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
+}
+
+/// The experts `weights` on GPU `device`, as the modular layer takes them.
+pub fn experts(
+    weights: &crate::experts::ExpertWeights,
+    activation: crate::experts::Activation,
+    device: usize,
+) -> Result<Box<dyn crate::experts::Experts>> {
+    Ok(Box::new(CudaExperts::new(weights, activation, device)?))
+}
+pub use nccl::{run_ranks_nccl, NcclComm};
 pub use quant::CudaQuant;
 
 use crate::error::{MoeError, Result};
@@ -37,15 +61,7 @@ static MODULES: OnceLock<ModuleCache> = OnceLock::new();
 impl Gpu {
     /// Opens device `ordinal`; a clear error when no driver or device is present.
     pub fn new(ordinal: usize) -> Result<Self> {
-        // SAFETY: only probes whether the CUDA driver library can be loaded.
-        if !unsafe { cudarc::driver::sys::is_culib_present() } {
-            return Err(MoeError::Unsupported("no CUDA driver found (libcuda.so); use --backend cpu".into()));
-        }
-        let count = CudaContext::device_count().map_err(|e| err("counting devices", e))?;
-        if ordinal as i32 >= count {
-            return Err(MoeError::Unsupported(format!("CUDA device {ordinal} requested, {count} present")));
-        }
-        let ctx = CudaContext::new(ordinal).map_err(|e| err("creating context", e))?;
+        let ctx = nccl::context(ordinal)?;
         // SAFETY: moeflow orders all work on one stream per layer, so cudarc's per-buffer event
         // tracking is not needed.
         unsafe { ctx.disable_event_tracking() };

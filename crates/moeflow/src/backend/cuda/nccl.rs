@@ -1,0 +1,512 @@
+//! The NCCL [`Communicator`]: one rank per GPU, either one thread per GPU in this process
+//! ([`run_ranks_nccl`]) or one process per GPU joined through the launcher's environment
+//! ([`NcclComm::from_env`]).
+//!
+//! Communicators are non-blocking (`ncclConfig_t::blocking = 0`), so that initialisation,
+//! connection setup and every collective are polled rather than waited on: a collective that
+//! passes its deadline, or a peer failure recorded in the shared [`Failure`] (another thread's
+//! error, or a dead process seen by the [`Rendezvous`] liveness channel), aborts the
+//! communicator with `ncclCommAbort` and returns an error naming this rank and the operation.
+//!
+//! Byte collectives go through device staging buffers: the sizes are all-gathered on the
+//! device, then the parts travel with one grouped `ncclSend`/`ncclRecv`.
+
+use super::err;
+use crate::comm::{Communicator, Failure, LaunchEnv, Rendezvous};
+use crate::error::{MoeError, Result};
+use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
+use cudarc::nccl::sys as nc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A raw NCCL communicator handle.
+struct RawComm(nc::ncclComm_t);
+
+// SAFETY: an NCCL communicator may be used from any thread as long as calls on it are not
+// concurrent; `NcclComm` serialises them behind its `state` mutex.
+unsafe impl Send for RawComm {}
+// SAFETY: as above.
+unsafe impl Sync for RawComm {}
+
+/// Staging buffers and the handle, used under one lock.
+struct State {
+    comm: RawComm,
+    aborted: bool,
+    send: Option<CudaSlice<u8>>,
+    recv: Option<CudaSlice<u8>>,
+    sizes: Option<CudaSlice<u64>>,
+}
+
+/// One rank of an NCCL group.
+pub struct NcclComm {
+    rank: usize,
+    size: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    state: Mutex<State>,
+    failure: Failure,
+    /// The job's liveness channel (multi-process jobs): own failures are sent to every peer.
+    rendezvous: Option<Arc<Rendezvous>>,
+    timeout: Duration,
+}
+
+fn nccl_name(r: nc::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any result code.
+    let s = unsafe { std::ffi::CStr::from_ptr(nc::ncclGetErrorString(r)) };
+    format!("{} ({r:?})", s.to_string_lossy())
+}
+
+/// A non-blocking communicator configuration (NCCL_CONFIG_INITIALIZER with `blocking = 0`).
+fn config() -> nc::ncclConfig_t {
+    let mut version = 0;
+    // SAFETY: writes one int.
+    unsafe { nc::ncclGetVersion(&mut version) };
+    let undef = i32::MIN;
+    nc::ncclConfig_t {
+        size: std::mem::size_of::<nc::ncclConfig_t>(),
+        magic: 0xcafe_beef,
+        version: version as u32,
+        blocking: 0,
+        cgaClusterSize: undef,
+        minCTAs: undef,
+        maxCTAs: undef,
+        netName: std::ptr::null(),
+        splitShare: undef,
+        trafficClass: undef,
+        commName: std::ptr::null(),
+        collnetEnable: undef,
+        CTAPolicy: undef,
+        shrinkShare: undef,
+        nvlsCTAs: undef,
+        nChannelsPerNetPeer: undef,
+        nvlinkCentricSched: undef,
+        graphUsageMode: undef,
+        numRmaCtx: undef,
+        maxP2pPeers: undef,
+    }
+}
+
+/// Opens the CUDA context of GPU `ordinal`; a clear error without a driver or that GPU.
+pub(super) fn context(ordinal: usize) -> Result<Arc<CudaContext>> {
+    // SAFETY: only probes whether the CUDA driver library can be loaded.
+    if !unsafe { cudarc::driver::sys::is_culib_present() } {
+        return Err(MoeError::Unsupported("no CUDA driver found (libcuda.so); use --backend cpu".into()));
+    }
+    let count = CudaContext::device_count().map_err(|e| err("counting devices", e))?;
+    if ordinal as i32 >= count {
+        return Err(MoeError::Unsupported(format!("CUDA device {ordinal} requested, {count} present")));
+    }
+    CudaContext::new(ordinal).map_err(|e| err("creating context", e))
+}
+
+fn nccl_present() -> Result<()> {
+    // SAFETY: only probes whether libnccl can be loaded.
+    if unsafe { nc::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(MoeError::Unsupported("NCCL (libnccl.so.2) not found; multi-GPU runs need it".into()))
+    }
+}
+
+/// A fresh NCCL unique id (128 opaque bytes).
+fn unique_id() -> Result<Vec<u8>> {
+    nccl_present()?;
+    let mut id = nc::ncclUniqueId { internal: [0; 128] };
+    // SAFETY: writes the 128-byte id.
+    let r = unsafe { nc::ncclGetUniqueId(&mut id) };
+    if r != nc::ncclResult_t::ncclSuccess {
+        return Err(MoeError::Unsupported(format!("ncclGetUniqueId: {}", nccl_name(r))));
+    }
+    Ok(id.internal.iter().map(|&c| c as u8).collect())
+}
+
+impl NcclComm {
+    fn new(
+        rank: usize,
+        size: usize,
+        device: usize,
+        id: &[u8],
+        failure: Failure,
+        rendezvous: Option<Arc<Rendezvous>>,
+        timeout: Duration,
+    ) -> Result<NcclComm> {
+        nccl_present()?;
+        if id.len() != 128 {
+            return Err(MoeError::Comm { rank, op: "init".into(), message: format!("NCCL id of {} bytes", id.len()) });
+        }
+        let ctx = context(device)?;
+        ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        let stream = ctx.new_stream().map_err(|e| err("creating stream", e))?;
+        let mut uid = nc::ncclUniqueId { internal: [0; 128] };
+        uid.internal.iter_mut().zip(id).for_each(|(d, &s)| *d = s as _);
+        let mut raw: nc::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        // SAFETY: the context of `device` is current on this thread; `raw` receives the handle.
+        let r = unsafe { nc::ncclCommInitRankConfig(&mut raw, size as i32, uid, rank as i32, &mut cfg) };
+        let me = NcclComm {
+            rank,
+            size,
+            ctx,
+            stream,
+            state: Mutex::new(State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None }),
+            failure,
+            rendezvous,
+            timeout,
+        };
+        let mut st = me.lock();
+        me.check_launch(&mut st, "init", r)?;
+        me.wait_ready(&mut st, "init", Instant::now() + timeout)?;
+        drop(st);
+        Ok(me)
+    }
+
+    /// Joins the multi-process job described by `env` on GPU `env.local_rank`: rank 0 creates
+    /// the NCCL id and hands it out through the TCP rendezvous.
+    pub fn from_env(env: &LaunchEnv, timeout: Duration) -> Result<NcclComm> {
+        let (id, rdv) = Rendezvous::join(env, unique_id, timeout)?;
+        let rdv = Arc::new(rdv);
+        Self::new(env.rank, env.world_size, env.local_rank, &id, rdv.failure(), Some(rdv), timeout)
+    }
+
+    /// The GPU's context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn error(&self, op: &str, message: String) -> MoeError {
+        MoeError::Comm { rank: self.rank, op: op.into(), message }
+    }
+
+    /// Aborts the communicator after `reason` and tells the peers.
+    fn fail(&self, st: &mut State, op: &str, reason: String) -> MoeError {
+        let first = format!("rank {} in {op}: {reason}", self.rank);
+        self.failure.set(&first);
+        if let Some(r) = &self.rendezvous {
+            r.abort(&first);
+        }
+        Self::abort_raw(st);
+        self.error(op, reason)
+    }
+
+    fn abort_raw(st: &mut State) {
+        if !st.aborted {
+            st.aborted = true;
+            // SAFETY: the handle is valid and not used after this.
+            unsafe { nc::ncclCommAbort(st.comm.0) };
+        }
+    }
+
+    /// Fails fast when the group already failed.
+    fn check_failure(&self, st: &mut State, op: &str) -> Result<()> {
+        if let Some(reason) = self.failure.get() {
+            Self::abort_raw(st);
+            return Err(self.error(op, format!("group failed: {reason}")));
+        }
+        if st.aborted {
+            return Err(self.error(op, "communicator was aborted".into()));
+        }
+        Ok(())
+    }
+
+    fn check_launch(&self, st: &mut State, op: &str, r: nc::ncclResult_t) -> Result<()> {
+        match r {
+            nc::ncclResult_t::ncclSuccess | nc::ncclResult_t::ncclInProgress => Ok(()),
+            r => Err(self.fail(st, op, format!("NCCL returned {}", nccl_name(r)))),
+        }
+    }
+
+    /// Polls until the communicator's pending host-side work (init, split, group launch) is done.
+    fn wait_ready(&self, st: &mut State, op: &str, deadline: Instant) -> Result<()> {
+        let mut spins = 0u32;
+        loop {
+            let mut state = nc::ncclResult_t::ncclSuccess;
+            // SAFETY: valid handle; writes one result code.
+            let r = unsafe { nc::ncclCommGetAsyncError(st.comm.0, &mut state) };
+            if r != nc::ncclResult_t::ncclSuccess {
+                return Err(self.fail(st, op, format!("ncclCommGetAsyncError: {}", nccl_name(r))));
+            }
+            match state {
+                nc::ncclResult_t::ncclSuccess => return Ok(()),
+                nc::ncclResult_t::ncclInProgress => {}
+                other => return Err(self.fail(st, op, format!("NCCL reported {}", nccl_name(other)))),
+            }
+            self.tick(st, op, deadline, &mut spins)?;
+        }
+    }
+
+    /// One step of a polling loop: checks the failure flag and the deadline, then backs off.
+    fn tick(&self, st: &mut State, op: &str, deadline: Instant, spins: &mut u32) -> Result<()> {
+        if let Some(reason) = self.failure.get() {
+            Self::abort_raw(st);
+            return Err(self.error(op, format!("group failed: {reason}")));
+        }
+        if Instant::now() >= deadline {
+            return Err(self.fail(st, op, format!("timed out after {:?}", self.timeout)));
+        }
+        *spins += 1;
+        if *spins < 1000 {
+            std::hint::spin_loop();
+        } else if *spins < 2000 {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Ok(())
+    }
+
+    /// Polls until the work enqueued so far on the stream completed.
+    fn wait_stream(&self, st: &mut State, op: &str, deadline: Instant) -> Result<()> {
+        let ev = self.stream.record_event(None).map_err(|e| self.fail(st, op, format!("event: {e:?}")))?;
+        let mut spins = 0u32;
+        loop {
+            match ev.try_is_complete() {
+                Ok(true) => return Ok(()),
+                Ok(false) => {}
+                Err(e) => return Err(self.fail(st, op, format!("CUDA error while waiting: {e:?}"))),
+            }
+            let mut state = nc::ncclResult_t::ncclSuccess;
+            // SAFETY: valid handle; writes one result code.
+            unsafe { nc::ncclCommGetAsyncError(st.comm.0, &mut state) };
+            if !matches!(state, nc::ncclResult_t::ncclSuccess | nc::ncclResult_t::ncclInProgress) {
+                return Err(self.fail(st, op, format!("NCCL reported {}", nccl_name(state))));
+            }
+            self.tick(st, op, deadline, &mut spins)?;
+        }
+    }
+
+    fn ensure<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+        stream: &Arc<CudaStream>,
+        buf: &mut Option<CudaSlice<T>>,
+        len: usize,
+    ) -> Result<()> {
+        if buf.as_ref().is_none_or(|b| b.len() < len) {
+            *buf = Some(stream.alloc_zeros::<T>(len.max(1).next_power_of_two()).map_err(|e| err("staging alloc", e))?);
+        }
+        Ok(())
+    }
+
+    fn exchange(&self, st: &mut State, op: &str, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let n = self.size;
+        let deadline = Instant::now() + self.timeout;
+        let s = &self.stream;
+        let comm = st.comm.0;
+        let cs = s.cu_stream() as nc::cudaStream_t;
+        // Sizes: every rank's row of the [n, n] size matrix.
+        let mine: Vec<u64> = parts.iter().map(|p| p.len() as u64).collect();
+        Self::ensure(s, &mut st.sizes, n * (n + 1))?;
+        let sizes = st.sizes.as_mut().expect("allocated");
+        s.memcpy_htod(&mine, &mut sizes.slice_mut(0..n)).map_err(|e| err("copying sizes", e))?;
+        let r = {
+            let (src, _g1) = sizes.device_ptr(s);
+            let dst = src + (n * 8) as u64;
+            // SAFETY: the staging buffer holds n + n·n u64 values; the stream is this comm's.
+            unsafe { nc::ncclAllGather(src as _, dst as _, n, nc::ncclDataType_t::ncclUint64, comm, cs) }
+        };
+        self.check_launch(st, op, r)?;
+        self.wait_ready(st, op, deadline)?;
+        self.wait_stream(st, op, deadline)?;
+        let mut all = vec![0u64; n * (n + 1)];
+        s.memcpy_dtoh(st.sizes.as_ref().expect("allocated"), &mut all).map_err(|e| err("reading sizes", e))?;
+        let recv_sizes: Vec<usize> = (0..n).map(|src| all[n + src * n + self.rank] as usize).collect();
+        // Payloads.
+        let send_total: usize = mine.iter().sum::<u64>() as usize;
+        let recv_total: usize = recv_sizes.iter().sum();
+        if send_total + recv_total > 0 {
+            Self::ensure(s, &mut st.send, send_total)?;
+            Self::ensure(s, &mut st.recv, recv_total)?;
+            let packed: Vec<u8> = parts.concat();
+            if send_total > 0 {
+                let send = st.send.as_mut().expect("allocated");
+                s.memcpy_htod(&packed, &mut send.slice_mut(0..send_total)).map_err(|e| err("staging", e))?;
+            }
+            let sp = st.send.as_ref().expect("allocated").device_ptr(s).0;
+            let rp = st.recv.as_ref().expect("allocated").device_ptr(s).0;
+            // SAFETY: group calls only enqueue; offsets stay inside the staging buffers sized
+            // above; each peer posts the matching recv/send for the sizes all-gathered above.
+            let r = unsafe {
+                let mut r = nc::ncclGroupStart();
+                let (mut so, mut ro) = (0u64, 0u64);
+                for peer in 0..n {
+                    let (sn, rn) = (mine[peer] as usize, recv_sizes[peer]);
+                    if sn > 0 && r == nc::ncclResult_t::ncclSuccess {
+                        r = nc::ncclSend((sp + so) as _, sn, nc::ncclDataType_t::ncclUint8, peer as i32, comm, cs);
+                    }
+                    if rn > 0 && r == nc::ncclResult_t::ncclSuccess {
+                        r = nc::ncclRecv((rp + ro) as _, rn, nc::ncclDataType_t::ncclUint8, peer as i32, comm, cs);
+                    }
+                    so += sn as u64;
+                    ro += rn as u64;
+                }
+                let end = nc::ncclGroupEnd();
+                if r == nc::ncclResult_t::ncclSuccess {
+                    end
+                } else {
+                    r
+                }
+            };
+            self.check_launch(st, op, r)?;
+            self.wait_ready(st, op, deadline)?;
+            self.wait_stream(st, op, deadline)?;
+        }
+        let mut got = vec![0u8; recv_total];
+        if recv_total > 0 {
+            let recv = st.recv.as_ref().expect("allocated");
+            s.memcpy_dtoh(&recv.slice(0..recv_total), &mut got).map_err(|e| err("reading", e))?;
+        }
+        let mut out = Vec::with_capacity(n);
+        let mut off = 0;
+        for &len in &recv_sizes {
+            out.push(got[off..off + len].to_vec());
+            off += len;
+        }
+        Ok(out)
+    }
+}
+
+impl Communicator for NcclComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_to_all_v(&self, op: &str, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let mut st = self.lock();
+        self.check_failure(&mut st, op)?;
+        if parts.len() != self.size {
+            let e = format!("{} parts for {} ranks", parts.len(), self.size);
+            return Err(self.fail(&mut st, op, e));
+        }
+        self.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        self.exchange(&mut st, op, parts)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        let op = "split";
+        let mut st = self.lock();
+        self.check_failure(&mut st, op)?;
+        self.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        let deadline = Instant::now() + self.timeout;
+        // Sub-group rank and size, as the split orders them.
+        drop(st);
+        let all: Vec<Vec<u64>> =
+            crate::comm::CommExt::all_gather_vec(self, "split members", &[color as u64, key as u64])?;
+        let mut members: Vec<(u64, usize)> =
+            all.iter().enumerate().filter(|(_, ck)| ck[0] == color as u64).map(|(r, ck)| (ck[1], r)).collect();
+        members.sort();
+        let sub_rank = members.iter().position(|&(_, r)| r == self.rank).expect("this rank has its own color");
+        let mut st = self.lock();
+        let mut raw: nc::ncclComm_t = std::ptr::null_mut();
+        let mut cfg = config();
+        // SAFETY: collective over the parent, whose context is current; `raw` gets the handle.
+        let r = unsafe { nc::ncclCommSplit(st.comm.0, color as i32, key as i32, &mut raw, &mut cfg) };
+        self.check_launch(&mut st, op, r)?;
+        self.wait_ready(&mut st, op, deadline)?;
+        let stream = self.ctx.new_stream().map_err(|e| err("creating stream", e))?;
+        let child = NcclComm {
+            rank: sub_rank,
+            size: members.len(),
+            ctx: self.ctx.clone(),
+            stream,
+            state: Mutex::new(State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None }),
+            failure: self.failure.clone(),
+            rendezvous: self.rendezvous.clone(),
+            timeout: self.timeout,
+        };
+        {
+            let mut cst = child.lock();
+            child.wait_ready(&mut cst, op, deadline)?;
+        }
+        Ok(Box::new(child))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.failure.set(reason);
+        if let Some(r) = &self.rendezvous {
+            r.abort(reason);
+        }
+    }
+}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        let failed = self.failure.get().is_some();
+        let st = self.state.get_mut().unwrap_or_else(|p| p.into_inner());
+        if st.aborted {
+            return;
+        }
+        let _ = self.ctx.bind_to_thread();
+        if failed {
+            Self::abort_raw(st);
+            return;
+        }
+        // SAFETY: the handle is valid; finalize flushes pending work, destroy frees it. A
+        // finalize that does not complete in time is turned into an abort.
+        unsafe {
+            nc::ncclCommFinalize(st.comm.0);
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let mut state = nc::ncclResult_t::ncclSuccess;
+                nc::ncclCommGetAsyncError(st.comm.0, &mut state);
+                if state != nc::ncclResult_t::ncclInProgress {
+                    nc::ncclCommDestroy(st.comm.0);
+                    return;
+                }
+                if Instant::now() >= deadline {
+                    Self::abort_raw(st);
+                    return;
+                }
+                std::thread::sleep(Duration::from_micros(200));
+            }
+        }
+    }
+}
+
+/// Runs `f` on one rank per GPU in `devices` (one thread each, one NCCL group) and returns
+/// every rank's result. An error or panic on one rank fails the group: the others' collectives
+/// return errors instead of waiting, and none waits past `timeout`.
+pub fn run_ranks_nccl<T: Send>(
+    devices: &[usize],
+    timeout: Duration,
+    f: impl Fn(&NcclComm) -> Result<T> + Sync,
+) -> Vec<Result<T>> {
+    let id = match unique_id() {
+        Ok(id) => id,
+        Err(e) => return devices.iter().map(|_| Err(MoeError::Unsupported(e.to_string()))).collect(),
+    };
+    let failure = Failure::default();
+    let size = devices.len();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = devices
+            .iter()
+            .enumerate()
+            .map(|(rank, &device)| {
+                let (f, id, failure) = (&f, &id, failure.clone());
+                s.spawn(move || {
+                    let comm = match NcclComm::new(rank, size, device, id, failure.clone(), None, timeout) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            failure.set(&format!("rank {rank} could not join: {e}"));
+                            return Err(e);
+                        }
+                    };
+                    let r = crate::comm::catch_rank_panic(rank, || f(&comm));
+                    if let Err(e) = &r {
+                        comm.abort(&format!("rank {rank} failed: {e}"));
+                    }
+                    r
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err(MoeError::Config("rank thread lost".into()))))
+            .collect()
+    })
+}

@@ -1,0 +1,361 @@
+//! Multi-process jobs: the torchrun-style environment, a TCP rendezvous through which rank 0
+//! hands every other rank a payload (the NCCL unique id), and a liveness channel over the same
+//! connections so that a rank that dies or fails is known to every other rank at once.
+//!
+//! Wire format: a hello `[magic u32, rank u32, world u32]` from each rank to rank 0, answered
+//! by `[len u32, payload]`; afterwards single-byte messages, `A` + `[len u32, reason]` (abort)
+//! or `B` (clean exit). Rank 0 forwards an abort to every rank. A connection that closes
+//! without `B` means its process is gone.
+
+use super::Failure;
+use crate::error::{MoeError, Result};
+use std::io::{Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const MAGIC: u32 = 0x6d6f_6566; // "moef"
+
+/// Where this process sits in a job started by a torchrun-style launcher.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LaunchEnv {
+    /// `RANK`: this process's rank in the world.
+    pub rank: usize,
+    /// `WORLD_SIZE`: number of processes.
+    pub world_size: usize,
+    /// `LOCAL_RANK`: the GPU of this host that this process uses.
+    pub local_rank: usize,
+    /// `MASTER_ADDR`: host of rank 0.
+    pub master_addr: String,
+    /// `MASTER_PORT`: port rank 0 listens on.
+    pub master_port: u16,
+}
+
+impl LaunchEnv {
+    /// Reads the launcher variables through `get`; `None` when `RANK` and `WORLD_SIZE` are both
+    /// unset, an error naming the variable when one is missing or malformed.
+    pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
+        if get("RANK").is_none() && get("WORLD_SIZE").is_none() {
+            return Ok(None);
+        }
+        let num = |name: &str, default: Option<usize>| -> Result<usize> {
+            match (get(name), default) {
+                (Some(v), _) => v
+                    .trim()
+                    .parse()
+                    .map_err(|_| MoeError::Config(format!("environment variable {name}={v:?} is not a number"))),
+                (None, Some(d)) => Ok(d),
+                (None, None) => Err(MoeError::Config(format!("environment variable {name} is not set"))),
+            }
+        };
+        let rank = num("RANK", None)?;
+        let world_size = num("WORLD_SIZE", None)?;
+        let local_rank = num("LOCAL_RANK", Some(rank))?;
+        let master_port = num("MASTER_PORT", Some(29_500))?;
+        if world_size == 0 || rank >= world_size {
+            return Err(MoeError::Config(format!("RANK={rank} must be below WORLD_SIZE={world_size}")));
+        }
+        let master_port = u16::try_from(master_port)
+            .map_err(|_| MoeError::Config(format!("MASTER_PORT={master_port} is not a port")))?;
+        let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
+        Ok(Some(LaunchEnv { rank, world_size, local_rank, master_addr, master_port }))
+    }
+
+    /// [`LaunchEnv::from_vars`] over the process environment.
+    pub fn from_env() -> Result<Option<LaunchEnv>> {
+        Self::from_vars(|k| std::env::var(k).ok())
+    }
+}
+
+fn io_err(rank: usize, what: &str, e: impl std::fmt::Display) -> MoeError {
+    MoeError::Comm { rank, op: "rendezvous".into(), message: format!("{what}: {e}") }
+}
+
+/// The open connections of a job after the rendezvous; dropping it tells the peers this rank
+/// exited cleanly.
+pub struct Rendezvous {
+    rank: usize,
+    /// Write halves: rank 0 holds one per other rank (index = rank - 1), others hold rank 0's.
+    peers: Arc<Vec<Mutex<TcpStream>>>,
+    failure: Failure,
+    /// Set while this rank shuts down, so that its own closing sockets are not taken as a
+    /// peer's death.
+    closing: Arc<AtomicBool>,
+}
+
+impl Rendezvous {
+    /// Joins the job described by `env`. Rank 0 listens on `MASTER_PORT`, waits for every
+    /// other rank and sends each the bytes `payload` returns; the others connect (retrying
+    /// until `timeout`) and receive them. Returns the payload and the connections.
+    pub fn join(
+        env: &LaunchEnv,
+        payload: impl FnOnce() -> Result<Vec<u8>>,
+        timeout: Duration,
+    ) -> Result<(Vec<u8>, Rendezvous)> {
+        let deadline = Instant::now() + timeout;
+        let rank = env.rank;
+        let failure = Failure::default();
+        if rank == 0 {
+            let listener = TcpListener::bind(("0.0.0.0", env.master_port))
+                .map_err(|e| io_err(rank, &format!("listening on port {}", env.master_port), e))?;
+            listener.set_nonblocking(true).map_err(|e| io_err(rank, "listener", e))?;
+            let mut conns: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
+            while conns.iter().any(Option::is_none) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        s.set_nonblocking(false).map_err(|e| io_err(rank, "socket", e))?;
+                        s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(MIN_WAIT)))
+                            .map_err(|e| io_err(rank, "socket", e))?;
+                        let hello = read_u32s::<3>(&mut s).map_err(|e| io_err(rank, "reading a hello", e))?;
+                        let (r, w) = (hello[1] as usize, hello[2] as usize);
+                        if hello[0] != MAGIC {
+                            continue; // not one of ours
+                        }
+                        if w != env.world_size || r == 0 || r >= w || conns[r - 1].is_some() {
+                            return Err(io_err(
+                                rank,
+                                "bad hello",
+                                format!("rank {r} of world {w} (this job: world {})", env.world_size),
+                            ));
+                        }
+                        conns[r - 1] = Some(s);
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        if Instant::now() >= deadline {
+                            let missing: Vec<usize> = (1..env.world_size).filter(|r| conns[r - 1].is_none()).collect();
+                            return Err(io_err(rank, "timed out", format!("ranks {missing:?} never connected")));
+                        }
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => return Err(io_err(rank, "accept", e)),
+                }
+            }
+            let data = payload()?;
+            let conns: Vec<TcpStream> = conns.into_iter().flatten().collect();
+            for s in &conns {
+                let mut s = s;
+                write_blob(&mut s, &data).map_err(|e| io_err(rank, "sending the payload", e))?;
+            }
+            let me = Rendezvous::watch(rank, conns, failure)?;
+            Ok((data, me))
+        } else {
+            let addr = format!("{}:{}", env.master_addr, env.master_port);
+            let mut s = loop {
+                match TcpStream::connect(&addr) {
+                    Ok(s) => break s,
+                    Err(e) if Instant::now() >= deadline => {
+                        return Err(io_err(rank, &format!("connecting to rank 0 at {addr}"), e))
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
+            let hello = [MAGIC, rank as u32, env.world_size as u32];
+            s.write_all(bytemuck::cast_slice(&hello)).map_err(|e| io_err(rank, "sending hello", e))?;
+            s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(MIN_WAIT)))
+                .map_err(|e| io_err(rank, "socket", e))?;
+            let data = read_blob(&mut s).map_err(|e| io_err(rank, "receiving the payload from rank 0", e))?;
+            let me = Rendezvous::watch(rank, vec![s], failure)?;
+            Ok((data, me))
+        }
+    }
+
+    /// Starts one reader thread per connection that records aborts and lost peers in the
+    /// failure flag (rank 0 also forwards them to every other rank).
+    fn watch(rank: usize, conns: Vec<TcpStream>, failure: Failure) -> Result<Rendezvous> {
+        let mut readers = Vec::new();
+        for s in &conns {
+            s.set_read_timeout(None).map_err(|e| io_err(rank, "socket", e))?;
+            readers.push(s.try_clone().map_err(|e| io_err(rank, "socket", e))?);
+        }
+        let peers = Arc::new(conns.into_iter().map(Mutex::new).collect::<Vec<_>>());
+        let closing = Arc::new(AtomicBool::new(false));
+        for (i, mut reader) in readers.into_iter().enumerate() {
+            let peer = if rank == 0 { i + 1 } else { 0 };
+            let (failure, peers, closing) = (failure.clone(), peers.clone(), closing.clone());
+            std::thread::spawn(move || {
+                let reason = match read_message(&mut reader) {
+                    Ok(Message::Bye) => return,
+                    Ok(Message::Abort(reason)) => reason,
+                    Err(_) => format!("rank {peer} exited or lost its connection"),
+                };
+                if closing.load(Ordering::SeqCst) {
+                    return;
+                }
+                failure.set(&reason);
+                if rank == 0 {
+                    broadcast_abort(&peers, &reason, Some(i));
+                }
+            });
+        }
+        Ok(Rendezvous { rank, peers, failure, closing })
+    }
+
+    /// The flag the peers' failures are recorded in.
+    pub fn failure(&self) -> Failure {
+        self.failure.clone()
+    }
+
+    /// Tells every rank that this job failed with `reason`.
+    pub fn abort(&self, reason: &str) {
+        self.failure.set(reason);
+        broadcast_abort(&self.peers, reason, None);
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+}
+
+impl Drop for Rendezvous {
+    fn drop(&mut self) {
+        self.closing.store(true, Ordering::SeqCst);
+        for p in self.peers.iter() {
+            let mut s = p.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = s.write_all(b"B");
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+const MIN_WAIT: Duration = Duration::from_millis(100);
+
+enum Message {
+    Bye,
+    Abort(String),
+}
+
+fn broadcast_abort(peers: &[Mutex<TcpStream>], reason: &str, skip: Option<usize>) {
+    for (i, p) in peers.iter().enumerate() {
+        if Some(i) != skip {
+            let mut s = p.lock().unwrap_or_else(|e| e.into_inner());
+            let _ = s.write_all(b"A").and_then(|_| write_blob(&mut *s, reason.as_bytes()));
+        }
+    }
+}
+
+fn read_message(s: &mut TcpStream) -> std::io::Result<Message> {
+    let mut kind = [0u8; 1];
+    s.read_exact(&mut kind)?;
+    match kind[0] {
+        b'B' => Ok(Message::Bye),
+        b'A' => Ok(Message::Abort(String::from_utf8_lossy(&read_blob(s)?).into_owned())),
+        other => Err(std::io::Error::other(format!("unknown message {other}"))),
+    }
+}
+
+fn read_u32s<const N: usize>(s: &mut impl Read) -> std::io::Result<[u32; N]> {
+    let mut v = [0u32; N];
+    s.read_exact(bytemuck::cast_slice_mut(&mut v))?;
+    Ok(v)
+}
+
+fn write_blob(s: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
+    s.write_all(&(data.len() as u32).to_le_bytes())?;
+    s.write_all(data)
+}
+
+fn read_blob(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
+    let [len] = read_u32s::<1>(s)?;
+    let len = u32::from_le(len) as usize;
+    if len > 1 << 20 {
+        return Err(std::io::Error::other(format!("message of {len} bytes is not from moeflow")));
+    }
+    let mut v = vec![0u8; len];
+    s.read_exact(&mut v)?;
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(rank: usize, world: usize, port: u16) -> LaunchEnv {
+        LaunchEnv { rank, world_size: world, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port }
+    }
+
+    fn free_port() -> u16 {
+        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    }
+
+    #[test]
+    fn env_parsing() {
+        let vars = |pairs: &'static [(&'static str, &'static str)]| {
+            move |k: &str| pairs.iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+        };
+        assert_eq!(LaunchEnv::from_vars(vars(&[])).unwrap(), None);
+        let e = LaunchEnv::from_vars(vars(&[("RANK", "1"), ("WORLD_SIZE", "4"), ("MASTER_PORT", "1234")]))
+            .unwrap()
+            .unwrap();
+        assert_eq!((e.rank, e.world_size, e.local_rank, e.master_port), (1, 4, 1, 1234));
+        let bad = LaunchEnv::from_vars(vars(&[("RANK", "4"), ("WORLD_SIZE", "4")])).unwrap_err().to_string();
+        assert!(bad.contains("RANK=4"), "{bad}");
+        let bad = LaunchEnv::from_vars(vars(&[("RANK", "x"), ("WORLD_SIZE", "4")])).unwrap_err().to_string();
+        assert!(bad.contains("RANK"), "{bad}");
+        let bad = LaunchEnv::from_vars(vars(&[("RANK", "0")])).unwrap_err().to_string();
+        assert!(bad.contains("WORLD_SIZE"), "{bad}");
+    }
+
+    #[test]
+    fn payload_reaches_every_rank_and_failures_spread() {
+        let port = free_port();
+        let world = 3;
+        let joined: Vec<(Vec<u8>, Rendezvous)> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..world)
+                .map(|r| {
+                    s.spawn(move || {
+                        Rendezvous::join(&env(r, world, port), || Ok(b"the id".to_vec()), Duration::from_secs(20))
+                            .unwrap()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(joined.iter().all(|(p, _)| p == b"the id"));
+        let mut ranks: Vec<Rendezvous> = joined.into_iter().map(|(_, r)| r).collect();
+        assert!(ranks.iter().all(|r| r.failure().get().is_none()));
+        // Rank 2's process vanishes without saying goodbye: everyone hears of it.
+        let gone = ranks.pop().unwrap();
+        for p in gone.peers.iter() {
+            p.lock().unwrap().shutdown(Shutdown::Both).unwrap();
+        }
+        std::mem::forget(gone);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ranks.iter().any(|r| r.failure().get().is_none()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for r in &ranks {
+            let f = r.failure().get().expect("failure seen");
+            assert!(f.contains("rank 2"), "rank {}: {f}", r.rank());
+        }
+    }
+
+    #[test]
+    fn an_abort_reaches_every_rank() {
+        let port = free_port();
+        let ranks: Vec<Rendezvous> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| s.spawn(move || Rendezvous::join(&env(r, 3, port), || Ok(vec![7]), Duration::from_secs(20))))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap().1).collect()
+        });
+        ranks[1].abort("rank 1 hit an error in all2allv dispatch");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while ranks.iter().any(|r| r.failure().get().is_none()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for r in &ranks {
+            assert_eq!(r.failure().get().as_deref(), Some("rank 1 hit an error in all2allv dispatch"));
+        }
+    }
+
+    #[test]
+    fn missing_rank_times_out_with_a_named_error() {
+        let port = free_port();
+        let e = Rendezvous::join(&env(0, 3, port), || Ok(vec![1]), Duration::from_millis(300)).err().unwrap();
+        assert!(e.to_string().contains("ranks [1, 2] never connected"), "{e}");
+        let e = Rendezvous::join(&env(1, 3, free_port()), || Ok(vec![1]), Duration::from_millis(300)).err().unwrap();
+        assert!(e.to_string().contains("connecting to rank 0"), "{e}");
+    }
+}

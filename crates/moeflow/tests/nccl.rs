@@ -1,0 +1,185 @@
+//! Expert parallelism over NCCL, one thread per GPU: the communicator's collectives, every
+//! strategy against the f64 reference, repeatability, and failure handling. Needs the `cuda`
+//! feature and at least two GPUs; with fewer every test prints SKIPPED and checks nothing.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::*;
+use moeflow::backend::cuda::{device_count, run_ranks_nccl};
+use moeflow::comm::{CommExt, Communicator};
+use moeflow::parallel::{on_ranks, ParallelConfig, PlacementKind, RankHost, StrategyKind};
+use moeflow::{preset, reference, Activation, DType, MoeError, RouterConfig, SharedConfig, Tensor};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Same bound as tests/cuda.rs: bf16 activations and GEMM outputs.
+const BF16_TOL: f64 = 2.5e-2;
+
+/// GPUs to use (2 or 4), or `None` after saying loudly that the test is skipped.
+fn gpus(test: &str) -> Option<usize> {
+    let n = device_count();
+    if n < 2 {
+        eprintln!("SKIPPED {test}: needs 2 GPUs, found {n}");
+        return None;
+    }
+    Some(if n >= 4 { 4 } else { 2 })
+}
+
+#[test]
+fn collectives_move_uneven_and_empty_parts() {
+    let Some(n) = gpus("collectives_move_uneven_and_empty_parts") else { return };
+    let len = |src: usize, dst: usize| (src * 7 + dst * 13) % 11 * 1000; // includes 0
+    let byte = |src: usize, dst: usize, i: usize| (src * 31 + dst * 17 + i) as u8;
+    let results = run_ranks_nccl(&(0..n).collect::<Vec<_>>(), Duration::from_secs(30), |c| {
+        let r = c.rank();
+        for round in 0..3 {
+            let parts = (0..n).map(|d| (0..len(r, d)).map(|i| byte(r, d, i + round)).collect()).collect();
+            let got = c.all_to_all_v("test.a2a", parts)?;
+            for (src, part) in got.iter().enumerate() {
+                assert_eq!(part.len(), len(src, r), "round {round}: from {src} to {r}");
+                assert!(part.iter().enumerate().all(|(i, &b)| b == byte(src, r, i + round)));
+            }
+        }
+        let sum = c.all_reduce_sum("test.sum", &[r as f32, 1.0, -(r as f32)])?;
+        let tri = (n * (n - 1) / 2) as f32;
+        assert_eq!(sum, vec![tri, n as f32, -tri]);
+        // Sub-groups: even and odd ranks, ordered by descending rank.
+        let sub = c.split(r % 2, n - r)?;
+        assert_eq!(sub.size(), n.div_ceil(2) - (r % 2) * (n % 2));
+        let ranks: Vec<Vec<u32>> = sub.all_gather_vec("test.sub", &[r as u32])?;
+        let mut want: Vec<u32> = (0..n as u32).filter(|x| x % 2 == r as u32 % 2).collect();
+        want.reverse();
+        assert_eq!(ranks.concat(), want);
+        assert_eq!(sub.rank(), want.iter().position(|&x| x == r as u32).unwrap());
+        Ok(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
+
+/// A layer with `e` experts, top-`k`, a gated shared expert, and random bf16 weights.
+fn layer_config(e: usize, k: usize) -> (moeflow::MoeConfig, moeflow::MoeWeights) {
+    let config = small_config(
+        160,
+        96,
+        e,
+        k,
+        RouterConfig::Softmax { renormalize: true },
+        Activation::Silu,
+        Some(SharedConfig { inter: 48, gated: true }),
+    );
+    let weights = preset::random_weights(&config, DType::BF16, 21);
+    (config, weights)
+}
+
+#[test]
+fn every_strategy_on_gpus_matches_the_reference_and_repeats() {
+    let Some(n) = gpus("every_strategy_on_gpus_matches_the_reference_and_repeats") else { return };
+    let mut layouts: Vec<(String, ParallelConfig, usize, usize)> = Vec::new();
+    for strategy in StrategyKind::ALL.into_iter().filter(|&s| s != StrategyKind::Local) {
+        layouts.push((format!("{strategy}"), ParallelConfig::new(n, 1, strategy), 8, 2));
+        layouts.push((
+            format!("{strategy} dual-batch"),
+            ParallelConfig { dual_batch: true, ..ParallelConfig::new(n, 1, strategy) },
+            8,
+            2,
+        ));
+        layouts.push((format!("{strategy} TP 2"), ParallelConfig::new(n, 2, strategy), 8, 2));
+    }
+    // Experts not divisible by ranks, top-1, round-robin placement, a redundant replica.
+    layouts.push((
+        "all2allv 7 experts round-robin".into(),
+        ParallelConfig { placement: PlacementKind::RoundRobin, ..ParallelConfig::new(n, 1, StrategyKind::All2AllV) },
+        7,
+        1,
+    ));
+    layouts.push((
+        "allgather redundant".into(),
+        ParallelConfig { redundant: vec![0, 3], ..ParallelConfig::new(n, 1, StrategyKind::AllGather) },
+        8,
+        3,
+    ));
+    for (name, par, e, k) in layouts {
+        let (config, weights) = layer_config(e, k);
+        let h = config.hidden;
+        let groups = n / par.tp;
+        // Uneven batches; the last DP group gets none.
+        let sizes: Vec<usize> =
+            (0..groups).map(|g| if g + 1 == groups && groups > 1 { 0 } else { 9 + 14 * g }).collect();
+        let inputs: Vec<Vec<f32>> =
+            sizes.iter().enumerate().map(|(g, &t)| preset::uniform(t * h, 1.0, g as u64)).collect();
+        let par = ParallelConfig { max_tokens_per_rank: 64, ..par };
+        let placement = Arc::new(par.placement(e).unwrap());
+        let results = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
+            let layer = par.layer(comm, placement.clone(), &config, &weights, kind, Some(16))?;
+            let x = &inputs[comm.rank() / par.tp];
+            let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
+            let a = layer.forward(&xt)?.to_f32_vec();
+            let b = layer.forward(&xt)?.to_f32_vec();
+            Ok((a, b))
+        });
+        for (rank, r) in results {
+            let (a, b) = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name}: rank {rank} differs run to run"
+            );
+            let x = &inputs[rank / par.tp];
+            let want = reference::forward(&config, &weights, x).unwrap().out;
+            let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+            let err = a.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale;
+            assert_eq!(a.len(), want.len(), "{name}: rank {rank}");
+            assert!(err <= BF16_TOL, "{name}: rank {rank}: relative error {err:e}");
+            eprintln!("{name:<34} rank {rank}: {} tokens, relative error {err:.2e}", x.len() / h);
+        }
+    }
+}
+
+#[test]
+fn a_failing_rank_fails_every_rank_within_the_deadline() {
+    let Some(n) = gpus("a_failing_rank_fails_every_rank_within_the_deadline") else { return };
+    let timeout = Duration::from_secs(5);
+    let devices: Vec<usize> = (0..n).collect();
+    // Rank 1 returns an error between two collectives: the others must not wait for it.
+    let start = Instant::now();
+    let results = run_ranks_nccl(&devices, timeout, |c| {
+        c.barrier()?;
+        if c.rank() == 1 {
+            return Err(MoeError::Config("injected failure".into()));
+        }
+        c.all_to_all_v("after the failure", vec![vec![1u8; 1 << 20]; c.size()])?;
+        Ok(())
+    });
+    let elapsed = start.elapsed();
+    for (rank, r) in results.iter().enumerate() {
+        let e = r.as_ref().expect_err("every rank fails").to_string();
+        if rank != 1 {
+            assert!(e.contains("rank 1") && e.contains("injected failure"), "rank {rank}: {e}");
+            assert!(e.contains("after the failure") || e.contains("rank body"), "rank {rank}: {e}");
+        }
+        eprintln!("rank {rank}: {e}");
+    }
+    assert!(elapsed < timeout + Duration::from_secs(10), "took {elapsed:?}");
+    // Rank 1 silently skips a collective: the others time out and abort.
+    let start = Instant::now();
+    let results = run_ranks_nccl(&devices, timeout, |c| {
+        c.barrier()?;
+        if c.rank() != 1 {
+            c.all_to_all_v("skipped by rank 1", vec![vec![2u8; 4096]; c.size()])?;
+        } else {
+            std::thread::sleep(timeout * 2);
+        }
+        Ok(())
+    });
+    let elapsed = start.elapsed();
+    for (rank, r) in results.iter().enumerate() {
+        if rank != 1 {
+            let e = r.as_ref().expect_err("the waiting ranks fail").to_string();
+            assert!(e.contains("skipped by rank 1") && e.contains("timed out"), "rank {rank}: {e}");
+            eprintln!("rank {rank}: {e}");
+        }
+    }
+    assert!(elapsed < timeout * 2 + Duration::from_secs(15), "took {elapsed:?}");
+}
