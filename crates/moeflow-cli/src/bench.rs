@@ -29,9 +29,248 @@ pub struct BenchArgs {
     /// Keep running until this many seconds have been timed (per token count).
     #[arg(long, default_value_t = 1.0)]
     min_seconds: f64,
-    /// cpu, or cuda (one GPU; weights generated on the device in bf16).
+    /// cpu, or cuda (one GPU per rank; weights generated on the device in bf16).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
+    /// With --backend cuda and --ep > 1: run the modular layer with rows through host memory
+    /// (every strategy) instead of the device-resident all-to-all-v layer.
+    #[arg(long)]
+    host_staged: bool,
+    /// After the device-resident run, run the same shapes through a PyTorch + NCCL layer
+    /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py) and print the ratio.
+    #[arg(long)]
+    torch_baseline: bool,
+}
+
+/// The PyTorch + NCCL baseline layer, run by `--torch-baseline`.
+const TORCH_BASELINE: &str = include_str!("../../../tools/torch_ep_baseline.py");
+
+/// Whether the device-resident expert-parallel layer covers `par`.
+fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
+    use moeflow::parallel::{PlacementKind, StrategyKind};
+    par.ep > 1
+        && par.strategy == StrategyKind::All2AllV
+        && par.tp == 1
+        && !par.dual_batch
+        && par.redundant.is_empty()
+        && par.placement == PlacementKind::Contiguous
+        && experts.is_multiple_of(par.ep)
+}
+
+/// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
+/// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
+fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
+    use moeflow::backend::cuda::{measure_ceilings, CudaMoeLayer, GpuStageTimes, NcclComm};
+    let (p, config) = args.layer.config()?;
+    let par = args.parallel.config(1)?;
+    let (rank0, device) = match host {
+        RankHost::Launched(env) => (env.rank == 0, env.local_rank),
+        _ => (true, 0),
+    };
+    let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
+    let (gemm_tflops, copy_gbps) = measure_ceilings(device)?;
+    bar0.finish_and_clear();
+    let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
+    let results = on_ranks(host, par.ep, par.timeout, |comm, _| {
+        let nccl = comm
+            .as_any()
+            .downcast_ref::<NcclComm>()
+            .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
+        let layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
+        let mut per_t = Vec::new();
+        for &t in &args.tokens {
+            let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
+            for w in 0..3 {
+                layer.forward_timed(t, seed + w)?;
+            }
+            let runs = args.min_runs.max(20);
+            let mut samples: Vec<GpuStageTimes> = Vec::with_capacity(runs);
+            for r in 0..runs {
+                comm.barrier()?;
+                samples.push(layer.forward_timed(t, seed + 100 + r as u64)?);
+            }
+            let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
+            let all = comm.all_gather_vec("bench.times", &totals)?;
+            let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
+            per_t.push((slowest, samples));
+        }
+        Ok(per_t)
+    });
+    bar0.finish_and_clear();
+    let mut mine = None;
+    for (_, r) in results {
+        let r = r?;
+        mine.get_or_insert(r);
+    }
+    let measured = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+    if !rank0 {
+        return Ok(());
+    }
+    println!(
+        "moeflow bench: {} on {} GPUs (device-resident all-to-all-v over NCCL), {} experts ({} per GPU), top-{}, bf16; \
+         GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
+        p.name,
+        par.ep,
+        config.num_experts,
+        config.num_experts / par.ep,
+        config.top_k,
+        gemm_tflops,
+        copy_gbps
+    );
+    println!(
+        "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}",
+        "tokens",
+        "ms",
+        "floor ms",
+        "floor%",
+        "TFLOP/s",
+        "route",
+        "permute",
+        "dispatch",
+        "gemm1",
+        "act",
+        "gemm2",
+        "collect",
+        "combine",
+        "shared",
+        "disp GB/s",
+        "comb GB/s"
+    );
+    let per_expert = 3 * config.hidden * config.inter * 2;
+    let mut records = Vec::new();
+    let mut ours = Vec::new();
+    for (&t, (slowest, samples)) in args.tokens.iter().zip(measured) {
+        let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+        let ms = median(&slowest);
+        // Per GPU: its tokens' expert FLOPs, its experts' weights read once.
+        let flops = config.expert_flops(t);
+        let local = config.num_experts / par.ep;
+        let bytes = local.min(t * par.ep * config.top_k) * per_expert
+            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
+        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        let sent = med(|s| s.dispatch_bytes as f64);
+        let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
+        let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
+        ours.push((t, ms, dispatch, collect));
+        println!(
+            "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}",
+            t,
+            ms,
+            floor,
+            100.0 * floor / ms,
+            flops / ms / 1e9,
+            med(|s| s.route),
+            med(|s| s.permute),
+            dispatch,
+            med(|s| s.gemm1),
+            med(|s| s.act),
+            med(|s| s.gemm2),
+            collect,
+            med(|s| s.combine),
+            med(|s| s.shared),
+            gbps(dispatch),
+            gbps(collect)
+        );
+        records.push(Record {
+            preset: p.name.to_string(),
+            backend: "cuda".into(),
+            dtype: "bf16".into(),
+            tokens: t,
+            ep: par.ep,
+            tp: 1,
+            strategy: "all2allv (device)".into(),
+            quant: "none".into(),
+            rel_error: None,
+            ms,
+            gflops: flops / ms / 1e6,
+            matmul_fraction: flops / ms / 1e9 / gemm_tflops,
+            floor_ms: floor,
+            runs: slowest.len(),
+            stages_ms: StageTimes {
+                route: med(|s| s.route),
+                prepare: med(|s| s.permute + s.dispatch),
+                experts: med(|s| s.gemm1 + s.act + s.gemm2),
+                finalize: med(|s| s.collect + s.combine),
+                shared: med(|s| s.shared),
+            },
+            bytes_moved_per_rank: 2 * sent as usize,
+            comm_gbps: Some(gbps(dispatch + collect) * 2.0),
+        });
+    }
+    if let Some(path) = &args.json {
+        let text = serde_json::to_string_pretty(&records)
+            .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
+    }
+    if args.torch_baseline {
+        if *host != RankHost::Gpus {
+            return Err(MoeError::Config("--torch-baseline starts its own processes: run without a launcher".into()));
+        }
+        torch_baseline(args, &config, par.ep, &ours)?;
+    }
+    Ok(())
+}
+
+/// Runs tools/torch_ep_baseline.py on `ep` GPUs with the preset's shapes and prints its times
+/// beside `ours` (tokens, layer ms, dispatch ms, combine ms).
+fn torch_baseline(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    ep: usize,
+    ours: &[(usize, f64, f64, f64)],
+) -> Result<()> {
+    let io = |context: &str, e: std::io::Error| MoeError::Io { context: context.into(), source: e };
+    let script = std::env::temp_dir().join(format!("moeflow_torch_baseline_{}.py", std::process::id()));
+    std::fs::write(&script, TORCH_BASELINE).map_err(|e| io("writing the baseline script", e))?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| io("choosing a port", e))?;
+    let tokens: Vec<String> = args.tokens.iter().map(|t| t.to_string()).collect();
+    let bar = spinner(format!("running the PyTorch + NCCL baseline on {ep} GPUs"));
+    let out = std::process::Command::new("python3")
+        .args(["-m", "torch.distributed.run", "--nproc-per-node", &ep.to_string(), "--master-port", &port.to_string()])
+        .arg(&script)
+        .args(["--hidden", &config.hidden.to_string(), "--inter", &config.inter.to_string()])
+        .args(["--experts", &config.num_experts.to_string(), "--top-k", &config.top_k.to_string()])
+        .args(["--shared-inter", &config.shared.map_or(0, |s| s.inter).to_string()])
+        .args(["--tokens", &tokens.join(","), "--runs", &args.min_runs.max(20).to_string()])
+        .output()
+        .map_err(|e| io("starting python3", e));
+    bar.finish_and_clear();
+    let _ = std::fs::remove_file(&script);
+    let out = out?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().find(|l| l.contains("\"baseline\"")).ok_or_else(|| {
+        MoeError::Config(format!(
+            "the PyTorch baseline failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+        ))
+    })?;
+    let v: serde_json::Value =
+        serde_json::from_str(line).map_err(|e| MoeError::Json { context: "baseline output".into(), source: e })?;
+    println!("PyTorch {} + NCCL baseline, same shapes, same GPUs:", v["torch"].as_str().unwrap_or("?"));
+    println!(
+        "{:>7} {:>10} {:>10} {:>8}   {:>12} {:>12}",
+        "tokens", "torch ms", "moeflow ms", "speedup", "torch disp", "torch comb"
+    );
+    for rec in v["records"].as_array().into_iter().flatten() {
+        let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
+        let ms = rec["ms"].as_f64().unwrap_or(f64::NAN);
+        let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
+        println!(
+            "{:>7} {:>10.3} {:>10.3} {:>7.2}x   {:>12.3} {:>12.3}",
+            t,
+            ms,
+            mine,
+            ms / mine,
+            rec["dispatch_ms"].as_f64().unwrap_or(f64::NAN),
+            rec["combine_ms"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    Ok(())
 }
 
 /// One measured configuration (the schema every bench writes).
@@ -111,6 +350,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if gpu && args.parallel.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+    }
+    if gpu && !args.host_staged {
+        let (_, config) = args.layer.config()?;
+        let par = args.parallel.config(1)?;
+        if device_resident(&par, config.num_experts) {
+            return run_cuda_ep(&args, &host);
+        }
+        println!(
+            "note: the device-resident layer covers all2allv with contiguous placement, TP 1, no dual-batch or \
+             replicas, experts divisible by EP; this layout runs host-staged (rows through host memory)"
+        );
     }
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;

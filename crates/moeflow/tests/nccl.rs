@@ -183,3 +183,69 @@ fn a_failing_rank_fails_every_rank_within_the_deadline() {
     }
     assert!(elapsed < timeout * 2 + Duration::from_secs(15), "took {elapsed:?}");
 }
+
+#[test]
+fn device_resident_all2allv_matches_the_reference_and_repeats() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    let grouped = RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 };
+    let cases = [
+        (
+            "softmax, gated shared expert",
+            RouterConfig::Softmax { renormalize: true },
+            Activation::Silu,
+            8,
+            2,
+            true,
+            None,
+        ),
+        ("GPT-OSS biases, top-1", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 8, 1, false, None),
+        ("DeepSeek grouped, shared", grouped, Activation::Silu, 16, 6, true, None),
+        ("one hot expert", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 12, 2, false, Some(5)),
+    ];
+    for (name, router, act, e, k, shared, hot) in cases {
+        let shared = shared.then_some(SharedConfig { inter: 48, gated: true });
+        let config = small_config(136, 80, e, k, router, act, shared);
+        let mut weights = preset::random_weights(&config, DType::BF16, 33);
+        if let Some(hot) = hot {
+            let mut bias = vec![0f32; e];
+            bias[hot] = 60.0;
+            weights.gate_bias = Some(Tensor::from_f32(&[e], bias).unwrap());
+        }
+        let h = config.hidden;
+        // Uneven batches, rank 1 without tokens.
+        let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, 300][r % 4]).collect();
+        let inputs: Vec<Vec<f32>> =
+            sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 50 + r as u64)).collect();
+        let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?;
+            let x = &inputs[c.rank()];
+            let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
+            Ok((layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec()))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (a, b) = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            assert!(
+                a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name}: rank {rank} differs run to run"
+            );
+            let want = reference::forward(&config, &weights, &inputs[rank]).unwrap().out;
+            assert_eq!(a.len(), want.len(), "{name}: rank {rank}");
+            let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+            let err = a.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale;
+            assert!(err <= BF16_TOL, "{name}: rank {rank}: relative error {err:e}");
+            eprintln!("device all2allv, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
+        }
+    }
+    // Experts that do not split evenly are a clear error, not a wrong answer.
+    let config =
+        small_config(64, 32, 2 * n + 1, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 1);
+    for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?).map(|_| ())
+    }) {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("splits experts evenly"), "{e}");
+    }
+}

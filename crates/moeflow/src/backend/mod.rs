@@ -7,20 +7,27 @@ pub mod cpu;
 pub struct GpuStageTimes {
     /// f32 → bf16, router GEMM and top-k.
     pub route: f64,
-    /// Counts, offsets, scatter, gather.
+    /// Counts, offsets, scatter, gather (and, expert-parallel, the count exchange).
     pub permute: f64,
+    /// Expert-parallel: rows sent to the ranks holding their experts, regrouped there.
+    pub dispatch: f64,
     /// First grouped GEMM.
     pub gemm1: f64,
     /// Activation.
     pub act: f64,
     /// Second grouped GEMM.
     pub gemm2: f64,
+    /// Expert-parallel: output rows sent back to the ranks that own the tokens.
+    pub collect: f64,
     /// Weighted combine.
     pub combine: f64,
     /// Shared experts.
     pub shared: f64,
     /// Whole layer on the device.
     pub total: f64,
+    /// Expert-parallel: bytes of rows this rank sent to other ranks in the dispatch (the
+    /// combine sends as many back).
+    pub dispatch_bytes: usize,
 }
 
 #[cfg(feature = "cuda")]
@@ -61,6 +68,16 @@ pub mod cuda {
     /// The CUDA layer; without the feature every constructor is an error.
     pub struct CudaMoeLayer(());
 
+    /// The NCCL communicator; without the feature none can be made.
+    pub struct NcclComm(());
+
+    impl NcclComm {
+        /// Unreachable without the feature.
+        pub fn duplicate(&self) -> Result<NcclComm> {
+            Err(missing())
+        }
+    }
+
     impl CudaMoeLayer {
         /// Always an error without the feature.
         pub fn new(_config: &MoeConfig, _weights: &MoeWeights) -> Result<Self> {
@@ -68,6 +85,14 @@ pub mod cuda {
         }
         /// Always an error without the feature.
         pub fn random(_config: &MoeConfig, _seed: u64) -> Result<Self> {
+            Err(missing())
+        }
+        /// Always an error without the feature.
+        pub fn new_ep(_config: &MoeConfig, _weights: &MoeWeights, _comm: NcclComm) -> Result<Self> {
+            Err(missing())
+        }
+        /// Always an error without the feature.
+        pub fn random_ep(_config: &MoeConfig, _seed: u64, _comm: NcclComm) -> Result<Self> {
             Err(missing())
         }
         /// Unreachable without the feature.

@@ -53,6 +53,9 @@ pub trait Communicator: Send + Sync {
     /// Marks the group failed with `reason`: every rank's pending and later collectives return
     /// an error.
     fn abort(&self, reason: &str);
+    /// The concrete communicator, for backends that drive it directly (the device-resident
+    /// CUDA layer takes an NCCL communicator).
+    fn as_any(&self) -> &dyn std::any::Any;
 
     /// Every rank's `data`, indexed by rank.
     fn all_gather_v(&self, op: &str, data: &[u8]) -> Result<Vec<Vec<u8>>> {

@@ -164,6 +164,10 @@ impl Communicator for ThreadComm {
         Ok(Box::new(ThreadComm { rank, group, seq: AtomicU64::new(0) }))
     }
 
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+
     fn abort(&self, reason: &str) {
         let mut f = lock(&self.group.failure);
         if f.is_none() {

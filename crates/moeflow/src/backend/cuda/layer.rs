@@ -22,6 +22,7 @@ struct Kernels {
     scan: CudaFunction,
     scatter: CudaFunction,
     gather: CudaFunction,
+    take: CudaFunction,
     act: CudaFunction,
     combine: CudaFunction,
     add_shared: CudaFunction,
@@ -70,6 +71,32 @@ struct Buffers {
     sh13: CudaSlice<u16>,
     sact: CudaSlice<u16>,
     sy: CudaSlice<u16>,
+    /// Expert-parallel buffers, grown to the rows this rank receives.
+    ep: Option<EpBuffers>,
+}
+
+/// Rows received from every rank, in source order (`recv`, and `back` for their outputs), and
+/// in local-expert order for the GEMMs (`a`, `h13`, `act`, `y`: up to twice as many rows when
+/// padded).
+struct EpBuffers {
+    rows: usize,
+    counts_all: CudaSlice<i32>,
+    recv: CudaSlice<u16>,
+    back: CudaSlice<u16>,
+    pos: CudaSlice<i32>,
+    expert_of_row: CudaSlice<i32>,
+    a: CudaSlice<u16>,
+    h13: CudaSlice<u16>,
+    act: CudaSlice<u16>,
+    y: CudaSlice<u16>,
+}
+
+/// The expert-parallel side of a layer: its communicator and the experts this rank holds
+/// (contiguous ranges, `local` experts from global id `first`).
+struct EpLink {
+    comm: super::NcclComm,
+    first: usize,
+    local: usize,
 }
 
 /// One MoE layer resident on a GPU.
@@ -85,6 +112,8 @@ pub struct CudaMoeLayer {
     k: Kernels,
     w: DeviceWeights,
     bufs: Mutex<Option<Buffers>>,
+    /// Set when the layer is one rank of an expert-parallel group.
+    ep: Option<EpLink>,
 }
 
 fn bf16_bits(t: &Tensor) -> Vec<u16> {
@@ -107,7 +136,7 @@ fn rows(n: usize, threads: u32) -> LaunchConfig {
 }
 
 impl CudaMoeLayer {
-    fn open(config: &MoeConfig) -> Result<(Gpu, CudaBlas, Kernels)> {
+    fn open(config: &MoeConfig, device: usize) -> Result<(Gpu, CudaBlas, Kernels)> {
         config.validate()?;
         if config.apply_router_weight_on_input {
             return Err(MoeError::Unsupported("apply_router_weight_on_input on the CUDA backend".into()));
@@ -121,7 +150,8 @@ impl CudaMoeLayer {
         if config.top_k > 32 {
             return Err(MoeError::Unsupported(format!("top-k {} above 32 on the CUDA backend", config.top_k)));
         }
-        let gpu = Gpu::new(0)?;
+        let gpu = Gpu::new(device)?;
+        gpu.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
         let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
         let f = |n: &str| gpu.function(n);
         let k = Kernels {
@@ -132,6 +162,7 @@ impl CudaMoeLayer {
             scan: f("exclusive_scan")?,
             scatter: f("scatter_slots")?,
             gather: f("gather_rows")?,
+            take: f("take_rows")?,
             act: f("act_and_mul")?,
             combine: f("combine")?,
             add_shared: f("add_shared")?,
@@ -141,11 +172,38 @@ impl CudaMoeLayer {
         Ok((gpu, blas, k))
     }
 
-    /// Uploads `weights` (expert weights as bf16, router in f32).
+    /// Uploads `weights` (expert weights as bf16, router in f32) to GPU 0.
     pub fn new(config: &MoeConfig, weights: &MoeWeights) -> Result<Self> {
+        Self::new_on(config, weights, 0, None)
+    }
+
+    /// One rank of an expert-parallel layer over `comm` (all-to-all-v of bf16 rows on the
+    /// device): this rank keeps the experts of its contiguous share, `E / ranks` of them, on
+    /// its communicator's GPU. Collective: every rank of `comm` builds its layer together.
+    pub fn new_ep(config: &MoeConfig, weights: &MoeWeights, comm: super::NcclComm) -> Result<Self> {
+        let link = Self::link(config, comm)?;
+        Self::new_on(config, weights, link.comm.device(), Some(link))
+    }
+
+    fn link(config: &MoeConfig, comm: super::NcclComm) -> Result<EpLink> {
+        use crate::comm::Communicator;
+        let (e, n) = (config.num_experts, comm.size());
+        if !e.is_multiple_of(n) {
+            return Err(MoeError::Unsupported(format!(
+                "the device-resident expert-parallel layer splits experts evenly: {e} experts on {n} ranks"
+            )));
+        }
+        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm })
+    }
+
+    fn new_on(config: &MoeConfig, weights: &MoeWeights, device: usize, ep: Option<EpLink>) -> Result<Self> {
         weights.validate(config)?;
-        let (gpu, blas, k) = Self::open(config)?;
+        let (gpu, blas, k) = Self::open(config, device)?;
         let s = &gpu.stream;
+        let experts = match &ep {
+            Some(l) => weights.experts.select(&(l.first..l.first + l.local).collect::<Vec<_>>())?,
+            None => weights.experts.clone(),
+        };
         let up_f32 = |t: &Tensor| s.clone_htod(&t.to_f32_vec()).map_err(|e| err("upload", e));
         let up_bf16 = |t: &Tensor| s.clone_htod(&bf16_bits(t)).map_err(|e| err("upload", e));
         let w = DeviceWeights {
@@ -153,9 +211,10 @@ impl CudaMoeLayer {
             gate_bias: weights.gate_bias.as_ref().map(up_f32).transpose()?,
             correction_bias: weights.correction_bias.as_ref().map(up_f32).transpose()?,
             // Quantized experts run on the GPU as bf16 of their dequantized values.
-            w13: up_bf16(&Tensor::from_f32(weights.experts.w13.shape(), weights.experts.w13_f32())?)?,
-            w2: up_bf16(&Tensor::from_f32(weights.experts.w2.shape(), weights.experts.w2_f32())?)?,
-            b13: weights.experts.b13.as_ref().map(up_f32).transpose()?,
+            w13: up_bf16(&Tensor::from_f32(experts.w13.shape(), experts.w13_f32())?)?,
+            w2: up_bf16(&Tensor::from_f32(experts.w2.shape(), experts.w2_f32())?)?,
+            b13: experts.b13.as_ref().map(up_f32).transpose()?,
+            // The combine adds b2 at home, so every rank keeps all experts' b2.
             b2: weights.experts.b2.as_ref().map(up_f32).transpose()?,
             shared: match (&weights.shared, config.shared) {
                 (Some(sw), Some(sc)) => Some(SharedMlp {
@@ -176,14 +235,29 @@ impl CudaMoeLayer {
             k,
             w,
             bufs: Mutex::new(None),
+            ep,
         })
     }
 
     /// A layer whose weights are generated on the device (uniform, seeded), for benchmarks of
     /// shapes too large to build on the host.
     pub fn random(config: &MoeConfig, seed: u64) -> Result<Self> {
-        let (gpu, blas, k) = Self::open(config)?;
+        Self::random_on(config, seed, 0, None)
+    }
+
+    /// [`CudaMoeLayer::new_ep`] with weights generated on the device (each rank its own
+    /// experts), for benchmarks.
+    pub fn random_ep(config: &MoeConfig, seed: u64, comm: super::NcclComm) -> Result<Self> {
+        let link = Self::link(config, comm)?;
+        Self::random_on(config, seed, link.comm.device(), Some(link))
+    }
+
+    fn random_on(config: &MoeConfig, seed: u64, device: usize, ep: Option<EpLink>) -> Result<Self> {
+        let (gpu, blas, k) = Self::open(config, device)?;
         let (e, h, i) = (config.num_experts, config.hidden, config.inter);
+        // Routed experts held here (all of them on one GPU).
+        let held = ep.as_ref().map_or(e, |l| l.local);
+        let seed = seed ^ ep.as_ref().map_or(0, |l| (l.first as u64) << 20);
         let biases = matches!(config.router, RouterConfig::TopKSoftmax);
         let sh = 1.0 / (h as f32).sqrt();
         let mut n = 0u64;
@@ -202,7 +276,7 @@ impl CudaMoeLayer {
         let gate_bias = if biases { Some(f32s(e, 0.5)?) } else { None };
         let correction_bias =
             if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
-        let b13 = if biases { Some(f32s(e * 2 * i, 0.1)?) } else { None };
+        let b13 = if biases { Some(f32s(held * 2 * i, 0.1)?) } else { None };
         let b2 = if biases { Some(f32s(e * h, 0.1)?) } else { None };
         let mut m = 100u64;
         let mut bf16s = |len: usize, scale: f32| -> Result<CudaSlice<u16>> {
@@ -216,8 +290,8 @@ impl CudaMoeLayer {
             .map_err(|e| err("fill", e))?;
             Ok(s)
         };
-        let w13 = bf16s(e * 2 * i * h, 2.0 * sh)?;
-        let w2 = bf16s(e * h * i, 2.0 / (i as f32).sqrt())?;
+        let w13 = bf16s(held * 2 * i * h, 2.0 * sh)?;
+        let w2 = bf16s(held * h * i, 2.0 / (i as f32).sqrt())?;
         let shared = match config.shared {
             Some(sc) => Some(SharedMlp {
                 inter: sc.inter,
@@ -237,6 +311,7 @@ impl CudaMoeLayer {
             k,
             w,
             bufs: Mutex::new(None),
+            ep,
         })
     }
 
@@ -324,6 +399,7 @@ impl CudaMoeLayer {
                 sh13: z!(u16, (t * 2 * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
+                ep: None,
             });
         }
         Ok(guard.as_mut().expect("allocated above"))
@@ -342,11 +418,11 @@ impl CudaMoeLayer {
     #[allow(clippy::too_many_lines)]
     fn run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
         let c = &self.config;
-        let (h, e, i, k) = (c.hidden, c.num_experts, c.inter, c.top_k);
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         let g = &self.gpu;
         let s = &g.stream;
         let marks: Vec<cudarc::driver::CudaEvent> = if timed {
-            (0..8)
+            (0..10)
                 .map(|_| g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e)))
                 .collect::<Result<_>>()?
         } else {
@@ -363,10 +439,114 @@ impl CudaMoeLayer {
         let pb = |x: &CudaSlice<u16>| dptr(x, g);
         let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         mark(0)?;
-        if t == 0 {
+        if t == 0 && self.ep.is_none() {
             return Ok(GpuStageTimes::default());
         }
-        // Route.
+        if t > 0 {
+            self.route(b, t)?;
+        } else {
+            // An expert-parallel rank without tokens still takes part in every exchange.
+            s.memset_zeros(&mut b.counts).map_err(|e| err("memset", e))?;
+        }
+        mark(1)?;
+        if t > 0 {
+            self.shared_on_side_stream(b, t)?;
+        }
+        // Count rows per expert.
+        let slots = (t * k) as i32;
+        let (ip, cp, ei) = (pi(&b.ids), pi(&b.counts), e as i32);
+        if t > 0 {
+            let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
+            unsafe { s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
+                .map_err(|e| err("count", e))?;
+        }
+        // Expert sizes on the host decide the GEMM shapes.
+        let mut counts = vec![0i32; e];
+        s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
+        let sent = match &self.ep {
+            Some(link) => self.ep_experts(b, t, &counts, link, &mark)?,
+            None => {
+                self.local_experts(b, t, &counts, &mark)?;
+                0
+            }
+        };
+        if t > 0 {
+            let (yp, b2, wp, ti, ki, hi, zero, outp) =
+                (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
+            let rs = pi(&b.row_of_slot);
+            // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, float*) over
+            // the `t` tokens' slots, whose rows `b.y` holds.
+            unsafe {
+                s.launch_builder(&self.k.combine)
+                    .arg(&yp)
+                    .arg(&b2)
+                    .arg(&ip)
+                    .arg(&wp)
+                    .arg(&rs)
+                    .arg(&ti)
+                    .arg(&ki)
+                    .arg(&hi)
+                    .arg(&zero)
+                    .arg(&outp)
+                    .launch(grid(t * h))
+            }
+            .map_err(|e| err("combine", e))?;
+        }
+        mark(8)?;
+        if let (Some(sh), true) = (&self.w.shared, t > 0) {
+            s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
+            let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
+            // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
+            // shared output was computed on the side stream joined above.
+            unsafe {
+                s.launch_builder(&self.k.add_shared)
+                    .arg(&outp)
+                    .arg(&yp)
+                    .arg(&xp2)
+                    .arg(&gp)
+                    .arg(&ti)
+                    .arg(&hi)
+                    .launch(rows(t, 256))
+                    .map_err(|e| err("add_shared", e))?;
+            }
+        }
+        mark(9)?;
+        match &self.ep {
+            Some(link) => link.comm.wait("moe layer", s)?,
+            None => s.synchronize().map_err(|e| err("synchronize", e))?,
+        }
+        if !timed {
+            return Ok(GpuStageTimes::default());
+        }
+        let ms = |a: usize, z: usize| -> Result<f64> {
+            Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
+        };
+        Ok(GpuStageTimes {
+            route: ms(0, 1)?,
+            permute: ms(1, 2)?,
+            dispatch: ms(2, 3)?,
+            gemm1: ms(3, 4)?,
+            act: ms(4, 5)?,
+            gemm2: ms(5, 6)?,
+            collect: ms(6, 7)?,
+            combine: ms(7, 8)?,
+            shared: ms(8, 9)?,
+            total: ms(0, 9)?,
+            dispatch_bytes: sent,
+        })
+    }
+
+    /// f32 → bf16 copy of the tokens, router GEMM, bias, and top-k into `b.ids`/`b.weights`.
+    fn route(&self, b: &Buffers, t: usize) -> Result<()> {
+        let c = &self.config;
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let g = &self.gpu;
+        let s = &g.stream;
+        let p = |x: &CudaSlice<f32>| dptr(x, g);
+        let pi = |x: &CudaSlice<i32>| dptr(x, g);
+        let pb = |x: &CudaSlice<u16>| dptr(x, g);
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         let (n_th, n) = (t * h, (t * h) as i64);
         let (xp, xbp) = (p(&b.x), pb(&b.x_bf));
         // SAFETY: every launch below passes device pointers to buffers sized for `t` tokens
@@ -425,38 +605,25 @@ impl CudaMoeLayer {
             }
             .map_err(|e| err("route", e))?;
         }
-        mark(1)?;
-        self.shared_on_side_stream(b, t)?;
-        // Permute.
+        Ok(())
+    }
+
+    /// Rows of `b.x_bf` into `b.a` grouped by expert (expert `x` from row `offsets[x]`, or
+    /// `x · cap` when `cap > 0`), with the slot/row maps.
+    fn permute(&self, b: &Buffers, t: usize, cap: usize) -> Result<()> {
+        let c = &self.config;
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let g = &self.gpu;
+        let s = &g.stream;
+        let pi = |x: &CudaSlice<i32>| dptr(x, g);
         let slots = (t * k) as i32;
-        let (ip, cp, op, ei) = (pi(&b.ids), pi(&b.counts), pi(&b.offsets), e as i32);
+        let (ip, cp, op, ei, capi) = (pi(&b.ids), pi(&b.counts), pi(&b.offsets), e as i32, cap as i32);
         let (rs, sr, er) = (pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row));
         let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: as above.
-        unsafe {
-            s.launch_builder(&self.k.count)
-                .arg(&ip)
-                .arg(&slots)
-                .arg(&ei)
-                .arg(&cp)
-                .launch(warps)
-                .map_err(|e| err("count", e))?;
-        }
-        // Expert sizes on the host decide the GEMM shapes.
-        let mut counts = vec![0i32; e];
-        s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
-        let max = counts.iter().copied().max().unwrap_or(0) as usize;
-        // Padded layout (every expert owns `cap` rows, one strided-batched GEMM) unless the
-        // routing is so uneven that padding would more than double the rows.
-        let avg = t * k / e.max(1);
-        let padded = match gemm_mode() {
-            GemmMode::Padded => true,
-            GemmMode::Auto => avg <= 1024,
-            GemmMode::Loop | GemmMode::Grouped => false,
-        };
-        let cap = if padded && e * max <= 2 * t * k { max } else { 0 };
-        let capi = cap as i32;
-        // SAFETY: as above; with cap > 0 the row buffers hold e * cap <= 2 t k rows.
+        let (xbp, hi, ki, ap) = (dptr(&b.x_bf, g), h as i32, k as i32, dptr(&b.a, g));
+        // SAFETY: exclusive_scan(int*, int, int, int*), scatter_slots(int*, int, int, int*,
+        // int*, int*, int*) and gather_rows(bf16*, int, int*, int, int, bf16*) over buffers sized
+        // for `t` tokens; with cap > 0 the row buffers hold e · cap <= 2 t k rows.
         unsafe {
             s.launch_builder(&self.k.scan)
                 .arg(&cp)
@@ -475,7 +642,6 @@ impl CudaMoeLayer {
                 .arg(&er)
                 .launch(warps)
                 .map_err(|e| err("scatter", e))?;
-            let (hi, ki, ap) = (h as i32, k as i32, pb(&b.a));
             s.launch_builder(&self.k.gather)
                 .arg(&xbp)
                 .arg(&hi)
@@ -486,6 +652,69 @@ impl CudaMoeLayer {
                 .launch(rows(t * k, 128))
                 .map_err(|e| err("gather", e))?;
         }
+        Ok(())
+    }
+
+    /// Padded (`cap` rows per expert, one strided-batched GEMM) unless padding would more
+    /// than double `rows`; 0 means grouped.
+    fn padding(experts: usize, rows: usize, counts: impl Iterator<Item = usize>) -> usize {
+        let max = counts.max().unwrap_or(0);
+        let padded = match gemm_mode() {
+            GemmMode::Padded => true,
+            GemmMode::Auto => rows / experts.max(1) <= 1024,
+            GemmMode::Loop | GemmMode::Grouped => false,
+        };
+        if padded && experts * max <= 2 * rows {
+            max
+        } else {
+            0
+        }
+    }
+
+    /// GEMM, activation, GEMM over `a` (rows grouped as `groups` say, or padded to `cap` per
+    /// expert over `experts` experts), writing `y`.
+    #[allow(clippy::too_many_arguments)]
+    fn mlp(
+        &self,
+        b: &mut Buffers,
+        bufs: [u64; 5],
+        experts: usize,
+        cap: usize,
+        groups: &[(usize, usize, usize)],
+        rows_total: usize,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
+        let [a, h13, act, y, expert_of_row] = bufs;
+        let (h, i) = (self.config.hidden, self.config.inter);
+        if cap > 0 {
+            self.padded_gemm(&self.w.w13, 2 * i, h, a, h13, experts, cap)?;
+        } else {
+            self.grouped_gemm(b, &self.w.w13, 2 * i, h, a, h13, groups)?;
+        }
+        mark(4)?;
+        let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, &self.gpu));
+        let act_rows = if cap > 0 { experts * cap } else { rows_total };
+        self.act(&self.gpu.stream, h13, b13, expert_of_row, cap as i32, act_rows, i, act)?;
+        mark(5)?;
+        if cap > 0 {
+            self.padded_gemm(&self.w.w2, h, i, act, y, experts, cap)?;
+        } else {
+            self.grouped_gemm(b, &self.w.w2, h, i, act, y, groups)?;
+        }
+        mark(6)
+    }
+
+    /// The single-GPU middle of the layer: permute, the experts, output rows in `b.y`.
+    fn local_experts(
+        &self,
+        b: &mut Buffers,
+        t: usize,
+        counts: &[i32],
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
+        let (e, k) = (self.config.num_experts, self.config.top_k);
+        let cap = Self::padding(e, t * k, counts.iter().map(|&c| c as usize));
+        self.permute(b, t, cap)?;
         let mut groups = Vec::new();
         let mut off = 0usize;
         for (x, &cnt) in counts.iter().enumerate() {
@@ -494,76 +723,172 @@ impl CudaMoeLayer {
             }
             off += cnt as usize;
         }
-        let act_rows = if cap > 0 { e * cap } else { t * k };
         mark(2)?;
-        if cap > 0 {
-            self.padded_gemm(&self.w.w13, 2 * i, h, pb(&b.a), pb(&b.h13), e, cap)?;
-        } else {
-            self.grouped_gemm(b, &self.w.w13, 2 * i, h, pb(&b.a), pb(&b.h13), &groups)?;
-        }
         mark(3)?;
-        self.act(s, pb(&b.h13), opt(&self.w.b13), er, capi, act_rows, i, pb(&b.act))?;
-        mark(4)?;
-        if cap > 0 {
-            self.padded_gemm(&self.w.w2, h, i, pb(&b.act), pb(&b.y), e, cap)?;
-        } else {
-            self.grouped_gemm(b, &self.w.w2, h, i, pb(&b.act), pb(&b.y), &groups)?;
+        let g = &self.gpu;
+        let bufs = [dptr(&b.a, g), dptr(&b.h13, g), dptr(&b.act, g), dptr(&b.y, g), dptr(&b.expert_of_row, g)];
+        self.mlp(b, bufs, e, cap, &groups, t * k, mark)?;
+        mark(7)
+    }
+
+    /// The expert-parallel middle of the layer: rows grouped by expert (so by the rank holding
+    /// it) go out with one grouped send/recv, the local experts run on the rows received
+    /// (regrouped by local expert), and the outputs travel back into `b.y` in send order, where
+    /// the combine finds them exactly as on one GPU. Returns the bytes sent to other ranks.
+    fn ep_experts(
+        &self,
+        b: &mut Buffers,
+        t: usize,
+        counts: &[i32],
+        link: &EpLink,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<usize> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let c = &self.config;
+        let (h, e) = (c.hidden, c.num_experts);
+        let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
+        let g = &self.gpu;
+        let s = &g.stream;
+        self.permute(b, t, 0)?;
+        // Every rank's counts.
+        if b.ep.as_ref().is_none_or(|x| x.counts_all.len() < n * e) {
+            b.ep = Some(self.ep_buffers(n * e, 0)?);
         }
-        mark(5)?;
-        {
-            let (yp, b2, wp, ti, ki, hi, zero, outp) =
-                (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
-            // SAFETY: as above.
-            unsafe {
-                s.launch_builder(&self.k.combine)
-                    .arg(&yp)
-                    .arg(&b2)
-                    .arg(&ip)
-                    .arg(&wp)
-                    .arg(&rs)
-                    .arg(&ti)
-                    .arg(&ki)
-                    .arg(&hi)
-                    .arg(&zero)
-                    .arg(&outp)
-                    .launch(grid(t * h))
+        let (cp, allp) = (dptr(&b.counts, g), dptr(&b.ep.as_ref().expect("allocated").counts_all, g));
+        link.comm.enqueue("moe counts", s, |comm, cs| {
+            // SAFETY: all-gather of `e` ints per rank into a buffer of n · e ints.
+            unsafe { nc::ncclAllGather(cp as _, allp as _, e, nc::ncclDataType_t::ncclInt32, comm, cs) }
+        })?;
+        link.comm.wait("moe counts", s)?;
+        let mut all = vec![0i32; n * e];
+        s.memcpy_dtoh(&b.ep.as_ref().expect("allocated").counts_all.slice(0..n * e), &mut all)
+            .map_err(|e| err("reading counts", e))?;
+        let cnt = |src: usize, x: usize| all[src * e + x] as usize;
+        let send_rows: Vec<usize> = (0..n).map(|d| (d * el..(d + 1) * el).map(|x| counts[x] as usize).sum()).collect();
+        let recv_rows: Vec<usize> = (0..n).map(|src| (first..first + el).map(|x| cnt(src, x)).sum()).collect();
+        let total: usize = recv_rows.iter().sum();
+        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| cnt(src, first + j)).sum()).collect();
+        let cap = Self::padding(el, total, local.iter().copied());
+        let rows2 = if cap > 0 { el * cap } else { total };
+        // Where each received row (source-major) sits in local-expert order.
+        let mut start = vec![0usize; el];
+        let mut groups = Vec::new();
+        let mut off = 0;
+        for j in 0..el {
+            start[j] = if cap > 0 { j * cap } else { off };
+            if local[j] > 0 {
+                groups.push((j, start[j], local[j]));
             }
-            .map_err(|e| err("combine", e))?;
+            off += local[j];
         }
-        mark(6)?;
-        if let Some(sh) = &self.w.shared {
-            s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
-            let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
-            // SAFETY: as above; the shared output was computed on the side stream joined above.
-            unsafe {
-                s.launch_builder(&self.k.add_shared)
-                    .arg(&outp)
-                    .arg(&yp)
-                    .arg(&xp2)
-                    .arg(&gp)
-                    .arg(&ti)
-                    .arg(&hi)
-                    .launch(rows(t, 256))
-                    .map_err(|e| err("add_shared", e))?;
+        let mut pos = Vec::with_capacity(total);
+        for src in 0..n {
+            for (j, next) in start.iter_mut().enumerate() {
+                let c = cnt(src, first + j);
+                pos.extend((*next..*next + c).map(|r| r as i32));
+                *next += c;
             }
         }
-        mark(7)?;
-        s.synchronize().map_err(|e| err("synchronize", e))?;
-        if !timed {
-            return Ok(GpuStageTimes::default());
+        let expert_of_row: Vec<i32> =
+            (0..el).flat_map(|j| std::iter::repeat_n(j as i32, if cap > 0 { 0 } else { local[j] })).collect();
+        if b.ep.as_ref().is_none_or(|x| x.rows < total.max(rows2)) {
+            b.ep = Some(self.ep_buffers(n * e, total.max(rows2))?);
         }
-        let ms = |a: usize, z: usize| -> Result<f64> {
-            Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
+        let ep = b.ep.as_mut().expect("allocated");
+        if total > 0 {
+            s.memcpy_htod(&pos, &mut ep.pos.slice_mut(0..total)).map_err(|e| err("upload", e))?;
+        }
+        if !expert_of_row.is_empty() {
+            s.memcpy_htod(&expert_of_row, &mut ep.expert_of_row.slice_mut(0..expert_of_row.len()))
+                .map_err(|e| err("upload", e))?;
+        }
+        let pb = |x: &CudaSlice<u16>| dptr(x, g);
+        let (ap, yp) = (pb(&b.a), pb(&b.y));
+        let (recv, back, posp) = (pb(&ep.recv), pb(&ep.back), dptr(&ep.pos, g));
+        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), dptr(&ep.expert_of_row, g)];
+        mark(2)?;
+        let row = 2 * h;
+        // Sends `from` rows of `src` (in rank order) and receives `into` rows into `dst`.
+        let exchange = |op: &str, src: u64, from: &[usize], dst: u64, into: &[usize]| -> Result<()> {
+            link.comm.enqueue(op, s, |comm, cs| {
+                let (mut so, mut ro) = (0u64, 0u64);
+                for peer in 0..n {
+                    let (sn, rn) = (from[peer] * row, into[peer] * row);
+                    // SAFETY: offsets stay inside the row buffers (sized for these counts);
+                    // every peer posts the matching calls from the same all-gathered counts.
+                    unsafe {
+                        if sn > 0 {
+                            let r =
+                                nc::ncclSend((src + so) as _, sn, nc::ncclDataType_t::ncclUint8, peer as i32, comm, cs);
+                            if r != nc::ncclResult_t::ncclSuccess {
+                                return r;
+                            }
+                        }
+                        if rn > 0 {
+                            let r =
+                                nc::ncclRecv((dst + ro) as _, rn, nc::ncclDataType_t::ncclUint8, peer as i32, comm, cs);
+                            if r != nc::ncclResult_t::ncclSuccess {
+                                return r;
+                            }
+                        }
+                    }
+                    so += sn as u64;
+                    ro += rn as u64;
+                }
+                nc::ncclResult_t::ncclSuccess
+            })
         };
-        Ok(GpuStageTimes {
-            route: ms(0, 1)?,
-            permute: ms(1, 2)?,
-            gemm1: ms(2, 3)?,
-            act: ms(3, 4)?,
-            gemm2: ms(4, 5)?,
-            combine: ms(5, 6)?,
-            shared: ms(6, 7)?,
-            total: ms(0, 7)?,
+        exchange("moe dispatch", ap, &send_rows, recv, &recv_rows)?;
+        let (hi, one, tot) = (h as i32, 1i32, total as i32);
+        // SAFETY: gather_rows with k = 1 scatters received row j to pos[j] of the expert-order
+        // buffer (rows2 >= every pos + 1 rows).
+        unsafe {
+            s.launch_builder(&self.k.gather)
+                .arg(&recv)
+                .arg(&hi)
+                .arg(&posp)
+                .arg(&one)
+                .arg(&tot)
+                .arg(&bufs[0])
+                .launch(rows(total, 128))
+        }
+        .map_err(|e| err("gather", e))?;
+        mark(3)?;
+        self.mlp(b, bufs, el, cap, &groups, total, mark)?;
+        // SAFETY: take_rows(bf16*, int*, int, int, bf16*): back[j] = y[pos[j]] for j < total.
+        unsafe {
+            s.launch_builder(&self.k.take)
+                .arg(&bufs[3])
+                .arg(&posp)
+                .arg(&tot)
+                .arg(&hi)
+                .arg(&back)
+                .launch(rows(total, 128))
+        }
+        .map_err(|e| err("take_rows", e))?;
+        exchange("moe combine", back, &recv_rows, yp, &send_rows)?;
+        mark(7)?;
+        Ok(send_rows.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+    }
+
+    fn ep_buffers(&self, counts: usize, rows: usize) -> Result<EpBuffers> {
+        let (h, i) = (self.config.hidden, self.config.inter);
+        let r = rows.max(1).next_power_of_two();
+        let s = &self.gpu.stream;
+        let z16 = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| err("allocating workspace", e));
+        let z32 = |n: usize| s.alloc_zeros::<i32>(n).map_err(|e| err("allocating workspace", e));
+        Ok(EpBuffers {
+            rows: r,
+            counts_all: z32(counts)?,
+            recv: z16(r * h)?,
+            back: z16(r * h)?,
+            pos: z32(r)?,
+            expert_of_row: z32(r)?,
+            a: z16(r * h)?,
+            h13: z16(r * 2 * i)?,
+            act: z16(r * i)?,
+            y: z16(r * h)?,
         })
     }
 

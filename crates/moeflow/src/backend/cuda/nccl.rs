@@ -41,6 +41,7 @@ struct State {
 pub struct NcclComm {
     rank: usize,
     size: usize,
+    device: usize,
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     state: Mutex<State>,
@@ -146,6 +147,7 @@ impl NcclComm {
         let me = NcclComm {
             rank,
             size,
+            device,
             ctx,
             stream,
             state: Mutex::new(State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None }),
@@ -258,9 +260,9 @@ impl NcclComm {
         Ok(())
     }
 
-    /// Polls until the work enqueued so far on the stream completed.
-    fn wait_stream(&self, st: &mut State, op: &str, deadline: Instant) -> Result<()> {
-        let ev = self.stream.record_event(None).map_err(|e| self.fail(st, op, format!("event: {e:?}")))?;
+    /// Polls until the work enqueued so far on `stream` completed.
+    fn wait_stream(&self, st: &mut State, op: &str, deadline: Instant, stream: &CudaStream) -> Result<()> {
+        let ev = stream.record_event(None).map_err(|e| self.fail(st, op, format!("event: {e:?}")))?;
         let mut spins = 0u32;
         loop {
             match ev.try_is_complete() {
@@ -308,9 +310,10 @@ impl NcclComm {
         };
         self.check_launch(st, op, r)?;
         self.wait_ready(st, op, deadline)?;
-        self.wait_stream(st, op, deadline)?;
+        self.wait_stream(st, op, deadline, s)?;
         let mut all = vec![0u64; n * (n + 1)];
-        s.memcpy_dtoh(st.sizes.as_ref().expect("allocated"), &mut all).map_err(|e| err("reading sizes", e))?;
+        s.memcpy_dtoh(&st.sizes.as_ref().expect("allocated").slice(0..all.len()), &mut all)
+            .map_err(|e| err("reading sizes", e))?;
         let recv_sizes: Vec<usize> = (0..n).map(|src| all[n + src * n + self.rank] as usize).collect();
         // Payloads.
         let send_total: usize = mine.iter().sum::<u64>() as usize;
@@ -350,7 +353,7 @@ impl NcclComm {
             };
             self.check_launch(st, op, r)?;
             self.wait_ready(st, op, deadline)?;
-            self.wait_stream(st, op, deadline)?;
+            self.wait_stream(st, op, deadline, s)?;
         }
         let mut got = vec![0u8; recv_total];
         if recv_total > 0 {
@@ -388,6 +391,24 @@ impl Communicator for NcclComm {
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        Ok(Box::new(self.split_nccl(color, key)?))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.failure.set(reason);
+        if let Some(r) = &self.rendezvous {
+            r.abort(reason);
+        }
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+impl NcclComm {
+    /// [`Communicator::split`] returning the NCCL communicator itself.
+    pub fn split_nccl(&self, color: usize, key: usize) -> Result<NcclComm> {
         let op = "split";
         let mut st = self.lock();
         self.check_failure(&mut st, op)?;
@@ -412,6 +433,7 @@ impl Communicator for NcclComm {
         let child = NcclComm {
             rank: sub_rank,
             size: members.len(),
+            device: self.device,
             ctx: self.ctx.clone(),
             stream,
             state: Mutex::new(State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None }),
@@ -423,14 +445,49 @@ impl Communicator for NcclComm {
             let mut cst = child.lock();
             child.wait_ready(&mut cst, op, deadline)?;
         }
-        Ok(Box::new(child))
+        Ok(child)
     }
 
-    fn abort(&self, reason: &str) {
-        self.failure.set(reason);
-        if let Some(r) = &self.rendezvous {
-            r.abort(reason);
-        }
+    /// A second communicator over the same ranks (for a layer that keeps its own).
+    pub fn duplicate(&self) -> Result<NcclComm> {
+        self.split_nccl(0, self.rank)
+    }
+
+    /// The GPU this rank runs on.
+    pub fn device(&self) -> usize {
+        self.device
+    }
+
+    /// Enqueues device-side NCCL work on `stream`: `f` gets the raw communicator and the
+    /// stream and issues its calls (inside one group when `group`). Returns once NCCL has
+    /// accepted the work; completion is awaited with [`NcclComm::wait`].
+    pub(super) fn enqueue(
+        &self,
+        op: &str,
+        stream: &CudaStream,
+        f: impl FnOnce(nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t,
+    ) -> Result<()> {
+        let mut st = self.lock();
+        self.check_failure(&mut st, op)?;
+        let deadline = Instant::now() + self.timeout;
+        let cs = stream.cu_stream() as nc::cudaStream_t;
+        // SAFETY: group start/end bracket the calls `f` makes on this communicator.
+        let r = unsafe {
+            let r0 = nc::ncclGroupStart();
+            let r1 = f(st.comm.0, cs);
+            let r2 = nc::ncclGroupEnd();
+            [r0, r1, r2].into_iter().find(|r| *r != nc::ncclResult_t::ncclSuccess).unwrap_or(r2)
+        };
+        self.check_launch(&mut st, op, r)?;
+        self.wait_ready(&mut st, op, deadline)
+    }
+
+    /// Waits, polling, until the work enqueued on `stream` so far has completed; past the
+    /// deadline or on a peer's failure the communicator is aborted and `op` fails.
+    pub(super) fn wait(&self, op: &str, stream: &CudaStream) -> Result<()> {
+        let mut st = self.lock();
+        self.check_failure(&mut st, op)?;
+        self.wait_stream(&mut st, op, Instant::now() + self.timeout, stream)
     }
 }
 

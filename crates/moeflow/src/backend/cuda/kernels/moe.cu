@@ -239,6 +239,21 @@ __global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int 
     }
 }
 
+// dst[j, :] = src[idx[j], :] for j < n (bf16 rows); one block per row.
+__global__ void take_rows(const bf16_t* src, const int* idx, int n, int H, bf16_t* dst) {
+    int j = blockIdx.x;
+    if (j >= n) return;
+    const bf16_t* from = src + (long)idx[j] * H;
+    bf16_t* to = dst + (long)j * H;
+    if (H % 8 == 0) {
+        const uint4* s4 = (const uint4*)from;
+        uint4* d4 = (uint4*)to;
+        for (int h = threadIdx.x; h < H / 8; h += blockDim.x) d4[h] = s4[h];
+    } else {
+        for (int h = threadIdx.x; h < H; h += blockDim.x) to[h] = from[h];
+    }
+}
+
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
 // 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu. expert_of_row may be null (dense MLP).
 __global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, int cap, long R, int I,
