@@ -116,3 +116,26 @@ fn demo_check_bench_inspect() {
     let res = moeflow(&["demo", "--preset", "nope"]);
     assert!(!res.status.success() && text(&res).contains("known: olmoe-1b-7b"));
 }
+
+#[test]
+fn launch_and_multi_process_errors_are_clear() {
+    // Children of `launch` see RANK/WORLD_SIZE; on the CPU backend that is a clear error, and
+    // launch reports which rank failed.
+    let res = moeflow(&["launch", "--gpus", "2", "--grace", "5", "--", "demo", "--ep", "2", "--tokens", "4"]);
+    assert!(!res.status.success());
+    let t = text(&res);
+    assert!(t.contains("multi-process jobs run over NCCL"), "{t}");
+    assert!(t.contains("failed first") && t.contains("exit codes by rank: [1, 1]"), "{t}");
+    let res = moeflow(&["launch", "--gpus", "0", "--", "demo"]);
+    assert!(!res.status.success() && text(&res).contains("--gpus must be at least 1"), "{}", text(&res));
+    // Bad launcher variables name the variable.
+    let res = Command::new(env!("CARGO_BIN_EXE_moeflow"))
+        .args(["demo", "--backend", "cuda", "--ep", "2"])
+        .env("RANK", "2")
+        .env("WORLD_SIZE", "2")
+        .output()
+        .unwrap();
+    assert!(!res.status.success() && text(&res).contains("RANK=2 must be below WORLD_SIZE=2"), "{}", text(&res));
+    let res = moeflow(&["demo", "--ep", "2", "--timeout", "0"]);
+    assert!(!res.status.success() && text(&res).contains("--timeout 0"), "{}", text(&res));
+}
