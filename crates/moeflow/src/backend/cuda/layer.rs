@@ -25,6 +25,9 @@ struct Kernels {
     take: CudaFunction,
     act: CudaFunction,
     combine: CudaFunction,
+    combine_partial: CudaFunction,
+    sum_partials: CudaFunction,
+    localize: CudaFunction,
     add_shared: CudaFunction,
     fill_bf16: CudaFunction,
     fill_f32: CudaFunction,
@@ -71,24 +74,40 @@ struct Buffers {
     sh13: CudaSlice<u16>,
     sact: CudaSlice<u16>,
     sy: CudaSlice<u16>,
-    /// Expert-parallel buffers, grown to the rows this rank receives.
+    /// Expert-parallel buffers, grown to the rows this rank sends and receives.
     ep: Option<EpBuffers>,
+    /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
+    exchange: Option<CudaSlice<i32>>,
 }
 
-/// Rows received from every rank, in source order (`recv`, and `back` for their outputs), and
-/// in local-expert order for the GEMMs (`a`, `h13`, `act`, `y`: up to twice as many rows when
-/// padded).
+/// Expert-parallel buffers. At home: the token rows sent (one per token and destination
+/// rank, grouped by destination) with their ids and weights, and the partial outputs that come
+/// back. Where the experts are: the token rows received (grouped by source), their slots
+/// regrouped by local expert for the GEMMs (`a`, `h13`, `act`, `y`), and the partial sums per
+/// received token. Capacities grow to the largest call seen.
 struct EpBuffers {
-    rows: usize,
-    counts_all: CudaSlice<i32>,
-    recv: CudaSlice<u16>,
+    /// Capacities: rows sent, rows received, expert rows (padded), home tokens.
+    cap: [usize; 4],
+    send_idx: CudaSlice<i32>,
+    send_rows: CudaSlice<u16>,
+    send_ids: CudaSlice<i32>,
+    send_w: CudaSlice<f32>,
+    home_rows: CudaSlice<i32>,
     back: CudaSlice<u16>,
-    pos: CudaSlice<i32>,
+    recv_rows: CudaSlice<u16>,
+    recv_ids: CudaSlice<i32>,
+    recv_w: CudaSlice<f32>,
+    local_ids: CudaSlice<i32>,
+    counts: CudaSlice<i32>,
+    offsets: CudaSlice<i32>,
+    row_of_slot: CudaSlice<i32>,
+    slot_of_row: CudaSlice<i32>,
     expert_of_row: CudaSlice<i32>,
     a: CudaSlice<u16>,
     h13: CudaSlice<u16>,
     act: CudaSlice<u16>,
     y: CudaSlice<u16>,
+    part: CudaSlice<u16>,
 }
 
 /// The expert-parallel side of a layer: its communicator and the experts this rank holds
@@ -97,6 +116,16 @@ struct EpLink {
     comm: super::NcclComm,
     first: usize,
     local: usize,
+}
+
+/// Which slots [`CudaMoeLayer::group_rows`] groups: `slots` expert ids at `ids` over
+/// `experts` experts (padded to `cap` rows each when `cap > 0`), leaving out expert `skip`.
+struct Grouping {
+    ids: u64,
+    slots: usize,
+    experts: usize,
+    cap: usize,
+    skip: i32,
 }
 
 /// One MoE layer resident on a GPU.
@@ -165,6 +194,9 @@ impl CudaMoeLayer {
             take: f("take_rows")?,
             act: f("act_and_mul")?,
             combine: f("combine")?,
+            combine_partial: f("combine_partial")?,
+            sum_partials: f("sum_partials")?,
+            localize: f("localize_ids")?,
             add_shared: f("add_shared")?,
             fill_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_uniform_f32")?,
@@ -214,8 +246,7 @@ impl CudaMoeLayer {
             w13: up_bf16(&Tensor::from_f32(experts.w13.shape(), experts.w13_f32())?)?,
             w2: up_bf16(&Tensor::from_f32(experts.w2.shape(), experts.w2_f32())?)?,
             b13: experts.b13.as_ref().map(up_f32).transpose()?,
-            // The combine adds b2 at home, so every rank keeps all experts' b2.
-            b2: weights.experts.b2.as_ref().map(up_f32).transpose()?,
+            b2: experts.b2.as_ref().map(up_f32).transpose()?,
             shared: match (&weights.shared, config.shared) {
                 (Some(sw), Some(sc)) => Some(SharedMlp {
                     inter: sc.inter,
@@ -277,7 +308,7 @@ impl CudaMoeLayer {
         let correction_bias =
             if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
         let b13 = if biases { Some(f32s(held * 2 * i, 0.1)?) } else { None };
-        let b2 = if biases { Some(f32s(e * h, 0.1)?) } else { None };
+        let b2 = if biases { Some(f32s(held * h, 0.1)?) } else { None };
         let mut m = 100u64;
         let mut bf16s = |len: usize, scale: f32| -> Result<CudaSlice<u16>> {
             m += 1;
@@ -400,6 +431,7 @@ impl CudaMoeLayer {
                 sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
                 ep: None,
+                exchange: None,
             });
         }
         Ok(guard.as_mut().expect("allocated above"))
@@ -468,31 +500,31 @@ impl CudaMoeLayer {
             Some(link) => self.ep_experts(b, t, &counts, link, &mark)?,
             None => {
                 self.local_experts(b, t, &counts, &mark)?;
+                if t > 0 {
+                    let (yp, b2, wp, ti, ki, hi, zero, outp) =
+                        (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
+                    let rs = pi(&b.row_of_slot);
+                    // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, float*) over
+                    // the `t` tokens' slots, whose rows `b.y` holds.
+                    unsafe {
+                        s.launch_builder(&self.k.combine)
+                            .arg(&yp)
+                            .arg(&b2)
+                            .arg(&ip)
+                            .arg(&wp)
+                            .arg(&rs)
+                            .arg(&ti)
+                            .arg(&ki)
+                            .arg(&hi)
+                            .arg(&zero)
+                            .arg(&outp)
+                            .launch(grid(t * h))
+                    }
+                    .map_err(|e| err("combine", e))?;
+                }
                 0
             }
         };
-        if t > 0 {
-            let (yp, b2, wp, ti, ki, hi, zero, outp) =
-                (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
-            let rs = pi(&b.row_of_slot);
-            // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, float*) over
-            // the `t` tokens' slots, whose rows `b.y` holds.
-            unsafe {
-                s.launch_builder(&self.k.combine)
-                    .arg(&yp)
-                    .arg(&b2)
-                    .arg(&ip)
-                    .arg(&wp)
-                    .arg(&rs)
-                    .arg(&ti)
-                    .arg(&ki)
-                    .arg(&hi)
-                    .arg(&zero)
-                    .arg(&outp)
-                    .launch(grid(t * h))
-            }
-            .map_err(|e| err("combine", e))?;
-        }
         mark(8)?;
         if let (Some(sh), true) = (&self.w.shared, t > 0) {
             s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
@@ -611,45 +643,63 @@ impl CudaMoeLayer {
     /// Rows of `b.x_bf` into `b.a` grouped by expert (expert `x` from row `offsets[x]`, or
     /// `x · cap` when `cap > 0`), with the slot/row maps.
     fn permute(&self, b: &Buffers, t: usize, cap: usize) -> Result<()> {
-        let c = &self.config;
-        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let (e, k) = (self.config.num_experts, self.config.top_k);
         let g = &self.gpu;
-        let s = &g.stream;
         let pi = |x: &CudaSlice<i32>| dptr(x, g);
-        let slots = (t * k) as i32;
-        let (ip, cp, op, ei, capi) = (pi(&b.ids), pi(&b.counts), pi(&b.offsets), e as i32, cap as i32);
-        let (rs, sr, er) = (pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row));
-        let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        let (xbp, hi, ki, ap) = (dptr(&b.x_bf, g), h as i32, k as i32, dptr(&b.a, g));
-        // SAFETY: exclusive_scan(int*, int, int, int*), scatter_slots(int*, int, int, int*,
-        // int*, int*, int*) and gather_rows(bf16*, int, int*, int, int, bf16*) over buffers sized
-        // for `t` tokens; with cap > 0 the row buffers hold e · cap <= 2 t k rows.
+        let maps = [pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row)];
+        let plan = Grouping { ids: pi(&b.ids), slots: t * k, experts: e, cap, skip: -1 };
+        self.group_rows(&plan, pi(&b.counts), pi(&b.offsets), maps, dptr(&b.x_bf, g), k, dptr(&b.a, g))
+    }
+
+    /// Offsets from the device counts, the slot/row maps, and row `s / k` of `x` copied to row
+    /// `row_of_slot[s]` of `a` for every slot (slots of expert `skip` are left out).
+    #[allow(clippy::too_many_arguments)]
+    fn group_rows(
+        &self,
+        p: &Grouping,
+        counts: u64,
+        offsets: u64,
+        maps: [u64; 3],
+        x: u64,
+        k: usize,
+        a: u64,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        let (slots, ei, capi, skip) = (p.slots as i32, p.experts as i32, p.cap as i32, p.skip);
+        let [rs, sr, er] = maps;
+        let warps = LaunchConfig { grid_dim: (p.experts as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let (hi, ki) = (self.config.hidden as i32, k as i32);
+        // SAFETY: exclusive_scan(int*, int, int, int*), scatter_slots(int*, int, int, int*, int,
+        // int*, int*, int*) and gather_rows(bf16*, int, int*, int, int, bf16*) over buffers the
+        // caller sized for `slots` slots and the rows the counts give (e · cap <= 2 slots when
+        // padded).
         unsafe {
             s.launch_builder(&self.k.scan)
-                .arg(&cp)
+                .arg(&counts)
                 .arg(&ei)
                 .arg(&capi)
-                .arg(&op)
+                .arg(&offsets)
                 .launch(rows(1, 32))
                 .map_err(|e| err("scan", e))?;
             s.launch_builder(&self.k.scatter)
-                .arg(&ip)
+                .arg(&p.ids)
                 .arg(&slots)
                 .arg(&ei)
-                .arg(&op)
+                .arg(&offsets)
+                .arg(&skip)
                 .arg(&rs)
                 .arg(&sr)
                 .arg(&er)
                 .launch(warps)
                 .map_err(|e| err("scatter", e))?;
             s.launch_builder(&self.k.gather)
-                .arg(&xbp)
+                .arg(&x)
                 .arg(&hi)
                 .arg(&rs)
                 .arg(&ki)
                 .arg(&slots)
-                .arg(&ap)
-                .launch(rows(t * k, 128))
+                .arg(&a)
+                .launch(rows(p.slots, 128))
                 .map_err(|e| err("gather", e))?;
         }
         Ok(())
@@ -731,10 +781,12 @@ impl CudaMoeLayer {
         mark(7)
     }
 
-    /// The expert-parallel middle of the layer: rows grouped by expert (so by the rank holding
-    /// it) go out with one grouped send/recv, the local experts run on the rows received
-    /// (regrouped by local expert), and the outputs travel back into `b.y` in send order, where
-    /// the combine finds them exactly as on one GPU. Returns the bytes sent to other ranks.
+    /// The expert-parallel layer after routing, with token dispatch as DeepEP does it: each
+    /// token goes once to every rank holding one of its experts, with its ids and weights (the
+    /// counts are all-gathered first, on the device); there its slots are regrouped by local
+    /// expert for the GEMMs, and the weighted sum over the local slots comes back as one bf16
+    /// row per (token, rank), summed at home in rank order into `b.out`. Returns the bytes this
+    /// rank sent to other ranks in the dispatch.
     fn ep_experts(
         &self,
         b: &mut Buffers,
@@ -746,149 +798,243 @@ impl CudaMoeLayer {
         use crate::comm::Communicator;
         use cudarc::nccl::sys as nc;
         let c = &self.config;
-        let (h, e) = (c.hidden, c.num_experts);
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
         let g = &self.gpu;
         let s = &g.stream;
-        self.permute(b, t, 0)?;
-        // Every rank's counts.
-        if b.ep.as_ref().is_none_or(|x| x.counts_all.len() < n * e) {
-            b.ep = Some(self.ep_buffers(n * e, 0)?);
+        // Home: the ranks each token goes to, in token order per destination.
+        let (mut ids, mut w) = (vec![0i32; t * k], vec![0f32; t * k]);
+        if t > 0 {
+            s.memcpy_dtoh(&b.ids.slice(0..t * k), &mut ids).map_err(|e| err("reading ids", e))?;
+            s.memcpy_dtoh(&b.weights.slice(0..t * k), &mut w).map_err(|e| err("reading weights", e))?;
         }
-        let (cp, allp) = (dptr(&b.counts, g), dptr(&b.ep.as_ref().expect("allocated").counts_all, g));
+        let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
+        for (slot, &id) in ids.iter().enumerate() {
+            let list = &mut lists[id as usize / el];
+            if list.last() != Some(&(slot / k)) {
+                list.push(slot / k);
+            }
+        }
+        let send_tok: Vec<usize> = lists.iter().map(Vec::len).collect();
+        let sent: usize = send_tok.iter().sum();
+        let (mut send_idx, mut home_rows) = (Vec::with_capacity(sent), vec![-1i32; t * n]);
+        let (mut send_ids, mut send_w) = (Vec::with_capacity(sent * k), Vec::with_capacity(sent * k));
+        for (d, list) in lists.iter().enumerate() {
+            for &tok in list {
+                home_rows[tok * n + d] = send_idx.len() as i32;
+                send_idx.push(tok as i32);
+                send_ids.extend_from_slice(&ids[tok * k..(tok + 1) * k]);
+                send_w.extend_from_slice(&w[tok * k..(tok + 1) * k]);
+            }
+        }
+        // Every rank's slot counts per expert and token counts per destination.
+        let m = e + n;
+        let mine: Vec<i32> = counts.iter().copied().chain(send_tok.iter().map(|&x| x as i32)).collect();
+        if b.exchange.as_ref().is_none_or(|x| x.len() < m * (n + 1)) {
+            b.exchange = Some(s.alloc_zeros::<i32>(m * (n + 1)).map_err(|e| err("allocating workspace", e))?);
+        }
+        let ex = b.exchange.as_mut().expect("allocated");
+        s.memcpy_htod(&mine, &mut ex.slice_mut(0..m)).map_err(|e| err("upload", e))?;
+        let exp = dptr(ex, g);
         link.comm.enqueue("moe counts", s, |comm, cs| {
-            // SAFETY: all-gather of `e` ints per rank into a buffer of n · e ints.
-            unsafe { nc::ncclAllGather(cp as _, allp as _, e, nc::ncclDataType_t::ncclInt32, comm, cs) }
+            // SAFETY: all-gather of m ints per rank into the n · m ints after this rank's own.
+            unsafe {
+                nc::ncclAllGather(exp as _, (exp + 4 * m as u64) as _, m, nc::ncclDataType_t::ncclInt32, comm, cs)
+            }
         })?;
         link.comm.wait("moe counts", s)?;
-        let mut all = vec![0i32; n * e];
-        s.memcpy_dtoh(&b.ep.as_ref().expect("allocated").counts_all.slice(0..n * e), &mut all)
+        let mut all = vec![0i32; n * m];
+        s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(m..m * (n + 1)), &mut all)
             .map_err(|e| err("reading counts", e))?;
-        let cnt = |src: usize, x: usize| all[src * e + x] as usize;
-        let send_rows: Vec<usize> = (0..n).map(|d| (d * el..(d + 1) * el).map(|x| counts[x] as usize).sum()).collect();
-        let recv_rows: Vec<usize> = (0..n).map(|src| (first..first + el).map(|x| cnt(src, x)).sum()).collect();
-        let total: usize = recv_rows.iter().sum();
-        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| cnt(src, first + j)).sum()).collect();
-        let cap = Self::padding(el, total, local.iter().copied());
-        let rows2 = if cap > 0 { el * cap } else { total };
-        // Where each received row (source-major) sits in local-expert order.
-        let mut start = vec![0usize; el];
+        let recv_tok: Vec<usize> = (0..n).map(|src| all[src * m + e + rank] as usize).collect();
+        let received: usize = recv_tok.iter().sum();
+        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| all[src * m + first + j] as usize).sum()).collect();
+        let slots_here: usize = local.iter().sum();
+        let cap = Self::padding(el, slots_here, local.iter().copied());
+        let rows2 = if cap > 0 { el * cap } else { slots_here };
         let mut groups = Vec::new();
         let mut off = 0;
-        for j in 0..el {
-            start[j] = if cap > 0 { j * cap } else { off };
-            if local[j] > 0 {
-                groups.push((j, start[j], local[j]));
+        for (j, &cnt) in local.iter().enumerate() {
+            if cnt > 0 {
+                groups.push((j, if cap > 0 { j * cap } else { off }, cnt));
             }
-            off += local[j];
+            off += cnt;
         }
-        let mut pos = Vec::with_capacity(total);
-        for src in 0..n {
-            for (j, next) in start.iter_mut().enumerate() {
-                let c = cnt(src, first + j);
-                pos.extend((*next..*next + c).map(|r| r as i32));
-                *next += c;
-            }
-        }
-        let expert_of_row: Vec<i32> =
-            (0..el).flat_map(|j| std::iter::repeat_n(j as i32, if cap > 0 { 0 } else { local[j] })).collect();
-        if b.ep.as_ref().is_none_or(|x| x.rows < total.max(rows2)) {
-            b.ep = Some(self.ep_buffers(n * e, total.max(rows2))?);
+        let need = [sent, received, rows2, t];
+        if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
+            let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
+            b.ep = None;
+            b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), n)?);
         }
         let ep = b.ep.as_mut().expect("allocated");
-        if total > 0 {
-            s.memcpy_htod(&pos, &mut ep.pos.slice_mut(0..total)).map_err(|e| err("upload", e))?;
+        let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
+        if sent > 0 {
+            up("upload", s.memcpy_htod(&send_idx, &mut ep.send_idx.slice_mut(0..sent)))?;
+            up("upload", s.memcpy_htod(&send_ids, &mut ep.send_ids.slice_mut(0..sent * k)))?;
+            up("upload", s.memcpy_htod(&send_w, &mut ep.send_w.slice_mut(0..sent * k)))?;
         }
-        if !expert_of_row.is_empty() {
-            s.memcpy_htod(&expert_of_row, &mut ep.expert_of_row.slice_mut(0..expert_of_row.len()))
-                .map_err(|e| err("upload", e))?;
+        if t > 0 {
+            up("upload", s.memcpy_htod(&home_rows, &mut ep.home_rows.slice_mut(0..t * n)))?;
         }
-        let pb = |x: &CudaSlice<u16>| dptr(x, g);
-        let (ap, yp) = (pb(&b.a), pb(&b.y));
-        let (recv, back, posp) = (pb(&ep.recv), pb(&ep.back), dptr(&ep.pos, g));
-        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), dptr(&ep.expert_of_row, g)];
+        let (pi, pf, pb) =
+            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        let (xbp, send_rows, send_idx_p) = (pb(&b.x_bf), pb(&ep.send_rows), pi(&ep.send_idx));
+        let (recv_rows, recv_ids, recv_w, local_ids) =
+            (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w), pi(&ep.local_ids));
+        let (ecounts, eoffsets, part, back) = (pi(&ep.counts), pi(&ep.offsets), pb(&ep.part), pb(&ep.back));
+        let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
+        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
+        let (home_rows_p, send_ids_p, send_w_p) = (pi(&ep.home_rows), pi(&ep.send_ids), pf(&ep.send_w));
+        let (hi, sent_i) = (h as i32, sent as i32);
+        // SAFETY: take_rows(bf16*, int*, int, int, bf16*): send_rows[j] = x_bf[send_idx[j]].
+        unsafe {
+            s.launch_builder(&self.k.take)
+                .arg(&xbp)
+                .arg(&send_idx_p)
+                .arg(&sent_i)
+                .arg(&hi)
+                .arg(&send_rows)
+                .launch(rows(sent, 128))
+        }
+        .map_err(|e| err("take_rows", e))?;
         mark(2)?;
-        let row = 2 * h;
-        // Sends `from` rows of `src` (in rank order) and receives `into` rows into `dst`.
-        let exchange = |op: &str, src: u64, from: &[usize], dst: u64, into: &[usize]| -> Result<()> {
+        // Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` to every peer and
+        // receives `into[peer]` rows into the matching buffers of `dst`, in one NCCL group.
+        let exchange = |op: &str, src: &[(u64, usize)], from: &[usize], dst: &[(u64, usize)], into: &[usize]| {
             link.comm.enqueue(op, s, |comm, cs| {
-                let (mut so, mut ro) = (0u64, 0u64);
+                let (mut so, mut ro) = (0usize, 0usize);
                 for peer in 0..n {
-                    let (sn, rn) = (from[peer] * row, into[peer] * row);
-                    // SAFETY: offsets stay inside the row buffers (sized for these counts);
-                    // every peer posts the matching calls from the same all-gathered counts.
-                    unsafe {
-                        if sn > 0 {
-                            let r =
-                                nc::ncclSend((src + so) as _, sn, nc::ncclDataType_t::ncclUint8, peer as i32, comm, cs);
-                            if r != nc::ncclResult_t::ncclSuccess {
-                                return r;
+                    for (&(sb, sw), &(db, dw)) in src.iter().zip(dst) {
+                        let (sn, rn) = (from[peer] * sw, into[peer] * dw);
+                        // SAFETY: offsets stay inside the buffers, sized for these counts; every
+                        // peer posts the matching calls, in the same order, from the same counts.
+                        let r = unsafe {
+                            let u8t = nc::ncclDataType_t::ncclUint8;
+                            let mut r = nc::ncclResult_t::ncclSuccess;
+                            if sn > 0 {
+                                r = nc::ncclSend((sb + (so * sw) as u64) as _, sn, u8t, peer as i32, comm, cs);
                             }
-                        }
-                        if rn > 0 {
-                            let r =
-                                nc::ncclRecv((dst + ro) as _, rn, nc::ncclDataType_t::ncclUint8, peer as i32, comm, cs);
-                            if r != nc::ncclResult_t::ncclSuccess {
-                                return r;
+                            if rn > 0 && r == nc::ncclResult_t::ncclSuccess {
+                                r = nc::ncclRecv((db + (ro * dw) as u64) as _, rn, u8t, peer as i32, comm, cs);
                             }
+                            r
+                        };
+                        if r != nc::ncclResult_t::ncclSuccess {
+                            return r;
                         }
                     }
-                    so += sn as u64;
-                    ro += rn as u64;
+                    so += from[peer];
+                    ro += into[peer];
                 }
                 nc::ncclResult_t::ncclSuccess
             })
         };
-        exchange("moe dispatch", ap, &send_rows, recv, &recv_rows)?;
-        let (hi, one, tot) = (h as i32, 1i32, total as i32);
-        // SAFETY: gather_rows with k = 1 scatters received row j to pos[j] of the expert-order
-        // buffer (rows2 >= every pos + 1 rows).
+        exchange(
+            "moe dispatch",
+            &[(send_rows, 2 * h), (send_ids_p, 4 * k), (send_w_p, 4 * k)],
+            &send_tok,
+            &[(recv_rows, 2 * h), (recv_ids, 4 * k), (recv_w, 4 * k)],
+            &recv_tok,
+        )?;
+        // Where the experts are: the received slots regrouped by local expert.
+        let (rk, first_i, el_i, buckets) = ((received * k) as i32, first as i32, el as i32, (el + 1) as i32);
+        // SAFETY: localize_ids(int*, int, int, int, int*) and count_slots(int*, int, int, int*)
+        // over the received * k ids; the counts buffer holds el + 1 buckets.
         unsafe {
-            s.launch_builder(&self.k.gather)
-                .arg(&recv)
-                .arg(&hi)
-                .arg(&posp)
-                .arg(&one)
-                .arg(&tot)
-                .arg(&bufs[0])
-                .launch(rows(total, 128))
+            s.launch_builder(&self.k.localize)
+                .arg(&recv_ids)
+                .arg(&rk)
+                .arg(&first_i)
+                .arg(&el_i)
+                .arg(&local_ids)
+                .launch(grid(received * k))
+                .map_err(|e| err("localize_ids", e))?;
+            let warps = LaunchConfig { grid_dim: (el as u32 + 1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            s.launch_builder(&self.k.count)
+                .arg(&local_ids)
+                .arg(&rk)
+                .arg(&buckets)
+                .arg(&ecounts)
+                .launch(warps)
+                .map_err(|e| err("count", e))?;
         }
-        .map_err(|e| err("gather", e))?;
+        let plan = Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32 };
+        self.group_rows(&plan, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
         mark(3)?;
-        self.mlp(b, bufs, el, cap, &groups, total, mark)?;
-        // SAFETY: take_rows(bf16*, int*, int, int, bf16*): back[j] = y[pos[j]] for j < total.
+        self.mlp(b, bufs, el, cap, &groups, slots_here, mark)?;
+        let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (ri, ki) = (received as i32, k as i32);
+        // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
+        // the received tokens; rows come from the grouping above.
         unsafe {
-            s.launch_builder(&self.k.take)
+            s.launch_builder(&self.k.combine_partial)
                 .arg(&bufs[3])
-                .arg(&posp)
-                .arg(&tot)
+                .arg(&b2)
+                .arg(&local_ids)
+                .arg(&recv_w)
+                .arg(&maps[0])
+                .arg(&ri)
+                .arg(&ki)
                 .arg(&hi)
-                .arg(&back)
-                .launch(rows(total, 128))
+                .arg(&part)
+                .launch(grid(received * h))
         }
-        .map_err(|e| err("take_rows", e))?;
-        exchange("moe combine", back, &recv_rows, yp, &send_rows)?;
+        .map_err(|e| err("combine_partial", e))?;
+        exchange("moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
         mark(7)?;
-        Ok(send_rows.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+        if t > 0 {
+            let (ti, ni, outp) = (t as i32, n as i32, dptr(&b.out, g));
+            // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
+            // entries, each -1 or a row of `back`.
+            unsafe {
+                s.launch_builder(&self.k.sum_partials)
+                    .arg(&back)
+                    .arg(&home_rows_p)
+                    .arg(&ti)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .arg(&outp)
+                    .launch(grid(t * h))
+            }
+            .map_err(|e| err("sum_partials", e))?;
+        }
+        let row = 2 * h + 8 * k;
+        Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
     }
 
-    fn ep_buffers(&self, counts: usize, rows: usize) -> Result<EpBuffers> {
-        let (h, i) = (self.config.hidden, self.config.inter);
-        let r = rows.max(1).next_power_of_two();
+    /// Expert-parallel buffers for `cap` = [rows sent, rows received, expert rows, home tokens]
+    /// (each rounded up to a power of two) on `ranks` ranks.
+    fn ep_buffers(&self, cap: [usize; 4], ranks: usize) -> Result<EpBuffers> {
+        let c = &self.config;
+        let (h, i, k, el) = (c.hidden, c.inter, c.top_k, self.ep.as_ref().map_or(c.num_experts, |l| l.local));
+        let cap = cap.map(|x| x.max(1).next_power_of_two());
+        let [sent, recv, rows2, t] = cap;
         let s = &self.gpu.stream;
         let z16 = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n).map_err(|e| err("allocating workspace", e));
+        let zf = |n: usize| s.alloc_zeros::<f32>(n).map_err(|e| err("allocating workspace", e));
         Ok(EpBuffers {
-            rows: r,
-            counts_all: z32(counts)?,
-            recv: z16(r * h)?,
-            back: z16(r * h)?,
-            pos: z32(r)?,
-            expert_of_row: z32(r)?,
-            a: z16(r * h)?,
-            h13: z16(r * 2 * i)?,
-            act: z16(r * i)?,
-            y: z16(r * h)?,
+            cap,
+            send_idx: z32(sent)?,
+            send_rows: z16(sent * h)?,
+            send_ids: z32(sent * k)?,
+            send_w: zf(sent * k)?,
+            home_rows: z32(t * ranks)?,
+            back: z16(sent * h)?,
+            recv_rows: z16(recv * h)?,
+            recv_ids: z32(recv * k)?,
+            recv_w: zf(recv * k)?,
+            local_ids: z32(recv * k)?,
+            counts: z32(el + 1)?,
+            offsets: z32(el + 2)?,
+            row_of_slot: z32(recv * k)?,
+            slot_of_row: z32(rows2)?,
+            expert_of_row: z32(rows2)?,
+            a: z16(rows2 * h)?,
+            h13: z16(rows2 * 2 * i)?,
+            act: z16(rows2 * i)?,
+            y: z16(rows2 * h)?,
+            part: z16(recv * h)?,
         })
     }
 

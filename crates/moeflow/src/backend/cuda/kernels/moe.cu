@@ -194,9 +194,10 @@ __global__ void exclusive_scan(const int* counts, int E, int cap, int* offsets) 
     }
 }
 
-// Rows of expert e in slot order, with both maps; one block of 32 warps per expert.
-__global__ void scatter_slots(const int* ids, int slots, int E, const int* offsets, int* row_of_slot, int* slot_of_row,
-                              int* expert_of_row) {
+// Rows of expert e in slot order, with both maps; one block of 32 warps per expert. Slots of
+// expert `skip` (an expert-parallel rank's "held elsewhere" bucket) get row -1 and no row.
+__global__ void scatter_slots(const int* ids, int slots, int E, const int* offsets, int skip, int* row_of_slot,
+                              int* slot_of_row, int* expert_of_row) {
     __shared__ int part[SCAN_WARPS];
     int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
     int lo, hi = chunk_of(slots, w, &lo);
@@ -213,7 +214,9 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* offse
         int s = base + lane;
         bool hit = s < hi && ids[s] == e;
         unsigned int mask = __ballot_sync(0xffffffffu, hit);
-        if (hit) {
+        if (hit && e == skip) {
+            row_of_slot[s] = -1;
+        } else if (hit) {
             int r = pos + __popc(mask & ((1u << lane) - 1u));
             row_of_slot[s] = r;
             slot_of_row[r] = s;
@@ -224,10 +227,11 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* offse
 }
 
 // a[row_of_slot[s], :] = x[s / k, :] (bf16 rows); one block per slot, 16-byte moves when
-// H % 8 == 0. Rows no slot maps to (padding) are left as they are.
+// H % 8 == 0. Rows no slot maps to (padding) are left as they are; slots with row -1 skipped.
 __global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int k, int slots, bf16_t* a) {
     int s = blockIdx.x;
     if (s >= slots) return;
+    if (row_of_slot[s] < 0) return;
     const bf16_t* src = x + (long)(s / k) * H;
     bf16_t* dst = a + (long)row_of_slot[s] * H;
     if (H % 8 == 0) {
@@ -297,6 +301,51 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
             acc += (weights_applied ? 1.0f : w[s]) * v;
         }
         out[idx] = acc;
+    }
+}
+
+// Expert-parallel, on the rank holding the experts: part[t, h] = sum over the slots of received
+// token t whose expert is here (row >= 0) of w * (y[row, h] + b2[expert, h]), in slot order, as bf16.
+__global__ void combine_partial(const bf16_t* y, const float* b2, const int* local_ids, const float* w,
+                                const int* row_of_slot, int T, int k, int H, bf16_t* part) {
+    long n = (long)T * H;
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+        long t = idx / H;
+        int h = idx % H;
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            long s = t * k + j;
+            int r = row_of_slot[s];
+            if (r < 0) continue;
+            float v = bf16_to_f32(y[(long)r * H + h]);
+            if (b2) v += b2[(long)local_ids[s] * H + h];
+            acc += w[s] * v;
+        }
+        part[idx] = f32_to_bf16(acc);
+    }
+}
+
+// Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
+// (rows -1 where token t sent nothing to d).
+__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, float* out) {
+    long total = (long)T * H;
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < total; idx += (long)gridDim.x * blockDim.x) {
+        long t = idx / H;
+        int h = idx % H;
+        float acc = 0.0f;
+        for (int d = 0; d < n; d++) {
+            int r = rows[t * n + d];
+            if (r >= 0) acc += bf16_to_f32(part[(long)r * H + h]);
+        }
+        out[idx] = acc;
+    }
+}
+
+// Global expert ids to this rank's local ids: `first..first + el` → `0..el`, others → el.
+__global__ void localize_ids(const int* ids, int n, int first, int el, int* out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        int l = ids[i] - first;
+        out[i] = (l >= 0 && l < el) ? l : el;
     }
 }
 
