@@ -450,7 +450,7 @@ impl CudaMoeLayer {
     #[allow(clippy::too_many_lines)]
     fn run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
         let c = &self.config;
-        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let (h, k) = (c.hidden, c.top_k);
         let g = &self.gpu;
         let s = &g.stream;
         let marks: Vec<cudarc::driver::CudaEvent> = if timed {
@@ -474,36 +474,22 @@ impl CudaMoeLayer {
         if t == 0 && self.ep.is_none() {
             return Ok(GpuStageTimes::default());
         }
+        // An expert-parallel rank without tokens still takes part in every exchange.
         if t > 0 {
             self.route(b, t)?;
-        } else {
-            // An expert-parallel rank without tokens still takes part in every exchange.
-            s.memset_zeros(&mut b.counts).map_err(|e| err("memset", e))?;
         }
         mark(1)?;
         if t > 0 {
             self.shared_on_side_stream(b, t)?;
         }
-        // Count rows per expert.
-        let slots = (t * k) as i32;
-        let (ip, cp, ei) = (pi(&b.ids), pi(&b.counts), e as i32);
-        if t > 0 {
-            let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
-            unsafe { s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
-                .map_err(|e| err("count", e))?;
-        }
-        // Expert sizes on the host decide the GEMM shapes.
-        let mut counts = vec![0i32; e];
-        s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
         let sent = match &self.ep {
-            Some(link) => self.ep_experts(b, t, &counts, link, &mark)?,
+            Some(link) => self.ep_experts(b, t, link, &mark)?,
             None => {
-                self.local_experts(b, t, &counts, &mark)?;
+                self.local_experts(b, t, &mark)?;
                 if t > 0 {
                     let (yp, b2, wp, ti, ki, hi, zero, outp) =
                         (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
-                    let rs = pi(&b.row_of_slot);
+                    let (rs, ip) = (pi(&b.row_of_slot), pi(&b.ids));
                     // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, float*) over
                     // the `t` tokens' slots, whose rows `b.y` holds.
                     unsafe {
@@ -755,14 +741,18 @@ impl CudaMoeLayer {
     }
 
     /// The single-GPU middle of the layer: permute, the experts, output rows in `b.y`.
-    fn local_experts(
-        &self,
-        b: &mut Buffers,
-        t: usize,
-        counts: &[i32],
-        mark: &dyn Fn(usize) -> Result<()>,
-    ) -> Result<()> {
+    fn local_experts(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<()> {
         let (e, k) = (self.config.num_experts, self.config.top_k);
+        let g = &self.gpu;
+        let s = &g.stream;
+        let (ip, cp, slots, ei) = (dptr(&b.ids, g), dptr(&b.counts, g), (t * k) as i32, e as i32);
+        let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
+        unsafe { s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
+            .map_err(|e| err("count", e))?;
+        // Expert sizes on the host decide the GEMM shapes.
+        let mut counts = vec![0i32; e];
+        s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
         let cap = Self::padding(e, t * k, counts.iter().map(|&c| c as usize));
         self.permute(b, t, cap)?;
         let mut groups = Vec::new();
@@ -775,7 +765,6 @@ impl CudaMoeLayer {
         }
         mark(2)?;
         mark(3)?;
-        let g = &self.gpu;
         let bufs = [dptr(&b.a, g), dptr(&b.h13, g), dptr(&b.act, g), dptr(&b.y, g), dptr(&b.expert_of_row, g)];
         self.mlp(b, bufs, e, cap, &groups, t * k, mark)?;
         mark(7)
@@ -791,7 +780,6 @@ impl CudaMoeLayer {
         &self,
         b: &mut Buffers,
         t: usize,
-        counts: &[i32],
         link: &EpLink,
         mark: &dyn Fn(usize) -> Result<()>,
     ) -> Result<usize> {
@@ -802,14 +790,16 @@ impl CudaMoeLayer {
         let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
         let g = &self.gpu;
         let s = &g.stream;
-        // Home: the ranks each token goes to, in token order per destination.
-        let (mut ids, mut w) = (vec![0i32; t * k], vec![0f32; t * k]);
+        // Home: slots per expert, and the ranks each token goes to, in token order per
+        // destination (the one host read of the routing).
+        let mut ids = vec![0i32; t * k];
         if t > 0 {
             s.memcpy_dtoh(&b.ids.slice(0..t * k), &mut ids).map_err(|e| err("reading ids", e))?;
-            s.memcpy_dtoh(&b.weights.slice(0..t * k), &mut w).map_err(|e| err("reading weights", e))?;
         }
+        let mut counts = vec![0i32; e];
         let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
         for (slot, &id) in ids.iter().enumerate() {
+            counts[id as usize] += 1;
             let list = &mut lists[id as usize / el];
             if list.last() != Some(&(slot / k)) {
                 list.push(slot / k);
@@ -818,13 +808,10 @@ impl CudaMoeLayer {
         let send_tok: Vec<usize> = lists.iter().map(Vec::len).collect();
         let sent: usize = send_tok.iter().sum();
         let (mut send_idx, mut home_rows) = (Vec::with_capacity(sent), vec![-1i32; t * n]);
-        let (mut send_ids, mut send_w) = (Vec::with_capacity(sent * k), Vec::with_capacity(sent * k));
         for (d, list) in lists.iter().enumerate() {
             for &tok in list {
                 home_rows[tok * n + d] = send_idx.len() as i32;
                 send_idx.push(tok as i32);
-                send_ids.extend_from_slice(&ids[tok * k..(tok + 1) * k]);
-                send_w.extend_from_slice(&w[tok * k..(tok + 1) * k]);
             }
         }
         // Every rank's slot counts per expert and token counts per destination.
@@ -870,8 +857,6 @@ impl CudaMoeLayer {
         let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
         if sent > 0 {
             up("upload", s.memcpy_htod(&send_idx, &mut ep.send_idx.slice_mut(0..sent)))?;
-            up("upload", s.memcpy_htod(&send_ids, &mut ep.send_ids.slice_mut(0..sent * k)))?;
-            up("upload", s.memcpy_htod(&send_w, &mut ep.send_w.slice_mut(0..sent * k)))?;
         }
         if t > 0 {
             up("upload", s.memcpy_htod(&home_rows, &mut ep.home_rows.slice_mut(0..t * n)))?;
@@ -885,18 +870,24 @@ impl CudaMoeLayer {
         let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
         let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
         let (home_rows_p, send_ids_p, send_w_p) = (pi(&ep.home_rows), pi(&ep.send_ids), pf(&ep.send_w));
-        let (hi, sent_i) = (h as i32, sent as i32);
-        // SAFETY: take_rows(bf16*, int*, int, int, bf16*): send_rows[j] = x_bf[send_idx[j]].
-        unsafe {
-            s.launch_builder(&self.k.take)
-                .arg(&xbp)
-                .arg(&send_idx_p)
-                .arg(&sent_i)
-                .arg(&hi)
-                .arg(&send_rows)
-                .launch(rows(sent, 128))
+        let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
+        // The token rows, and their ids and weights (k 4-byte values = 2k 16-bit words a row).
+        for (src, width, dst) in
+            [(xbp, hi, send_rows), (pi(&b.ids), k2, send_ids_p), (dptr(&b.weights, g), k2, send_w_p)]
+        {
+            // SAFETY: take_rows(bf16*, int*, int, int, bf16*): dst[j] = src[send_idx[j]] for j <
+            // sent, rows of `width` 16-bit words; every index is a token of this batch.
+            unsafe {
+                s.launch_builder(&self.k.take)
+                    .arg(&src)
+                    .arg(&send_idx_p)
+                    .arg(&sent_i)
+                    .arg(&width)
+                    .arg(&dst)
+                    .launch(rows(sent, 128))
+            }
+            .map_err(|e| err("take_rows", e))?;
         }
-        .map_err(|e| err("take_rows", e))?;
         mark(2)?;
         // Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` to every peer and
         // receives `into[peer]` rows into the matching buffers of `dst`, in one NCCL group.
