@@ -70,6 +70,19 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
     let (gemm_tflops, copy_gbps) = measure_ceilings(device)?;
     bar0.finish_and_clear();
+    if rank0 {
+        println!(
+            "moeflow bench: {} on {} GPUs (device-resident all-to-all-v over NCCL), {} experts ({} per GPU), top-{}, bf16; \
+             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
+            p.name,
+            par.ep,
+            config.num_experts,
+            config.num_experts / par.ep,
+            config.top_k,
+            gemm_tflops,
+            copy_gbps
+        );
+    }
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
     let results = on_ranks(host, par.ep, par.timeout, |comm, _| {
         let nccl = comm
@@ -106,17 +119,6 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     if !rank0 {
         return Ok(());
     }
-    println!(
-        "moeflow bench: {} on {} GPUs (device-resident all-to-all-v over NCCL), {} experts ({} per GPU), top-{}, bf16; \
-         GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
-        p.name,
-        par.ep,
-        config.num_experts,
-        config.num_experts / par.ep,
-        config.top_k,
-        gemm_tflops,
-        copy_gbps
-    );
     println!(
         "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}",
         "tokens",

@@ -890,13 +890,30 @@ impl CudaMoeLayer {
         }
         mark(2)?;
         // Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` to every peer and
-        // receives `into[peer]` rows into the matching buffers of `dst`, in one NCCL group.
+        // receives `into[peer]` rows into the matching buffers of `dst`, in one NCCL group; the
+        // rows a rank keeps are a device copy.
         let exchange = |op: &str, src: &[(u64, usize)], from: &[usize], dst: &[(u64, usize)], into: &[usize]| {
+            let (so, ro) = (from[..rank].iter().sum::<usize>(), into[..rank].iter().sum::<usize>());
+            for (&(sb, sw), &(db, _)) in src.iter().zip(dst) {
+                if from[rank] > 0 {
+                    // SAFETY: both ranges lie inside buffers sized for these counts; the copy is
+                    // ordered on the layer's stream.
+                    unsafe {
+                        cudarc::driver::result::memcpy_dtod_async(
+                            db + (ro * sw) as u64,
+                            sb + (so * sw) as u64,
+                            from[rank] * sw,
+                            s.cu_stream(),
+                        )
+                    }
+                    .map_err(|e| err("local copy", e))?;
+                }
+            }
             link.comm.enqueue(op, s, |comm, cs| {
                 let (mut so, mut ro) = (0usize, 0usize);
                 for peer in 0..n {
                     for (&(sb, sw), &(db, dw)) in src.iter().zip(dst) {
-                        let (sn, rn) = (from[peer] * sw, into[peer] * dw);
+                        let (sn, rn) = if peer == rank { (0, 0) } else { (from[peer] * sw, into[peer] * dw) };
                         // SAFETY: offsets stay inside the buffers, sized for these counts; every
                         // peer posts the matching calls, in the same order, from the same counts.
                         let r = unsafe {
