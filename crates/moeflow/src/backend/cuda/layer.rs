@@ -697,7 +697,7 @@ impl CudaMoeLayer {
         let max = counts.max().unwrap_or(0);
         let padded = match gemm_mode() {
             GemmMode::Padded => true,
-            GemmMode::Auto => rows / experts.max(1) <= 1024,
+            GemmMode::Auto => rows / experts.max(1) <= 192,
             GemmMode::Loop | GemmMode::Grouped => false,
         };
         if padded && experts * max <= 2 * rows {
@@ -1313,8 +1313,8 @@ fn side_streams(gpu: &Gpu) -> Result<Vec<(std::sync::Arc<cudarc::driver::CudaStr
 /// How the expert GEMMs run (`MOEFLOW_EXPERT_GEMM`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemmMode {
-    /// Padded up to 1024 rows per expert on average, per-expert GEMMs above (measured on
-    /// H100: padded is steadier at 4096 tokens, per-expert faster at 16384).
+    /// Padded up to 192 rows per expert on average, per-expert GEMMs above (measured on H200,
+    /// DeepSeek-V3 shapes: padded is faster up to 128 rows per expert, per-expert from 256).
     Auto,
     /// Every expert padded to the largest; one strided-batched GEMM.
     Padded,
