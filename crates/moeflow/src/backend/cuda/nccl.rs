@@ -19,6 +19,16 @@ use cudarc::nccl::sys as nc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// NCCL calls on communicators of the same device must not run concurrently from several
+/// threads (NCCL's thread-safety rules); dual-batch overlap drives two communicators per
+/// device from two threads, so every NCCL call takes its device's lock. Calls are non-blocking,
+/// so the lock is only ever held briefly.
+static DEVICE_API: [Mutex<()>; 64] = [const { Mutex::new(()) }; 64];
+
+fn api(device: usize) -> std::sync::MutexGuard<'static, ()> {
+    DEVICE_API[device % 64].lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// A raw NCCL communicator handle.
 struct RawComm(nc::ncclComm_t);
 
@@ -143,7 +153,10 @@ impl NcclComm {
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
         // SAFETY: the context of `device` is current on this thread; `raw` receives the handle.
-        let r = unsafe { nc::ncclCommInitRankConfig(&mut raw, size as i32, uid, rank as i32, &mut cfg) };
+        let r = {
+            let _api = api(device);
+            unsafe { nc::ncclCommInitRankConfig(&mut raw, size as i32, uid, rank as i32, &mut cfg) }
+        };
         let me = NcclComm {
             rank,
             size,
@@ -190,13 +203,14 @@ impl NcclComm {
         if let Some(r) = &self.rendezvous {
             r.abort(&first);
         }
-        Self::abort_raw(st);
+        Self::abort_raw(self.device, st);
         self.error(op, reason)
     }
 
-    fn abort_raw(st: &mut State) {
+    fn abort_raw(device: usize, st: &mut State) {
         if !st.aborted {
             st.aborted = true;
+            let _api = api(device);
             // SAFETY: the handle is valid and not used after this.
             unsafe { nc::ncclCommAbort(st.comm.0) };
         }
@@ -205,7 +219,7 @@ impl NcclComm {
     /// Fails fast when the group already failed.
     fn check_failure(&self, st: &mut State, op: &str) -> Result<()> {
         if let Some(reason) = self.failure.get() {
-            Self::abort_raw(st);
+            Self::abort_raw(self.device, st);
             return Err(self.error(op, format!("group failed: {reason}")));
         }
         if st.aborted {
@@ -227,7 +241,10 @@ impl NcclComm {
         loop {
             let mut state = nc::ncclResult_t::ncclSuccess;
             // SAFETY: valid handle; writes one result code.
-            let r = unsafe { nc::ncclCommGetAsyncError(st.comm.0, &mut state) };
+            let r = {
+                let _api = api(self.device);
+                unsafe { nc::ncclCommGetAsyncError(st.comm.0, &mut state) }
+            };
             if r != nc::ncclResult_t::ncclSuccess {
                 return Err(self.fail(st, op, format!("ncclCommGetAsyncError: {}", nccl_name(r))));
             }
@@ -243,7 +260,7 @@ impl NcclComm {
     /// One step of a polling loop: checks the failure flag and the deadline, then backs off.
     fn tick(&self, st: &mut State, op: &str, deadline: Instant, spins: &mut u32) -> Result<()> {
         if let Some(reason) = self.failure.get() {
-            Self::abort_raw(st);
+            Self::abort_raw(self.device, st);
             return Err(self.error(op, format!("group failed: {reason}")));
         }
         if Instant::now() >= deadline {
@@ -272,7 +289,10 @@ impl NcclComm {
             }
             let mut state = nc::ncclResult_t::ncclSuccess;
             // SAFETY: valid handle; writes one result code.
-            unsafe { nc::ncclCommGetAsyncError(st.comm.0, &mut state) };
+            {
+                let _api = api(self.device);
+                unsafe { nc::ncclCommGetAsyncError(st.comm.0, &mut state) };
+            }
             if !matches!(state, nc::ncclResult_t::ncclSuccess | nc::ncclResult_t::ncclInProgress) {
                 return Err(self.fail(st, op, format!("NCCL reported {}", nccl_name(state))));
             }
@@ -305,6 +325,7 @@ impl NcclComm {
         let r = {
             let (src, _g1) = sizes.device_ptr(s);
             let dst = src + (n * 8) as u64;
+            let _api = api(self.device);
             // SAFETY: the staging buffer holds n + n·n u64 values; the stream is this comm's.
             unsafe { nc::ncclAllGather(src as _, dst as _, n, nc::ncclDataType_t::ncclUint64, comm, cs) }
         };
@@ -330,6 +351,7 @@ impl NcclComm {
             let rp = st.recv.as_ref().expect("allocated").device_ptr(s).0;
             // SAFETY: group calls only enqueue; offsets stay inside the staging buffers sized
             // above; each peer posts the matching recv/send for the sizes all-gathered above.
+            let _api = api(self.device);
             let r = unsafe {
                 let mut r = nc::ncclGroupStart();
                 let (mut so, mut ro) = (0u64, 0u64);
@@ -426,7 +448,10 @@ impl NcclComm {
         let mut raw: nc::ncclComm_t = std::ptr::null_mut();
         let mut cfg = config();
         // SAFETY: collective over the parent, whose context is current; `raw` gets the handle.
-        let r = unsafe { nc::ncclCommSplit(st.comm.0, color as i32, key as i32, &mut raw, &mut cfg) };
+        let r = {
+            let _api = api(self.device);
+            unsafe { nc::ncclCommSplit(st.comm.0, color as i32, key as i32, &mut raw, &mut cfg) }
+        };
         self.check_launch(&mut st, op, r)?;
         self.wait_ready(&mut st, op, deadline)?;
         let stream = self.ctx.new_stream().map_err(|e| err("creating stream", e))?;
@@ -471,6 +496,7 @@ impl NcclComm {
         self.check_failure(&mut st, op)?;
         let deadline = Instant::now() + self.timeout;
         let cs = stream.cu_stream() as nc::cudaStream_t;
+        let api = api(self.device);
         // SAFETY: group start/end bracket the calls `f` makes on this communicator.
         let r = unsafe {
             let r0 = nc::ncclGroupStart();
@@ -478,6 +504,7 @@ impl NcclComm {
             let r2 = nc::ncclGroupEnd();
             [r0, r1, r2].into_iter().find(|r| *r != nc::ncclResult_t::ncclSuccess).unwrap_or(r2)
         };
+        drop(api);
         self.check_launch(&mut st, op, r)?;
         self.wait_ready(&mut st, op, deadline)
     }
@@ -499,24 +526,32 @@ impl Drop for NcclComm {
             return;
         }
         let _ = self.ctx.bind_to_thread();
+        let device = self.device;
         if failed {
-            Self::abort_raw(st);
+            Self::abort_raw(device, st);
             return;
         }
         // SAFETY: the handle is valid; finalize flushes pending work, destroy frees it. A
         // finalize that does not complete in time is turned into an abort.
         unsafe {
-            nc::ncclCommFinalize(st.comm.0);
+            let _ = {
+                let _api = api(device);
+                nc::ncclCommFinalize(st.comm.0)
+            };
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
                 let mut state = nc::ncclResult_t::ncclSuccess;
-                nc::ncclCommGetAsyncError(st.comm.0, &mut state);
+                {
+                    let _api = api(device);
+                    nc::ncclCommGetAsyncError(st.comm.0, &mut state);
+                }
                 if state != nc::ncclResult_t::ncclInProgress {
+                    let _api = api(device);
                     nc::ncclCommDestroy(st.comm.0);
                     return;
                 }
                 if Instant::now() >= deadline {
-                    Self::abort_raw(st);
+                    Self::abort_raw(device, st);
                     return;
                 }
                 std::thread::sleep(Duration::from_micros(200));
