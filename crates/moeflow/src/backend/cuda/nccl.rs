@@ -351,7 +351,7 @@ impl NcclComm {
             let rp = st.recv.as_ref().expect("allocated").device_ptr(s).0;
             // SAFETY: group calls only enqueue; offsets stay inside the staging buffers sized
             // above; each peer posts the matching recv/send for the sizes all-gathered above.
-            let _api = api(self.device);
+            let guard = api(self.device);
             let r = unsafe {
                 let mut r = nc::ncclGroupStart();
                 let (mut so, mut ro) = (0u64, 0u64);
@@ -373,6 +373,7 @@ impl NcclComm {
                     r
                 }
             };
+            drop(guard);
             self.check_launch(st, op, r)?;
             self.wait_ready(st, op, deadline)?;
             self.wait_stream(st, op, deadline, s)?;
