@@ -45,6 +45,14 @@ pub struct BenchArgs {
 /// The PyTorch + NCCL baseline layer, run by `--torch-baseline`.
 const TORCH_BASELINE: &str = include_str!("../../../tools/torch_ep_baseline.py");
 
+/// Writes `records` to `path` as a pretty JSON array.
+fn write_records(path: &std::path::Path, records: &[Record]) -> Result<()> {
+    let text = serde_json::to_string_pretty(records)
+        .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
+    std::fs::write(path, text + "\n")
+        .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })
+}
+
 /// Whether the device-resident expert-parallel layer covers `par`.
 fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
     use moeflow::parallel::{PlacementKind, StrategyKind};
@@ -200,10 +208,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         });
     }
     if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&records)
-            .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
-        std::fs::write(path, text + "\n")
-            .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
+        write_records(path, &records)?;
     }
     if args.torch_baseline {
         if *host != RankHost::Gpus {
@@ -556,10 +561,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         });
     }
     if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&records)
-            .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
-        std::fs::write(path, text + "\n")
-            .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
+        write_records(path, &records)?;
         println!("wrote {} records to {}", records.len(), path.display());
     }
     Ok(())
@@ -666,10 +668,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         });
     }
     if let Some(path) = &args.json {
-        let text = serde_json::to_string_pretty(&records)
-            .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
-        std::fs::write(path, text + "\n")
-            .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
+        write_records(path, &records)?;
     }
     Ok(())
 }

@@ -4,13 +4,13 @@
 //! GEMMs with f32 accumulation around the activation kernel, and come back as unweighted slot
 //! rows (`-0.0` where the slot's expert lives elsewhere), exactly like the CPU experts.
 
-use super::layer::{act_params, gemm_bf16, grid};
+use super::layer::{act_and_mul, gemm_bf16};
 use super::{err, Gpu};
 use crate::error::{MoeError, Result};
 use crate::experts::{Activation, ActivationFormat, BatchedInput, ExpertInput, ExpertWeights, Experts};
 use crate::reduce::{WeightAndReduce, WeightedSum};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use std::sync::Mutex;
 
 /// Device buffers for up to `rows` rows.
@@ -103,33 +103,16 @@ impl CudaExperts {
         }
         s.memcpy_htod(a, &mut b.a.slice_mut(0..rows * h)).map_err(|x| err("upload rows", x))?;
         s.memcpy_htod(expert_of_row, &mut b.expert_of_row.slice_mut(0..rows)).map_err(|x| err("upload", x))?;
-        let (pa, ph13, pact, py, per) = (self.ptr(&b.a), self.ptr(&b.h13), self.ptr(&b.act), self.ptr(&b.y), 0);
+        let (pa, ph13, pact, py) = (self.ptr(&b.a), self.ptr(&b.h13), self.ptr(&b.act), self.ptr(&b.y));
         let (w13, w2) = (self.ptr(&self.w13), self.ptr(&self.w2));
         for &(e, start, n) in segments {
             let off = |base: u64, width: usize| base + (start * width * 2) as u64;
             gemm_bf16(&self.blas, w13 + (e * 2 * i * h * 2) as u64, 2 * i, h, off(pa, h), off(ph13, 2 * i), n)?;
         }
-        let (kind, alpha, limit) = act_params(self.activation);
         let b13 = self.b13.as_ref().map_or(0u64, |x| self.ptr(x));
-        let erp: u64 = if b13 == 0 { per } else { self.ptr(&b.expert_of_row) };
-        let (cap, rows_l, inter_i) = (0i32, rows as i64, i as i32);
-        // SAFETY: act_and_mul(bf16*, float*, int*, int, long, int, int, float, float, bf16*)
-        // over `rows` rows of buffers sized for at least that many.
-        unsafe {
-            s.launch_builder(&self.act_kernel)
-                .arg(&ph13)
-                .arg(&b13)
-                .arg(&erp)
-                .arg(&cap)
-                .arg(&rows_l)
-                .arg(&inter_i)
-                .arg(&kind)
-                .arg(&alpha)
-                .arg(&limit)
-                .arg(&pact)
-                .launch(grid(rows * i))
-        }
-        .map_err(|x| err("act_and_mul", x))?;
+        // The expert map only matters for the bias.
+        let erp = if b13 == 0 { 0 } else { self.ptr(&b.expert_of_row) };
+        act_and_mul(&self.gpu.stream, &self.act_kernel, self.activation, [ph13, b13, erp, pact], 0, rows, i)?;
         for &(e, start, n) in segments {
             let off = |base: u64, width: usize| base + (start * width * 2) as u64;
             gemm_bf16(&self.blas, w2 + (e * h * i * 2) as u64, h, i, off(pact, i), off(py, h), n)?;

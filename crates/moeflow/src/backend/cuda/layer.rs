@@ -1181,9 +1181,7 @@ impl CudaMoeLayer {
         gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
     }
 
-    /// Launches act-and-mul on `stream`: `out [rows, inter] = act(h13 gate + b13) · (up + b13)`,
-    /// the bias row chosen by `expert_of_row` (or `row / cap` when `cap > 0`); 0 addresses mean
-    /// no bias / no map.
+    /// [`act_and_mul`] with this layer's kernel and activation.
     #[allow(clippy::too_many_arguments)]
     fn act(
         &self,
@@ -1196,27 +1194,7 @@ impl CudaMoeLayer {
         inter: usize,
         out: u64,
     ) -> Result<()> {
-        let (kind, alpha, limit) = act_params(self.config.activation);
-        let (rows_l, inter_i) = (rows as i64, inter as i32);
-        // SAFETY: act_and_mul(bf16*, float*, int*, int, long, int, int, float, float, bf16*)
-        // over `rows` rows of buffers the caller sized for them.
-        unsafe {
-            stream
-                .launch_builder(&self.k.act)
-                .arg(&h13)
-                .arg(&b13)
-                .arg(&expert_of_row)
-                .arg(&cap)
-                .arg(&rows_l)
-                .arg(&inter_i)
-                .arg(&kind)
-                .arg(&alpha)
-                .arg(&limit)
-                .arg(&out)
-                .launch(grid(rows * inter))
-        }
-        .map(|_| ())
-        .map_err(|e| err("act_and_mul", e))
+        act_and_mul(stream, &self.k.act, self.config.activation, [h13, b13, expert_of_row, out], cap, rows, inter)
     }
 
     /// Padded layout: expert `x` owns rows `x·cap..(x+1)·cap`; one strided-batched GEMM
@@ -1298,6 +1276,42 @@ pub(super) fn gemm_bf16(blas: &CudaBlas, w: u64, n: usize, kdim: usize, a: u64, 
     check(st, "bf16 GEMM")
 }
 
+/// Launches the act-and-mul kernel on `stream`: `out [rows, inter] = act(gate + b13) · (up +
+/// b13)` from `h13 [rows, 2 inter]`, the bias row chosen by `expert_of_row` (or `row / cap` when
+/// `cap > 0`); `ptrs` = [h13, b13, expert_of_row, out], 0 meaning no bias / no map.
+pub(super) fn act_and_mul(
+    stream: &cudarc::driver::CudaStream,
+    kernel: &CudaFunction,
+    activation: Activation,
+    ptrs: [u64; 4],
+    cap: i32,
+    rows: usize,
+    inter: usize,
+) -> Result<()> {
+    let [h13, b13, expert_of_row, out] = ptrs;
+    let (kind, alpha, limit) = act_params(activation);
+    let (rows_l, inter_i) = (rows as i64, inter as i32);
+    // SAFETY: act_and_mul(bf16*, float*, int*, int, long, int, int, float, float, bf16*) over
+    // `rows` rows of buffers the caller sized for them.
+    unsafe {
+        stream
+            .launch_builder(kernel)
+            .arg(&h13)
+            .arg(&b13)
+            .arg(&expert_of_row)
+            .arg(&cap)
+            .arg(&rows_l)
+            .arg(&inter_i)
+            .arg(&kind)
+            .arg(&alpha)
+            .arg(&limit)
+            .arg(&out)
+            .launch(grid(rows * inter))
+    }
+    .map(|_| ())
+    .map_err(|e| err("act_and_mul", e))
+}
+
 /// Side streams for concurrent per-expert GEMMs (`MOEFLOW_GEMM_STREAMS`, default 4).
 fn side_streams(gpu: &Gpu) -> Result<Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>> {
     let n = std::env::var("MOEFLOW_GEMM_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
@@ -1347,7 +1361,7 @@ fn dptr<T>(s: &CudaSlice<T>, g: &Gpu) -> u64 {
     p
 }
 
-pub(super) fn act_params(a: Activation) -> (i32, f32, f32) {
+fn act_params(a: Activation) -> (i32, f32, f32) {
     match a {
         Activation::Silu => (0, 0.0, 0.0),
         Activation::GeluErf => (1, 0.0, 0.0),
