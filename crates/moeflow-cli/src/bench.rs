@@ -72,7 +72,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(1)?;
     let (rank0, device) = match host {
-        RankHost::Launched(env) => (env.rank == 0, env.local_rank),
+        RankHost::Launched { env, .. } => (env.rank == 0, env.local_rank),
         _ => (true, 0),
     };
     let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
@@ -382,7 +382,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut errors: Vec<Option<f64>> = Vec::new();
     // The ceilings: this machine's matmul and copy rates, or the GPU's GEMM and copy rates.
     let device = match &host {
-        RankHost::Launched(env) => env.local_rank,
+        RankHost::Launched { env, .. } => env.local_rank,
         _ => 0,
     };
     let bar0 = spinner("measuring the matmul rate and copy bandwidth".into());
@@ -395,7 +395,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     };
     bar0.finish_and_clear();
     let groups = par.ep / par.tp;
-    let rank0 = !matches!(&host, RankHost::Launched(env) if env.rank != 0);
+    let rank0 = host.launched_rank().is_none_or(|r| r == 0);
     if rank0 {
         println!(
             "moeflow bench: {} on {}, {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}), copy {:.1} GB/s",
@@ -403,7 +403,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             match &host {
                 RankHost::Threads => format!("cpu ({} threads)", rayon::current_num_threads()),
                 RankHost::Gpus => format!("{} GPUs (threads, NCCL)", par.ep),
-                RankHost::Launched(env) => format!("{} GPU processes (NCCL)", env.world_size),
+                RankHost::Launched { env, gpu: true } => format!("{} GPU processes (NCCL)", env.world_size),
+                RankHost::Launched { env, gpu: false } => format!("{} processes (TCP)", env.world_size),
             },
             args.layer.dtype,
             par.ep,

@@ -115,7 +115,9 @@ pub fn run(args: DemoArgs) -> Result<()> {
         let what = match &host {
             RankHost::Threads => format!("{} in-process ranks", par.ep),
             RankHost::Gpus => format!("{} GPUs (one thread each, NCCL)", par.ep),
-            RankHost::Launched(env) => format!("rank {} of {} processes (NCCL)", env.rank, env.world_size),
+            RankHost::Launched { env, gpu } => {
+                format!("rank {} of {} processes ({})", env.rank, env.world_size, if *gpu { "NCCL" } else { "TCP" })
+            }
         };
         let bar = spinner(format!("running on {what}"));
         let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
@@ -150,7 +152,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
         }
         println!("  ranks           {what}");
         if !gpu {
-            let same = rows.iter().zip(single.forward(&input)?.to_f32_vec()).all(|(a, b)| a.to_bits() == b.to_bits());
+            // This process's tokens against one rank's result on the same tokens.
+            let one = single.forward(&input)?.to_f32_vec();
+            let same = rows.len() == (hi - lo) * h
+                && rows.iter().zip(&one[lo * h..hi * h]).all(|(a, b)| a.to_bits() == b.to_bits());
             println!("  vs one rank     {}", if same { "bit-for-bit identical" } else { "DIFFERENT" });
             if !same {
                 return Err(MoeError::Config("the parallel layout changed the result".into()));

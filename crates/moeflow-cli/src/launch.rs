@@ -1,5 +1,6 @@
 //! `moeflow launch --gpus N -- <moeflow arguments>`: starts N local processes of this program,
-//! one per GPU, with the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+//! one per GPU (or, with `--backend cpu`, N CPU ranks talking over TCP), with the torchrun-style
+//! variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 //! MASTER_PORT) set, and waits for them. When one fails, the others get a grace period (their
 //! own collectives fail within their deadline once the failure is known) and are then killed.
 
@@ -10,8 +11,8 @@ use std::time::{Duration, Instant};
 /// Arguments of `moeflow launch`.
 #[derive(clap::Args, Debug)]
 pub struct LaunchArgs {
-    /// Processes to start (rank r uses GPU r).
-    #[arg(long)]
+    /// Processes to start (rank r uses GPU r under `--backend cuda`).
+    #[arg(long, visible_alias = "procs")]
     gpus: usize,
     /// Port of rank 0's rendezvous (default: a free one).
     #[arg(long)]

@@ -118,19 +118,28 @@ fn demo_check_bench_inspect() {
 }
 
 #[test]
-fn launch_and_multi_process_errors_are_clear() {
-    // Children of `launch` see RANK/WORLD_SIZE; on the CPU backend that is a clear error, and
-    // launch reports which rank failed.
-    let res = moeflow(&["launch", "--gpus", "2", "--grace", "5", "--", "demo", "--ep", "2", "--tokens", "4"]);
-    assert!(!res.status.success());
+fn launch_runs_cpu_ranks_as_processes_and_reports_errors() {
+    // Three processes over TCP: each checks its share of the tokens bit for bit against one
+    // rank and against the f64 reference.
+    let res = moeflow(&["launch", "--gpus", "3", "--", "demo", "--ep", "3", "--tokens", "40", "--runs", "1"]);
     let t = text(&res);
-    assert!(t.contains("multi-process jobs run over NCCL"), "{t}");
+    assert!(res.status.success(), "{t}");
+    for r in 0..3 {
+        assert!(t.contains(&format!("rank {r} of 3 processes (TCP)")), "{t}");
+    }
+    assert_eq!(t.matches("bit-for-bit identical").count(), 3, "{t}");
+    assert_eq!(t.matches("check           OK").count(), 3, "{t}");
+    // A layout that does not match the job fails on every rank, and launch says so.
+    let res = moeflow(&["launch", "--gpus", "2", "--grace", "5", "--", "demo", "--ep", "3", "--tokens", "4"]);
+    let t = text(&res);
+    assert!(!res.status.success());
+    assert!(t.contains("WORLD_SIZE=2 but the layout has 3 ranks"), "{t}");
     assert!(t.contains("failed first") && t.contains("exit codes by rank: [1, 1]"), "{t}");
     let res = moeflow(&["launch", "--gpus", "0", "--", "demo"]);
     assert!(!res.status.success() && text(&res).contains("--gpus must be at least 1"), "{}", text(&res));
     // Bad launcher variables name the variable.
     let res = Command::new(env!("CARGO_BIN_EXE_moeflow"))
-        .args(["demo", "--backend", "cuda", "--ep", "2"])
+        .args(["demo", "--ep", "2"])
         .env("RANK", "2")
         .env("WORLD_SIZE", "2")
         .output()

@@ -260,22 +260,32 @@ pub enum RankHost {
     Threads,
     /// One thread per GPU (rank r on GPU r), NCCL, CUDA experts (feature `cuda`).
     Gpus,
-    /// This process is one rank of a job started by a launcher (NCCL, CUDA experts on GPU
-    /// `LOCAL_RANK`).
-    Launched(crate::comm::LaunchEnv),
+    /// This process is one rank of a job started by a launcher: over NCCL with CUDA experts on
+    /// GPU `LOCAL_RANK` (`gpu`), or over TCP with CPU experts.
+    Launched {
+        /// The launcher's variables.
+        env: crate::comm::LaunchEnv,
+        /// NCCL and CUDA experts rather than TCP and CPU experts.
+        gpu: bool,
+    },
 }
 
 impl RankHost {
-    /// The ranks for `gpu` (CUDA experts or CPU ones): a launched job when the launcher's
-    /// environment is set, else in-process threads.
+    /// The ranks for `gpu` (CUDA experts or CPU ones): this process's rank of a launched job
+    /// when the launcher's environment is set, else threads of this process.
     pub fn detect(gpu: bool) -> Result<RankHost> {
-        match crate::comm::LaunchEnv::from_env()? {
-            Some(env) if gpu => Ok(RankHost::Launched(env)),
-            Some(_) => Err(MoeError::Config(
-                "RANK/WORLD_SIZE are set, but multi-process jobs run over NCCL: add --backend cuda".into(),
-            )),
-            None if gpu => Ok(RankHost::Gpus),
-            None => Ok(RankHost::Threads),
+        Ok(match crate::comm::LaunchEnv::from_env()? {
+            Some(env) => RankHost::Launched { env, gpu },
+            None if gpu => RankHost::Gpus,
+            None => RankHost::Threads,
+        })
+    }
+
+    /// This process's rank in a launched job (`None` when every rank runs here).
+    pub fn launched_rank(&self) -> Option<usize> {
+        match self {
+            RankHost::Launched { env, .. } => Some(env.rank),
+            _ => None,
         }
     }
 }
@@ -294,6 +304,25 @@ pub fn on_ranks<T: Send>(
         RankHost::Threads => {
             run_ranks(size, Some(timeout), |c| f(c, ExpertsKind::Cpu)).into_iter().enumerate().collect()
         }
+        RankHost::Launched { env, gpu } => {
+            if env.world_size != size {
+                let e = MoeError::Config(format!("WORLD_SIZE={} but the layout has {size} ranks", env.world_size));
+                return vec![(env.rank, Err(e))];
+            }
+            let run = |comm: &dyn Communicator, kind: ExpertsKind| {
+                let r = crate::comm::catch_rank_panic(env.rank, || f(comm, kind));
+                if let Err(e) = &r {
+                    comm.abort(&format!("rank {} failed: {e}", env.rank));
+                }
+                r
+            };
+            let result = if *gpu {
+                launched_gpu(env, timeout, run)
+            } else {
+                crate::comm::TcpComm::from_env(env, timeout).and_then(|comm| run(&comm, ExpertsKind::Cpu))
+            };
+            vec![(env.rank, result)]
+        }
         #[cfg(feature = "cuda")]
         RankHost::Gpus => {
             let devices: Vec<usize> = (0..size).collect();
@@ -302,28 +331,33 @@ pub fn on_ranks<T: Send>(
                 .enumerate()
                 .collect()
         }
-        #[cfg(feature = "cuda")]
-        RankHost::Launched(env) => {
-            if env.world_size != size {
-                let e = MoeError::Config(format!("WORLD_SIZE={} but the layout has {size} ranks", env.world_size));
-                return vec![(env.rank, Err(e))];
-            }
-            let result = crate::backend::cuda::NcclComm::from_env(env, timeout).and_then(|comm| {
-                let r =
-                    crate::comm::catch_rank_panic(env.rank, || f(&comm, ExpertsKind::Cuda { device: env.local_rank }));
-                if let Err(e) = &r {
-                    comm.abort(&format!("rank {} failed: {e}", env.rank));
-                }
-                r
-            });
-            vec![(env.rank, result)]
-        }
         #[cfg(not(feature = "cuda"))]
-        RankHost::Gpus | RankHost::Launched(_) => {
-            let e = || MoeError::Unsupported("GPU ranks need a build with `--features cuda`".into());
-            (0..size).map(|r| (r, Err(e()))).collect()
-        }
+        RankHost::Gpus => (0..size).map(|r| (r, Err(no_gpu_build()))).collect(),
     }
+}
+
+#[cfg(feature = "cuda")]
+fn launched_gpu<T>(
+    env: &crate::comm::LaunchEnv,
+    timeout: Duration,
+    run: impl Fn(&dyn Communicator, ExpertsKind) -> Result<T>,
+) -> Result<T> {
+    let comm = crate::backend::cuda::NcclComm::from_env(env, timeout)?;
+    run(&comm, ExpertsKind::Cuda { device: env.local_rank })
+}
+
+#[cfg(not(feature = "cuda"))]
+fn launched_gpu<T>(
+    _env: &crate::comm::LaunchEnv,
+    _timeout: Duration,
+    _run: impl Fn(&dyn Communicator, ExpertsKind) -> Result<T>,
+) -> Result<T> {
+    Err(no_gpu_build())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_gpu_build() -> MoeError {
+    MoeError::Unsupported("GPU ranks need a build with `--features cuda`".into())
 }
 
 /// Runs the layer on `parallel.ep` in-process ranks, rank `r` with `inputs[r]` (ranks of a TP

@@ -260,3 +260,53 @@ fn bytes_moved_are_reported() {
         }
     }
 }
+
+/// Ranks as separate launched processes would run them (TCP mesh, rendezvous through rank 0),
+/// here on threads: every strategy, TP 2 and dual-batch overlap still give one rank's result
+/// bit for bit.
+#[test]
+fn ranks_over_tcp_match_one_rank_bit_for_bit() {
+    use moeflow::comm::{LaunchEnv, TcpComm};
+    use moeflow::parallel::{on_ranks, RankHost};
+    let config = small_config(24, 16, 6, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::F32, 8);
+    let h = config.hidden;
+    let single = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap();
+    let ep = 4;
+    for strategy in STRATEGIES {
+        for (tp, dual_batch) in [(1, false), (2, false), (1, true)] {
+            let par = ParallelConfig { dual_batch, max_tokens_per_rank: 16, ..ParallelConfig::new(ep, tp, strategy) };
+            let placement = Arc::new(par.placement(config.num_experts).unwrap());
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let outs: Vec<Vec<u32>> = std::thread::scope(|s| {
+                let handles: Vec<_> = (0..ep)
+                    .map(|rank| {
+                        let (par, placement, config, weights) = (&par, placement.clone(), &config, &weights);
+                        s.spawn(move || {
+                            let env = LaunchEnv {
+                                rank,
+                                world_size: ep,
+                                local_rank: rank,
+                                master_addr: "127.0.0.1".into(),
+                                master_port: port,
+                            };
+                            let host = RankHost::Launched { env, gpu: false };
+                            let mut res = on_ranks(&host, ep, par.timeout, |comm, kind| {
+                                assert!(comm.as_any().downcast_ref::<TcpComm>().is_some());
+                                let layer = par.layer(comm, placement.clone(), config, weights, kind, Some(3))?;
+                                layer.forward(&hidden(BATCHES[rank / tp], h, 70 + (rank / tp) as u64).1)
+                            });
+                            assert_eq!(res.len(), 1);
+                            bits(&res.pop().unwrap().1.unwrap())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            for (rank, out) in outs.iter().enumerate() {
+                let want = bits(&single.forward(&hidden(BATCHES[rank / tp], h, 70 + (rank / tp) as u64).1).unwrap());
+                assert_eq!(out, &want, "{strategy} TP {tp} dual-batch {dual_batch} rank {rank}");
+            }
+        }
+    }
+}

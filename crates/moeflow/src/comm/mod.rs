@@ -6,9 +6,11 @@
 //! are deterministic. Every call has a deadline; a failure on one rank becomes an error on all.
 
 mod rendezvous;
+mod tcp;
 mod threads;
 
 pub use rendezvous::{LaunchEnv, Rendezvous};
+pub use tcp::TcpComm;
 pub use threads::{run_ranks, ThreadComm, ThreadGroup};
 
 use crate::error::{MoeError, Result};

@@ -2,8 +2,9 @@
 //! hands every other rank a payload (the NCCL unique id), and a liveness channel over the same
 //! connections so that a rank that dies or fails is known to every other rank at once.
 //!
-//! Wire format: a hello `[magic u32, rank u32, world u32]` from each rank to rank 0, answered
-//! by `[len u32, payload]`; afterwards single-byte messages, `A` + `[len u32, reason]` (abort)
+//! Wire format: a hello `[magic u32, rank u32, world u32, port u32]` from each rank to rank 0,
+//! answered by `[len u32, payload]` and `[len u32, table]` (every rank's `ip:port`, comma
+//! separated, rank 0's ip empty: it is `MASTER_ADDR`); afterwards single-byte messages, `A` + `[len u32, reason]` (abort)
 //! or `B` (clean exit). Rank 0 forwards an abort to every rank. A connection that closes
 //! without `B` means its process is gone.
 
@@ -93,6 +94,18 @@ impl Rendezvous {
         payload: impl FnOnce() -> Result<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(Vec<u8>, Rendezvous)> {
+        let (data, _, me) = Self::join_listening(env, payload, 0, timeout)?;
+        Ok((data, me))
+    }
+
+    /// [`Rendezvous::join`] that also tells every rank where every other rank listens:
+    /// `port` is this rank's listening port, and the addresses come back indexed by rank.
+    pub fn join_listening(
+        env: &LaunchEnv,
+        payload: impl FnOnce() -> Result<Vec<u8>>,
+        port: u16,
+        timeout: Duration,
+    ) -> Result<(Vec<u8>, Vec<String>, Rendezvous)> {
         let deadline = Instant::now() + timeout;
         let rank = env.rank;
         let failure = Failure::default();
@@ -101,13 +114,14 @@ impl Rendezvous {
                 .map_err(|e| io_err(rank, &format!("listening on port {}", env.master_port), e))?;
             listener.set_nonblocking(true).map_err(|e| io_err(rank, "listener", e))?;
             let mut conns: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
+            let mut table: Vec<String> = vec![format!(":{port}"); env.world_size];
             while conns.iter().any(Option::is_none) {
                 match listener.accept() {
-                    Ok((mut s, _)) => {
+                    Ok((mut s, from)) => {
                         s.set_nonblocking(false).map_err(|e| io_err(rank, "socket", e))?;
                         s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(MIN_WAIT)))
                             .map_err(|e| io_err(rank, "socket", e))?;
-                        let hello = read_u32s::<3>(&mut s).map_err(|e| io_err(rank, "reading a hello", e))?;
+                        let hello = read_u32s::<4>(&mut s).map_err(|e| io_err(rank, "reading a hello", e))?;
                         let (r, w) = (hello[1] as usize, hello[2] as usize);
                         if hello[0] != MAGIC {
                             continue; // not one of ours
@@ -119,6 +133,7 @@ impl Rendezvous {
                                 format!("rank {r} of world {w} (this job: world {})", env.world_size),
                             ));
                         }
+                        table[r] = std::net::SocketAddr::new(from.ip(), hello[3] as u16).to_string();
                         conns[r - 1] = Some(s);
                     }
                     Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
@@ -133,12 +148,14 @@ impl Rendezvous {
             }
             let data = payload()?;
             let conns: Vec<TcpStream> = conns.into_iter().flatten().collect();
+            let listing = table.join(",");
             for s in &conns {
                 let mut s = s;
                 write_blob(&mut s, &data).map_err(|e| io_err(rank, "sending the payload", e))?;
+                write_blob(&mut s, listing.as_bytes()).map_err(|e| io_err(rank, "sending the table", e))?;
             }
             let me = Rendezvous::watch(rank, conns, failure)?;
-            Ok((data, me))
+            Ok((data, resolve(&listing, &env.master_addr), me))
         } else {
             let addr = format!("{}:{}", env.master_addr, env.master_port);
             let mut s = loop {
@@ -150,13 +167,14 @@ impl Rendezvous {
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             };
-            let hello = [MAGIC, rank as u32, env.world_size as u32];
+            let hello = [MAGIC, rank as u32, env.world_size as u32, u32::from(port)];
             s.write_all(bytemuck::cast_slice(&hello)).map_err(|e| io_err(rank, "sending hello", e))?;
             s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(MIN_WAIT)))
                 .map_err(|e| io_err(rank, "socket", e))?;
             let data = read_blob(&mut s).map_err(|e| io_err(rank, "receiving the payload from rank 0", e))?;
+            let listing = read_blob(&mut s).map_err(|e| io_err(rank, "receiving the table from rank 0", e))?;
             let me = Rendezvous::watch(rank, vec![s], failure)?;
-            Ok((data, me))
+            Ok((data, resolve(&String::from_utf8_lossy(&listing), &env.master_addr), me))
         }
     }
 
@@ -220,6 +238,11 @@ impl Drop for Rendezvous {
 }
 
 const MIN_WAIT: Duration = Duration::from_millis(100);
+
+/// The `ip:port` table with rank 0's empty ip replaced by `master`.
+fn resolve(listing: &str, master: &str) -> Vec<String> {
+    listing.split(',').map(|a| if a.starts_with(':') { format!("{master}{a}") } else { a.to_string() }).collect()
+}
 
 enum Message {
     Bye,

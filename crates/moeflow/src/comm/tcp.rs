@@ -1,0 +1,399 @@
+//! Multi-process ranks without GPUs: [`TcpComm`], a full mesh of TCP connections between the
+//! processes of a launched job (the rendezvous tells every rank where the others listen).
+//!
+//! Every message carries the collective's sequence number and name, so a rank that calls a
+//! different collective is an error, not a wrong answer. Reads poll the job's [`Failure`]
+//! flag (fed by the rendezvous liveness channel), so a dead or failed peer, or a deadline, ends
+//! every pending collective with an error naming the rank and the operation. A sub-group from
+//! `split` gets its own mesh, so that groups can be used from different threads at once.
+
+use super::{Communicator, Failure, LaunchEnv, Rendezvous};
+use crate::error::{MoeError, Result};
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long a blocked read waits before it re-checks the failure flag and the deadline.
+const POLL: Duration = Duration::from_millis(20);
+
+/// One rank of a group of processes connected over TCP.
+pub struct TcpComm {
+    rank: usize,
+    size: usize,
+    /// World rank of every member (for error messages).
+    world: Vec<usize>,
+    /// `(reader, writer)` per peer; `None` at this rank's own index.
+    peers: Mutex<Vec<Option<(TcpStream, TcpStream)>>>,
+    seq: AtomicU64,
+    failure: Failure,
+    rendezvous: Arc<Rendezvous>,
+    timeout: Duration,
+}
+
+fn io_err(rank: usize, op: &str, what: String) -> MoeError {
+    MoeError::Comm { rank, op: op.into(), message: what }
+}
+
+impl TcpComm {
+    /// Joins the job described by `env` (rank 0 at `MASTER_ADDR:MASTER_PORT`); every
+    /// collective then fails after `timeout`.
+    pub fn from_env(env: &LaunchEnv, timeout: Duration) -> Result<TcpComm> {
+        let rank = env.rank;
+        let deadline = Instant::now() + timeout;
+        let listener =
+            TcpListener::bind(("0.0.0.0", 0)).map_err(|e| io_err(rank, "init", format!("listening: {e}")))?;
+        let port = listener.local_addr().map_err(|e| io_err(rank, "init", e.to_string()))?.port();
+        let (_, addrs, rdv) = Rendezvous::join_listening(env, || Ok(Vec::new()), port, timeout)?;
+        let peers = mesh(rank, &addrs, listener, deadline)?;
+        let rdv = Arc::new(rdv);
+        Ok(TcpComm {
+            rank,
+            size: env.world_size,
+            world: (0..env.world_size).collect(),
+            peers: Mutex::new(peers),
+            seq: AtomicU64::new(0),
+            failure: rdv.failure(),
+            rendezvous: rdv,
+            timeout,
+        })
+    }
+
+    fn error(&self, op: &str, message: String) -> MoeError {
+        MoeError::Comm { rank: self.world[self.rank], op: op.into(), message }
+    }
+
+    /// Records the failure for the whole job and returns the error.
+    fn fail(&self, op: &str, message: String) -> MoeError {
+        self.abort(&format!("rank {} in {op}: {message}", self.world[self.rank]));
+        self.error(op, message)
+    }
+}
+
+/// Connects every pair of ranks: each dials the listeners of the lower ranks (saying who it
+/// is) and accepts one connection from each higher rank.
+fn mesh(
+    rank: usize,
+    addrs: &[String],
+    listener: TcpListener,
+    deadline: Instant,
+) -> Result<Vec<Option<(TcpStream, TcpStream)>>> {
+    let n = addrs.len();
+    let err = |what: String| io_err(rank, "connect", what);
+    let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+    for (peer, addr) in addrs.iter().enumerate().take(rank) {
+        let mut s = loop {
+            match TcpStream::connect(addr) {
+                Ok(s) => break s,
+                Err(e) if Instant::now() >= deadline => return Err(err(format!("rank {peer} at {addr}: {e}"))),
+                Err(_) => std::thread::sleep(Duration::from_millis(10)),
+            }
+        };
+        s.write_all(&(rank as u32).to_le_bytes()).map_err(|e| err(format!("greeting rank {peer}: {e}")))?;
+        streams[peer] = Some(s);
+    }
+    listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
+    while streams.iter().enumerate().any(|(r, s)| r > rank && s.is_none()) {
+        match listener.accept() {
+            Ok((mut s, _)) => {
+                s.set_nonblocking(false).map_err(|e| err(e.to_string()))?;
+                s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| err(e.to_string()))?;
+                let mut who = [0u8; 4];
+                s.read_exact(&mut who).map_err(|e| err(format!("reading a greeting: {e}")))?;
+                let who = u32::from_le_bytes(who) as usize;
+                if who <= rank || who >= n || streams[who].is_some() {
+                    return Err(err(format!("unexpected greeting from rank {who}")));
+                }
+                streams[who] = Some(s);
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (rank + 1..n).filter(|&r| streams[r].is_none()).collect();
+                    return Err(err(format!("ranks {missing:?} never connected")));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(err(e.to_string())),
+        }
+    }
+    streams
+        .into_iter()
+        .map(|s| {
+            s.map(|s| {
+                s.set_nodelay(true)?;
+                s.set_read_timeout(Some(POLL))?;
+                Ok((s.try_clone()?, s))
+            })
+            .transpose()
+            .map_err(|e: std::io::Error| err(e.to_string()))
+        })
+        .collect()
+}
+
+/// Why a read stopped.
+enum ReadStop {
+    Io(std::io::Error),
+    Failed(String),
+    Deadline,
+}
+
+/// Fills `buf` from `s`, re-checking `failure` and `deadline` whenever the socket is idle.
+fn read_full(
+    s: &mut TcpStream,
+    buf: &mut [u8],
+    failure: &Failure,
+    deadline: Instant,
+) -> std::result::Result<(), ReadStop> {
+    let mut off = 0;
+    while off < buf.len() {
+        match s.read(&mut buf[off..]) {
+            Ok(0) => return Err(ReadStop::Io(std::io::Error::new(ErrorKind::UnexpectedEof, "connection closed"))),
+            Ok(n) => off += n,
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {
+                if let Some(reason) = failure.get() {
+                    return Err(ReadStop::Failed(reason));
+                }
+                if Instant::now() >= deadline {
+                    return Err(ReadStop::Deadline);
+                }
+            }
+            Err(e) => return Err(ReadStop::Io(e)),
+        }
+    }
+    Ok(())
+}
+
+/// One message: `[seq u64, op length u32, payload length u64]`, the op name, the payload.
+fn message(seq: u64, op: &str, data: &[u8]) -> Vec<u8> {
+    let mut m = Vec::with_capacity(20 + op.len() + data.len());
+    m.extend_from_slice(&seq.to_le_bytes());
+    m.extend_from_slice(&(op.len() as u32).to_le_bytes());
+    m.extend_from_slice(&(data.len() as u64).to_le_bytes());
+    m.extend_from_slice(op.as_bytes());
+    m.extend_from_slice(data);
+    m
+}
+
+impl Communicator for TcpComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_to_all_v(&self, op: &str, mut parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        if let Some(reason) = self.failure.get() {
+            return Err(self.error(op, format!("group failed: {reason}")));
+        }
+        if parts.len() != self.size {
+            return Err(self.fail(op, format!("{} parts for {} ranks", parts.len(), self.size)));
+        }
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let deadline = Instant::now() + self.timeout;
+        let mut peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut got: Vec<Vec<u8>> = vec![Vec::new(); self.size];
+        got[self.rank] = std::mem::take(&mut parts[self.rank]);
+        let (readers, writers): (Vec<_>, Vec<_>) =
+            peers.iter_mut().map(|p| p.as_mut().map(|(r, w)| (r, w)).unzip()).unzip();
+        let outcome = std::thread::scope(|scope| {
+            // Writers run beside the reads, so that large messages cannot fill both ways' buffers.
+            let sending: Vec<_> = writers
+                .into_iter()
+                .zip(&parts)
+                .enumerate()
+                .filter_map(|(peer, (w, data))| w.map(|w| (peer, w, data)))
+                .map(|(peer, w, data)| {
+                    let msg = message(seq, op, data);
+                    scope.spawn(move || {
+                        w.set_write_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(POLL)))
+                            .and_then(|_| w.write_all(&msg))
+                            .map_err(|e| (peer, e))
+                    })
+                })
+                .collect();
+            let mut result = Ok(());
+            for (peer, r) in readers.into_iter().enumerate() {
+                let Some(r) = r else { continue };
+                let mut head = [0u8; 20];
+                let read = read_full(r, &mut head, &self.failure, deadline).and_then(|_| {
+                    let their_seq = u64::from_le_bytes(head[0..8].try_into().expect("8 bytes"));
+                    let op_len = u32::from_le_bytes(head[8..12].try_into().expect("4 bytes")) as usize;
+                    let len = u64::from_le_bytes(head[12..20].try_into().expect("8 bytes")) as usize;
+                    let mut name = vec![0u8; op_len];
+                    read_full(r, &mut name, &self.failure, deadline)?;
+                    let mut data = vec![0u8; len];
+                    read_full(r, &mut data, &self.failure, deadline)?;
+                    Ok((their_seq, String::from_utf8_lossy(&name).into_owned(), data))
+                });
+                let who = self.world[peer];
+                result = match read {
+                    Ok((s, name, _)) if s != seq || name != op => Err(self.fail(
+                        op,
+                        format!("rank {who} called {name} (collective #{s}) while this rank called {op} (#{seq})"),
+                    )),
+                    Ok((_, _, data)) => {
+                        got[peer] = data;
+                        Ok(())
+                    }
+                    Err(ReadStop::Failed(reason)) => Err(self.error(op, format!("group failed: {reason}"))),
+                    Err(ReadStop::Deadline) => {
+                        Err(self.fail(op, format!("timed out after {:?} waiting for rank {who}", self.timeout)))
+                    }
+                    Err(ReadStop::Io(e)) => Err(self.fail(op, format!("lost rank {who}: {e}"))),
+                };
+                if result.is_err() {
+                    break;
+                }
+            }
+            for h in sending {
+                match h.join() {
+                    Ok(Ok(())) => {}
+                    Ok(Err((peer, e))) if result.is_ok() => {
+                        result = Err(self.fail(op, format!("sending to rank {}: {e}", self.world[peer])));
+                    }
+                    _ => {}
+                }
+            }
+            result
+        });
+        outcome.map(|_| got)
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
+        let listener = TcpListener::bind(("0.0.0.0", 0)).map_err(|e| self.error("split", format!("listening: {e}")))?;
+        let port = listener.local_addr().map_err(|e| self.error("split", e.to_string()))?.port() as u64;
+        let all: Vec<Vec<u64>> = super::CommExt::all_gather_vec(self, "split", &[color as u64, key as u64, port])?;
+        let mut members: Vec<(u64, usize)> =
+            all.iter().enumerate().filter(|(_, v)| v[0] == color as u64).map(|(r, v)| (v[1], r)).collect();
+        members.sort();
+        let sub_rank = members.iter().position(|&(_, r)| r == self.rank).expect("this rank has its own color");
+        // Peers' addresses: the ip this rank already reaches them at, their new port.
+        let addrs: Vec<String> = {
+            let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
+            members
+                .iter()
+                .map(|&(_, r)| match &peers[r] {
+                    Some((s, _)) => s
+                        .peer_addr()
+                        .map(|a| std::net::SocketAddr::new(a.ip(), all[r][2] as u16).to_string())
+                        .unwrap_or_default(),
+                    None => format!("127.0.0.1:{}", all[r][2]),
+                })
+                .collect()
+        };
+        let peers = mesh(sub_rank, &addrs, listener, Instant::now() + self.timeout)?;
+        Ok(Box::new(TcpComm {
+            rank: sub_rank,
+            size: members.len(),
+            world: members.iter().map(|&(_, r)| self.world[r]).collect(),
+            peers: Mutex::new(peers),
+            seq: AtomicU64::new(0),
+            failure: self.failure.clone(),
+            rendezvous: self.rendezvous.clone(),
+            timeout: self.timeout,
+        }))
+    }
+
+    fn abort(&self, reason: &str) {
+        self.rendezvous.abort(reason);
+    }
+
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::CommExt;
+
+    fn envs(world: usize) -> Vec<LaunchEnv> {
+        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        (0..world)
+            .map(|rank| LaunchEnv {
+                rank,
+                world_size: world,
+                local_rank: rank,
+                master_addr: "127.0.0.1".into(),
+                master_port: port,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn collectives_and_splits_over_tcp() {
+        let world = 4;
+        let envs = envs(world);
+        std::thread::scope(|s| {
+            for env in &envs {
+                s.spawn(move || {
+                    let c = TcpComm::from_env(env, Duration::from_secs(30)).unwrap();
+                    let r = c.rank();
+                    // Uneven parts, some empty, one large (more than a socket buffer).
+                    let len =
+                        |src: usize, dst: usize| if src == 1 && dst == 2 { 3 << 20 } else { (src * 5 + dst * 3) % 7 };
+                    let parts = (0..world).map(|d| vec![(r * 16 + d) as u8; len(r, d)]).collect();
+                    let got = c.all_to_all_v("test", parts).unwrap();
+                    for (src, p) in got.iter().enumerate() {
+                        assert_eq!(p.len(), len(src, r));
+                        assert!(p.iter().all(|&b| b == (src * 16 + r) as u8));
+                    }
+                    assert_eq!(c.all_reduce_sum("sum", &[r as f32, 1.0]).unwrap(), vec![6.0, 4.0]);
+                    let sub = c.split(r % 2, world - r).unwrap();
+                    assert_eq!(sub.size(), 2);
+                    let members: Vec<Vec<u32>> = sub.all_gather_vec("sub", &[r as u32]).unwrap();
+                    let want: Vec<u32> = if r.is_multiple_of(2) { vec![2, 0] } else { vec![3, 1] };
+                    assert_eq!(members.concat(), want);
+                });
+            }
+        });
+    }
+
+    #[test]
+    fn a_lost_rank_and_a_mismatch_fail_every_rank_with_named_errors() {
+        let world = 3;
+        let three = envs(world);
+        let results: Vec<std::result::Result<(), String>> = std::thread::scope(|s| {
+            let hs: Vec<_> = three
+                .iter()
+                .map(|env| {
+                    s.spawn(move || {
+                        let c = TcpComm::from_env(env, Duration::from_secs(20)).unwrap();
+                        c.barrier().unwrap();
+                        if c.rank() == 2 {
+                            // This process ends without a word: its sockets close.
+                            std::mem::forget(c.rendezvous.clone());
+                            drop(c);
+                            return Ok(());
+                        }
+                        c.all_to_all_v("after the loss", vec![vec![1]; world]).map(|_| ()).map_err(|e| e.to_string())
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for r in &results[..2] {
+            let e = r.as_ref().unwrap_err();
+            assert!(e.contains("rank 2") && e.contains("after the loss"), "{e}");
+        }
+        let pair = envs(2);
+        let results: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = pair
+                .iter()
+                .map(|env| {
+                    s.spawn(move || {
+                        let c = TcpComm::from_env(env, Duration::from_secs(20)).unwrap();
+                        let op = if c.rank() == 0 { "dispatch" } else { "combine" };
+                        c.all_to_all_v(op, vec![vec![]; 2]).unwrap_err().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(results[0].contains("rank 1 called combine"), "{}", results[0]);
+    }
+}
