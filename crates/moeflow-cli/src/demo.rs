@@ -141,7 +141,8 @@ pub fn run(args: DemoArgs) -> Result<()> {
         let (mut times, mut lo, mut hi) = (Vec::new(), t, 0);
         for (r, res) in results {
             let (o, ts) = res?;
-            if r % par.tp == 0 {
+            // One copy of each DP group's tokens (a launched process holds just its own).
+            if r % par.tp == 0 || host.launched_rank().is_some() {
                 let (a, b) = groups[r / par.tp];
                 (lo, hi) = (lo.min(a), hi.max(b));
                 rows.extend(o.to_f32_vec());
