@@ -354,6 +354,28 @@ mod tests {
     }
 
     #[test]
+    fn a_silent_rank_times_out_and_then_hears_of_the_failure() {
+        let pair = envs(2);
+        let results: Vec<String> = std::thread::scope(|s| {
+            let hs: Vec<_> = pair
+                .iter()
+                .map(|env| {
+                    s.spawn(move || {
+                        let c = TcpComm::from_env(env, Duration::from_millis(500)).unwrap();
+                        if c.rank() == 1 {
+                            std::thread::sleep(Duration::from_millis(1500));
+                        }
+                        c.all_to_all_v("late", vec![vec![9]; 2]).unwrap_err().to_string()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert!(results[0].contains("timed out after 500ms waiting for rank 1"), "{}", results[0]);
+        assert!(results[1].contains("group failed") && results[1].contains("rank 0 in late"), "{}", results[1]);
+    }
+
+    #[test]
     fn a_lost_rank_and_a_mismatch_fail_every_rank_with_named_errors() {
         let world = 3;
         let three = envs(world);
