@@ -1,10 +1,11 @@
 //! `moeflow run`: one MoE block of a Hugging Face checkpoint on hidden states from a file.
 
 use crate::common::{quantize_weights, split_tokens, Backend, ParallelArgs};
-use moeflow::comm::run_ranks;
+use moeflow::comm::CommExt;
 use moeflow::model::{io, Checkpoint};
+use moeflow::parallel::{on_ranks, RankHost};
 use moeflow::quant::QuantConfig;
-use moeflow::{DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use moeflow::{DType, LayerOptions, MoeError, MoeLayer, Result, Tensor};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -32,7 +33,7 @@ pub struct RunArgs {
     chunk_size: Option<usize>,
     #[command(flatten)]
     parallel: ParallelArgs,
-    /// cpu, or cuda (one GPU; expert weights in bf16).
+    /// cpu, or cuda (one GPU per rank; expert weights in bf16).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
 }
@@ -58,17 +59,14 @@ pub fn run(args: RunArgs) -> Result<()> {
     let groups = args.parallel.ep / args.parallel.tp.max(1);
     let par = args.parallel.config(t.div_ceil(groups.max(1)))?;
     let start = Instant::now();
-    let out = if args.backend == Backend::Cuda {
-        if par.ep != 1 {
-            return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
-        }
-        if par.quant != moeflow::quant::QuantConfig::None {
-            return Err(MoeError::Unsupported(
-                "--quant on --backend cuda: quantized GEMMs are not implemented yet".into(),
-            ));
-        }
+    let gpu = args.backend == Backend::Cuda;
+    if gpu && par.quant != moeflow::quant::QuantConfig::None {
+        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+    }
+    let host = RankHost::detect(gpu)?;
+    let out = if gpu && par.ep == 1 && !par.dual_batch && host == RankHost::Gpus {
         moeflow::backend::cuda::CudaMoeLayer::new(&block.config, &block.weights)?.forward(&x)?
-    } else if par.ep == 1 && !par.dual_batch {
+    } else if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
         let layer = MoeLayer::new(
             &block.config,
             &block.weights,
@@ -84,21 +82,26 @@ pub fn run(args: RunArgs) -> Result<()> {
         let xs = x.to_f32_vec();
         let shares = split_tokens(t, par.ep / par.tp);
         let placement = Arc::new(par.placement(block.config.num_experts)?);
-        let results = run_ranks(par.ep, Some(par.timeout), |comm| {
-            let layer =
-                par.layer(comm, placement.clone(), &block.config, &block.weights, ExpertsKind::Cpu, args.chunk_size)?;
-            let (a, b) = shares[moeflow::comm::Communicator::rank(comm) / par.tp];
-            layer.forward(&Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?)
+        let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
+            let layer = par.layer(comm, placement.clone(), &block.config, &block.weights, kind, args.chunk_size)?;
+            let (a, b) = shares[comm.rank() / par.tp];
+            let rows = layer.forward(&Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?)?.to_f32_vec();
+            // Every rank gets the whole output: each DP group's rows, once (from its first TP
+            // rank), in rank order, which is token order.
+            let mine = if comm.rank() % par.tp == 0 { rows } else { Vec::new() };
+            Ok(comm.all_gather_vec("run.output", &mine)?.concat())
         });
-        let mut rows = Vec::with_capacity(t * h);
-        for (r, res) in results.into_iter().enumerate() {
-            let o = res?;
-            if r % par.tp == 0 {
-                rows.extend(o.to_f32_vec());
-            }
+        let mut full = None;
+        for (_, r) in results {
+            let r = r?;
+            full.get_or_insert(r);
         }
-        Tensor::from_f32(&[t, h], rows)?
+        Tensor::from_f32(&[t, h], full.ok_or_else(|| MoeError::Config("no ranks".into()))?)?
     };
+    // In a launched job rank 0 writes the file.
+    if host.launched_rank().is_some_and(|r| r != 0) {
+        return Ok(());
+    }
     let secs = start.elapsed().as_secs_f64();
     io::write_f32_atomic(&args.output, &[("hidden_states", &out)])?;
     println!(

@@ -28,11 +28,17 @@ fn check_run(name: &str, layer: &str, extra: &[&str]) {
 }
 
 fn check_run_within(name: &str, layer: &str, extra: &[&str], tol: f32) {
+    check_run_launched(&[], name, layer, extra, tol);
+}
+
+/// `moeflow [launcher..] run` on fixture `name` against its transformers output.
+fn check_run_launched(launcher: &[&str], name: &str, layer: &str, extra: &[&str], tol: f32) {
     let dir = fixture(name);
-    let out = tmp(&format!("{name}.safetensors"));
+    let out = tmp(&format!("{name}{}.safetensors", launcher.len()));
     let (m, i, o) =
         (dir.display().to_string(), dir.join("input.safetensors").display().to_string(), out.display().to_string());
-    let mut args = vec!["run", "--model", &m, "--layer", layer, "--input", &i, "--output", &o];
+    let mut args = launcher.to_vec();
+    args.extend(["run", "--model", &m, "--layer", layer, "--input", &i, "--output", &o]);
     args.extend(extra);
     let res = moeflow(&args);
     assert!(res.status.success(), "{}", text(&res));
@@ -54,6 +60,8 @@ fn run_matches_transformers() {
     // transformers used), so only the fp8 rows add error: 2 × 1/16 (tests/quant.rs explains).
     check_run_within("deepseek_v3_fp8", "2", &["--quant", "fp8-block"], 0.13);
     check_run_within("gpt_oss_mxfp4", "1", &["--quant", "mxfp8", "--ep", "2", "--strategy", "allgather"], 0.13);
+    // Ranks as processes: rank 0 gathers every DP group's rows and writes the file.
+    check_run_launched(&["launch", "--gpus", "4", "--"], "qwen2_moe", "1", &["--ep", "4", "--tp", "2"], 1e-5);
 }
 
 #[test]
