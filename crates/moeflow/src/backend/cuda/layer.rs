@@ -1,7 +1,9 @@
-//! The whole single-rank MoE layer on one GPU: router in f32, rows permuted by expert on the
-//! device (counts and offsets computed there, rows in slot order so runs repeat exactly),
-//! bf16 grouped GEMMs with f32 accumulation (one cuBLAS grouped call per GEMM), activation,
-//! and a weighted combine in slot order.
+//! The whole MoE layer resident on GPUs: router in f32, rows permuted by expert on the device
+//! (counts and offsets computed there, rows in slot order so runs repeat exactly), bf16 expert
+//! GEMMs with f32 accumulation (padded strided-batched, or per expert over side streams),
+//! activation, and a weighted combine in slot order. On one GPU, or as one rank of an
+//! expert-parallel group ([`CudaMoeLayer::new_ep`]) whose tokens travel to the ranks holding
+//! their experts over NCCL, on the device.
 
 use super::{err, Gpu};
 pub use crate::backend::GpuStageTimes;

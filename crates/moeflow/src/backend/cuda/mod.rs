@@ -1,6 +1,6 @@
 //! The CUDA backend (feature `cuda`): cudarc with dynamic loading, kernels compiled at run time
-//! by NVRTC for the device's architecture (cached per process), expert GEMMs as one grouped
-//! cuBLAS call each.
+//! by NVRTC for the device's architecture (cached per process), bf16 cuBLAS expert GEMMs, and
+//! NCCL communicators for expert parallelism across GPUs and processes.
 
 mod ceiling;
 mod experts;
