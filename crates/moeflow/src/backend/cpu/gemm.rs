@@ -344,7 +344,8 @@ mod tests {
     #[test]
     fn bf16_weights_and_segments() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        let (e, n, k, m) = (3, 40, 70, 11);
+        // K over two cache blocks; segments of one row block and of several.
+        let (e, n, k, m) = (3, 40, KC + 44, 24);
         let a: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let w: Vec<bf16> = (0..e * n * k).map(|_| bf16::from_f32(rng.gen_range(-1.0..1.0))).collect();
         let packed = PackedMatrices::pack(&w, e, n, k);
@@ -352,6 +353,7 @@ mod tests {
             Segment { expert: 2, row_start: 0, rows: 4 },
             Segment { expert: 0, row_start: 4, rows: 0 },
             Segment { expert: 1, row_start: 4, rows: 7 },
+            Segment { expert: 2, row_start: 11, rows: 13 },
         ];
         let mut c = vec![f32::NAN; m * n];
         grouped_gemm(&a, k, &segs, &packed, &mut c, n);
