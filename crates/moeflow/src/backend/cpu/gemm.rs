@@ -215,7 +215,7 @@ unsafe fn portable_kernel<T: PanelElem>(mr: usize, t: &Tile<T>) {
             let mut acc = if t.accumulate { *cp } else { 0.0 };
             for kk in 0..t.kc {
                 let av = *t.a.add(r * t.lda + kk);
-                let bv = (*t.b.add(kk * NR + j)).to_f32();
+                let bv = (*t.b.add(kk * NR + T::slot(j))).to_f32();
                 acc = av.mul_add(bv, acc);
             }
             *cp = acc;
@@ -228,14 +228,17 @@ mod avx2 {
     use super::{PanelElem, Tile, NR};
     use std::arch::x86_64::*;
 
-    /// Loads 8 consecutive panel elements as f32.
+    /// Loads one panel row (16 columns) as two f32 vectors: columns 0–7 and 8–15. A bf16 row
+    /// is one 32-byte load; its interleaved halves widen with a shift and a mask.
     #[inline(always)]
-    unsafe fn load8<T: PanelElem>(p: *const T) -> __m256 {
+    unsafe fn load16<T: PanelElem>(p: *const T) -> (__m256, __m256) {
         if T::IS_BF16 {
-            let h = _mm_loadu_si128(p as *const __m128i);
-            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+            let v = _mm256_loadu_si256(p as *const __m256i);
+            let low = _mm256_slli_epi32(v, 16);
+            let high = _mm256_and_si256(v, _mm256_set1_epi32(0xffff_0000_u32 as i32));
+            (_mm256_castsi256_ps(low), _mm256_castsi256_ps(high))
         } else {
-            _mm256_loadu_ps(p as *const f32)
+            (_mm256_loadu_ps(p as *const f32), _mm256_loadu_ps((p as *const f32).add(8)))
         }
     }
 
@@ -260,8 +263,7 @@ mod avx2 {
         }
         let mut b = t.b;
         let step = |acc: &mut [[__m256; 2]; M], b: *const T, kk: usize| {
-            let b0 = load8(b);
-            let b1 = load8(b.add(8));
+            let (b0, b1) = load16(b);
             for (row, p) in acc.iter_mut().zip(rows.iter()) {
                 let av = _mm256_broadcast_ss(&*p.add(kk));
                 row[0] = _mm256_fmadd_ps(av, b0, row[0]);

@@ -1,7 +1,8 @@
 //! Weights re-laid out once, at load time, into the panel order the CPU GEMM reads.
 //!
 //! A weight matrix `W [N, K]` (row-major, as checkpoints store linear layers) becomes
-//! `ceil(N / NR)` panels; panel `p` holds `W[p*NR + j, k]` at `k * NR + j`, zero-padded past `N`.
+//! `ceil(N / NR)` panels; panel `p` holds `W[p*NR + j, k]` at `k * NR + slot(j)` (`slot` is the
+//! identity for f32, an interleave of the two halves for bf16), zero-padded past `N`.
 //! Stacked per-expert matrices `[E, N, K]` are packed expert by expert.
 
 use half::bf16;
@@ -17,6 +18,13 @@ pub trait PanelElem: Copy + Send + Sync + 'static {
     const IS_BF16: bool;
     /// Widen to f32 (exact for both element types).
     fn to_f32(self) -> f32;
+    /// Where column `j` of a panel row sits among its `NR` elements. bf16 interleaves the two
+    /// halves (columns `j` and `8 + j` share a 32-bit word), so one 32-byte load widens to two
+    /// f32 vectors with one shift and one mask.
+    #[inline(always)]
+    fn slot(j: usize) -> usize {
+        j
+    }
 }
 
 impl PanelElem for f32 {
@@ -34,6 +42,15 @@ impl PanelElem for bf16 {
     #[inline(always)]
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+    #[inline(always)]
+    fn slot(j: usize) -> usize {
+        let half = NR / 2;
+        if j < half {
+            2 * j
+        } else {
+            2 * (j - half) + 1
+        }
     }
 }
 
@@ -75,8 +92,9 @@ impl<T: PanelElem> PackedMatrices<T> {
                     break;
                 }
                 let row = &src[base + col * k..base + (col + 1) * k];
+                let slot = T::slot(j);
                 for (kk, &v) in row.iter().enumerate() {
-                    panel[kk * NR + j] = v;
+                    panel[kk * NR + slot] = v;
                 }
             }
         });
