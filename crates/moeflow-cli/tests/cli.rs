@@ -129,7 +129,8 @@ fn demo_check_bench_inspect() {
 fn launch_runs_cpu_ranks_as_processes_and_reports_errors() {
     // Three processes over TCP: each checks its share of the tokens bit for bit against one
     // rank and against the f64 reference.
-    let res = moeflow(&["launch", "--gpus", "3", "--", "demo", "--ep", "3", "--tokens", "40", "--runs", "1"]);
+    let demo = ["demo", "--ep", "3", "--experts", "8", "--tokens", "40", "--runs", "1"];
+    let res = moeflow(&[&["launch", "--gpus", "3", "--"][..], &demo].concat());
     let t = text(&res);
     assert!(res.status.success(), "{t}");
     for r in 0..3 {
