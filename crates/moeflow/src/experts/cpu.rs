@@ -154,12 +154,7 @@ impl Experts for CpuExperts {
     fn apply_batched(&self, input: &BatchedInput, workspace: &mut [f32], out: &mut [f32]) -> Result<()> {
         let (h, i, cap) = (self.hidden, self.inter, input.capacity);
         let rows = self.experts * cap;
-        if input.counts.len() != self.experts || input.hidden.len() != rows * h || out.len() != rows * h {
-            return Err(MoeError::shape("batched expert input", [self.experts, cap, h], input.hidden.len()));
-        }
-        if let Some(e) = input.counts.iter().position(|&c| c > cap) {
-            return Err(MoeError::Config(format!("expert {e} holds {} rows, capacity {cap}", input.counts[e])));
-        }
+        input.check(self.experts, h, out)?;
         if workspace.len() < self.batched_workspace_len(rows) {
             return Err(MoeError::Config("expert workspace too small".into()));
         }
@@ -201,39 +196,10 @@ impl Experts for CpuExperts {
             return Err(MoeError::Config("expert workspace too small".into()));
         }
         // Permute: slots grouped by local expert, in token-then-slot order within an expert.
-        let mut counts = vec![0usize; self.experts];
-        let local: Vec<Option<usize>> = (0..slots).map(|s| input.local_expert(s)).collect();
-        for (s, l) in local.iter().enumerate() {
-            let Some(l) = *l else { continue };
-            if l >= self.experts {
-                return Err(MoeError::ExpertOutOfRange {
-                    id: l as i64,
-                    num_experts: self.experts,
-                    token: s / k,
-                    slot: s % k,
-                });
-            }
-            counts[l] += 1;
-        }
-        let mut offsets = vec![0usize; self.experts + 1];
-        for e in 0..self.experts {
-            offsets[e + 1] = offsets[e] + counts[e];
-        }
-        let rows = offsets[self.experts];
-        let mut next = offsets.clone();
-        let mut order = vec![0u32; rows];
-        let mut row_of_slot = vec![u32::MAX; slots];
-        for (s, l) in local.iter().enumerate() {
-            if let Some(l) = *l {
-                order[next[l]] = s as u32;
-                row_of_slot[s] = next[l] as u32;
-                next[l] += 1;
-            }
-        }
-        let segments: Vec<Segment> = (0..self.experts)
-            .filter(|&e| counts[e] > 0)
-            .map(|e| Segment { expert: e, row_start: offsets[e], rows: counts[e] })
-            .collect();
+        let groups = input.group_slots(self.experts)?;
+        let (rows, order, row_of_slot) = (groups.rows(), &groups.order, &groups.row_of_slot);
+        let segments: Vec<Segment> =
+            groups.segments().map(|(expert, row_start, rows)| Segment { expert, row_start, rows }).collect();
 
         // Workspace: gathered rows (reused for the expert outputs), GEMM1 output, activation.
         let (rows_buf, rest) = workspace.split_at_mut(rows * h);

@@ -238,6 +238,65 @@ impl ExpertInput<'_> {
     }
 }
 
+/// A standard-format batch's slots grouped by local expert, in slot order within an expert.
+#[derive(Clone, Debug)]
+pub struct SlotGroups {
+    /// Expert `e` owns rows `offsets[e]..offsets[e + 1]` (`[experts + 1]`).
+    pub offsets: Vec<usize>,
+    /// The flat slot (`token · k + j`) of each row.
+    pub order: Vec<u32>,
+    /// The row of each slot, `u32::MAX` where the slot's expert lives elsewhere.
+    pub row_of_slot: Vec<u32>,
+}
+
+impl SlotGroups {
+    /// Rows in all groups.
+    pub fn rows(&self) -> usize {
+        self.order.len()
+    }
+
+    /// `(expert, first row, rows)` of every expert with rows.
+    pub fn segments(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        self.offsets.windows(2).enumerate().filter(|(_, w)| w[1] > w[0]).map(|(e, w)| (e, w[0], w[1] - w[0]))
+    }
+}
+
+impl ExpertInput<'_> {
+    /// Groups the slots by local expert among `experts`; a local slot past `experts` is an
+    /// error naming its token and slot.
+    pub fn group_slots(&self, experts: usize) -> Result<SlotGroups> {
+        let slots = self.tokens * self.k;
+        let local: Vec<Option<usize>> = (0..slots).map(|s| self.local_expert(s)).collect();
+        let mut offsets = vec![0usize; experts + 1];
+        for (s, l) in local.iter().enumerate() {
+            let Some(l) = *l else { continue };
+            if l >= experts {
+                return Err(MoeError::ExpertOutOfRange {
+                    id: l as i64,
+                    num_experts: experts,
+                    token: s / self.k,
+                    slot: s % self.k,
+                });
+            }
+            offsets[l + 1] += 1;
+        }
+        for e in 0..experts {
+            offsets[e + 1] += offsets[e];
+        }
+        let mut next = offsets.clone();
+        let mut order = vec![0u32; offsets[experts]];
+        let mut row_of_slot = vec![u32::MAX; slots];
+        for (s, l) in local.iter().enumerate() {
+            if let Some(l) = *l {
+                order[next[l]] = s as u32;
+                row_of_slot[s] = next[l] as u32;
+                next[l] += 1;
+            }
+        }
+        Ok(SlotGroups { offsets, order, row_of_slot })
+    }
+}
+
 /// Rows in the batched format: `hidden [local, capacity, H]`, expert `e` using its first
 /// `counts[e]` rows.
 #[derive(Clone, Copy, Debug)]
@@ -248,6 +307,21 @@ pub struct BatchedInput<'a> {
     pub capacity: usize,
     /// Valid rows per local expert.
     pub counts: &'a [usize],
+}
+
+impl BatchedInput<'_> {
+    /// Checks the input and `out` against `experts` experts of hidden size `h`: shapes, and no
+    /// expert over capacity.
+    pub fn check(&self, experts: usize, h: usize, out: &[f32]) -> Result<()> {
+        let (cap, rows) = (self.capacity, experts * self.capacity);
+        if self.counts.len() != experts || self.hidden.len() != rows * h || out.len() != rows * h {
+            return Err(MoeError::shape("batched expert input", [experts, cap, h], self.hidden.len()));
+        }
+        if let Some(e) = self.counts.iter().position(|&c| c > cap) {
+            return Err(MoeError::Config(format!("expert {e} holds {} rows, capacity {cap}", self.counts[e])));
+        }
+        Ok(())
+    }
 }
 
 /// An expert implementation: sizes its workspace, computes, and says how its output is reduced.

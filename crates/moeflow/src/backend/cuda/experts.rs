@@ -168,40 +168,23 @@ impl Experts for CudaExperts {
         if out.len() != slots * h || input.hidden.len() != input.tokens * h {
             return Err(MoeError::shape("expert input/output", [input.tokens, k, h], out.len()));
         }
-        // Slots grouped by local expert, in slot order within an expert.
-        let mut by_expert: Vec<Vec<usize>> = vec![Vec::new(); self.experts];
-        for s in 0..slots {
-            if let Some(l) = input.local_expert(s) {
-                if l >= self.experts {
-                    return Err(MoeError::ExpertOutOfRange {
-                        id: l as i64,
-                        num_experts: self.experts,
-                        token: s / k,
-                        slot: s % k,
-                    });
-                }
-                by_expert[l].push(s);
-            }
+        let groups = input.group_slots(self.experts)?;
+        let rows = groups.rows();
+        let segments: Vec<Segment> = groups.segments().collect();
+        let mut expert_of_row = vec![0i32; rows];
+        for &(e, start, n) in &segments {
+            expert_of_row[start..start + n].fill(e as i32);
         }
-        let rows: usize = by_expert.iter().map(Vec::len).sum();
-        let (mut a, mut segments, mut expert_of_row) = (Vec::with_capacity(rows * h), Vec::new(), Vec::new());
-        let mut row_of_slot = vec![usize::MAX; slots];
-        for (e, list) in by_expert.iter().enumerate() {
-            if !list.is_empty() {
-                segments.push((e, expert_of_row.len(), list.len()));
-            }
-            for &s in list {
-                row_of_slot[s] = expert_of_row.len();
-                expert_of_row.push(e as i32);
-                let t = s / k;
-                to_bf16(&input.hidden[t * h..(t + 1) * h], &mut a);
-            }
+        let mut a = Vec::with_capacity(rows * h);
+        for &s in &groups.order {
+            let t = s as usize / k;
+            to_bf16(&input.hidden[t * h..(t + 1) * h], &mut a);
         }
         let y = self.run(&a, rows, &segments, &expert_of_row)?;
         for (s, dst) in out.chunks_mut(h.max(1)).enumerate().take(slots) {
-            match row_of_slot[s] {
-                usize::MAX => dst.iter_mut().for_each(|x| *x = -0.0),
-                r => self.emit(&y, r, expert_of_row[r] as usize, dst),
+            match groups.row_of_slot[s] {
+                u32::MAX => dst.iter_mut().for_each(|x| *x = -0.0),
+                r => self.emit(&y, r as usize, expert_of_row[r as usize] as usize, dst),
             }
         }
         Ok(())
@@ -209,13 +192,7 @@ impl Experts for CudaExperts {
 
     fn apply_batched(&self, input: &BatchedInput, _workspace: &mut [f32], out: &mut [f32]) -> Result<()> {
         let (h, cap) = (self.hidden, input.capacity);
-        let rows = self.experts * cap;
-        if input.counts.len() != self.experts || input.hidden.len() != rows * h || out.len() != rows * h {
-            return Err(MoeError::shape("batched expert input", [self.experts, cap, h], input.hidden.len()));
-        }
-        if let Some(e) = input.counts.iter().position(|&c| c > cap) {
-            return Err(MoeError::Config(format!("expert {e} holds {} rows, capacity {cap}", input.counts[e])));
-        }
+        input.check(self.experts, h, out)?;
         // Only the valid rows travel: pack them, run, and write them back in place.
         let (mut a, mut segments, mut expert_of_row) = (Vec::new(), Vec::new(), Vec::new());
         for (e, &n) in input.counts.iter().enumerate() {
