@@ -309,13 +309,8 @@ pub fn on_ranks<T: Send>(
                 let e = MoeError::Config(format!("WORLD_SIZE={} but the layout has {size} ranks", env.world_size));
                 return vec![(env.rank, Err(e))];
             }
-            let run = |comm: &dyn Communicator, kind: ExpertsKind| {
-                let r = crate::comm::catch_rank_panic(env.rank, || f(comm, kind));
-                if let Err(e) = &r {
-                    comm.abort(&format!("rank {} failed: {e}", env.rank));
-                }
-                r
-            };
+            let run =
+                |comm: &dyn Communicator, kind: ExpertsKind| crate::comm::run_rank(env.rank, comm, || f(comm, kind));
             let result = if *gpu {
                 launched_gpu(env, timeout, run)
             } else {

@@ -74,16 +74,21 @@ pub trait Communicator: Send + Sync {
     }
 }
 
-/// Runs one rank's body, turning a panic into an error that names the rank.
-pub(crate) fn catch_rank_panic<T>(rank: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
+/// Runs one rank's body: a panic becomes an error naming the rank, and an error fails the
+/// whole group, so the other ranks stop waiting for this one.
+pub(crate) fn run_rank<T>(rank: usize, comm: &dyn Communicator, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|p| {
         let msg = p
             .downcast_ref::<&str>()
             .map(|s| s.to_string())
             .or_else(|| p.downcast_ref::<String>().cloned())
             .unwrap_or_else(|| "unknown panic".into());
         Err(MoeError::Comm { rank, op: "rank body".into(), message: format!("panicked: {msg}") })
-    })
+    });
+    if let Err(e) = &result {
+        comm.abort(&format!("rank {rank} failed: {e}"));
+    }
+    result
 }
 
 /// Typed collectives over [`Communicator`]'s byte primitives.

@@ -190,13 +190,7 @@ pub fn run_ranks<T: Send>(
             .iter()
             .map(|comm| {
                 let f = &f;
-                s.spawn(move || {
-                    let r = super::catch_rank_panic(comm.rank, || f(comm));
-                    if let Err(e) = &r {
-                        comm.abort(&format!("rank {} failed: {e}", comm.rank));
-                    }
-                    r
-                })
+                s.spawn(move || super::run_rank(comm.rank, comm, || f(comm)))
             })
             .collect();
         handles

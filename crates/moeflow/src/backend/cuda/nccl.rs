@@ -589,11 +589,7 @@ pub fn run_ranks_nccl<T: Send>(
                             return Err(e);
                         }
                     };
-                    let r = crate::comm::catch_rank_panic(rank, || f(&comm));
-                    if let Err(e) = &r {
-                        comm.abort(&format!("rank {rank} failed: {e}"));
-                    }
-                    r
+                    crate::comm::run_rank(rank, &comm, || f(&comm))
                 })
             })
             .collect();
