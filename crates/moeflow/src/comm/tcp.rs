@@ -311,65 +311,59 @@ mod tests {
     use super::*;
     use crate::comm::CommExt;
 
-    fn envs(world: usize) -> Vec<LaunchEnv> {
+    /// Runs `f` on `world` ranks joined over localhost TCP (threads standing in for
+    /// processes) and returns their results by rank.
+    fn on_tcp<T: Send>(world: usize, timeout: Duration, f: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
         let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-        (0..world)
-            .map(|rank| LaunchEnv {
-                rank,
-                world_size: world,
-                local_rank: rank,
-                master_addr: "127.0.0.1".into(),
-                master_port: port,
-            })
-            .collect()
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..world)
+                .map(|rank| {
+                    let f = &f;
+                    s.spawn(move || {
+                        let env = LaunchEnv {
+                            rank,
+                            world_size: world,
+                            local_rank: rank,
+                            master_addr: "127.0.0.1".into(),
+                            master_port: port,
+                        };
+                        f(TcpComm::from_env(&env, timeout).unwrap())
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
     }
 
     #[test]
     fn collectives_and_splits_over_tcp() {
         let world = 4;
-        let envs = envs(world);
-        std::thread::scope(|s| {
-            for env in &envs {
-                s.spawn(move || {
-                    let c = TcpComm::from_env(env, Duration::from_secs(30)).unwrap();
-                    let r = c.rank();
-                    // Uneven parts, some empty, one large (more than a socket buffer).
-                    let len =
-                        |src: usize, dst: usize| if src == 1 && dst == 2 { 3 << 20 } else { (src * 5 + dst * 3) % 7 };
-                    let parts = (0..world).map(|d| vec![(r * 16 + d) as u8; len(r, d)]).collect();
-                    let got = c.all_to_all_v("test", parts).unwrap();
-                    for (src, p) in got.iter().enumerate() {
-                        assert_eq!(p.len(), len(src, r));
-                        assert!(p.iter().all(|&b| b == (src * 16 + r) as u8));
-                    }
-                    assert_eq!(c.all_reduce_sum("sum", &[r as f32, 1.0]).unwrap(), vec![6.0, 4.0]);
-                    let sub = c.split(r % 2, world - r).unwrap();
-                    assert_eq!(sub.size(), 2);
-                    let members: Vec<Vec<u32>> = sub.all_gather_vec("sub", &[r as u32]).unwrap();
-                    let want: Vec<u32> = if r.is_multiple_of(2) { vec![2, 0] } else { vec![3, 1] };
-                    assert_eq!(members.concat(), want);
-                });
+        on_tcp(world, Duration::from_secs(30), |c| {
+            let r = c.rank();
+            // Uneven parts, some empty, one large (more than a socket buffer).
+            let len = |src: usize, dst: usize| if src == 1 && dst == 2 { 3 << 20 } else { (src * 5 + dst * 3) % 7 };
+            let parts = (0..world).map(|d| vec![(r * 16 + d) as u8; len(r, d)]).collect();
+            let got = c.all_to_all_v("test", parts).unwrap();
+            for (src, p) in got.iter().enumerate() {
+                assert_eq!(p.len(), len(src, r));
+                assert!(p.iter().all(|&b| b == (src * 16 + r) as u8));
             }
+            assert_eq!(c.all_reduce_sum("sum", &[r as f32, 1.0]).unwrap(), vec![6.0, 4.0]);
+            let sub = c.split(r % 2, world - r).unwrap();
+            assert_eq!(sub.size(), 2);
+            let members: Vec<Vec<u32>> = sub.all_gather_vec("sub", &[r as u32]).unwrap();
+            let want: Vec<u32> = if r.is_multiple_of(2) { vec![2, 0] } else { vec![3, 1] };
+            assert_eq!(members.concat(), want);
         });
     }
 
     #[test]
     fn a_silent_rank_times_out_and_then_hears_of_the_failure() {
-        let pair = envs(2);
-        let results: Vec<String> = std::thread::scope(|s| {
-            let hs: Vec<_> = pair
-                .iter()
-                .map(|env| {
-                    s.spawn(move || {
-                        let c = TcpComm::from_env(env, Duration::from_millis(500)).unwrap();
-                        if c.rank() == 1 {
-                            std::thread::sleep(Duration::from_millis(1500));
-                        }
-                        c.all_to_all_v("late", vec![vec![9]; 2]).unwrap_err().to_string()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = on_tcp(2, Duration::from_millis(500), |c| {
+            if c.rank() == 1 {
+                std::thread::sleep(Duration::from_millis(1500));
+            }
+            c.all_to_all_v("late", vec![vec![9]; 2]).unwrap_err().to_string()
         });
         assert!(results[0].contains("timed out after 500ms waiting for rank 1"), "{}", results[0]);
         assert!(results[1].contains("group failed") && results[1].contains("rank 0 in late"), "{}", results[1]);
@@ -378,43 +372,23 @@ mod tests {
     #[test]
     fn a_lost_rank_and_a_mismatch_fail_every_rank_with_named_errors() {
         let world = 3;
-        let three = envs(world);
-        let results: Vec<std::result::Result<(), String>> = std::thread::scope(|s| {
-            let hs: Vec<_> = three
-                .iter()
-                .map(|env| {
-                    s.spawn(move || {
-                        let c = TcpComm::from_env(env, Duration::from_secs(20)).unwrap();
-                        c.barrier().unwrap();
-                        if c.rank() == 2 {
-                            // This process ends without a word: its sockets close.
-                            std::mem::forget(c.rendezvous.clone());
-                            drop(c);
-                            return Ok(());
-                        }
-                        c.all_to_all_v("after the loss", vec![vec![1]; world]).map(|_| ()).map_err(|e| e.to_string())
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = on_tcp(world, Duration::from_secs(20), |c| {
+            c.barrier().unwrap();
+            if c.rank() == 2 {
+                // This process ends without a word: its sockets close.
+                std::mem::forget(c.rendezvous.clone());
+                drop(c);
+                return Ok(());
+            }
+            c.all_to_all_v("after the loss", vec![vec![1]; world]).map(|_| ()).map_err(|e| e.to_string())
         });
         for r in &results[..2] {
             let e = r.as_ref().unwrap_err();
             assert!(e.contains("rank 2") && e.contains("after the loss"), "{e}");
         }
-        let pair = envs(2);
-        let results: Vec<String> = std::thread::scope(|s| {
-            let hs: Vec<_> = pair
-                .iter()
-                .map(|env| {
-                    s.spawn(move || {
-                        let c = TcpComm::from_env(env, Duration::from_secs(20)).unwrap();
-                        let op = if c.rank() == 0 { "dispatch" } else { "combine" };
-                        c.all_to_all_v(op, vec![vec![]; 2]).unwrap_err().to_string()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let results = on_tcp(2, Duration::from_secs(20), |c| {
+            let op = if c.rank() == 0 { "dispatch" } else { "combine" };
+            c.all_to_all_v(op, vec![vec![]; 2]).unwrap_err().to_string()
         });
         assert!(results[0].contains("rank 1 called combine"), "{}", results[0]);
     }
