@@ -5,7 +5,7 @@
 //! error, a panic (via [`run_ranks`]) or a deadline anywhere fails the whole group, sub-groups
 //! included, and every rank returns an error naming the first failure.
 
-use super::{CommExt, Communicator, DEFAULT_TIMEOUT};
+use super::{CommExt, Communicator, Failure, DEFAULT_TIMEOUT};
 use crate::error::{MoeError, Result};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -33,7 +33,7 @@ struct Group {
     size: usize,
     inboxes: Vec<Inbox>,
     /// First failure of the whole family of groups (shared with sub-groups).
-    failure: Arc<Mutex<Option<String>>>,
+    failure: Failure,
     /// Sub-groups created by `split`, by (sequence number, color).
     splits: Mutex<HashMap<(u64, usize), Arc<Group>>>,
     timeout: Duration,
@@ -44,7 +44,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Group {
-    fn new(size: usize, timeout: Duration, failure: Arc<Mutex<Option<String>>>) -> Arc<Group> {
+    fn new(size: usize, timeout: Duration, failure: Failure) -> Arc<Group> {
         Arc::new(Group {
             size,
             inboxes: (0..size).map(|_| Inbox::default()).collect(),
@@ -61,7 +61,7 @@ pub struct ThreadGroup;
 impl ThreadGroup {
     /// `size` connected ranks whose collectives fail after `timeout`.
     pub fn create(size: usize, timeout: Duration) -> Vec<ThreadComm> {
-        let group = Group::new(size, timeout, Arc::new(Mutex::new(None)));
+        let group = Group::new(size, timeout, Failure::default());
         (0..size).map(|rank| ThreadComm { rank, group: group.clone(), seq: AtomicU64::new(0) }).collect()
     }
 }
@@ -79,7 +79,7 @@ impl ThreadComm {
     }
 
     fn check_failure(&self, op: &str) -> Result<()> {
-        match lock(&self.group.failure).as_ref() {
+        match self.group.failure.get() {
             Some(reason) => Err(self.error(op, format!("group failed: {reason}"))),
             None => Ok(()),
         }
@@ -169,10 +169,7 @@ impl Communicator for ThreadComm {
     }
 
     fn abort(&self, reason: &str) {
-        let mut f = lock(&self.group.failure);
-        if f.is_none() {
-            *f = Some(reason.to_string());
-        }
+        self.group.failure.set(reason);
     }
 }
 
