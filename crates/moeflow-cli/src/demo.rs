@@ -88,26 +88,25 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let host = RankHost::detect(gpu)?;
     let h = config.hidden;
     // Tokens [lo, hi) of the batch that this process computed (all of them unless launched).
+    // One warm-up, then `--runs` timed forwards: (last output, median seconds, runs).
+    let timed = |forward: &dyn Fn() -> Result<Tensor>| -> Result<(Tensor, f64, usize)> {
+        let mut out = forward()?;
+        let mut times = Vec::new();
+        for _ in 0..args.runs.max(1) {
+            let start = Instant::now();
+            out = forward()?;
+            times.push(start.elapsed().as_secs_f64());
+        }
+        Ok((out, median(&times), times.len()))
+    };
     let (out, (lo, hi), secs, runs) = if gpu && par.ep == 1 && host == RankHost::Gpus && !par.dual_batch {
         let gpu = moeflow::backend::cuda::CudaMoeLayer::new(&config, &weights)?;
         println!("  device          {}", gpu.device_name());
-        let mut out = gpu.forward(&input)?;
-        let mut times = Vec::new();
-        for _ in 0..args.runs.max(1) {
-            let start = Instant::now();
-            out = gpu.forward(&input)?;
-            times.push(start.elapsed().as_secs_f64());
-        }
-        (out, (0, t), median(&times), times.len())
+        let (out, secs, runs) = timed(&|| gpu.forward(&input))?;
+        (out, (0, t), secs, runs)
     } else if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
-        let mut out = single.forward(&input)?;
-        let mut times = Vec::new();
-        for _ in 0..args.runs.max(1) {
-            let start = Instant::now();
-            out = single.forward(&input)?;
-            times.push(start.elapsed().as_secs_f64());
-        }
-        (out, (0, t), median(&times), times.len())
+        let (out, secs, runs) = timed(&|| single.forward(&input))?;
+        (out, (0, t), secs, runs)
     } else {
         // Each DP group takes a contiguous share of the tokens; TP ranks of a group share it.
         let groups = split_tokens(t, par.ep / par.tp);
