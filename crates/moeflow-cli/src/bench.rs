@@ -53,11 +53,12 @@ fn write_records(path: &std::path::Path, records: &[Record]) -> Result<()> {
         .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })
 }
 
-/// Whether the device-resident expert-parallel layer covers `par`.
+/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, or
+/// low-latency in a CUDA graph).
 fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
     use moeflow::parallel::{PlacementKind, StrategyKind};
     par.ep > 1
-        && par.strategy == StrategyKind::All2AllV
+        && matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::LowLatency)
         && par.tp == 1
         && !par.dual_batch
         && par.redundant.is_empty()
@@ -67,10 +68,16 @@ fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> b
 
 /// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
 /// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
+/// The low-latency layer's time is its graph's replay; its stages are timed in direct runs.
 fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     use moeflow::backend::cuda::{measure_ceilings, CudaMoeLayer, GpuStageTimes, NcclComm};
     let (p, config) = args.layer.config()?;
-    let par = args.parallel.config(1)?;
+    let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
+    let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
+    let kind = match capacity {
+        Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
+        None => "all-to-all-v".into(),
+    };
     let (rank0, device) = match host {
         RankHost::Launched { env, .. } => (env.rank == 0, env.local_rank),
         _ => (true, 0),
@@ -80,7 +87,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     bar0.finish_and_clear();
     if rank0 {
         println!(
-            "moeflow bench: {} on {} GPUs (device-resident all-to-all-v over NCCL), {} experts ({} per GPU), top-{}, bf16; \
+            "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, bf16; \
              GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
             p.name,
             par.ep,
@@ -97,7 +104,10 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             .as_any()
             .downcast_ref::<NcclComm>()
             .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
-        let layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
+        let mut layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
+        if let Some(m) = capacity {
+            layer = layer.low_latency(m)?;
+        }
         let mut per_t = Vec::new();
         for &t in &args.tokens {
             let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
@@ -113,6 +123,15 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
             let all = comm.all_gather_vec("bench.times", &totals)?;
             let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
+            if capacity.is_some() {
+                // The graph times only the whole; the stages come from direct runs.
+                let mut stages = Vec::with_capacity(runs);
+                for r in 0..runs {
+                    comm.barrier()?;
+                    stages.push(layer.forward_timed_stages(t, seed + 200 + r as u64)?);
+                }
+                samples = stages;
+            }
             per_t.push((slowest, samples));
         }
         Ok(per_t)
@@ -149,6 +168,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let per_expert = 3 * config.hidden * config.inter * 2;
     let mut records = Vec::new();
     let mut ours = Vec::new();
+    let mut direct = Vec::new();
     for (&t, (slowest, samples)) in args.tokens.iter().zip(measured) {
         let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
         let ms = median(&slowest);
@@ -162,6 +182,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
         let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
         ours.push((t, ms, dispatch, collect));
+        direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
         println!(
             "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}",
             t,
@@ -188,7 +209,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             tokens: t,
             ep: par.ep,
             tp: 1,
-            strategy: "all2allv (device)".into(),
+            strategy: if capacity.is_some() { "lowlatency (device, graph)" } else { "all2allv (device)" }.into(),
             quant: "none".into(),
             rel_error: None,
             ms,
@@ -206,6 +227,13 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             bytes_moved_per_rank: 2 * sent as usize,
             comm_gbps: Some(gbps(dispatch + collect) * 2.0),
         });
+    }
+    if capacity.is_some() {
+        println!(
+            "stages from direct runs (no graph, all {} rows of the capacity); their layer ms per rank (median): {}",
+            par.max_tokens_per_rank,
+            direct.join(", ")
+        );
     }
     if let Some(path) = &args.json {
         write_records(path, &records)?;

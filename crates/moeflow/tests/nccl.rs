@@ -184,11 +184,9 @@ fn a_failing_rank_fails_every_rank_within_the_deadline() {
     assert!(elapsed < timeout * 2 + Duration::from_secs(15), "took {elapsed:?}");
 }
 
-#[test]
-fn device_resident_all2allv_matches_the_reference_and_repeats() {
-    use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
-    let devices: Vec<usize> = (0..n).collect();
+/// The device-resident layers' cases: routers, activations, top-1, a shared expert, one hot
+/// expert; (name, config, weights).
+fn device_cases() -> Vec<(&'static str, moeflow::MoeConfig, moeflow::MoeWeights)> {
     let grouped = RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 };
     let cases = [
         (
@@ -204,6 +202,7 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
         ("DeepSeek grouped, shared", grouped, Activation::Silu, 16, 6, true, None),
         ("one hot expert", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 12, 2, false, Some(5)),
     ];
+    let mut out = Vec::new();
     for (name, router, act, e, k, shared, hot) in cases {
         let shared = shared.then_some(SharedConfig { inter: 48, gated: true });
         let config = small_config(136, 80, e, k, router, act, shared);
@@ -213,6 +212,25 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
             bias[hot] = 60.0;
             weights.gate_bias = Some(Tensor::from_f32(&[e], bias).unwrap());
         }
+        out.push((name, config, weights));
+    }
+    out
+}
+
+/// Largest difference from the f64 reference over the largest reference magnitude.
+fn relative_error(config: &moeflow::MoeConfig, weights: &moeflow::MoeWeights, x: &[f32], got: &[f32]) -> f64 {
+    let want = reference::forward(config, weights, x).unwrap().out;
+    assert_eq!(got.len(), want.len());
+    let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+    got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
+}
+
+#[test]
+fn device_resident_all2allv_matches_the_reference_and_repeats() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    for (name, config, weights) in device_cases() {
         let h = config.hidden;
         // Uneven batches, rank 1 without tokens.
         let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, 300][r % 4]).collect();
@@ -230,10 +248,7 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
                 a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{name}: rank {rank} differs run to run"
             );
-            let want = reference::forward(&config, &weights, &inputs[rank]).unwrap().out;
-            assert_eq!(a.len(), want.len(), "{name}: rank {rank}");
-            let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
-            let err = a.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale;
+            let err = relative_error(&config, &weights, &inputs[rank], &a);
             assert!(err <= BF16_TOL, "{name}: rank {rank}: relative error {err:e}");
             eprintln!("device all2allv, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
         }
@@ -247,5 +262,51 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
     }) {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("splits experts evenly"), "{e}");
+    }
+}
+
+#[test]
+fn low_latency_graph_matches_the_reference_and_replays() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(n) = gpus("low_latency_graph_matches_the_reference_and_replays") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    const M: usize = 64;
+    for (name, config, weights) in device_cases() {
+        let h = config.hidden;
+        // Two batches per rank under one captured graph: uneven, empty, and full to capacity.
+        let sizes: [Vec<usize>; 2] =
+            [(0..n).map(|r| [37, 0, 5, M][r % 4]).collect(), (0..n).map(|r| [M, 3, 0, 20][r % 4]).collect()];
+        let inputs: Vec<Vec<Vec<f32>>> = (0..2)
+            .map(|i| (0..n).map(|r| preset::uniform(sizes[i][r] * h, 1.0, 70 + 10 * i as u64 + r as u64)).collect())
+            .collect();
+        let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.low_latency(M)?;
+            let run = |i: usize| -> moeflow::Result<Vec<f32>> {
+                let x = &inputs[i][c.rank()];
+                Ok(layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec())
+            };
+            // Capture (after one direct run) and replay; replay again; a new batch.
+            let (first, again, second) = (run(0)?, run(0)?, run(1)?);
+            // Above capacity: an error on every rank before any communication.
+            let over = Tensor::from_f32(&[M + 1, h], vec![0.5; (M + 1) * h])?;
+            let e = layer.forward(&over).expect_err("a batch above capacity fails").to_string();
+            assert!(e.contains("exceeds the low-latency capacity"), "{e}");
+            Ok((first, again, second))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (first, again, second) = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            assert!(
+                first.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()),
+                "{name}: rank {rank} differs replay to replay"
+            );
+            for (i, got) in [first, second].iter().enumerate() {
+                let err = relative_error(&config, &weights, &inputs[i][rank], got);
+                assert!(err <= BF16_TOL, "{name}: rank {rank}, batch {i}: relative error {err:e}");
+                eprintln!(
+                    "low-latency graph, {name:<30} rank {rank}, batch {i}: {} tokens, relative error {err:.2e}",
+                    sizes[i][rank]
+                );
+            }
+        }
     }
 }

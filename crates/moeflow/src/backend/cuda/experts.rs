@@ -112,7 +112,7 @@ impl CudaExperts {
         let b13 = self.b13.as_ref().map_or(0u64, |x| self.ptr(x));
         // The expert map only matters for the bias.
         let erp = if b13 == 0 { 0 } else { self.ptr(&b.expert_of_row) };
-        act_and_mul(&self.gpu.stream, &self.act_kernel, self.activation, [ph13, b13, erp, pact], 0, rows, i)?;
+        act_and_mul(&self.gpu.stream, &self.act_kernel, self.activation, [ph13, b13, erp, 0, pact], 0, rows, i)?;
         for &(e, start, n) in segments {
             let off = |base: u64, width: usize| base + (start * width * 2) as u64;
             gemm_bf16(&self.blas, w2 + (e * h * i * 2) as u64, h, i, off(pact, i), off(py, h), n)?;

@@ -38,7 +38,11 @@ use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled once per process and device.
-const KERNELS: &str = include_str!("kernels/moe.cu");
+const KERNELS: &str = concat!(
+    include_str!("kernels/moe.cu"),
+    include_str!("kernels/low_latency.cu"),
+    include_str!("kernels/masked_gemm.cu")
+);
 
 fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
     MoeError::Unsupported(format!("CUDA: {what}: {e:?}"))

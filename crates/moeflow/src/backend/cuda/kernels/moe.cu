@@ -260,29 +260,31 @@ __global__ void take_rows(const bf16_t* src, const int* idx, int n, int H, bf16_
 
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
 // 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu. expert_of_row may be null (dense MLP).
-__global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, int cap, long R, int I,
-                            int kind, float alpha, float limit, bf16_t* out) {
-    long n = R * I;
-    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
-        long r = idx / I;
-        int i = idx % I;
-        float g = bf16_to_f32(h13[r * 2 * I + i]);
-        float u = bf16_to_f32(h13[r * 2 * I + I + i]);
-        if (b13) {
-            int e = cap > 0 ? (int)(r / cap) : (expert_of_row ? expert_of_row[r] : 0);
-            g += b13[(long)e * 2 * I + i];
-            u += b13[(long)e * 2 * I + I + i];
+// Padded layout (cap > 0) with `counts`: rows past their expert's count are skipped. One block
+// per row (grid-stride over rows).
+__global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, int cap, const int* counts,
+                            long R, int I, int kind, float alpha, float limit, bf16_t* out) {
+    for (long r = blockIdx.x; r < R; r += gridDim.x) {
+        if (cap > 0 && counts && r % cap >= counts[r / cap]) continue;
+        int e = cap > 0 ? (int)(r / cap) : (expert_of_row ? expert_of_row[r] : 0);
+        for (int i = threadIdx.x; i < I; i += blockDim.x) {
+            float g = bf16_to_f32(h13[r * 2 * I + i]);
+            float u = bf16_to_f32(h13[r * 2 * I + I + i]);
+            if (b13) {
+                g += b13[(long)e * 2 * I + i];
+                u += b13[(long)e * 2 * I + I + i];
+            }
+            float v;
+            if (kind == 0) v = g / (1.0f + __expf(-g)) * u;
+            else if (kind == 1) v = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+            else if (kind == 2) v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+            else {
+                g = fminf(g, limit);
+                u = fminf(fmaxf(u, -limit), limit);
+                v = (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
+            }
+            out[r * I + i] = f32_to_bf16(v);
         }
-        float v;
-        if (kind == 0) v = g / (1.0f + __expf(-g)) * u;
-        else if (kind == 1) v = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
-        else if (kind == 2) v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
-        else {
-            g = fminf(g, limit);
-            u = fminf(fmaxf(u, -limit), limit);
-            v = (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
-        }
-        out[idx] = f32_to_bf16(v);
     }
 }
 

@@ -16,6 +16,8 @@ use cudarc::cublas::{sys as cb, CudaBlas};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
+mod low_latency;
+
 struct Kernels {
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
@@ -33,6 +35,11 @@ struct Kernels {
     add_shared: CudaFunction,
     fill_bf16: CudaFunction,
     fill_f32: CudaFunction,
+    ll_pack: CudaFunction,
+    ll_group: CudaFunction,
+    ll_gather: CudaFunction,
+    ll_combine: CudaFunction,
+    masked_gemm: CudaFunction,
 }
 
 struct SharedMlp {
@@ -80,6 +87,8 @@ struct Buffers {
     ep: Option<EpBuffers>,
     /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
     exchange: Option<CudaSlice<i32>>,
+    /// Low-latency buffers and the captured layer (see [`low_latency`]).
+    ll: Option<low_latency::LlBuffers>,
 }
 
 /// Expert-parallel buffers. At home: the token rows sent (one per token and destination
@@ -112,12 +121,14 @@ struct EpBuffers {
     part: CudaSlice<u16>,
 }
 
-/// The expert-parallel side of a layer: its communicator and the experts this rank holds
-/// (contiguous ranges, `local` experts from global id `first`).
+/// The expert-parallel side of a layer: its communicator, the experts this rank holds
+/// (contiguous ranges, `local` experts from global id `first`), and the low-latency capacity
+/// in tokens per rank when the layer dispatches that way.
 struct EpLink {
     comm: super::NcclComm,
     first: usize,
     local: usize,
+    capacity: Option<usize>,
 }
 
 /// Which slots [`CudaMoeLayer::group_rows`] groups: `slots` expert ids at `ids` over
@@ -202,6 +213,11 @@ impl CudaMoeLayer {
             add_shared: f("add_shared")?,
             fill_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_uniform_f32")?,
+            ll_pack: f("ll_pack")?,
+            ll_group: f("ll_group")?,
+            ll_gather: f("ll_gather")?,
+            ll_combine: f("ll_combine")?,
+            masked_gemm: f("masked_gemm")?,
         };
         Ok((gpu, blas, k))
     }
@@ -227,7 +243,7 @@ impl CudaMoeLayer {
                 "the device-resident expert-parallel layer splits experts evenly: {e} experts on {n} ranks"
             )));
         }
-        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm })
+        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None })
     }
 
     fn new_on(config: &MoeConfig, weights: &MoeWeights, device: usize, ep: Option<EpLink>) -> Result<Self> {
@@ -367,13 +383,18 @@ impl CudaMoeLayer {
         let x = hidden.to_f32_vec();
         crate::error::check_finite("hidden_states", &x)?;
         let t = s[0];
+        let capacity = self.capacity();
+        self.check_capacity(t)?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.buffers(&mut guard, t)?;
+        let b = self.buffers(&mut guard, capacity.unwrap_or(t))?;
         self.gpu
             .stream
             .memcpy_htod(&x, &mut b.x.slice_mut(0..t * self.config.hidden))
             .map_err(|e| err("copy in", e))?;
-        self.run(b, t, false)?;
+        match capacity {
+            Some(_) => self.ll_run(b, t, false)?,
+            None => self.run(b, t, false)?,
+        };
         let mut out = vec![0f32; t * self.config.hidden];
         self.gpu
             .stream
@@ -383,10 +404,23 @@ impl CudaMoeLayer {
     }
 
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
-    /// per-stage event times (for benchmarks).
+    /// per-stage event times (for benchmarks). A low-latency layer replays its graph and times
+    /// only the whole; [`CudaMoeLayer::forward_timed_stages`] times its stages.
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
+        self.timed(tokens, seed, true)
+    }
+
+    /// [`CudaMoeLayer::forward_timed`] with every stage timed, without a graph (a low-latency
+    /// layer runs its stages directly, on all `M` rows of its capacity).
+    pub fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
+        self.timed(tokens, seed, false)
+    }
+
+    fn timed(&self, tokens: usize, seed: u64, graph: bool) -> Result<GpuStageTimes> {
+        let capacity = self.capacity();
+        self.check_capacity(tokens)?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.buffers(&mut guard, tokens)?;
+        let b = self.buffers(&mut guard, capacity.unwrap_or(tokens))?;
         let n = tokens * self.config.hidden;
         let (ptr, len, scale) = (dptr(&b.x, &self.gpu), n as i64, 1.0f32);
         // SAFETY: fills the first `n` floats of the input buffer, which holds at least `n`.
@@ -394,7 +428,14 @@ impl CudaMoeLayer {
             self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n))
         }
         .map_err(|e| err("fill", e))?;
-        self.run(b, tokens, true)
+        match capacity {
+            Some(m) if !graph => {
+                self.ll_set_tokens(b, tokens)?;
+                self.run(b, m, true)
+            }
+            Some(_) => self.ll_run(b, tokens, true),
+            None => self.run(b, tokens, true),
+        }
     }
 
     fn buffers<'a>(&self, guard: &'a mut Option<Buffers>, tokens: usize) -> Result<&'a mut Buffers> {
@@ -434,6 +475,7 @@ impl CudaMoeLayer {
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
                 ep: None,
                 exchange: None,
+                ll: None,
             });
         }
         Ok(guard.as_mut().expect("allocated above"))
@@ -449,10 +491,12 @@ impl CudaMoeLayer {
         2 * (self.w.w13.len() + self.w.w2.len()) + self.w.shared.as_ref().map_or(0, |s| 2 * (s.w13.len() + s.w2.len()))
     }
 
-    #[allow(clippy::too_many_lines)]
+    /// Runs the layer on the `t` tokens in `b.x` into `b.out` and waits for it; with `timed`,
+    /// CUDA events around every stage.
     fn run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
-        let c = &self.config;
-        let (h, k) = (c.hidden, c.top_k);
+        if t == 0 && self.ep.is_none() {
+            return Ok(GpuStageTimes::default());
+        }
         let g = &self.gpu;
         let s = &g.stream;
         let marks: Vec<cudarc::driver::CudaEvent> = if timed {
@@ -468,14 +512,45 @@ impl CudaMoeLayer {
             }
             Ok(())
         };
+        let sent = self.enqueue(b, t, &mark)?;
+        match &self.ep {
+            Some(link) => link.comm.wait("moe layer", s)?,
+            None => s.synchronize().map_err(|e| err("synchronize", e))?,
+        }
+        if !timed {
+            return Ok(GpuStageTimes::default());
+        }
+        let ms = |a: usize, z: usize| -> Result<f64> {
+            Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
+        };
+        Ok(GpuStageTimes {
+            route: ms(0, 1)?,
+            permute: ms(1, 2)?,
+            dispatch: ms(2, 3)?,
+            gemm1: ms(3, 4)?,
+            act: ms(4, 5)?,
+            gemm2: ms(5, 6)?,
+            collect: ms(6, 7)?,
+            combine: ms(7, 8)?,
+            shared: ms(8, 9)?,
+            total: ms(0, 9)?,
+            dispatch_bytes: sent,
+        })
+    }
+
+    /// Enqueues the whole layer on the `t` tokens in `b.x` (into `b.out`) on the layer's
+    /// stream, calling `mark(0..=9)` between the stages; returns the bytes dispatched to other
+    /// ranks.
+    fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<usize> {
+        let c = &self.config;
+        let (h, k) = (c.hidden, c.top_k);
+        let g = &self.gpu;
+        let s = &g.stream;
         let p = |x: &CudaSlice<f32>| dptr(x, g);
         let pi = |x: &CudaSlice<i32>| dptr(x, g);
         let pb = |x: &CudaSlice<u16>| dptr(x, g);
         let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         mark(0)?;
-        if t == 0 && self.ep.is_none() {
-            return Ok(GpuStageTimes::default());
-        }
         // An expert-parallel rank without tokens still takes part in every exchange.
         if t > 0 {
             self.route(b, t)?;
@@ -485,9 +560,10 @@ impl CudaMoeLayer {
             self.shared_on_side_stream(b, t)?;
         }
         let sent = match &self.ep {
-            Some(link) => self.ep_experts(b, t, link, &mark)?,
+            Some(link) if link.capacity.is_some() => self.ll_experts(b, link, mark)?,
+            Some(link) => self.ep_experts(b, t, link, mark)?,
             None => {
-                self.local_experts(b, t, &mark)?;
+                self.local_experts(b, t, mark)?;
                 if t > 0 {
                     let (yp, b2, wp, ti, ki, hi, zero, outp) =
                         (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
@@ -532,29 +608,7 @@ impl CudaMoeLayer {
             }
         }
         mark(9)?;
-        match &self.ep {
-            Some(link) => link.comm.wait("moe layer", s)?,
-            None => s.synchronize().map_err(|e| err("synchronize", e))?,
-        }
-        if !timed {
-            return Ok(GpuStageTimes::default());
-        }
-        let ms = |a: usize, z: usize| -> Result<f64> {
-            Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
-        };
-        Ok(GpuStageTimes {
-            route: ms(0, 1)?,
-            permute: ms(1, 2)?,
-            dispatch: ms(2, 3)?,
-            gemm1: ms(3, 4)?,
-            act: ms(4, 5)?,
-            gemm2: ms(5, 6)?,
-            collect: ms(6, 7)?,
-            combine: ms(7, 8)?,
-            shared: ms(8, 9)?,
-            total: ms(0, 9)?,
-            dispatch_bytes: sent,
-        })
+        Ok(sent)
     }
 
     /// f32 → bf16 copy of the tokens, router GEMM, bias, and top-k into `b.ids`/`b.weights`.
@@ -732,7 +786,7 @@ impl CudaMoeLayer {
         mark(4)?;
         let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, &self.gpu));
         let act_rows = if cap > 0 { experts * cap } else { rows_total };
-        self.act(&self.gpu.stream, h13, b13, expert_of_row, cap as i32, act_rows, i, act)?;
+        self.act(&self.gpu.stream, [h13, b13, expert_of_row, 0, act], cap as i32, act_rows, i)?;
         mark(5)?;
         if cap > 0 {
             self.padded_gemm(&self.w.w2, h, i, act, y, experts, cap)?;
@@ -891,55 +945,8 @@ impl CudaMoeLayer {
             .map_err(|e| err("take_rows", e))?;
         }
         mark(2)?;
-        // Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` to every peer and
-        // receives `into[peer]` rows into the matching buffers of `dst`, in one NCCL group; the
-        // rows a rank keeps are a device copy.
-        let exchange = |op: &str, src: &[(u64, usize)], from: &[usize], dst: &[(u64, usize)], into: &[usize]| {
-            let (so, ro) = (from[..rank].iter().sum::<usize>(), into[..rank].iter().sum::<usize>());
-            for (&(sb, sw), &(db, _)) in src.iter().zip(dst) {
-                if from[rank] > 0 {
-                    // SAFETY: both ranges lie inside buffers sized for these counts; the copy is
-                    // ordered on the layer's stream.
-                    unsafe {
-                        cudarc::driver::result::memcpy_dtod_async(
-                            db + (ro * sw) as u64,
-                            sb + (so * sw) as u64,
-                            from[rank] * sw,
-                            s.cu_stream(),
-                        )
-                    }
-                    .map_err(|e| err("local copy", e))?;
-                }
-            }
-            link.comm.enqueue(op, s, |comm, cs| {
-                let (mut so, mut ro) = (0usize, 0usize);
-                for peer in 0..n {
-                    for (&(sb, sw), &(db, dw)) in src.iter().zip(dst) {
-                        let (sn, rn) = if peer == rank { (0, 0) } else { (from[peer] * sw, into[peer] * dw) };
-                        // SAFETY: offsets stay inside the buffers, sized for these counts; every
-                        // peer posts the matching calls, in the same order, from the same counts.
-                        let r = unsafe {
-                            let u8t = nc::ncclDataType_t::ncclUint8;
-                            let mut r = nc::ncclResult_t::ncclSuccess;
-                            if sn > 0 {
-                                r = nc::ncclSend((sb + (so * sw) as u64) as _, sn, u8t, peer as i32, comm, cs);
-                            }
-                            if rn > 0 && r == nc::ncclResult_t::ncclSuccess {
-                                r = nc::ncclRecv((db + (ro * dw) as u64) as _, rn, u8t, peer as i32, comm, cs);
-                            }
-                            r
-                        };
-                        if r != nc::ncclResult_t::ncclSuccess {
-                            return r;
-                        }
-                    }
-                    so += from[peer];
-                    ro += into[peer];
-                }
-                nc::ncclResult_t::ncclSuccess
-            })
-        };
-        exchange(
+        self.exchange_rows(
+            link,
             "moe dispatch",
             &[(send_rows, 2 * h), (send_ids_p, 4 * k), (send_w_p, 4 * k)],
             &send_tok,
@@ -990,7 +997,7 @@ impl CudaMoeLayer {
                 .launch(grid(received * h))
         }
         .map_err(|e| err("combine_partial", e))?;
-        exchange("moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
+        self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
         mark(7)?;
         if t > 0 {
             let (ti, ni, outp) = (t as i32, n as i32, dptr(&b.out, g));
@@ -1010,6 +1017,67 @@ impl CudaMoeLayer {
         }
         let row = 2 * h + 8 * k;
         Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+    }
+
+    /// Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` (rows grouped by
+    /// peer) to every peer and receives `into[peer]` rows into the matching buffers of `dst`, in
+    /// one NCCL group on the layer's stream; the rows a rank keeps are a device copy.
+    fn exchange_rows(
+        &self,
+        link: &EpLink,
+        op: &str,
+        src: &[(u64, usize)],
+        from: &[usize],
+        dst: &[(u64, usize)],
+        into: &[usize],
+    ) -> Result<()> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let (n, rank) = (link.comm.size(), link.comm.rank());
+        let s = &self.gpu.stream;
+        let (so, ro) = (from[..rank].iter().sum::<usize>(), into[..rank].iter().sum::<usize>());
+        for (&(sb, sw), &(db, _)) in src.iter().zip(dst) {
+            if from[rank] > 0 {
+                // SAFETY: both ranges lie inside buffers sized for these counts; the copy is
+                // ordered on the layer's stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        db + (ro * sw) as u64,
+                        sb + (so * sw) as u64,
+                        from[rank] * sw,
+                        s.cu_stream(),
+                    )
+                }
+                .map_err(|e| err("local copy", e))?;
+            }
+        }
+        link.comm.enqueue(op, s, |comm, cs| {
+            let (mut so, mut ro) = (0usize, 0usize);
+            for peer in 0..n {
+                for (&(sb, sw), &(db, dw)) in src.iter().zip(dst) {
+                    let (sn, rn) = if peer == rank { (0, 0) } else { (from[peer] * sw, into[peer] * dw) };
+                    // SAFETY: offsets stay inside the buffers, sized for these counts; every
+                    // peer posts the matching calls, in the same order, from the same counts.
+                    let r = unsafe {
+                        let u8t = nc::ncclDataType_t::ncclUint8;
+                        let mut r = nc::ncclResult_t::ncclSuccess;
+                        if sn > 0 {
+                            r = nc::ncclSend((sb + (so * sw) as u64) as _, sn, u8t, peer as i32, comm, cs);
+                        }
+                        if rn > 0 && r == nc::ncclResult_t::ncclSuccess {
+                            r = nc::ncclRecv((db + (ro * dw) as u64) as _, rn, u8t, peer as i32, comm, cs);
+                        }
+                        r
+                    };
+                    if r != nc::ncclResult_t::ncclSuccess {
+                        return r;
+                    }
+                }
+                so += from[peer];
+                ro += into[peer];
+            }
+            nc::ncclResult_t::ncclSuccess
+        })
     }
 
     /// Expert-parallel buffers for `cap` = [rows sent, rows received, expert rows, home tokens]
@@ -1179,24 +1247,20 @@ impl CudaMoeLayer {
         let g = &self.gpu;
         gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, dptr(&b.x_bf, g), dptr(&b.sh13, g), t)?;
         // Null bias and expert map: the shared MLP is one expert without biases.
-        self.act(stream, dptr(&b.sh13, g), 0, 0, 0, t, si, dptr(&b.sact, g))?;
+        self.act(stream, [dptr(&b.sh13, g), 0, 0, 0, dptr(&b.sact, g)], 0, t, si)?;
         gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
     }
 
     /// [`act_and_mul`] with this layer's kernel and activation.
-    #[allow(clippy::too_many_arguments)]
     fn act(
         &self,
         stream: &cudarc::driver::CudaStream,
-        h13: u64,
-        b13: u64,
-        expert_of_row: u64,
+        ptrs: [u64; 5],
         cap: i32,
         rows: usize,
         inter: usize,
-        out: u64,
     ) -> Result<()> {
-        act_and_mul(stream, &self.k.act, self.config.activation, [h13, b13, expert_of_row, out], cap, rows, inter)
+        act_and_mul(stream, &self.k.act, self.config.activation, ptrs, cap, rows, inter)
     }
 
     /// Padded layout: expert `x` owns rows `x·cap..(x+1)·cap`; one strided-batched GEMM
@@ -1280,21 +1344,22 @@ pub(super) fn gemm_bf16(blas: &CudaBlas, w: u64, n: usize, kdim: usize, a: u64, 
 
 /// Launches the act-and-mul kernel on `stream`: `out [rows, inter] = act(gate + b13) · (up +
 /// b13)` from `h13 [rows, 2 inter]`, the bias row chosen by `expert_of_row` (or `row / cap` when
-/// `cap > 0`); `ptrs` = [h13, b13, expert_of_row, out], 0 meaning no bias / no map.
+/// `cap > 0`, skipping rows past `counts[row / cap]` when `counts` is given); `ptrs` = [h13,
+/// b13, expert_of_row, counts, out], 0 meaning no bias / no map / no counts.
 pub(super) fn act_and_mul(
     stream: &cudarc::driver::CudaStream,
     kernel: &CudaFunction,
     activation: Activation,
-    ptrs: [u64; 4],
+    ptrs: [u64; 5],
     cap: i32,
     rows: usize,
     inter: usize,
 ) -> Result<()> {
-    let [h13, b13, expert_of_row, out] = ptrs;
+    let [h13, b13, expert_of_row, counts, out] = ptrs;
     let (kind, alpha, limit) = act_params(activation);
     let (rows_l, inter_i) = (rows as i64, inter as i32);
-    // SAFETY: act_and_mul(bf16*, float*, int*, int, long, int, int, float, float, bf16*) over
-    // `rows` rows of buffers the caller sized for them.
+    // SAFETY: act_and_mul(bf16*, float*, int*, int, int*, long, int, int, float, float, bf16*)
+    // over `rows` rows of buffers the caller sized for them.
     unsafe {
         stream
             .launch_builder(kernel)
@@ -1302,13 +1367,18 @@ pub(super) fn act_and_mul(
             .arg(&b13)
             .arg(&expert_of_row)
             .arg(&cap)
+            .arg(&counts)
             .arg(&rows_l)
             .arg(&inter_i)
             .arg(&kind)
             .arg(&alpha)
             .arg(&limit)
             .arg(&out)
-            .launch(grid(rows * inter))
+            .launch(LaunchConfig {
+                grid_dim: (rows.clamp(1, 1 << 20) as u32, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            })
     }
     .map(|_| ())
     .map_err(|e| err("act_and_mul", e))

@@ -1,0 +1,124 @@
+// moeflow CUDA kernels of the fixed-capacity low-latency expert-parallel layer. Every shape is
+// set by the capacity M (tokens per rank), never by the batch, so the whole layer can be
+// captured in a CUDA graph. A message row is [k local ids (int) | k weights (float) | pad to
+// 16 bytes | H bf16 values], `stride` bytes; rank d's message to rank e is M such rows.
+// (Compiled after moe.cu, whose helpers it uses.)
+
+extern "C" {
+
+__device__ __forceinline__ long ll_row_offset(int k) { return ((8L * k + 15) / 16) * 16; }
+
+__device__ __forceinline__ void copy_row(const bf16_t* src, bf16_t* dst, int H) {
+    if (H % 8 == 0) {
+        const uint4* s4 = (const uint4*)src;
+        uint4* d4 = (uint4*)dst;
+        for (int h = threadIdx.x; h < H / 8; h += blockDim.x) d4[h] = s4[h];
+    } else {
+        for (int h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
+    }
+}
+
+// At home, one block per (token t < M, destination d): message row (d, t) of `send` gets token
+// t when t < *tokens (the batch, read on the device) and one of its experts lives on d (`el`
+// experts per rank, contiguous), with its ids local to d (-1 for experts elsewhere) and its
+// weights; otherwise only ids of -1. home_rows[t n + d] = d M + t, or -1 when token t sent
+// nothing to d.
+__global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
+                        int el, long stride, unsigned char* send, int* home_rows) {
+    int t = blockIdx.x, d = blockIdx.y, n = gridDim.y, T = *tokens;
+    unsigned char* row = send + ((long)d * M + t) * stride;
+    int* rid = (int*)row;
+    float* rw = (float*)(row + 4L * k);
+    bool any = false;
+    for (int j = 0; j < k; j++) {
+        int id = t < T ? ids[t * k + j] : -1;
+        any |= id >= 0 && id / el == d;
+    }
+    for (int j = threadIdx.x; j < k; j += blockDim.x) {
+        int id = t < T ? ids[t * k + j] : -1;
+        bool here = id >= 0 && id / el == d;
+        rid[j] = here ? id - d * el : -1;
+        rw[j] = here ? w[t * k + j] : 0.0f;
+    }
+    if (threadIdx.x == 0) home_rows[t * n + d] = any ? d * M + t : -1;
+    if (any) copy_row(x + (long)t * H, (bf16_t*)(row + ll_row_offset(k)), H);
+}
+
+// Where the experts are, one block of 32 warps per local expert e: the received message rows
+// (`tokens` = n M of them, in rank then token order) that name e get rows e cap + 0, 1, ... in
+// that order: row_of_slot[row k + j] for the slot j naming e (other entries are left as they
+// are: the caller sets them to -1 first), counts[e] the number of rows.
+__global__ void ll_group(const unsigned char* recv, long stride, int tokens, int k, int cap, int* row_of_slot,
+                         int* counts) {
+    __shared__ int part[SCAN_WARPS];
+    int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int lo, hi = chunk_of(tokens, w, &lo);
+    int c = 0;
+    for (int base = lo; base < hi; base += 32) {
+        int r = base + lane;
+        bool hit = false;
+        if (r < hi) {
+            const int* rid = (const int*)(recv + (long)r * stride);
+            for (int j = 0; j < k; j++) hit |= rid[j] == e;
+        }
+        c += __popc(__ballot_sync(0xffffffffu, hit));
+    }
+    if (lane == 0) part[w] = c;
+    __syncthreads();
+    int pos = e * cap;
+    for (int i = 0; i < w; i++) pos += part[i];
+    for (int base = lo; base < hi; base += 32) {
+        int r = base + lane;
+        int slot = -1;
+        if (r < hi) {
+            const int* rid = (const int*)(recv + (long)r * stride);
+            for (int j = 0; j < k; j++)
+                if (rid[j] == e) slot = j;
+        }
+        unsigned int mask = __ballot_sync(0xffffffffu, slot >= 0);
+        if (slot >= 0) row_of_slot[(long)r * k + slot] = pos + __popc(mask & ((1u << lane) - 1u));
+        pos += __popc(mask);
+    }
+    if (threadIdx.x == 0) {
+        int total = 0;
+        for (int i = 0; i < SCAN_WARPS; i++) total += part[i];
+        counts[e] = total;
+    }
+}
+
+// a[row_of_slot[r k + j]] = the bf16 values of received message row r, for every slot with a
+// row; one block per message row.
+__global__ void ll_gather(const unsigned char* recv, long stride, int tokens, int k, int H, const int* row_of_slot,
+                          bf16_t* a) {
+    int r = blockIdx.x;
+    if (r >= tokens) return;
+    const bf16_t* src = (const bf16_t*)(recv + (long)r * stride + ll_row_offset(k));
+    for (int j = 0; j < k; j++) {
+        int row = row_of_slot[(long)r * k + j];
+        if (row >= 0) copy_row(src, a + (long)row * H, H);
+    }
+}
+
+// part[r, h] = sum over the slots j of message row r that have a row here, in slot order, of
+// weight_j * (y[row, h] + b2[local id_j, h]), as bf16 (0 for rows with no slot here).
+__global__ void ll_combine(const unsigned char* recv, long stride, const bf16_t* y, const float* b2,
+                           const int* row_of_slot, int tokens, int k, int H, bf16_t* part) {
+    long n = (long)tokens * H;
+    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
+        long r = idx / H;
+        int h = idx % H;
+        const int* rid = (const int*)(recv + r * stride);
+        const float* rw = (const float*)(recv + r * stride + 4L * k);
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) {
+            int row = row_of_slot[r * k + j];
+            if (row < 0) continue;
+            float v = bf16_to_f32(y[(long)row * H + h]);
+            if (b2) v += b2[(long)rid[j] * H + h];
+            acc += rw[j] * v;
+        }
+        part[idx] = f32_to_bf16(acc);
+    }
+}
+
+}  // extern "C"
