@@ -78,3 +78,14 @@ pub fn check_against_reference(config: &MoeConfig, weights: &MoeWeights, layer: 
 
 /// The weights' dtype variants the fast path supports.
 pub const WEIGHT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+/// GPUs to use (2 or 4), or `None` after saying loudly that the test is skipped.
+#[cfg(feature = "cuda")]
+pub fn gpus(test: &str) -> Option<usize> {
+    let n = moeflow::backend::cuda::device_count();
+    if n < 2 {
+        eprintln!("SKIPPED {test}: needs 2 GPUs, found {n}");
+        return None;
+    }
+    Some(if n >= 4 { 4 } else { 2 })
+}
