@@ -5,7 +5,7 @@ use crate::common::{bar, median, quantize_weights, spinner, Backend, LayerArgs, 
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, RankHost};
-use moeflow::{preset, MoeError, MoeLayer, Result, StageTimes, Tensor};
+use moeflow::{preset, DType, MoeError, MoeLayer, Result, StageTimes, Tensor};
 use serde::Serialize;
 use std::sync::Arc;
 use std::time::Instant;
@@ -74,6 +74,23 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
+    // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
+    // codes; elsewhere the bf16 values would run instead, so that is refused.
+    let fp8 = match args.layer.dtype {
+        DType::BF16 => false,
+        DType::F8E4M3 if capacity.is_some() => true,
+        DType::F8E4M3 => {
+            return Err(MoeError::Unsupported(
+                "--dtype f8e4m3 on GPUs runs in the low-latency layer (--strategy lowlatency)".into(),
+            ))
+        }
+        other => {
+            return Err(MoeError::Config(format!(
+                "--dtype {other} with --backend cuda --ep N: use bf16, or f8e4m3 with --strategy lowlatency"
+            )))
+        }
+    };
+    let dtype = if fp8 { "fp8 e4m3 experts (128×128 block scales)" } else { "bf16" };
     let kind = match capacity {
         Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
         None => "all-to-all-v".into(),
@@ -87,7 +104,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     bar0.finish_and_clear();
     if rank0 {
         println!(
-            "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, bf16; \
+            "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, {dtype}; \
              GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
             p.name,
             par.ep,
@@ -105,6 +122,9 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             .downcast_ref::<NcclComm>()
             .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
         let mut layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
+        if fp8 {
+            layer = layer.fp8_experts()?;
+        }
         if let Some(m) = capacity {
             layer = layer.low_latency(m)?;
         }
@@ -165,7 +185,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         "disp GB/s",
         "comb GB/s"
     );
-    let per_expert = 3 * config.hidden * config.inter * 2;
+    let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();
     let mut ours = Vec::new();
     let mut direct = Vec::new();
@@ -205,7 +225,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         records.push(Record {
             preset: p.name.to_string(),
             backend: "cuda".into(),
-            dtype: "bf16".into(),
+            dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
             tokens: t,
             ep: par.ep,
             tp: 1,

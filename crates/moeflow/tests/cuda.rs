@@ -160,3 +160,33 @@ fn quantization_kernels_match_the_cpu_bit_for_bit() {
         println!("{q}: codes, scales and dequantized values identical to the CPU");
     }
 }
+
+/// Experts quantized to fp8 on the device (128 × 128 blocks, with partial blocks at both edges)
+/// compute what the CPU's fp8 quantization of the same weights gives.
+#[test]
+fn fp8_experts_quantized_on_the_device_match_the_cpu_quantization() {
+    let config = small_config(
+        200,
+        72,
+        6,
+        2,
+        RouterConfig::Softmax { renormalize: true },
+        Activation::Silu,
+        Some(SharedConfig { inter: 40, gated: false }),
+    );
+    let weights = preset::random_weights(&config, DType::BF16, 8);
+    let Some(layer) = layer(&config, &weights) else { return };
+    let layer = layer.fp8_experts().unwrap();
+    assert!(layer.has_fp8_experts());
+    let mut quantized = weights.clone();
+    quantized.experts = weights.experts.quantized(moeflow::quant::WeightQuant::Fp8Block(128)).unwrap();
+    let (x, xt) = hidden(33, config.hidden, 9);
+    let got = layer.forward(&xt).unwrap().to_f32_vec();
+    let want = reference::forward(&config, &quantized, &x).unwrap().out;
+    let err = rel(&got, &want);
+    // Against the unquantized weights the error is far larger: the comparison can tell.
+    let unquantized = rel(&got, &reference::forward(&config, &weights, &x).unwrap().out);
+    eprintln!("fp8 experts: relative error {err:.2e} (against the bf16 weights: {unquantized:.2e})");
+    assert!(err <= BF16_TOL, "relative error {err:e}");
+    assert!(unquantized > 1.5 * err, "{unquantized:e} vs {err:e}");
+}

@@ -253,3 +253,54 @@ fn low_latency_graph_matches_the_reference_and_replays() {
         }
     }
 }
+
+#[test]
+fn low_latency_fp8_experts_match_the_reference() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    use moeflow::quant::WeightQuant;
+    let Some(n) = gpus("low_latency_fp8_experts_match_the_reference") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    const M: usize = 48;
+    // Depths 144 and 80: multiples of 16 (fp8 rows) but not of the 128-deep scale blocks.
+    let config = small_config(
+        144,
+        80,
+        4 * n,
+        3,
+        RouterConfig::Softmax { renormalize: true },
+        Activation::Silu,
+        Some(SharedConfig { inter: 48, gated: true }),
+    );
+    let weights = preset::random_weights(&config, DType::BF16, 44);
+    let mut quantized = weights.clone();
+    quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let h = config.hidden;
+    let sizes: Vec<usize> = (0..n).map(|r| [M, 0, 7, 30][r % 4]).collect();
+    let inputs: Vec<Vec<f32>> =
+        sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 90 + r as u64)).collect();
+    // fp8 codes from the host, and fp8 codes made on the device from the bf16 weights: both
+    // stand for the CPU's quantization of the weights.
+    for on_device in [false, true] {
+        let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = if on_device {
+                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.fp8_experts()?
+            } else {
+                CudaMoeLayer::new_ep(&config, &quantized, c.duplicate()?)?
+            };
+            assert!(layer.has_fp8_experts());
+            let layer = layer.low_latency(M)?;
+            let x = &inputs[c.rank()];
+            Ok(layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec())
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            let err = relative_error(&config, &quantized, &inputs[rank], &got);
+            assert!(err <= BF16_TOL, "on device {on_device}: rank {rank}: relative error {err:e}");
+            eprintln!(
+                "low-latency fp8 experts (quantized on the {}) rank {rank}: {} tokens, relative error {err:.2e}",
+                if on_device { "GPU" } else { "host" },
+                sizes[rank]
+            );
+        }
+    }
+}

@@ -104,6 +104,26 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn forward_timed_stages(&self, _tokens: usize, _seed: u64) -> Result<GpuStageTimes> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn low_latency(self, _max_tokens_per_rank: usize) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn capacity(&self) -> Option<usize> {
+            None
+        }
+        /// Unreachable without the feature.
+        pub fn fp8_experts(self) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn has_fp8_experts(&self) -> bool {
+            false
+        }
+        /// Unreachable without the feature.
         pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
             Err(missing())
         }

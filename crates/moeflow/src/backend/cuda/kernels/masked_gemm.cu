@@ -3,6 +3,9 @@
 // weights dominate the traffic. bf16 tensor-core MMA (m16n8k16) with f32 accumulation; weight
 // and row tiles stream through shared memory with cp.async in a 4-stage pipeline (dynamic
 // shared memory: MG_STAGES · (MG_N + MG_M) · MG_LD · 2 = 110592 bytes, set by the launcher).
+// Weights are bf16, or fp8 e4m3 with one f32 scale per 128 × 128 block (DeepSeek-V3's
+// format): their codes widen exactly to bf16 for the MMA, and each 128-deep block's partial
+// sums are scaled into the accumulators.
 // (Compiled after moe.cu, whose helpers it uses.)
 
 #define MG_M 64        // rows per pass
@@ -10,6 +13,7 @@
 #define MG_K 64        // depth per pipeline stage
 #define MG_LD 72       // shared-memory row pitch in bf16 (64 + 8 breaks bank conflicts)
 #define MG_STAGES 4
+#define MG_WP8 80      // shared-memory row pitch in bytes of fp8 weights (64 + 16)
 
 __device__ __forceinline__ void mg_cp_async16(void* smem, const void* gmem, int src_bytes) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -27,42 +31,56 @@ __device__ __forceinline__ void mg_mma(float* c, const unsigned* a, const unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-extern "C" {
+// Two e4m3 codes (the lower byte first) as two bf16 (exact: e4m3 values are bf16 values).
+__device__ __forceinline__ unsigned mg_e4m3x2_to_bf16x2(unsigned short v) {
+    unsigned h2, out;
+    float lo, hi;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(v));
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h2));
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+    return out;
+}
 
-// C[e cap + r, :] = A[e cap + r, :] · W[e]ᵀ for every expert e and r < counts[e] (clamped to
-// cap): W is [experts, N, K] row-major bf16, A and C are [experts · cap, K] and [experts · cap,
-// N] bf16. Rows past an expert's count are neither read nor written; an expert without rows
-// costs nothing. Grid (ceil(N / 128), experts), 128 threads, 110592 bytes of dynamic shared
-// memory. Needs K % 8 == 0 and N % 2 == 0.
-__global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t* A, bf16_t* C, const int* counts,
-                                                   int cap, int N, int K) {
+// The body of both kernels below; FP8 selects e4m3 weights with block scales `S`.
+template <bool FP8>
+__device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, const bf16_t* A, bf16_t* C,
+                                                 const int* counts, int cap, int N, int K) {
     extern __shared__ __align__(16) unsigned char mg_smem[];
-    bf16_t(*ws)[MG_N][MG_LD] = (bf16_t(*)[MG_N][MG_LD])mg_smem;
+    const int wpitch = FP8 ? MG_WP8 : MG_LD * 2;  // bytes per weight row in shared memory
+    unsigned char* wsm = mg_smem;
     bf16_t(*as)[MG_M][MG_LD] = (bf16_t(*)[MG_M][MG_LD])(mg_smem + MG_STAGES * MG_N * MG_LD * 2);
     int e = blockIdx.y, n0 = blockIdx.x * MG_N;
     int count = min(counts[e], cap);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    const bf16_t* w = W + ((long)e * N) * K;
+    const int wbytes = FP8 ? 1 : 2;
+    const unsigned char* w = (const unsigned char*)W + (long)e * N * K * wbytes;
+    int kblocks = (K + 127) / 128;
+    const float* scale = FP8 ? S + ((long)e * ((N + 127) / 128) + blockIdx.x) * kblocks : nullptr;
     int ksteps = (K + MG_K - 1) / MG_K;
     for (int m0 = 0; m0 < count; m0 += MG_M) {
         int rows = min(MG_M, count - m0);
         int mtiles = (rows + 15) / 16;
         const bf16_t* a = A + ((long)e * cap + m0) * K;
-        float acc[4][4][4];
+        float acc[4][4][4], part[4][4][4];
 #pragma unroll
         for (int i = 0; i < 4; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
-                for (int q = 0; q < 4; q++) acc[i][j][q] = 0.0f;
+                for (int q = 0; q < 4; q++) acc[i][j][q] = part[i][j][q] = 0.0f;
         // Stage s gets depth step kk: 128 weight rows and 64 token rows of 64 values, 16 bytes
         // a copy; past K, N or the rows, zeros.
         auto load = [&](int s, int kk) {
+            const int wchunks = FP8 ? 4 : 8;  // 16-byte copies per weight row
 #pragma unroll
-            for (int i = 0; i < 8; i++) {
-                int c = threadIdx.x + i * 128, row = c >> 3, col = (c & 7) * 8, k = kk * MG_K + col;
+            for (int i = 0; i < wchunks; i++) {
+                int c = threadIdx.x + i * 128, row = c / wchunks, col = (c % wchunks) * 16;  // bytes
+                int k = kk * MG_K + col / wbytes;
                 bool ok = n0 + row < N && k < K;
-                mg_cp_async16(&ws[s][row][col], ok ? w + (long)(n0 + row) * K + k : w, ok ? 16 : 0);
+                mg_cp_async16(wsm + ((long)s * MG_N + row) * wpitch + col,
+                              ok ? w + ((long)(n0 + row) * K + k) * wbytes : w, ok ? 16 : 0);
             }
 #pragma unroll
             for (int i = 0; i < 4; i++) {
@@ -83,14 +101,21 @@ __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t
             if (next < ksteps) load(next % MG_STAGES, next);
             mg_commit();
             int st = kk % MG_STAGES;
+            const unsigned char* wst = wsm + (long)st * MG_N * wpitch;
 #pragma unroll
             for (int k16 = 0; k16 < MG_K; k16 += 16) {
                 unsigned bf[4][2];
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
-                    int n = warp * 32 + nt * 8 + g;
-                    bf[nt][0] = *(const unsigned*)&ws[st][n][k16 + 2 * tq];
-                    bf[nt][1] = *(const unsigned*)&ws[st][n][k16 + 2 * tq + 8];
+                    const unsigned char* wr = wst + (warp * 32 + nt * 8 + g) * wpitch;
+                    int k0 = k16 + 2 * tq;
+                    if (FP8) {
+                        bf[nt][0] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)(wr + k0));
+                        bf[nt][1] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)(wr + k0 + 8));
+                    } else {
+                        bf[nt][0] = *(const unsigned*)(wr + 2 * k0);
+                        bf[nt][1] = *(const unsigned*)(wr + 2 * (k0 + 8));
+                    }
                 }
 #pragma unroll
                 for (int mt = 0; mt < 4; mt++) {
@@ -102,9 +127,22 @@ __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t
                         af[2] = *(const unsigned*)&as[st][r][k16 + 2 * tq + 8];
                         af[3] = *(const unsigned*)&as[st][r + 8][k16 + 2 * tq + 8];
 #pragma unroll
-                        for (int nt = 0; nt < 4; nt++) mg_mma(acc[mt][nt], af, bf[nt]);
+                        for (int nt = 0; nt < 4; nt++) mg_mma(FP8 ? part[mt][nt] : acc[mt][nt], af, bf[nt]);
                     }
                 }
+            }
+            // fp8: a 128-deep block ends every second step (or at K); scale its sums in.
+            if (FP8 && ((kk & 1) || kk == ksteps - 1)) {
+                float sc = scale[kk / 2];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+#pragma unroll
+                        for (int q = 0; q < 4; q++) {
+                            acc[i][j][q] += sc * part[i][j][q];
+                            part[i][j][q] = 0.0f;
+                        }
             }
         }
         mg_wait_all();
@@ -126,6 +164,26 @@ __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t
             }
         }
     }
+}
+
+extern "C" {
+
+// C[e cap + r, :] = A[e cap + r, :] · W[e]ᵀ for every expert e and r < counts[e] (clamped to
+// cap): W is [experts, N, K] row-major bf16, A and C are [experts · cap, K] and [experts · cap,
+// N] bf16. Rows past an expert's count are neither read nor written; an expert without rows
+// costs nothing. Grid (ceil(N / 128), experts), 128 threads, 110592 bytes of dynamic shared
+// memory. Needs K % 8 == 0 and N % 2 == 0.
+__global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t* A, bf16_t* C, const int* counts,
+                                                   int cap, int N, int K) {
+    masked_gemm_body<false>(W, nullptr, A, C, counts, cap, N, K);
+}
+
+// masked_gemm with fp8 e4m3 weights W [experts, N, K] and their scales S [experts,
+// ceil(N / 128), ceil(K / 128)] (weight = code · scale of its 128 × 128 block). Needs K % 16 == 0
+// and N % 2 == 0.
+__global__ void __launch_bounds__(128) masked_gemm_fp8(const unsigned char* W, const float* S, const bf16_t* A,
+                                                       bf16_t* C, const int* counts, int cap, int N, int K) {
+    masked_gemm_body<true>(W, S, A, C, counts, cap, N, K);
 }
 
 }  // extern "C"

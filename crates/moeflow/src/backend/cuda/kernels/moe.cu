@@ -460,4 +460,32 @@ __global__ void dequantize_rows(const unsigned char* codes, const float* scales,
     }
 }
 
+// fp8 e4m3 codes of `count` bf16 matrices [N, K] stored back to back in `w`, one f32 scale per
+// 128 × 128 block (WeightQuant::Fp8Block(128) on the CPU, bit for bit): scale = amax / 448 (0
+// for an all-zero block, whose codes are 0), code = encode(v / scale); scales [count, ceil(N /
+// 128), ceil(K / 128)]. `w` is overwritten with decode(code) · scale as bf16, the values the codes
+// stand for. Grid (ceil(K / 128), ceil(N / 128), count), 256 threads.
+__global__ void quantize_weight_blocks_fp8(bf16_t* w, int N, int K, unsigned char* codes, float* scales) {
+    __shared__ float red[8];
+    int bj = blockIdx.x, bi = blockIdx.y, e = blockIdx.z;
+    int r0 = bi * 128, c0 = bj * 128, rn = min(128, N - r0), cn = min(128, K - c0);
+    long base = (long)e * N * K;
+    float amax = 0.0f;
+    for (int i = threadIdx.x; i < rn * cn; i += blockDim.x)
+        amax = fmaxf(amax, fabsf(bf16_to_f32(w[base + (long)(r0 + i / cn) * K + c0 + i % cn])));
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = fmaxf(amax, red[i]);
+    float scale = amax / 448.0f;
+    if (threadIdx.x == 0) scales[((long)e * gridDim.y + bi) * gridDim.x + bj] = scale;
+    for (int i = threadIdx.x; i < rn * cn; i += blockDim.x) {
+        long at = base + (long)(r0 + i / cn) * K + c0 + i % cn;
+        unsigned char q = scale > 0.0f ? fp8_e4m3_encode(bf16_to_f32(w[at]) / scale) : 0;
+        codes[at] = q;
+        w[at] = f32_to_bf16(fp8_e4m3_decode(q) * scale);
+    }
+}
+
 }  // extern "C"

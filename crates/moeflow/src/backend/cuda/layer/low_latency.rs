@@ -60,6 +60,13 @@ pub(super) struct LlBuffers {
     graph: Option<LayerGraph>,
 }
 
+/// The two expert projections: gate and up (`w13`), down (`w2`).
+#[derive(Clone, Copy)]
+enum Projection {
+    Up,
+    Down,
+}
+
 /// Bytes of one message row: `k` ids and `k` weights, padded to 16 bytes, then `h` bf16.
 fn row_stride(h: usize, k: usize) -> usize {
     (8 * k).div_ceil(16) * 16 + (2 * h).div_ceil(16) * 16
@@ -80,6 +87,7 @@ impl CudaMoeLayer {
         }
         link.capacity = Some(max_tokens_per_rank);
         allow_masked_gemm_smem(&layer.k.masked_gemm)?;
+        allow_masked_gemm_smem(&layer.k.masked_gemm_fp8)?;
         let ll = layer.ll_buffers(max_tokens_per_rank)?;
         let mut guard = layer.bufs.lock().unwrap_or_else(|p| p.into_inner());
         layer.buffers(&mut guard, max_tokens_per_rank)?.ll = Some(ll);
@@ -195,40 +203,42 @@ impl CudaMoeLayer {
     }
 
     /// `C[x·cap + r] = A[x·cap + r] · W[x]ᵀ` for every local expert `x` and `r < counts[x]`
-    /// (read on the device), `W [experts, n, kdim]`; bf16 in and out, f32 accumulation.
-    #[allow(clippy::too_many_arguments)]
-    fn masked_gemm(
-        &self,
-        w: &CudaSlice<u16>,
-        n: usize,
-        kdim: usize,
-        a: u64,
-        c: u64,
-        cap: usize,
-        counts: u64,
-    ) -> Result<()> {
+    /// (read on the device) with the weights of `projection`: fp8 codes when the layer holds
+    /// them (and their depth is a multiple of 16), else bf16; bf16 in and out, f32 accumulation.
+    fn masked_gemm(&self, projection: Projection, a: u64, c: u64, cap: usize, counts: u64) -> Result<()> {
+        let (h, i) = (self.config.hidden, self.config.inter);
+        let (w, n, kdim, fp8) = match projection {
+            Projection::Up => (&self.w.w13, 2 * i, h, self.w.fp8.as_ref().map(|f| (&f.w13, &f.s13))),
+            Projection::Down => (&self.w.w2, h, i, self.w.fp8.as_ref().map(|f| (&f.w2, &f.s2))),
+        };
+        let fp8 = fp8.filter(|_| kdim % 16 == 0);
         let experts = w.len() / (n * kdim);
-        let (wp, capi, ni, ki) = (dptr(w, &self.gpu), cap as i32, n as i32, kdim as i32);
+        let (capi, ni, ki) = (cap as i32, n as i32, kdim as i32);
         let cfg = LaunchConfig {
             grid_dim: (n.div_ceil(128) as u32, experts as u32, 1),
             block_dim: (128, 1, 1),
             shared_mem_bytes: MASKED_GEMM_SMEM,
         };
-        // SAFETY: masked_gemm(bf16*, bf16*, bf16*, int*, int, int, int): W holds `experts`
-        // [n, kdim] matrices, A and C `experts · cap` rows of kdim and n values, counts one int
-        // per expert; kdim % 8 == 0 and n is even (masked_gemm_fits).
+        let s = &self.gpu.stream;
+        // SAFETY: masked_gemm(bf16*, bf16*, bf16*, int*, int, int, int) and masked_gemm_fp8(u8*,
+        // float*, bf16*, bf16*, int*, int, int, int): W holds `experts` [n, kdim] matrices (and
+        // their block scales), A and C `experts · cap` rows of kdim and n values, counts one int
+        // per expert; kdim % 8 == 0 (16 for fp8) and n is even (masked_gemm_fits).
         unsafe {
-            self.gpu
-                .stream
-                .launch_builder(&self.k.masked_gemm)
-                .arg(&wp)
-                .arg(&a)
-                .arg(&c)
-                .arg(&counts)
-                .arg(&capi)
-                .arg(&ni)
-                .arg(&ki)
-                .launch(cfg)
+            match fp8 {
+                Some((codes, scales)) => {
+                    let (wp, sp) = (dptr(codes, &self.gpu), dptr(scales, &self.gpu));
+                    let mut l = s.launch_builder(&self.k.masked_gemm_fp8);
+                    l.arg(&wp).arg(&sp).arg(&a).arg(&c).arg(&counts).arg(&capi).arg(&ni).arg(&ki);
+                    l.launch(cfg)
+                }
+                None => {
+                    let wp = dptr(w, &self.gpu);
+                    let mut l = s.launch_builder(&self.k.masked_gemm);
+                    l.arg(&wp).arg(&a).arg(&c).arg(&counts).arg(&capi).arg(&ni).arg(&ki);
+                    l.launch(cfg)
+                }
+            }
         }
         .map(|_| ())
         .map_err(|e| err("masked_gemm", e))
@@ -319,11 +329,11 @@ impl CudaMoeLayer {
             let [a, h13, act, y, _] = bufs;
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
             let i = c.inter;
-            self.masked_gemm(&self.w.w13, 2 * i, h, a, h13, cap, counts)?;
+            self.masked_gemm(Projection::Up, a, h13, cap, counts)?;
             mark(4)?;
             self.act(s, [h13, b13, 0, counts, act], cap as i32, el * cap, i)?;
             mark(5)?;
-            self.masked_gemm(&self.w.w2, h, i, act, y, cap, counts)?;
+            self.masked_gemm(Projection::Down, act, y, cap, counts)?;
             mark(6)?;
         } else {
             self.mlp(b, bufs, el, cap, &[], 0, mark)?;
@@ -369,12 +379,14 @@ impl CudaMoeLayer {
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
+    use crate::quant::WeightQuant;
     use cudarc::driver::{LaunchConfig, PushKernelArg};
     use half::bf16;
 
-    /// The masked GEMM against an f64 product of the same bf16 values, with poisoned outputs:
-    /// widths that are not multiples of the tile, counts of 0, 1, a partial tile, exactly one
-    /// pass, more than one pass, and the whole capacity. Needs a GPU; says loudly when it skips.
+    /// The masked GEMM, bf16 and fp8 weights, against an f64 product of the same values, with
+    /// poisoned outputs: widths that are not multiples of the tile (and of the fp8 scale
+    /// blocks), counts of 0, 1, a partial tile, exactly one pass, more than one pass, and the
+    /// whole capacity. Needs a GPU; says loudly when it skips.
     #[test]
     fn masked_gemm_matches_f64_and_leaves_masked_rows_alone() {
         if super::super::super::device_count() == 0 {
@@ -382,57 +394,72 @@ mod tests {
             return;
         }
         let gpu = Gpu::new(0).unwrap();
-        let f = gpu.function("masked_gemm").unwrap();
-        super::allow_masked_gemm_smem(&f).unwrap();
         let s = &gpu.stream;
-        for (n, k) in [(200usize, 136usize), (256, 64), (130, 8)] {
-            let cap = 130;
-            let counts: Vec<i32> = vec![0, 1, 17, 64, 65, 130];
-            let e = counts.len();
-            let bits = |v: Vec<f32>| v.into_iter().map(|x| bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
-            let w = bits(crate::preset::uniform(e * n * k, 1.0, 5));
-            let a = bits(crate::preset::uniform(e * cap * k, 1.0, 6));
-            let poison = 0x7fc1u16; // a NaN that no product yields
-            let (wd, ad) = (s.clone_htod(&w).unwrap(), s.clone_htod(&a).unwrap());
-            let cd = s.clone_htod(&vec![poison; e * cap * n]).unwrap();
-            let countd = s.clone_htod(&counts).unwrap();
-            let (wp, ap, cp, np) = (dptr(&wd, &gpu), dptr(&ad, &gpu), dptr(&cd, &gpu), dptr(&countd, &gpu));
-            let (capi, ni, ki) = (cap as i32, n as i32, k as i32);
-            let cfg = LaunchConfig {
-                grid_dim: (n.div_ceil(128) as u32, e as u32, 1),
-                block_dim: (128, 1, 1),
-                shared_mem_bytes: super::MASKED_GEMM_SMEM,
-            };
-            // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm).
-            unsafe {
-                s.launch_builder(&f)
-                    .arg(&wp)
-                    .arg(&ap)
-                    .arg(&cp)
-                    .arg(&np)
-                    .arg(&capi)
-                    .arg(&ni)
-                    .arg(&ki)
-                    .launch(cfg)
-                    .unwrap();
-            }
-            let got = s.clone_dtoh(&cd).unwrap();
-            let v = |x: u16| bf16::from_bits(x).to_f64();
-            for (x, &cnt) in counts.iter().enumerate() {
-                for r in 0..cap {
-                    for j in 0..n {
-                        let out = got[(x * cap + r) * n + j];
-                        if r >= cnt as usize {
-                            assert_eq!(out, poison, "n {n} k {k}: expert {x} row {r} past its count was written");
-                            continue;
+        for fp8 in [false, true] {
+            let f = gpu.function(if fp8 { "masked_gemm_fp8" } else { "masked_gemm" }).unwrap();
+            super::allow_masked_gemm_smem(&f).unwrap();
+            let shapes =
+                if fp8 { [(200usize, 144usize), (256, 64), (130, 16)] } else { [(200, 136), (256, 64), (130, 8)] };
+            for (n, k) in shapes {
+                let cap = 130;
+                let counts: Vec<i32> = vec![0, 1, 17, 64, 65, 130];
+                let e = counts.len();
+                let bits = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+                let w32 = crate::preset::uniform(e * n * k, 1.0, 5);
+                let a = bits(&crate::preset::uniform(e * cap * k, 1.0, 6));
+                let poison = 0x7fc1u16; // a NaN that no product yields
+                let (ad, cd) = (s.clone_htod(&a).unwrap(), s.clone_htod(&vec![poison; e * cap * n]).unwrap());
+                let countd = s.clone_htod(&counts).unwrap();
+                let (ap, cp, np) = (dptr(&ad, &gpu), dptr(&cd, &gpu), dptr(&countd, &gpu));
+                let (capi, ni, ki) = (cap as i32, n as i32, k as i32);
+                let cfg = LaunchConfig {
+                    grid_dim: (n.div_ceil(128) as u32, e as u32, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: super::MASKED_GEMM_SMEM,
+                };
+                // The weights as the kernel sees them, in f64.
+                let weights: Vec<f64> = if fp8 {
+                    let q = WeightQuant::Fp8Block(128);
+                    let (codes, scales) = q.quantize(&w32, e, n, k).unwrap();
+                    let (wd, sd) = (s.clone_htod(&codes).unwrap(), s.clone_htod(&scales).unwrap());
+                    let (wp, sp) = (dptr(&wd, &gpu), dptr(&sd, &gpu));
+                    // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm_fp8).
+                    unsafe {
+                        let mut l = s.launch_builder(&f);
+                        l.arg(&wp).arg(&sp).arg(&ap).arg(&cp).arg(&np).arg(&capi).arg(&ni).arg(&ki);
+                        l.launch(cfg).unwrap();
+                    }
+                    s.synchronize().unwrap();
+                    q.dequantize(&codes, &scales, e, n, k).into_iter().map(f64::from).collect()
+                } else {
+                    let w = bits(&w32);
+                    let wd = s.clone_htod(&w).unwrap();
+                    let wp = dptr(&wd, &gpu);
+                    // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm).
+                    unsafe {
+                        let mut l = s.launch_builder(&f);
+                        l.arg(&wp).arg(&ap).arg(&cp).arg(&np).arg(&capi).arg(&ni).arg(&ki);
+                        l.launch(cfg).unwrap();
+                    }
+                    s.synchronize().unwrap();
+                    w.iter().map(|&x| bf16::from_bits(x).to_f64()).collect()
+                };
+                let got = s.clone_dtoh(&cd).unwrap();
+                let v = |x: u16| bf16::from_bits(x).to_f64();
+                for (x, &cnt) in counts.iter().enumerate() {
+                    for r in 0..cap {
+                        for j in 0..n {
+                            let out = got[(x * cap + r) * n + j];
+                            let what = format!("fp8 {fp8}, n {n} k {k}: expert {x} row {r} col {j}");
+                            if r >= cnt as usize {
+                                assert_eq!(out, poison, "{what}: past its count, written");
+                                continue;
+                            }
+                            let want: f64 =
+                                (0..k).map(|q| v(a[(x * cap + r) * k + q]) * weights[(x * n + j) * k + q]).sum();
+                            let tol = 1e-2 * (1.0 + want.abs());
+                            assert!((v(out) - want).abs() <= tol, "{what}: {} vs {want}", v(out));
                         }
-                        let want: f64 = (0..k).map(|q| v(a[(x * cap + r) * k + q]) * v(w[(x * n + j) * k + q])).sum();
-                        let tol = 1e-2 * (1.0 + want.abs());
-                        assert!(
-                            (v(out) - want).abs() <= tol,
-                            "n {n} k {k}: expert {x} row {r} col {j}: {} vs {want}",
-                            v(out)
-                        );
                     }
                 }
             }

@@ -16,6 +16,7 @@ use cudarc::cublas::{sys as cb, CudaBlas};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
+mod fp8_weights;
 mod low_latency;
 
 struct Kernels {
@@ -40,6 +41,8 @@ struct Kernels {
     ll_gather: CudaFunction,
     ll_combine: CudaFunction,
     masked_gemm: CudaFunction,
+    masked_gemm_fp8: CudaFunction,
+    quantize_fp8: CudaFunction,
 }
 
 struct SharedMlp {
@@ -58,6 +61,8 @@ struct DeviceWeights {
     b13: Option<CudaSlice<f32>>,
     b2: Option<CudaSlice<f32>>,
     shared: Option<SharedMlp>,
+    /// The routed experts as fp8 codes too (see [`fp8_weights`]).
+    fp8: Option<fp8_weights::Fp8Experts>,
 }
 
 /// Scratch buffers for up to `tokens` tokens.
@@ -218,6 +223,8 @@ impl CudaMoeLayer {
             ll_gather: f("ll_gather")?,
             ll_combine: f("ll_combine")?,
             masked_gemm: f("masked_gemm")?,
+            masked_gemm_fp8: f("masked_gemm_fp8")?,
+            quantize_fp8: f("quantize_weight_blocks_fp8")?,
         };
         Ok((gpu, blas, k))
     }
@@ -274,6 +281,7 @@ impl CudaMoeLayer {
                 }),
                 _ => None,
             },
+            fp8: fp8_weights::Fp8Experts::upload(&experts, s)?,
         };
         Ok(CudaMoeLayer {
             side: side_streams(&gpu)?,
@@ -350,7 +358,7 @@ impl CudaMoeLayer {
             }),
             None => None,
         };
-        let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared };
+        let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared, fp8: None };
         Ok(CudaMoeLayer {
             side: side_streams(&gpu)?,
             gpu,
