@@ -1,26 +1,26 @@
 // moeflow's masked grouped GEMM: the expert GEMM of the low-latency layer, where each expert's
 // row count lives in device memory (so the layer can be captured in a CUDA graph) and the
 // weights dominate the traffic. bf16 tensor-core MMA (m16n8k16) with f32 accumulation; weight
-// and row tiles stream through shared memory with cp.async in a 4-stage pipeline (dynamic
-// shared memory: MG_STAGES · (MG_N + MG_M) · MG_LD · 2 = 110592 bytes, set by the launcher).
-// Weights are bf16, or fp8 e4m3 with one f32 scale per 128 × 128 block (DeepSeek-V3's
-// format): their codes widen exactly to bf16 for the MMA, and each 128-deep block's partial
-// sums are scaled into the accumulators.
+// and row tiles stream through shared memory with cp.async in a multi-stage pipeline (dynamic
+// shared memory, at most 110592 bytes, set by the launcher). Weights are bf16 (4 stages 64
+// deep, 64 token rows a pass), or fp8 e4m3 with one f32 scale per 128 × 128 block, DeepSeek-V3's
+// format (4 stages 128 deep, so a stage moves as many weight bytes, 32 token rows a pass): their
+// codes widen exactly to bf16 for the MMA, and each 128-deep block's partial sums are scaled
+// into the accumulators.
 // (Compiled after moe.cu, whose helpers it uses.)
 
-#define MG_M 64        // rows per pass
 #define MG_N 128       // output columns per block (4 warps × 32)
-#define MG_K 64        // depth per pipeline stage
-#define MG_LD 72       // shared-memory row pitch in bf16 (64 + 8 breaks bank conflicts)
-#define MG_STAGES 4
-#define MG_WP8 80      // shared-memory row pitch in bytes of fp8 weights (64 + 16)
 
 __device__ __forceinline__ void mg_cp_async16(void* smem, const void* gmem, int src_bytes) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(src_bytes));
 }
 __device__ __forceinline__ void mg_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void mg_wait_stages() { asm volatile("cp.async.wait_group 2;\n" ::); }
+// Waits until at most `pending` groups of copies are in flight.
+template <int pending>
+__device__ __forceinline__ void mg_wait_stages() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+}
 __device__ __forceinline__ void mg_wait_all() { asm volatile("cp.async.wait_all;\n" ::); }
 
 __device__ __forceinline__ void mg_mma(float* c, const unsigned* a, const unsigned* b) {
@@ -47,63 +47,71 @@ __device__ __forceinline__ unsigned mg_e4m3x2_to_bf16x2(unsigned short v) {
 template <bool FP8>
 __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, const bf16_t* A, bf16_t* C,
                                                  const int* counts, int cap, int N, int K) {
+    // Depth per stage, stages, and shared-memory pitches (8 bf16 / 16 bytes past the data
+    // keep the fragment loads free of bank conflicts).
+    // fp8 takes 32 token rows per pass, so 4 stages of 128-deep fp8 tiles fit twice per SM.
+    constexpr int MG_M = FP8 ? 32 : 64;
+    constexpr int MT = MG_M / 16;  // 16-row MMA tiles per pass
+    constexpr int KD = FP8 ? 128 : 64;
+    constexpr int STAGES = 4;
+    constexpr int wbytes = FP8 ? 1 : 2;
+    constexpr int wpitch = KD * wbytes + 16;  // bytes per weight row
+    constexpr int ald = KD + 8;              // bf16 per token row
     extern __shared__ __align__(16) unsigned char mg_smem[];
-    const int wpitch = FP8 ? MG_WP8 : MG_LD * 2;  // bytes per weight row in shared memory
     unsigned char* wsm = mg_smem;
-    bf16_t(*as)[MG_M][MG_LD] = (bf16_t(*)[MG_M][MG_LD])(mg_smem + MG_STAGES * MG_N * MG_LD * 2);
+    bf16_t(*as)[MG_M][ald] = (bf16_t(*)[MG_M][ald])(mg_smem + STAGES * MG_N * wpitch);
     int e = blockIdx.y, n0 = blockIdx.x * MG_N;
     int count = min(counts[e], cap);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    const int wbytes = FP8 ? 1 : 2;
     const unsigned char* w = (const unsigned char*)W + (long)e * N * K * wbytes;
     int kblocks = (K + 127) / 128;
     const float* scale = FP8 ? S + ((long)e * ((N + 127) / 128) + blockIdx.x) * kblocks : nullptr;
-    int ksteps = (K + MG_K - 1) / MG_K;
+    int ksteps = (K + KD - 1) / KD;
     for (int m0 = 0; m0 < count; m0 += MG_M) {
         int rows = min(MG_M, count - m0);
         int mtiles = (rows + 15) / 16;
         const bf16_t* a = A + ((long)e * cap + m0) * K;
-        float acc[4][4][4], part[4][4][4];
+        float acc[MT][4][4], part[MT][4][4];
 #pragma unroll
-        for (int i = 0; i < 4; i++)
+        for (int i = 0; i < MT; i++)
 #pragma unroll
             for (int j = 0; j < 4; j++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) acc[i][j][q] = part[i][j][q] = 0.0f;
-        // Stage s gets depth step kk: 128 weight rows and 64 token rows of 64 values, 16 bytes
+        // Stage s gets depth step kk: 128 weight rows and 64 token rows of KD values, 16 bytes
         // a copy; past K, N or the rows, zeros.
         auto load = [&](int s, int kk) {
-            const int wchunks = FP8 ? 4 : 8;  // 16-byte copies per weight row
+            constexpr int wchunks = KD * wbytes / 16, achunks = KD / 8;  // copies per row
 #pragma unroll
             for (int i = 0; i < wchunks; i++) {
                 int c = threadIdx.x + i * 128, row = c / wchunks, col = (c % wchunks) * 16;  // bytes
-                int k = kk * MG_K + col / wbytes;
+                int k = kk * KD + col / wbytes;
                 bool ok = n0 + row < N && k < K;
                 mg_cp_async16(wsm + ((long)s * MG_N + row) * wpitch + col,
                               ok ? w + ((long)(n0 + row) * K + k) * wbytes : w, ok ? 16 : 0);
             }
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                int c = threadIdx.x + i * 128, row = c >> 3, col = (c & 7) * 8, k = kk * MG_K + col;
+            for (int i = 0; i < MG_M * achunks / 128; i++) {
+                int c = threadIdx.x + i * 128, row = c / achunks, col = (c % achunks) * 8, k = kk * KD + col;
                 bool ok = row < rows && k < K;
                 mg_cp_async16(&as[s][row][col], ok ? a + (long)row * K + k : a, ok ? 16 : 0);
             }
         };
 #pragma unroll
-        for (int s = 0; s < MG_STAGES - 1; s++) {
+        for (int s = 0; s < STAGES - 1; s++) {
             if (s < ksteps) load(s, s);
             mg_commit();
         }
         for (int kk = 0; kk < ksteps; kk++) {
-            mg_wait_stages();
+            mg_wait_stages<STAGES - 2>();
             __syncthreads();
-            int next = kk + MG_STAGES - 1;
-            if (next < ksteps) load(next % MG_STAGES, next);
+            int next = kk + STAGES - 1;
+            if (next < ksteps) load(next % STAGES, next);
             mg_commit();
-            int st = kk % MG_STAGES;
+            int st = kk % STAGES;
             const unsigned char* wst = wsm + (long)st * MG_N * wpitch;
 #pragma unroll
-            for (int k16 = 0; k16 < MG_K; k16 += 16) {
+            for (int k16 = 0; k16 < KD; k16 += 16) {
                 unsigned bf[4][2];
 #pragma unroll
                 for (int nt = 0; nt < 4; nt++) {
@@ -118,7 +126,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
                     }
                 }
 #pragma unroll
-                for (int mt = 0; mt < 4; mt++) {
+                for (int mt = 0; mt < MT; mt++) {
                     if (mt < mtiles) {
                         int r = mt * 16 + g;
                         unsigned af[4];
@@ -131,11 +139,11 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
                     }
                 }
             }
-            // fp8: a 128-deep block ends every second step (or at K); scale its sums in.
-            if (FP8 && ((kk & 1) || kk == ksteps - 1)) {
-                float sc = scale[kk / 2];
+            // fp8: every step is one 128-deep scale block; scale its sums in.
+            if (FP8) {
+                float sc = scale[kk];
 #pragma unroll
-                for (int i = 0; i < 4; i++)
+                for (int i = 0; i < MT; i++)
 #pragma unroll
                     for (int j = 0; j < 4; j++)
 #pragma unroll
@@ -148,7 +156,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
         mg_wait_all();
         __syncthreads();
 #pragma unroll
-        for (int mt = 0; mt < 4; mt++) {
+        for (int mt = 0; mt < MT; mt++) {
             if (mt >= mtiles) continue;
 #pragma unroll
             for (int nt = 0; nt < 4; nt++) {

@@ -19,8 +19,9 @@ use cudarc::driver::{sys as drv, CudaGraph, CudaSlice, LaunchConfig, PushKernelA
 /// cuBLAS workspace per handle, set before capture so no GEMM allocates inside the graph.
 const BLAS_WORKSPACE: usize = 32 << 20;
 
-/// Dynamic shared memory of the masked GEMM: 4 stages of 128 weight rows and 64 token rows,
-/// 72 bf16 apart (masked_gemm.cu).
+/// Dynamic shared memory of the masked GEMM, the larger of its two forms (masked_gemm.cu):
+/// bf16, 4 stages of 128 weight rows and 64 token rows 64 deep, 144 bytes apart; fp8 needs
+/// 4 · (128 · 144 + 32 · 272) = 108544.
 const MASKED_GEMM_SMEM: u32 = 4 * (128 + 64) * 72 * 2;
 
 /// Lets `masked_gemm` take its shared memory (above the 48 KiB a launch gets by default).
