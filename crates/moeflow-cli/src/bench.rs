@@ -626,6 +626,13 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     if args.parallel.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
     }
+    if args.layer.dtype != DType::BF16 {
+        return Err(MoeError::Unsupported(format!(
+            "--dtype {} on one GPU: its experts run in bf16 (fp8 experts run in the low-latency layer: --ep N \
+             --strategy lowlatency --dtype f8e4m3)",
+            args.layer.dtype
+        )));
+    }
     let bar0 = spinner("generating weights on the GPU".into());
     let gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");

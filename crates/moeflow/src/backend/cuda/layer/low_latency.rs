@@ -7,9 +7,9 @@
 //!
 //! Each rank sends every rank one message of `M` rows (`[k local ids | k weights | H bf16]`,
 //! ids -1 where the token has no expert there), the receiver lays the rows out `n·M` per local
-//! expert (a token reaches an expert at most once), one strided-batched GEMM per projection
-//! runs over that padded layout, and the weighted sum per message row goes back as one bf16
-//! row, summed at home in rank order.
+//! expert (a token reaches an expert at most once) and counts them on the device, the masked
+//! grouped GEMM (`kernels/masked_gemm.cu`) runs each expert over its counted rows only, and the
+//! weighted sum per message row goes back as one bf16 row, summed at home in rank order.
 
 use super::{dptr, err, grid, rows, CudaMoeLayer, EpLink, GpuStageTimes};
 use crate::error::{MoeError, Result};
@@ -113,8 +113,8 @@ impl CudaMoeLayer {
         let z8 = |n: usize| s.alloc_zeros::<u8>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let workspaces = vec![z8(BLAS_WORKSPACE)?, z8(BLAS_WORKSPACE)?];
         for (ws, blas) in workspaces.iter().zip([&self.blas, &self.side[0].1]) {
-            // SAFETY: the workspace is device memory of BLAS_WORKSPACE bytes that lives as long
-            // as these buffers, which the layer drops before its handles.
+            // SAFETY: the workspace is device memory of BLAS_WORKSPACE bytes held by these
+            // buffers; the layer drops its cuBLAS handles (fields `side`, `blas`) before them.
             let st = unsafe { cb::cublasSetWorkspace_v2(*blas.handle(), dptr(ws, &self.gpu) as _, BLAS_WORKSPACE) };
             super::check(st, "cuBLAS workspace")?;
         }

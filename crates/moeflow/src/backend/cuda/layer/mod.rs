@@ -3,7 +3,8 @@
 //! GEMMs with f32 accumulation (padded strided-batched, or per expert over side streams),
 //! activation, and a weighted combine in slot order. On one GPU, or as one rank of an
 //! expert-parallel group ([`CudaMoeLayer::new_ep`]) whose tokens travel to the ranks holding
-//! their experts over NCCL, on the device.
+//! their experts over NCCL, on the device; [`low_latency`] is that group's fixed-capacity form,
+//! captured in a CUDA graph, and [`fp8_weights`] its fp8 experts.
 
 use super::{err, Gpu};
 pub use crate::backend::GpuStageTimes;
@@ -267,7 +268,8 @@ impl CudaMoeLayer {
             gate: up_f32(&weights.gate)?,
             gate_bias: weights.gate_bias.as_ref().map(up_f32).transpose()?,
             correction_bias: weights.correction_bias.as_ref().map(up_f32).transpose()?,
-            // Quantized experts run on the GPU as bf16 of their dequantized values.
+            // Quantized experts run on the GPU as bf16 of their dequantized values (fp8 ones
+            // also as their codes, which the low-latency layer streams).
             w13: up_bf16(&Tensor::from_f32(experts.w13.shape(), experts.w13_f32())?)?,
             w2: up_bf16(&Tensor::from_f32(experts.w2.shape(), experts.w2_f32())?)?,
             b13: experts.b13.as_ref().map(up_f32).transpose()?,
