@@ -434,19 +434,22 @@ pub fn run(args: BenchArgs) -> Result<()> {
         _ => 0,
     };
     let bar0 = spinner("measuring the matmul rate and copy bandwidth".into());
-    let (matmul_gflops, copy_gbps, ceiling_name) = if gpu {
+    // The compute floor uses the cores' FMA peak where it was measured (no GEMM beats it),
+    // else the matmul rate.
+    let (matmul_gflops, copy_gbps, ceiling_name, fma_peak) = if gpu {
         let (tflops, gbps) = moeflow::backend::cuda::measure_ceilings(device)?;
-        (tflops * 1e3, gbps, "cuBLAS bf16 8192³")
+        (tflops * 1e3, gbps, "cuBLAS bf16 8192³", None)
     } else {
         let host = ceiling::measure();
-        (host.matmul_gflops, host.copy_gbps, "gemm crate, f32")
+        (host.matmul_gflops, host.copy_gbps, "gemm crate, f32", host.fma_peak_gflops)
     };
+    let compute_gflops = fma_peak.unwrap_or(matmul_gflops);
     bar0.finish_and_clear();
     let groups = par.ep / par.tp;
     let rank0 = host.launched_rank().is_none_or(|r| r == 0);
     if rank0 {
         println!(
-            "moeflow bench: {} on {}, {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}), copy {:.1} GB/s",
+            "moeflow bench: {} on {}, {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}){}, copy {:.1} GB/s",
             p.name,
             match &host {
                 RankHost::Threads => format!("cpu ({} threads)", rayon::current_num_threads()),
@@ -460,6 +463,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             par.strategy,
             par.quant,
             matmul_gflops,
+            fma_peak.map_or(String::new(), |p| format!(", FMA peak {p:.1} GFLOP/s")),
             copy_gbps
         );
     }
@@ -550,7 +554,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     errors.resize(args.tokens.len(), None);
     for ((&t, m), rel_error) in args.tokens.iter().zip(measured).zip(errors) {
         let total_tokens = t * groups;
-        // Floor: all FLOPs at the matmul rate, or every expert's weights read once.
+        // Floor: all FLOPs at the FMA peak (or matmul rate), or every expert's weights read once.
         let experts_read = config.num_experts.min(total_tokens * config.top_k);
         let bytes = experts_read * per_expert_bytes;
         let flops = config.expert_flops(total_tokens);
@@ -566,7 +570,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let gflops = flops / ms / 1e6;
         // In-process CPU ranks share one machine; GPU ranks each bring their own ceilings.
         let devices = if gpu { par.ep as f64 } else { 1.0 };
-        let floor_ms = (flops / (devices * matmul_gflops * 1e9)).max(bytes as f64 / (devices * copy_gbps * 1e9)) * 1e3;
+        let floor_ms = (flops / (devices * compute_gflops * 1e9)).max(bytes as f64 / (devices * copy_gbps * 1e9)) * 1e3;
         // Dispatch and combine bytes of rank 0 over its prepare and finalize time.
         let comm_ms = stages_ms.prepare + stages_ms.finalize;
         let comm_gbps = if comm_ms > 0.0 { m.bytes as f64 / comm_ms / 1e6 } else { 0.0 };

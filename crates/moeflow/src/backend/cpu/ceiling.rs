@@ -1,5 +1,7 @@
 //! This machine's ceilings, measured: dense f32 matmul rate (with the `gemm` crate, an
-//! independent well-tuned kernel) and memory copy bandwidth. Benchmarks report against them.
+//! independent well-tuned kernel), the cores' AVX2 fused multiply-add peak (independent FMA
+//! chains on every thread: no GEMM in the instruction set of moeflow's CPU kernel can beat it)
+//! and memory copy bandwidth. Benchmarks report against them.
 
 use std::time::Instant;
 
@@ -10,6 +12,8 @@ pub struct HostCeilings {
     pub matmul_gflops: f64,
     /// Memory copy, bytes read plus written, GB/s (median).
     pub copy_gbps: f64,
+    /// f32 FMA peak of all threads together, GFLOP/s (median); `None` without AVX2 and FMA.
+    pub fma_peak_gflops: Option<f64>,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -19,7 +23,67 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 /// Measures both ceilings (about a second).
 pub fn measure() -> HostCeilings {
-    HostCeilings { matmul_gflops: matmul_gflops(1536, 5), copy_gbps: copy_gbps(64 << 20, 5) }
+    HostCeilings {
+        matmul_gflops: matmul_gflops(1536, 5),
+        copy_gbps: copy_gbps(64 << 20, 5),
+        fma_peak_gflops: fma_peak_gflops(5),
+    }
+}
+
+/// Median over `runs` of the f32 FMA rate of every thread at once, GFLOP/s: each thread runs
+/// twelve independent chains of 8-wide fused multiply-adds (enough to cover the FMA latency on
+/// two pipes). `None` where AVX2 and FMA are missing.
+pub fn fma_peak_gflops(runs: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
+            return None;
+        }
+        const STEPS: usize = 20_000_000;
+        let mut samples = Vec::new();
+        for _ in 0..runs + 1 {
+            let t = Instant::now();
+            // SAFETY: AVX2 and FMA were detected above.
+            let sums: Vec<f32> = rayon::broadcast(|_| unsafe { fma_chains(STEPS) });
+            let secs = t.elapsed().as_secs_f64();
+            std::hint::black_box(sums);
+            samples.push((rayon::current_num_threads() * STEPS * 12 * 16) as f64 / secs / 1e9);
+        }
+        samples.remove(0);
+        Some(median(samples))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = runs;
+        None
+    }
+}
+
+/// `steps` rounds of 12 independent 8-wide FMAs; returns a value that depends on all of them.
+///
+/// # Safety
+/// Requires AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fma_chains(steps: usize) -> f32 {
+    use std::arch::x86_64::*;
+    let (b, c) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc = [_mm256_setzero_ps(); 12];
+    for (i, a) in acc.iter_mut().enumerate() {
+        *a = _mm256_set1_ps(i as f32);
+    }
+    for _ in 0..std::hint::black_box(steps) {
+        for a in acc.iter_mut() {
+            *a = _mm256_fmadd_ps(*a, b, c);
+        }
+    }
+    let mut out = [0f32; 8];
+    let mut total = _mm256_setzero_ps();
+    for a in acc {
+        total = _mm256_add_ps(total, a);
+    }
+    _mm256_storeu_ps(out.as_mut_ptr(), total);
+    out.iter().sum()
 }
 
 /// Median GFLOP/s of an `n³` f32 matmul over `runs` runs.
@@ -76,4 +140,19 @@ pub fn copy_gbps(bytes: usize, runs: usize) -> f64 {
     samples.remove(0);
     std::hint::black_box(&dst);
     median(samples)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn fma_peak_is_a_positive_rate_where_avx2_exists() {
+        let peak = super::fma_peak_gflops(1);
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+            let p = peak.expect("AVX2 and FMA present");
+            assert!(p.is_finite() && p > 0.0, "{p}");
+            return;
+        }
+        assert!(peak.is_none());
+    }
 }
