@@ -9,7 +9,7 @@
 // into the accumulators.
 // (Compiled after moe.cu, whose helpers it uses.)
 
-#define MG_N 128       // output columns per block (4 warps × 32)
+#define MG_N 128       // output columns per block (bf16: 4 warps × 32, fp8: 8 warps × 16)
 
 __device__ __forceinline__ void mg_cp_async16(void* smem, const void* gmem, int src_bytes) {
     unsigned s = (unsigned)__cvta_generic_to_shared(smem);
@@ -54,6 +54,10 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
     constexpr int MT = MG_M / 16;  // 16-row MMA tiles per pass
     constexpr int KD = FP8 ? 128 : 64;
     constexpr int STAGES = 4;
+    // fp8 runs 8 warps of 16 columns (its code widening needs more warps to hide latency);
+    // bf16 4 warps of 32 columns.
+    constexpr int THREADS = FP8 ? 256 : 128;
+    constexpr int NT = MG_N / (THREADS / 32) / 8;  // 8-column MMA tiles per warp
     constexpr int wbytes = FP8 ? 1 : 2;
     constexpr int wpitch = KD * wbytes + 16;  // bytes per weight row
     constexpr int ald = KD + 8;              // bf16 per token row
@@ -71,11 +75,11 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
         int rows = min(MG_M, count - m0);
         int mtiles = (rows + 15) / 16;
         const bf16_t* a = A + ((long)e * cap + m0) * K;
-        float acc[MT][4][4], part[MT][4][4];
+        float acc[MT][NT][4], part[MT][NT][4];
 #pragma unroll
         for (int i = 0; i < MT; i++)
 #pragma unroll
-            for (int j = 0; j < 4; j++)
+            for (int j = 0; j < NT; j++)
 #pragma unroll
                 for (int q = 0; q < 4; q++) acc[i][j][q] = part[i][j][q] = 0.0f;
         // Stage s gets depth step kk: 128 weight rows and 64 token rows of KD values, 16 bytes
@@ -83,16 +87,16 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
         auto load = [&](int s, int kk) {
             constexpr int wchunks = KD * wbytes / 16, achunks = KD / 8;  // copies per row
 #pragma unroll
-            for (int i = 0; i < wchunks; i++) {
-                int c = threadIdx.x + i * 128, row = c / wchunks, col = (c % wchunks) * 16;  // bytes
+            for (int i = 0; i < MG_N * wchunks / THREADS; i++) {
+                int c = threadIdx.x + i * THREADS, row = c / wchunks, col = (c % wchunks) * 16;  // bytes
                 int k = kk * KD + col / wbytes;
                 bool ok = n0 + row < N && k < K;
                 mg_cp_async16(wsm + ((long)s * MG_N + row) * wpitch + col,
                               ok ? w + ((long)(n0 + row) * K + k) * wbytes : w, ok ? 16 : 0);
             }
 #pragma unroll
-            for (int i = 0; i < MG_M * achunks / 128; i++) {
-                int c = threadIdx.x + i * 128, row = c / achunks, col = (c % achunks) * 8, k = kk * KD + col;
+            for (int i = 0; i < MG_M * achunks / THREADS; i++) {
+                int c = threadIdx.x + i * THREADS, row = c / achunks, col = (c % achunks) * 8, k = kk * KD + col;
                 bool ok = row < rows && k < K;
                 mg_cp_async16(&as[s][row][col], ok ? a + (long)row * K + k : a, ok ? 16 : 0);
             }
@@ -112,10 +116,10 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
             const unsigned char* wst = wsm + (long)st * MG_N * wpitch;
 #pragma unroll
             for (int k16 = 0; k16 < KD; k16 += 16) {
-                unsigned bf[4][2];
+                unsigned bf[NT][2];
 #pragma unroll
-                for (int nt = 0; nt < 4; nt++) {
-                    const unsigned char* wr = wst + (warp * 32 + nt * 8 + g) * wpitch;
+                for (int nt = 0; nt < NT; nt++) {
+                    const unsigned char* wr = wst + (warp * NT * 8 + nt * 8 + g) * wpitch;
                     int k0 = k16 + 2 * tq;
                     if (FP8) {
                         bf[nt][0] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)(wr + k0));
@@ -135,7 +139,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
                         af[2] = *(const unsigned*)&as[st][r][k16 + 2 * tq + 8];
                         af[3] = *(const unsigned*)&as[st][r + 8][k16 + 2 * tq + 8];
 #pragma unroll
-                        for (int nt = 0; nt < 4; nt++) mg_mma(FP8 ? part[mt][nt] : acc[mt][nt], af, bf[nt]);
+                        for (int nt = 0; nt < NT; nt++) mg_mma(FP8 ? part[mt][nt] : acc[mt][nt], af, bf[nt]);
                     }
                 }
             }
@@ -145,7 +149,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
 #pragma unroll
                 for (int i = 0; i < MT; i++)
 #pragma unroll
-                    for (int j = 0; j < 4; j++)
+                    for (int j = 0; j < NT; j++)
 #pragma unroll
                         for (int q = 0; q < 4; q++) {
                             acc[i][j][q] += sc * part[i][j][q];
@@ -159,8 +163,8 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
         for (int mt = 0; mt < MT; mt++) {
             if (mt >= mtiles) continue;
 #pragma unroll
-            for (int nt = 0; nt < 4; nt++) {
-                int col = n0 + warp * 32 + nt * 8 + 2 * tq;
+            for (int nt = 0; nt < NT; nt++) {
+                int col = n0 + warp * NT * 8 + nt * 8 + 2 * tq;
                 if (col >= N) continue;
 #pragma unroll
                 for (int half = 0; half < 2; half++) {
@@ -187,9 +191,9 @@ __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t
 }
 
 // masked_gemm with fp8 e4m3 weights W [experts, N, K] and their scales S [experts,
-// ceil(N / 128), ceil(K / 128)] (weight = code · scale of its 128 × 128 block). Needs K % 16 == 0
-// and N % 2 == 0.
-__global__ void __launch_bounds__(128) masked_gemm_fp8(const unsigned char* W, const float* S, const bf16_t* A,
+// ceil(N / 128), ceil(K / 128)] (weight = code · scale of its 128 × 128 block), 256 threads.
+// Needs K % 16 == 0 and N % 2 == 0.
+__global__ void __launch_bounds__(256) masked_gemm_fp8(const unsigned char* W, const float* S, const bf16_t* A,
                                                        bf16_t* C, const int* counts, int cap, int N, int K) {
     masked_gemm_body<true>(W, S, A, C, counts, cap, N, K);
 }

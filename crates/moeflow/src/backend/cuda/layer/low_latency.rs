@@ -33,6 +33,16 @@ fn allow_masked_gemm_smem(f: &cudarc::driver::CudaFunction) -> Result<()> {
     .map_err(|e| err("masked_gemm shared memory", e))
 }
 
+/// Launch shape of the masked GEMM over `n` output columns of `experts` experts: 128 columns a
+/// block, 128 threads (256 for fp8 weights).
+fn masked_gemm_launch(n: usize, experts: usize, fp8: bool) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(128) as u32, experts as u32, 1),
+        block_dim: (if fp8 { 256 } else { 128 }, 1, 1),
+        shared_mem_bytes: MASKED_GEMM_SMEM,
+    }
+}
+
 /// The captured layer. CUDA graphs are not synchronised internally; this one is only touched
 /// under the layer's buffer lock.
 struct LayerGraph(CudaGraph);
@@ -215,11 +225,7 @@ impl CudaMoeLayer {
         let fp8 = fp8.filter(|_| kdim % 16 == 0);
         let experts = w.len() / (n * kdim);
         let (capi, ni, ki) = (cap as i32, n as i32, kdim as i32);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(128) as u32, experts as u32, 1),
-            block_dim: (128, 1, 1),
-            shared_mem_bytes: MASKED_GEMM_SMEM,
-        };
+        let cfg = masked_gemm_launch(n, experts, fp8.is_some());
         let s = &self.gpu.stream;
         // SAFETY: masked_gemm(bf16*, bf16*, bf16*, int*, int, int, int) and masked_gemm_fp8(u8*,
         // float*, bf16*, bf16*, int*, int, int, int): W holds `experts` [n, kdim] matrices (and
@@ -381,7 +387,7 @@ impl CudaMoeLayer {
 mod tests {
     use super::super::{dptr, Gpu};
     use crate::quant::WeightQuant;
-    use cudarc::driver::{LaunchConfig, PushKernelArg};
+    use cudarc::driver::PushKernelArg;
     use half::bf16;
 
     /// The masked GEMM, bf16 and fp8 weights, against an f64 product of the same values, with
@@ -413,11 +419,7 @@ mod tests {
                 let countd = s.clone_htod(&counts).unwrap();
                 let (ap, cp, np) = (dptr(&ad, &gpu), dptr(&cd, &gpu), dptr(&countd, &gpu));
                 let (capi, ni, ki) = (cap as i32, n as i32, k as i32);
-                let cfg = LaunchConfig {
-                    grid_dim: (n.div_ceil(128) as u32, e as u32, 1),
-                    block_dim: (128, 1, 1),
-                    shared_mem_bytes: super::MASKED_GEMM_SMEM,
-                };
+                let cfg = super::masked_gemm_launch(n, e, fp8);
                 // The weights as the kernel sees them, in f64.
                 let weights: Vec<f64> = if fp8 {
                     let q = WeightQuant::Fp8Block(128);
