@@ -8,16 +8,6 @@ extern "C" {
 
 __device__ __forceinline__ long ll_row_offset(int k) { return ((8L * k + 15) / 16) * 16; }
 
-__device__ __forceinline__ void copy_row(const bf16_t* src, bf16_t* dst, int H) {
-    if (H % 8 == 0) {
-        const uint4* s4 = (const uint4*)src;
-        uint4* d4 = (uint4*)dst;
-        for (int h = threadIdx.x; h < H / 8; h += blockDim.x) d4[h] = s4[h];
-    } else {
-        for (int h = threadIdx.x; h < H; h += blockDim.x) dst[h] = src[h];
-    }
-}
-
 // At home, one block per (token t < M, destination d): message row (d, t) of `send` gets token
 // t when t < *tokens (the batch, read on the device) and one of its experts lives on d (`el`
 // experts per rank, contiguous), with its ids local to d (-1 for experts elsewhere) and its

@@ -226,14 +226,9 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* offse
     }
 }
 
-// a[row_of_slot[s], :] = x[s / k, :] (bf16 rows); one block per slot, 16-byte moves when
-// H % 8 == 0. Rows no slot maps to (padding) are left as they are; slots with row -1 skipped.
-__global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int k, int slots, bf16_t* a) {
-    int s = blockIdx.x;
-    if (s >= slots) return;
-    if (row_of_slot[s] < 0) return;
-    const bf16_t* src = x + (long)(s / k) * H;
-    bf16_t* dst = a + (long)row_of_slot[s] * H;
+// One bf16 row of H values from src to dst by the threads of a block, 16-byte moves when
+// H % 8 == 0 (rows then start 16-byte aligned).
+__device__ __forceinline__ void copy_row(const bf16_t* src, bf16_t* dst, int H) {
     if (H % 8 == 0) {
         const uint4* s4 = (const uint4*)src;
         uint4* d4 = (uint4*)dst;
@@ -243,19 +238,20 @@ __global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int 
     }
 }
 
+// a[row_of_slot[s], :] = x[s / k, :] (bf16 rows); one block per slot. Rows no slot maps to
+// (padding) are left as they are; slots with row -1 skipped.
+__global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int k, int slots, bf16_t* a) {
+    int s = blockIdx.x;
+    if (s >= slots) return;
+    if (row_of_slot[s] < 0) return;
+    copy_row(x + (long)(s / k) * H, a + (long)row_of_slot[s] * H, H);
+}
+
 // dst[j, :] = src[idx[j], :] for j < n (bf16 rows); one block per row.
 __global__ void take_rows(const bf16_t* src, const int* idx, int n, int H, bf16_t* dst) {
     int j = blockIdx.x;
     if (j >= n) return;
-    const bf16_t* from = src + (long)idx[j] * H;
-    bf16_t* to = dst + (long)j * H;
-    if (H % 8 == 0) {
-        const uint4* s4 = (const uint4*)from;
-        uint4* d4 = (uint4*)to;
-        for (int h = threadIdx.x; h < H / 8; h += blockDim.x) d4[h] = s4[h];
-    } else {
-        for (int h = threadIdx.x; h < H; h += blockDim.x) to[h] = from[h];
-    }
+    copy_row(src + (long)idx[j] * H, dst + (long)j * H, H);
 }
 
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
