@@ -81,7 +81,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         DType::F8E4M3 if capacity.is_some() => true,
         DType::F8E4M3 => {
             return Err(MoeError::Unsupported(
-                "--dtype f8e4m3 on GPUs runs in the low-latency layer (--strategy lowlatency)".into(),
+                "--dtype f8e4m3 with --ep N runs in the low-latency layer (--strategy lowlatency)".into(),
             ))
         }
         other => {
@@ -630,24 +630,28 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     if args.parallel.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
     }
-    if args.layer.dtype != DType::BF16 {
-        return Err(MoeError::Unsupported(format!(
-            "--dtype {} on one GPU: its experts run in bf16 (fp8 experts run in the low-latency layer: --ep N \
-             --strategy lowlatency --dtype f8e4m3)",
-            args.layer.dtype
-        )));
-    }
+    let fp8 = match args.layer.dtype {
+        DType::BF16 => false,
+        DType::F8E4M3 => true,
+        other => {
+            return Err(MoeError::Unsupported(format!("--dtype {other} on GPUs: use bf16 or f8e4m3")));
+        }
+    };
     let bar0 = spinner("generating weights on the GPU".into());
-    let gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
+    let mut gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
+    if fp8 {
+        gpu = gpu.fp8_experts()?;
+    }
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
     let (gemm_tflops, copy_gbps) = gpu.measure_ceilings()?;
     bar0.finish_and_clear();
     println!(
-        "moeflow bench: {} on {} ({} experts, top-{}, bf16); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
+        "moeflow bench: {} on {} ({} experts, top-{}, {}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
         p.name,
         gpu.device_name(),
         config.num_experts,
         config.top_k,
+        if fp8 { "fp8 e4m3 experts (128×128 block scales), masked GEMM" } else { "bf16" },
         gemm_tflops,
         copy_gbps
     );
@@ -667,7 +671,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         "combine",
         "shared"
     );
-    let per_expert = 3 * config.hidden * config.inter * 2;
+    let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();
     for &t in &args.tokens {
         for _ in 0..3 {
@@ -704,7 +708,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         records.push(Record {
             preset: p.name.to_string(),
             backend: "cuda".into(),
-            dtype: "bf16".into(),
+            dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
             tokens: t,
             ep: 1,
             tp: 1,

@@ -12,8 +12,8 @@ pub struct LayerArgs {
     /// Layer shape (olmoe-1b-7b, qwen3-30b-a3b, mixtral-8x7b, gpt-oss-120b, deepseek-v3).
     #[arg(long, default_value = "olmoe-1b-7b")]
     pub preset: String,
-    /// Weight dtype: f32 or bf16 (and, for `bench --backend cuda --strategy lowlatency`,
-    /// f8e4m3: routed experts in fp8 with 128×128 block scales).
+    /// Weight dtype: f32 or bf16 (and, for `bench --backend cuda` on one GPU or with
+    /// `--strategy lowlatency`, f8e4m3: routed experts in fp8 with 128×128 block scales).
     #[arg(long, default_value = "bf16")]
     pub dtype: DType,
     /// Use this many experts instead of the preset's (for machines that cannot hold them all).

@@ -46,7 +46,7 @@ __device__ __forceinline__ unsigned mg_e4m3x2_to_bf16x2(unsigned short v) {
 // The body of both kernels below; FP8 selects e4m3 weights with block scales `S`.
 template <bool FP8>
 __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, const bf16_t* A, bf16_t* C,
-                                                 const int* counts, int cap, int N, int K) {
+                                                 const int* counts, const int* offsets, int cap, int N, int K) {
     // Depth per stage, stages, and shared-memory pitches (8 bf16 / 16 bytes past the data
     // keep the fragment loads free of bank conflicts).
     // fp8 takes 32 token rows per pass, so 4 stages of 128-deep fp8 tiles fit twice per SM.
@@ -65,7 +65,8 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
     unsigned char* wsm = mg_smem;
     bf16_t(*as)[MG_M][ald] = (bf16_t(*)[MG_M][ald])(mg_smem + STAGES * MG_N * wpitch);
     int e = blockIdx.y, n0 = blockIdx.x * MG_N;
-    int count = min(counts[e], cap);
+    long base = offsets ? (long)offsets[e] : (long)e * cap;
+    int count = offsets ? counts[e] : min(counts[e], cap);
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
     const unsigned char* w = (const unsigned char*)W + (long)e * N * K * wbytes;
     int kblocks = (K + 127) / 128;
@@ -74,7 +75,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
     for (int m0 = 0; m0 < count; m0 += MG_M) {
         int rows = min(MG_M, count - m0);
         int mtiles = (rows + 15) / 16;
-        const bf16_t* a = A + ((long)e * cap + m0) * K;
+        const bf16_t* a = A + (base + m0) * K;
         float acc[MT][NT][4], part[MT][NT][4];
 #pragma unroll
         for (int i = 0; i < MT; i++)
@@ -171,7 +172,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
                     int r = mt * 16 + g + 8 * half;
                     if (r >= rows) continue;
                     unsigned lo = f32_to_bf16(acc[mt][nt][2 * half]), hi = f32_to_bf16(acc[mt][nt][2 * half + 1]);
-                    *(unsigned*)&C[((long)e * cap + m0 + r) * N + col] = lo | (hi << 16);
+                    *(unsigned*)&C[(base + m0 + r) * N + col] = lo | (hi << 16);
                 }
             }
         }
@@ -180,22 +181,24 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
 
 extern "C" {
 
-// C[e cap + r, :] = A[e cap + r, :] · W[e]ᵀ for every expert e and r < counts[e] (clamped to
-// cap): W is [experts, N, K] row-major bf16, A and C are [experts · cap, K] and [experts · cap,
-// N] bf16. Rows past an expert's count are neither read nor written; an expert without rows
+// C[b_e + r, :] = A[b_e + r, :] · W[e]ᵀ for every expert e and r < counts[e], where expert e's
+// rows start at b_e = offsets[e] (grouped layout), or at e · cap with counts clamped to cap
+// (padded layout, offsets null): W is [experts, N, K] row-major bf16, A and C hold rows of K and
+// N bf16. Rows past an expert's count are neither read nor written; an expert without rows
 // costs nothing. Grid (ceil(N / 128), experts), 128 threads, 110592 bytes of dynamic shared
 // memory. Needs K % 8 == 0 and N % 2 == 0.
 __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t* A, bf16_t* C, const int* counts,
-                                                   int cap, int N, int K) {
-    masked_gemm_body<false>(W, nullptr, A, C, counts, cap, N, K);
+                                                   const int* offsets, int cap, int N, int K) {
+    masked_gemm_body<false>(W, nullptr, A, C, counts, offsets, cap, N, K);
 }
 
 // masked_gemm with fp8 e4m3 weights W [experts, N, K] and their scales S [experts,
 // ceil(N / 128), ceil(K / 128)] (weight = code · scale of its 128 × 128 block), 256 threads.
 // Needs K % 16 == 0 and N % 2 == 0.
 __global__ void __launch_bounds__(256) masked_gemm_fp8(const unsigned char* W, const float* S, const bf16_t* A,
-                                                       bf16_t* C, const int* counts, int cap, int N, int K) {
-    masked_gemm_body<true>(W, S, A, C, counts, cap, N, K);
+                                                       bf16_t* C, const int* counts, const int* offsets, int cap,
+                                                       int N, int K) {
+    masked_gemm_body<true>(W, S, A, C, counts, offsets, cap, N, K);
 }
 
 }  // extern "C"

@@ -11,6 +11,7 @@
 //! grouped GEMM (`kernels/masked_gemm.cu`) runs each expert over its counted rows only, and the
 //! weighted sum per message row goes back as one bf16 row, summed at home in rank order.
 
+use super::masked_gemm::Projection;
 use super::{dptr, err, grid, rows, CudaMoeLayer, EpLink, GpuStageTimes};
 use crate::error::{MoeError, Result};
 use cudarc::cublas::sys as cb;
@@ -18,30 +19,6 @@ use cudarc::driver::{sys as drv, CudaGraph, CudaSlice, LaunchConfig, PushKernelA
 
 /// cuBLAS workspace per handle, set before capture so no GEMM allocates inside the graph.
 const BLAS_WORKSPACE: usize = 32 << 20;
-
-/// Dynamic shared memory of the masked GEMM, the larger of its two forms (masked_gemm.cu):
-/// bf16, 4 stages of 128 weight rows and 64 token rows 64 deep, 144 bytes apart; fp8 needs
-/// 4 · (128 · 144 + 32 · 272) = 108544.
-const MASKED_GEMM_SMEM: u32 = 4 * (128 + 64) * 72 * 2;
-
-/// Lets `masked_gemm` take its shared memory (above the 48 KiB a launch gets by default).
-fn allow_masked_gemm_smem(f: &cudarc::driver::CudaFunction) -> Result<()> {
-    f.set_attribute(
-        drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        MASKED_GEMM_SMEM as i32,
-    )
-    .map_err(|e| err("masked_gemm shared memory", e))
-}
-
-/// Launch shape of the masked GEMM over `n` output columns of `experts` experts: 128 columns a
-/// block, 128 threads (256 for fp8 weights).
-fn masked_gemm_launch(n: usize, experts: usize, fp8: bool) -> LaunchConfig {
-    LaunchConfig {
-        grid_dim: (n.div_ceil(128) as u32, experts as u32, 1),
-        block_dim: (if fp8 { 256 } else { 128 }, 1, 1),
-        shared_mem_bytes: MASKED_GEMM_SMEM,
-    }
-}
 
 /// The captured layer. CUDA graphs are not synchronised internally; this one is only touched
 /// under the layer's buffer lock.
@@ -71,13 +48,6 @@ pub(super) struct LlBuffers {
     graph: Option<LayerGraph>,
 }
 
-/// The two expert projections: gate and up (`w13`), down (`w2`).
-#[derive(Clone, Copy)]
-enum Projection {
-    Up,
-    Down,
-}
-
 /// Bytes of one message row: `k` ids and `k` weights, padded to 16 bytes, then `h` bf16.
 fn row_stride(h: usize, k: usize) -> usize {
     (8 * k).div_ceil(16) * 16 + (2 * h).div_ceil(16) * 16
@@ -97,8 +67,6 @@ impl CudaMoeLayer {
             return Err(MoeError::Config("lowlatency needs max_tokens_per_rank > 0".into()));
         }
         link.capacity = Some(max_tokens_per_rank);
-        allow_masked_gemm_smem(&layer.k.masked_gemm)?;
-        allow_masked_gemm_smem(&layer.k.masked_gemm_fp8)?;
         let ll = layer.ll_buffers(max_tokens_per_rank)?;
         let mut guard = layer.bufs.lock().unwrap_or_else(|p| p.into_inner());
         layer.buffers(&mut guard, max_tokens_per_rank)?.ll = Some(ll);
@@ -206,51 +174,6 @@ impl CudaMoeLayer {
         self.gpu.stream.memcpy_htod(&[t as i32], &mut ll.tokens).map_err(|e| err("batch size", e))
     }
 
-    /// Whether the masked GEMM takes this layer's shapes (`K % 8 == 0`, even `N`), unless
-    /// `MOEFLOW_LL_GEMM=padded` asks for cuBLAS over the whole padded layout.
-    fn masked_gemm_fits(&self) -> bool {
-        let (h, i) = (self.config.hidden, self.config.inter);
-        h % 8 == 0 && i % 8 == 0 && std::env::var("MOEFLOW_LL_GEMM").as_deref() != Ok("padded")
-    }
-
-    /// `C[x·cap + r] = A[x·cap + r] · W[x]ᵀ` for every local expert `x` and `r < counts[x]`
-    /// (read on the device) with the weights of `projection`: fp8 codes when the layer holds
-    /// them (and their depth is a multiple of 16), else bf16; bf16 in and out, f32 accumulation.
-    fn masked_gemm(&self, projection: Projection, a: u64, c: u64, cap: usize, counts: u64) -> Result<()> {
-        let (h, i) = (self.config.hidden, self.config.inter);
-        let (w, n, kdim, fp8) = match projection {
-            Projection::Up => (&self.w.w13, 2 * i, h, self.w.fp8.as_ref().map(|f| (&f.w13, &f.s13))),
-            Projection::Down => (&self.w.w2, h, i, self.w.fp8.as_ref().map(|f| (&f.w2, &f.s2))),
-        };
-        let fp8 = fp8.filter(|_| kdim % 16 == 0);
-        let experts = w.len() / (n * kdim);
-        let (capi, ni, ki) = (cap as i32, n as i32, kdim as i32);
-        let cfg = masked_gemm_launch(n, experts, fp8.is_some());
-        let s = &self.gpu.stream;
-        // SAFETY: masked_gemm(bf16*, bf16*, bf16*, int*, int, int, int) and masked_gemm_fp8(u8*,
-        // float*, bf16*, bf16*, int*, int, int, int): W holds `experts` [n, kdim] matrices (and
-        // their block scales), A and C `experts · cap` rows of kdim and n values, counts one int
-        // per expert; kdim % 8 == 0 (16 for fp8) and n is even (masked_gemm_fits).
-        unsafe {
-            match fp8 {
-                Some((codes, scales)) => {
-                    let (wp, sp) = (dptr(codes, &self.gpu), dptr(scales, &self.gpu));
-                    let mut l = s.launch_builder(&self.k.masked_gemm_fp8);
-                    l.arg(&wp).arg(&sp).arg(&a).arg(&c).arg(&counts).arg(&capi).arg(&ni).arg(&ki);
-                    l.launch(cfg)
-                }
-                None => {
-                    let wp = dptr(w, &self.gpu);
-                    let mut l = s.launch_builder(&self.k.masked_gemm);
-                    l.arg(&wp).arg(&a).arg(&c).arg(&counts).arg(&capi).arg(&ni).arg(&ki);
-                    l.launch(cfg)
-                }
-            }
-        }
-        .map(|_| ())
-        .map_err(|e| err("masked_gemm", e))
-    }
-
     /// Bytes one rank sends to the others per call: one message of `M` rows to each.
     fn ll_sent_bytes(&self) -> usize {
         use crate::comm::Communicator;
@@ -336,11 +259,11 @@ impl CudaMoeLayer {
             let [a, h13, act, y, _] = bufs;
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
             let i = c.inter;
-            self.masked_gemm(Projection::Up, a, h13, cap, counts)?;
+            self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0)?;
             mark(4)?;
             self.act(s, [h13, b13, 0, counts, act], cap as i32, el * cap, i)?;
             mark(5)?;
-            self.masked_gemm(Projection::Down, act, y, cap, counts)?;
+            self.masked_gemm(Projection::Down, [act, y], cap, counts, 0)?;
             mark(6)?;
         } else {
             self.mlp(b, bufs, el, cap, &[], 0, mark)?;
@@ -380,92 +303,5 @@ impl CudaMoeLayer {
         }
         .map_err(|e| err("sum_partials", e))?;
         Ok(self.ll_sent_bytes())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::super::{dptr, Gpu};
-    use crate::quant::WeightQuant;
-    use cudarc::driver::PushKernelArg;
-    use half::bf16;
-
-    /// The masked GEMM, bf16 and fp8 weights, against an f64 product of the same values, with
-    /// poisoned outputs: widths that are not multiples of the tile (and of the fp8 scale
-    /// blocks), counts of 0, 1, a partial tile, exactly one pass, more than one pass, and the
-    /// whole capacity. Needs a GPU; says loudly when it skips.
-    #[test]
-    fn masked_gemm_matches_f64_and_leaves_masked_rows_alone() {
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED masked_gemm_matches_f64_and_leaves_masked_rows_alone: no CUDA device");
-            return;
-        }
-        let gpu = Gpu::new(0).unwrap();
-        let s = &gpu.stream;
-        for fp8 in [false, true] {
-            let f = gpu.function(if fp8 { "masked_gemm_fp8" } else { "masked_gemm" }).unwrap();
-            super::allow_masked_gemm_smem(&f).unwrap();
-            let shapes =
-                if fp8 { [(200usize, 144usize), (256, 64), (130, 16)] } else { [(200, 136), (256, 64), (130, 8)] };
-            for (n, k) in shapes {
-                let cap = 130;
-                let counts: Vec<i32> = vec![0, 1, 17, 64, 65, 130];
-                let e = counts.len();
-                let bits = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
-                let w32 = crate::preset::uniform(e * n * k, 1.0, 5);
-                let a = bits(&crate::preset::uniform(e * cap * k, 1.0, 6));
-                let poison = 0x7fc1u16; // a NaN that no product yields
-                let (ad, cd) = (s.clone_htod(&a).unwrap(), s.clone_htod(&vec![poison; e * cap * n]).unwrap());
-                let countd = s.clone_htod(&counts).unwrap();
-                let (ap, cp, np) = (dptr(&ad, &gpu), dptr(&cd, &gpu), dptr(&countd, &gpu));
-                let (capi, ni, ki) = (cap as i32, n as i32, k as i32);
-                let cfg = super::masked_gemm_launch(n, e, fp8);
-                // The weights as the kernel sees them, in f64.
-                let weights: Vec<f64> = if fp8 {
-                    let q = WeightQuant::Fp8Block(128);
-                    let (codes, scales) = q.quantize(&w32, e, n, k).unwrap();
-                    let (wd, sd) = (s.clone_htod(&codes).unwrap(), s.clone_htod(&scales).unwrap());
-                    let (wp, sp) = (dptr(&wd, &gpu), dptr(&sd, &gpu));
-                    // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm_fp8).
-                    unsafe {
-                        let mut l = s.launch_builder(&f);
-                        l.arg(&wp).arg(&sp).arg(&ap).arg(&cp).arg(&np).arg(&capi).arg(&ni).arg(&ki);
-                        l.launch(cfg).unwrap();
-                    }
-                    s.synchronize().unwrap();
-                    q.dequantize(&codes, &scales, e, n, k).into_iter().map(f64::from).collect()
-                } else {
-                    let w = bits(&w32);
-                    let wd = s.clone_htod(&w).unwrap();
-                    let wp = dptr(&wd, &gpu);
-                    // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm).
-                    unsafe {
-                        let mut l = s.launch_builder(&f);
-                        l.arg(&wp).arg(&ap).arg(&cp).arg(&np).arg(&capi).arg(&ni).arg(&ki);
-                        l.launch(cfg).unwrap();
-                    }
-                    s.synchronize().unwrap();
-                    w.iter().map(|&x| bf16::from_bits(x).to_f64()).collect()
-                };
-                let got = s.clone_dtoh(&cd).unwrap();
-                let v = |x: u16| bf16::from_bits(x).to_f64();
-                for (x, &cnt) in counts.iter().enumerate() {
-                    for r in 0..cap {
-                        for j in 0..n {
-                            let out = got[(x * cap + r) * n + j];
-                            let what = format!("fp8 {fp8}, n {n} k {k}: expert {x} row {r} col {j}");
-                            if r >= cnt as usize {
-                                assert_eq!(out, poison, "{what}: past its count, written");
-                                continue;
-                            }
-                            let want: f64 =
-                                (0..k).map(|q| v(a[(x * cap + r) * k + q]) * weights[(x * n + j) * k + q]).sum();
-                            let tol = 1e-2 * (1.0 + want.abs());
-                            assert!((v(out) - want).abs() <= tol, "{what}: {} vs {want}", v(out));
-                        }
-                    }
-                }
-            }
-        }
     }
 }

@@ -19,6 +19,7 @@ use std::sync::Mutex;
 
 mod fp8_weights;
 mod low_latency;
+mod masked_gemm;
 
 struct Kernels {
     to_bf16: CudaFunction,
@@ -227,6 +228,8 @@ impl CudaMoeLayer {
             masked_gemm_fp8: f("masked_gemm_fp8")?,
             quantize_fp8: f("quantize_weight_blocks_fp8")?,
         };
+        masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
+        masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
         Ok((gpu, blas, k))
     }
 
@@ -819,7 +822,9 @@ impl CudaMoeLayer {
         // Expert sizes on the host decide the GEMM shapes.
         let mut counts = vec![0i32; e];
         s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
-        let cap = Self::padding(e, t * k, counts.iter().map(|&c| c as usize));
+        // fp8 experts run the masked GEMM on the grouped (unpadded) rows.
+        let fp8 = self.w.fp8.is_some() && self.masked_gemm_fits();
+        let cap = if fp8 { 0 } else { Self::padding(e, t * k, counts.iter().map(|&c| c as usize)) };
         self.permute(b, t, cap)?;
         let mut groups = Vec::new();
         let mut off = 0usize;
@@ -832,7 +837,20 @@ impl CudaMoeLayer {
         mark(2)?;
         mark(3)?;
         let bufs = [dptr(&b.a, g), dptr(&b.h13, g), dptr(&b.act, g), dptr(&b.y, g), dptr(&b.expert_of_row, g)];
-        self.mlp(b, bufs, e, cap, &groups, t * k, mark)?;
+        if fp8 {
+            // fp8 experts: the masked GEMM over the grouped rows, counts and offsets on the device.
+            let [a, h13, act, y, expert_of_row] = bufs;
+            let (counts, offsets) = (dptr(&b.counts, g), dptr(&b.offsets, g));
+            let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
+            self.masked_gemm(masked_gemm::Projection::Up, [a, h13], 0, counts, offsets)?;
+            mark(4)?;
+            self.act(s, [h13, b13, expert_of_row, 0, act], 0, t * k, self.config.inter)?;
+            mark(5)?;
+            self.masked_gemm(masked_gemm::Projection::Down, [act, y], 0, counts, offsets)?;
+            mark(6)?;
+        } else {
+            self.mlp(b, bufs, e, cap, &groups, t * k, mark)?;
+        }
         mark(7)
     }
 
