@@ -822,8 +822,11 @@ impl CudaMoeLayer {
         // Expert sizes on the host decide the GEMM shapes.
         let mut counts = vec![0i32; e];
         s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
-        // fp8 experts run the masked GEMM on the grouped (unpadded) rows.
-        let fp8 = self.w.fp8.is_some() && self.masked_gemm_fits();
+        // fp8 experts run the masked GEMM on the grouped (unpadded) rows while the weights
+        // dominate (up to 32 rows per expert on average; measured on H200, DeepSeek-V3 shapes:
+        // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
+        // values above.
+        let fp8 = self.w.fp8.is_some() && self.masked_gemm_fits() && t * k <= 32 * e;
         let cap = if fp8 { 0 } else { Self::padding(e, t * k, counts.iter().map(|&c| c as usize)) };
         self.permute(b, t, cap)?;
         let mut groups = Vec::new();
