@@ -123,6 +123,9 @@ fn demo_check_bench_inspect() {
     );
     let res = moeflow(&["demo", "--preset", "nope"]);
     assert!(!res.status.success() && text(&res).contains("known: olmoe-1b-7b"));
+    // fp8 experts are a GPU format: on the CPU a clear error names the dtype.
+    let res = moeflow(&["bench", "--experts", "8", "--tokens", "3", "--dtype", "f8e4m3"]);
+    assert!(!res.status.success() && text(&res).contains("f8e4m3"), "{}", text(&res));
 }
 
 #[test]
