@@ -251,10 +251,16 @@ mod avx2 {
         let mut acc = [[_mm256_setzero_ps(); 2]; M];
         if t.accumulate {
             for (r, row) in acc.iter_mut().enumerate() {
-                let mut buf = [0f32; NR];
-                std::ptr::copy_nonoverlapping(t.c.add(r * t.ldc), buf.as_mut_ptr(), t.cols);
-                row[0] = _mm256_loadu_ps(buf.as_ptr());
-                row[1] = _mm256_loadu_ps(buf.as_ptr().add(8));
+                let src = t.c.add(r * t.ldc);
+                if t.cols == NR {
+                    row[0] = _mm256_loadu_ps(src);
+                    row[1] = _mm256_loadu_ps(src.add(8));
+                } else {
+                    let mut buf = [0f32; NR];
+                    std::ptr::copy_nonoverlapping(src, buf.as_mut_ptr(), t.cols);
+                    row[0] = _mm256_loadu_ps(buf.as_ptr());
+                    row[1] = _mm256_loadu_ps(buf.as_ptr().add(8));
+                }
             }
         }
         let mut rows = [t.a; M];
