@@ -53,6 +53,22 @@ fn write_records(path: &std::path::Path, records: &[Record]) -> Result<()> {
         .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })
 }
 
+/// Whether `--dtype` asks for fp8 routed experts on GPUs (bf16 otherwise); `runs_fp8` says
+/// whether this layout streams fp8 codes (one GPU, or the low-latency layer), and a refusal
+/// names where they do run.
+fn gpu_fp8_experts(dtype: DType, runs_fp8: bool) -> Result<bool> {
+    match dtype {
+        DType::BF16 => Ok(false),
+        DType::F8E4M3 if runs_fp8 => Ok(true),
+        DType::F8E4M3 => Err(MoeError::Unsupported(
+            "--dtype f8e4m3 with --ep N runs in the low-latency layer (--strategy lowlatency)".into(),
+        )),
+        other => Err(MoeError::Unsupported(format!(
+            "--dtype {other} on GPUs: use bf16, or f8e4m3 (one GPU, or --strategy lowlatency)"
+        ))),
+    }
+}
+
 /// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, or
 /// low-latency in a CUDA graph).
 fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
@@ -76,20 +92,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
     // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
     // codes; elsewhere the bf16 values would run instead, so that is refused.
-    let fp8 = match args.layer.dtype {
-        DType::BF16 => false,
-        DType::F8E4M3 if capacity.is_some() => true,
-        DType::F8E4M3 => {
-            return Err(MoeError::Unsupported(
-                "--dtype f8e4m3 with --ep N runs in the low-latency layer (--strategy lowlatency)".into(),
-            ))
-        }
-        other => {
-            return Err(MoeError::Config(format!(
-                "--dtype {other} with --backend cuda --ep N: use bf16, or f8e4m3 with --strategy lowlatency"
-            )))
-        }
-    };
+    let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some())?;
     let dtype = if fp8 { "fp8 e4m3 experts (128×128 block scales)" } else { "bf16" };
     let kind = match capacity {
         Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
@@ -630,13 +633,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     if args.parallel.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
     }
-    let fp8 = match args.layer.dtype {
-        DType::BF16 => false,
-        DType::F8E4M3 => true,
-        other => {
-            return Err(MoeError::Unsupported(format!("--dtype {other} on GPUs: use bf16 or f8e4m3")));
-        }
-    };
+    let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
     let bar0 = spinner("generating weights on the GPU".into());
     let mut gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
     if fp8 {

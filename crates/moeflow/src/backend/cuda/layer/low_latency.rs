@@ -255,7 +255,7 @@ impl CudaMoeLayer {
                 .map_err(|e| err("ll_gather", e))?;
         }
         mark(3)?;
-        if self.masked_gemm_fits() {
+        if self.masked {
             let [a, h13, act, y, _] = bufs;
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
             let i = c.inter;

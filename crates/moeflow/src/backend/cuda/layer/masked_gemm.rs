@@ -38,14 +38,15 @@ pub(super) enum Projection {
     Down,
 }
 
-impl CudaMoeLayer {
-    /// Whether the masked GEMM takes this layer's shapes (`K % 8 == 0`, even `N`), unless
-    /// `MOEFLOW_LL_GEMM=padded` asks for cuBLAS over the whole padded layout.
-    pub(super) fn masked_gemm_fits(&self) -> bool {
-        let (h, i) = (self.config.hidden, self.config.inter);
-        h % 8 == 0 && i % 8 == 0 && std::env::var("MOEFLOW_LL_GEMM").as_deref() != Ok("padded")
-    }
+/// Whether the masked GEMM takes `config`'s shapes (`K % 8 == 0`, even `N`), unless
+/// `MOEFLOW_LL_GEMM=padded` asks for cuBLAS over the whole padded layout (read once, when a
+/// layer is built).
+pub(super) fn masked_gemm_fits(config: &crate::config::MoeConfig) -> bool {
+    let (h, i) = (config.hidden, config.inter);
+    h % 8 == 0 && i % 8 == 0 && std::env::var("MOEFLOW_LL_GEMM").as_deref() != Ok("padded")
+}
 
+impl CudaMoeLayer {
     /// `C[b_x + r] = A[b_x + r] · W[x]ᵀ` for every expert `x` held here and `r < counts[x]`
     /// (read on the device), where expert `x`'s rows start at `b_x = offsets[x]` (grouped
     /// layout), or at `x·cap` when `offsets` is 0 (padded layout), with the weights of
@@ -73,7 +74,7 @@ impl CudaMoeLayer {
         // masked_gemm_fp8(u8*, float*, bf16*, bf16*, int*, int*, int, int, int): W holds
         // `experts` [n, kdim] matrices (and their block scales), A and C the rows the counts
         // and offsets (or cap) place, counts and offsets one int per expert; kdim % 8 == 0 (16
-        // for fp8) and n is even (masked_gemm_fits).
+        // for fp8) and n is even (`masked`).
         unsafe {
             match fp8 {
                 Some((codes, scales)) => {

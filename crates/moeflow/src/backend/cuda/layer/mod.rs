@@ -156,6 +156,8 @@ pub struct CudaMoeLayer {
     side: Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>,
     /// One grouped cuBLAS call per GEMM instead of one call per expert.
     grouped: bool,
+    /// Whether the masked GEMM takes this layer's shapes (see [`masked_gemm::masked_gemm_fits`]).
+    masked: bool,
     blas: CudaBlas,
     config: MoeConfig,
     k: Kernels,
@@ -292,6 +294,7 @@ impl CudaMoeLayer {
             side: side_streams(&gpu)?,
             gpu,
             grouped: gemm_mode() == GemmMode::Grouped,
+            masked: masked_gemm::masked_gemm_fits(config),
             blas,
             config: config.clone(),
             k,
@@ -368,6 +371,7 @@ impl CudaMoeLayer {
             side: side_streams(&gpu)?,
             gpu,
             grouped: gemm_mode() == GemmMode::Grouped,
+            masked: masked_gemm::masked_gemm_fits(config),
             blas,
             config: config.clone(),
             k,
@@ -826,7 +830,7 @@ impl CudaMoeLayer {
         // dominate (up to 32 rows per expert on average; measured on H200, DeepSeek-V3 shapes:
         // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
         // values above.
-        let fp8 = self.w.fp8.is_some() && self.masked_gemm_fits() && t * k <= 32 * e;
+        let fp8 = self.w.fp8.is_some() && self.masked && t * k <= 32 * e;
         let cap = if fp8 { 0 } else { Self::padding(e, t * k, counts.iter().map(|&c| c as usize)) };
         self.permute(b, t, cap)?;
         let mut groups = Vec::new();
