@@ -22,19 +22,25 @@ pub struct LayerArgs {
     /// Seed of the random weights and inputs.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Leave out the preset's shared expert (to time the routed experts alone).
+    #[arg(long)]
+    pub no_shared_expert: bool,
     /// Rows given to the experts at a time.
     #[arg(long)]
     pub chunk_size: Option<usize>,
 }
 
 impl LayerArgs {
-    /// The configuration, with the expert override applied.
+    /// The configuration, with the expert and shared-expert overrides applied.
     pub fn config(&self) -> Result<(preset::Preset, MoeConfig)> {
         let p = preset::preset(&self.preset)?;
-        let config = match self.experts {
+        let mut config = match self.experts {
             Some(n) => p.config.with_num_experts(n)?,
             None => p.config.clone(),
         };
+        if self.no_shared_expert {
+            config.shared = None;
+        }
         Ok((p, config))
     }
 

@@ -12,6 +12,25 @@ __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     return (bf16_t)(u >> 16);
 }
 
+// The shared expert's gate of token t: sigmoid(x[t] . gate), or 1 without a gate. Called by
+// every thread of a block; `red` is the block's 32-float scratch.
+__device__ float shared_gate(const float* x, const float* gate, long t, int H, float* red) {
+    if (!gate) return 1.0f;
+    float part = 0.0f;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) part += x[t * H + h] * gate[h];
+    for (int o = 16; o > 0; o >>= 1) part += __shfl_down_sync(0xffffffffu, part, o);
+    __syncthreads();
+    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = part;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float z = 0.0f;
+        for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) z += red[i];
+        red[0] = 1.0f / (1.0f + __expf(-z));
+    }
+    __syncthreads();
+    return red[0];
+}
+
 extern "C" {
 
 __global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
@@ -254,51 +273,107 @@ __global__ void take_rows(const bf16_t* src, const int* idx, int n, int H, bf16_
     copy_row(src + (long)idx[j] * H, dst + (long)j * H, H);
 }
 
-// act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]); kinds: 0 silu,
-// 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu. expert_of_row may be null (dense MLP).
-// Padded layout (cap > 0) with `counts`: rows past their expert's count are skipped. One block
-// per row (grid-stride over rows).
+// act(g) * u for the activation kinds: 0 silu, 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu.
+__device__ __forceinline__ float act_mul(float g, float u, int kind, float alpha, float limit) {
+    if (kind == 0) return g / (1.0f + __expf(-g)) * u;
+    if (kind == 1) return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
+    if (kind == 2) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
+    g = fminf(g, limit);
+    u = fminf(fmaxf(u, -limit), limit);
+    return (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
+}
+
+// Eight bf16 values of a 16-byte word as floats.
+__device__ __forceinline__ void unpack8(uint4 v, float* f) {
+    unsigned int w[4] = {v.x, v.y, v.z, v.w};
+    for (int j = 0; j < 4; j++) {
+        f[2 * j] = __uint_as_float(w[j] << 16);
+        f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+}
+
+// act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]) (kinds: act_mul).
+// expert_of_row may be null (dense MLP). Padded layout (cap > 0) with `counts`: rows past their
+// expert's count are skipped. One block per row (grid-stride over rows); eight values per
+// thread with 16-byte loads when I % 8 == 0.
 __global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expert_of_row, int cap, const int* counts,
                             long R, int I, int kind, float alpha, float limit, bf16_t* out) {
     for (long r = blockIdx.x; r < R; r += gridDim.x) {
         if (cap > 0 && counts && r % cap >= counts[r / cap]) continue;
         int e = cap > 0 ? (int)(r / cap) : (expert_of_row ? expert_of_row[r] : 0);
-        for (int i = threadIdx.x; i < I; i += blockDim.x) {
-            float g = bf16_to_f32(h13[r * 2 * I + i]);
-            float u = bf16_to_f32(h13[r * 2 * I + I + i]);
-            if (b13) {
-                g += b13[(long)e * 2 * I + i];
-                u += b13[(long)e * 2 * I + I + i];
+        const bf16_t* gate = h13 + r * 2 * I;
+        const bf16_t* up = gate + I;
+        const float* bg = b13 ? b13 + (long)e * 2 * I : 0;
+        if (I % 8 == 0) {
+            for (int c = threadIdx.x; c < I / 8; c += blockDim.x) {
+                float g[8], u[8];
+                unpack8(((const uint4*)gate)[c], g);
+                unpack8(((const uint4*)up)[c], u);
+                unsigned int o[4];
+                for (int j = 0; j < 8; j += 2) {
+                    float v[2];
+                    for (int q = 0; q < 2; q++) {
+                        int i = 8 * c + j + q;
+                        float gi = g[j + q], ui = u[j + q];
+                        if (bg) { gi += bg[i]; ui += bg[I + i]; }
+                        v[q] = act_mul(gi, ui, kind, alpha, limit);
+                    }
+                    o[j / 2] = (unsigned int)f32_to_bf16(v[0]) | ((unsigned int)f32_to_bf16(v[1]) << 16);
+                }
+                ((uint4*)(out + r * I))[c] = make_uint4(o[0], o[1], o[2], o[3]);
             }
-            float v;
-            if (kind == 0) v = g / (1.0f + __expf(-g)) * u;
-            else if (kind == 1) v = 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
-            else if (kind == 2) v = 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
-            else {
-                g = fminf(g, limit);
-                u = fminf(fmaxf(u, -limit), limit);
-                v = (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
+        } else {
+            for (int i = threadIdx.x; i < I; i += blockDim.x) {
+                float g = bf16_to_f32(gate[i]), u = bf16_to_f32(up[i]);
+                if (bg) { g += bg[i]; u += bg[I + i]; }
+                out[r * I + i] = f32_to_bf16(act_mul(g, u, kind, alpha, limit));
             }
-            out[r * I + i] = f32_to_bf16(v);
         }
     }
 }
 
-// out[t, h] = sum_j w[t, j] * (y[row_of_slot[t k + j], h] + b2[ids[t k + j], h]), in slot order.
+// out[t, h] = sum_j w[t, j] * (y[row_of_slot[t k + j], h] + b2[ids[t k + j], h]), in slot order,
+// then + g_t * ys[t, h] when the shared output `ys` is given (g_t as in add_shared). One block
+// per token (grid-stride); eight columns per thread with 16-byte loads when H % 8 == 0.
 __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const float* w, const int* row_of_slot, int T,
-                        int k, int H, int weights_applied, float* out) {
-    long n = (long)T * H;
-    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
-        long t = idx / H;
-        int h = idx % H;
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) {
-            long s = t * k + j;
-            float v = bf16_to_f32(y[(long)row_of_slot[s] * H + h]);
-            if (b2) v += b2[(long)ids[s] * H + h];
-            acc += (weights_applied ? 1.0f : w[s]) * v;
+                        int k, int H, int weights_applied, const bf16_t* ys, const float* x, const float* gate,
+                        float* out) {
+    __shared__ float red[32];
+    for (long t = blockIdx.x; t < T; t += gridDim.x) {
+        float g = ys ? shared_gate(x, gate, t, H, red) : 0.0f;
+        const int* rs = row_of_slot + t * k;
+        const float* wt = w + t * k;
+        if (H % 8 == 0) {
+            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                for (int j = 0; j < k; j++) {
+                    float v[8];
+                    unpack8(((const uint4*)(y + (long)rs[j] * H))[c], v);
+                    float wj = weights_applied ? 1.0f : wt[j];
+                    const float* bj = b2 ? b2 + (long)ids[t * k + j] * H + 8 * c : 0;
+                    for (int q = 0; q < 8; q++) acc[q] += wj * (bj ? v[q] + bj[q] : v[q]);
+                }
+                if (ys) {
+                    float s[8];
+                    unpack8(((const uint4*)(ys + t * H))[c], s);
+                    for (int q = 0; q < 8; q++) acc[q] += g * s[q];
+                }
+                float4* o = (float4*)(out + t * H + 8 * c);
+                o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            }
+        } else {
+            for (int h = threadIdx.x; h < H; h += blockDim.x) {
+                float acc = 0.0f;
+                for (int j = 0; j < k; j++) {
+                    float v = bf16_to_f32(y[(long)rs[j] * H + h]);
+                    if (b2) v += b2[(long)ids[t * k + j] * H + h];
+                    acc += (weights_applied ? 1.0f : wt[j]) * v;
+                }
+                if (ys) acc += g * bf16_to_f32(ys[t * H + h]);
+                out[t * H + h] = acc;
+            }
         }
-        out[idx] = acc;
     }
 }
 
@@ -359,21 +434,7 @@ __global__ void add_shared(float* out, const bf16_t* ys, const float* x, const f
     int t = blockIdx.x;
     if (t >= T) return;
     __shared__ float red[32];
-    float g = 1.0f;
-    if (gate) {
-        float part = 0.0f;
-        for (int h = threadIdx.x; h < H; h += blockDim.x) part += x[(long)t * H + h] * gate[h];
-        for (int o = 16; o > 0; o >>= 1) part += __shfl_down_sync(0xffffffffu, part, o);
-        if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = part;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float z = 0.0f;
-            for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) z += red[i];
-            red[0] = 1.0f / (1.0f + __expf(-z));
-        }
-        __syncthreads();
-        g = red[0];
-    }
+    float g = shared_gate(x, gate, t, H, red);
     for (int h = threadIdx.x; h < H; h += blockDim.x) out[(long)t * H + h] += g * bf16_to_f32(ys[(long)t * H + h]);
 }
 

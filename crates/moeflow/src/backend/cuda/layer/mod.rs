@@ -559,12 +559,10 @@ impl CudaMoeLayer {
     /// stream, calling `mark(0..=9)` between the stages; returns the bytes dispatched to other
     /// ranks.
     fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<usize> {
-        let c = &self.config;
-        let (h, k) = (c.hidden, c.top_k);
+        let h = self.config.hidden;
         let g = &self.gpu;
         let s = &g.stream;
         let p = |x: &CudaSlice<f32>| dptr(x, g);
-        let pi = |x: &CudaSlice<i32>| dptr(x, g);
         let pb = |x: &CudaSlice<u16>| dptr(x, g);
         let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         mark(0)?;
@@ -582,32 +580,14 @@ impl CudaMoeLayer {
             None => {
                 self.local_experts(b, t, mark)?;
                 if t > 0 {
-                    let (yp, b2, wp, ti, ki, hi, zero, outp) =
-                        (pb(&b.y), opt(&self.w.b2), p(&b.weights), t as i32, k as i32, h as i32, 0i32, p(&b.out));
-                    let (rs, ip) = (pi(&b.row_of_slot), pi(&b.ids));
-                    // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, float*) over
-                    // the `t` tokens' slots, whose rows `b.y` holds.
-                    unsafe {
-                        s.launch_builder(&self.k.combine)
-                            .arg(&yp)
-                            .arg(&b2)
-                            .arg(&ip)
-                            .arg(&wp)
-                            .arg(&rs)
-                            .arg(&ti)
-                            .arg(&ki)
-                            .arg(&hi)
-                            .arg(&zero)
-                            .arg(&outp)
-                            .launch(grid(t * h))
-                    }
-                    .map_err(|e| err("combine", e))?;
+                    self.combine_local(b, t)?;
                 }
                 0
             }
         };
         mark(8)?;
-        if let (Some(sh), true) = (&self.w.shared, t > 0) {
+        // One GPU adds the shared output in its combine; expert-parallel ranks add it here.
+        if let (Some(sh), true, true) = (&self.w.shared, t > 0, self.ep.is_some()) {
             s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
             let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
             // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
@@ -626,6 +606,46 @@ impl CudaMoeLayer {
         }
         mark(9)?;
         Ok(sent)
+    }
+
+    /// The single-GPU combine: `b.out [t, H]` = the weighted sum of each token's expert rows
+    /// in slot order, plus the (gated) shared expert's output once its side stream is joined.
+    fn combine_local(&self, b: &Buffers, t: usize) -> Result<()> {
+        let (g, c) = (&self.gpu, &self.config);
+        let s = &g.stream;
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (ys, xp, gp) = match &self.w.shared {
+            Some(sh) => {
+                s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
+                (dptr(&b.sy, g), dptr(&b.x, g), opt(&sh.gate))
+            }
+            None => (0, 0, 0),
+        };
+        let (yp, b2, wp, outp) = (dptr(&b.y, g), opt(&self.w.b2), dptr(&b.weights, g), dptr(&b.out, g));
+        let (rs, ip) = (dptr(&b.row_of_slot, g), dptr(&b.ids, g));
+        let (ti, ki, hi, applied) = (t as i32, c.top_k as i32, c.hidden as i32, 0i32);
+        // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, bf16*, float*,
+        // float*, float*) over the `t` tokens' slots, whose rows `b.y` holds; the shared output
+        // (or null) was computed on the side stream joined above.
+        unsafe {
+            s.launch_builder(&self.k.combine)
+                .arg(&yp)
+                .arg(&b2)
+                .arg(&ip)
+                .arg(&wp)
+                .arg(&rs)
+                .arg(&ti)
+                .arg(&ki)
+                .arg(&hi)
+                .arg(&applied)
+                .arg(&ys)
+                .arg(&xp)
+                .arg(&gp)
+                .arg(&outp)
+                .launch(rows(t, 256))
+        }
+        .map(|_| ())
+        .map_err(|e| err("combine", e))
     }
 
     /// f32 → bf16 copy of the tokens, router GEMM, bias, and top-k into `b.ids`/`b.weights`.
