@@ -69,17 +69,50 @@ fn gpu_fp8_experts(dtype: DType, runs_fp8: bool) -> Result<bool> {
     }
 }
 
-/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, or
-/// low-latency in a CUDA graph).
+/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, also with
+/// dual-batch overlap, or low-latency in a CUDA graph).
 fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
     use moeflow::parallel::{PlacementKind, StrategyKind};
     par.ep > 1
-        && matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::LowLatency)
+        && (par.strategy == StrategyKind::All2AllV || par.strategy == StrategyKind::LowLatency && !par.dual_batch)
         && par.tp == 1
-        && !par.dual_batch
         && par.redundant.is_empty()
         && par.placement == PlacementKind::Contiguous
         && experts.is_multiple_of(par.ep)
+}
+
+/// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap).
+enum Timed {
+    Whole(moeflow::backend::cuda::CudaMoeLayer),
+    Dual(moeflow::backend::cuda::CudaDualBatch),
+}
+
+impl Timed {
+    /// `layer`, split for dual-batch overlap when `dual` (expert-parallel layers over `comm`,
+    /// a second communicator over the same ranks).
+    fn new(
+        layer: moeflow::backend::cuda::CudaMoeLayer,
+        dual: bool,
+        comm: Option<moeflow::backend::cuda::NcclComm>,
+    ) -> Result<Self> {
+        Ok(if dual { Timed::Dual(layer.dual_batch(comm)?) } else { Timed::Whole(layer) })
+    }
+
+    /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`).
+    fn forward_timed(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
+        match self {
+            Timed::Whole(l) => l.forward_timed(tokens, seed),
+            Timed::Dual(d) => d.forward_timed(tokens, seed),
+        }
+    }
+
+    /// A run with every stage timed (a low-latency layer's stages run outside its graph).
+    fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
+        match self {
+            Timed::Whole(l) => l.forward_timed_stages(tokens, seed),
+            Timed::Dual(d) => d.forward_timed(tokens, seed),
+        }
+    }
 }
 
 /// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
@@ -96,6 +129,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let dtype = if fp8 { "fp8 e4m3 experts (128×128 block scales)" } else { "bf16" };
     let kind = match capacity {
         Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
+        None if par.dual_batch => "all-to-all-v, dual-batch overlap".into(),
         None => "all-to-all-v".into(),
     };
     let (rank0, device) = match host {
@@ -131,6 +165,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         if let Some(m) = capacity {
             layer = layer.low_latency(m)?;
         }
+        let layer = Timed::new(layer, par.dual_batch, par.dual_batch.then(|| nccl.duplicate()).transpose()?)?;
         let mut per_t = Vec::new();
         for &t in &args.tokens {
             let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
@@ -232,7 +267,12 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             tokens: t,
             ep: par.ep,
             tp: 1,
-            strategy: if capacity.is_some() { "lowlatency (device, graph)" } else { "all2allv (device)" }.into(),
+            strategy: match (capacity, par.dual_batch) {
+                (Some(_), _) => "lowlatency (device, graph)",
+                (None, true) => "all2allv (device, dual-batch)",
+                (None, false) => "all2allv (device)",
+            }
+            .into(),
             quant: "none".into(),
             rel_error: None,
             ms,
@@ -403,7 +443,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     let host = RankHost::detect(gpu)?;
-    if gpu && args.parallel.ep == 1 && !args.parallel.dual_batch && host == RankHost::Gpus {
+    if gpu && args.parallel.ep == 1 && host == RankHost::Gpus {
         return run_cuda(&args);
     }
     if gpu && args.parallel.quant != moeflow::quant::QuantConfig::None {
@@ -416,8 +456,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             return run_cuda_ep(&args, &host);
         }
         println!(
-            "note: the device-resident layer covers all2allv with contiguous placement, TP 1, no dual-batch or \
-             replicas, experts divisible by EP; this layout runs host-staged (rows through host memory)"
+            "note: the device-resident layer covers all2allv (also --dual-batch) and lowlatency with contiguous \
+             placement, TP 1, no replicas, experts divisible by EP; this layout runs host-staged (rows through \
+             host memory)"
         );
     }
     let (p, config) = args.layer.config()?;
@@ -641,14 +682,17 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
     let (gemm_tflops, copy_gbps) = gpu.measure_ceilings()?;
+    let device = gpu.device_name();
+    let gpu = Timed::new(gpu, args.parallel.dual_batch, None)?;
     bar0.finish_and_clear();
     println!(
-        "moeflow bench: {} on {} ({} experts, top-{}, {}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
+        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
         p.name,
-        gpu.device_name(),
+        device,
         config.num_experts,
         config.top_k,
         if fp8 { "fp8 e4m3 experts (128×128 block scales), masked GEMM" } else { "bf16" },
+        if args.parallel.dual_batch { ", dual-batch overlap" } else { "" },
         gemm_tflops,
         copy_gbps
     );
@@ -709,7 +753,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             tokens: t,
             ep: 1,
             tp: 1,
-            strategy: "local".into(),
+            strategy: if args.parallel.dual_batch { "local (dual-batch)" } else { "local" }.into(),
             quant: "none".into(),
             rel_error: None,
             ms,

@@ -87,6 +87,29 @@ fn one_hot_expert_and_unused_experts() {
     assert!(err <= BF16_TOL);
 }
 
+#[test]
+fn dual_batch_halves_match_the_reference() {
+    let grouped = RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 };
+    let shared = Some(SharedConfig { inter: 48, gated: true });
+    let config = small_config(136, 80, 16, 6, grouped, Activation::Silu, shared);
+    let weights = preset::random_weights(&config, DType::BF16, 8);
+    let Some(gpu) = layer(&config, &weights) else { return };
+    let dual = gpu.dual_batch(None).unwrap();
+    // Odd, one token (the second half empty), none, and enough rows for the per-expert GEMMs.
+    for (t, seed) in [(37, 1), (1, 2), (0, 3), (2049, 4)] {
+        let (x, xt) = hidden(t, 136, seed);
+        let got = dual.forward(&xt).unwrap().to_f32_vec();
+        assert_eq!(got.len(), t * 136);
+        if t > 0 {
+            let err = rel(&got, &reference::forward(&config, &weights, &x).unwrap().out);
+            println!("dual-batch, {t} tokens: relative error {err:.2e}");
+            assert!(err <= BF16_TOL, "{t} tokens: relative error {err:e}");
+        }
+    }
+    let times = dual.forward_timed(300, 9).unwrap();
+    assert!(times.total > 0.0 && times.total.is_finite());
+}
+
 /// The fixtures: `MOEFLOW_FIXTURES`, the source tree this was built from, or `./fixtures`.
 fn fixtures() -> std::path::PathBuf {
     if let Ok(d) = std::env::var("MOEFLOW_FIXTURES") {

@@ -209,6 +209,45 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
 }
 
 #[test]
+fn device_dual_batch_matches_the_reference() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(n) = gpus("device_dual_batch_matches_the_reference") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    for (name, config, weights) in device_cases() {
+        let h = config.hidden;
+        // Uneven batches: one token (its second half empty), none, odd, and large.
+        let sizes: Vec<usize> = (0..n).map(|r| [1, 0, 37, 300][r % 4]).collect();
+        let inputs: Vec<Vec<f32>> =
+            sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 70 + r as u64)).collect();
+        let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.dual_batch(Some(c.duplicate()?))?;
+            let x = &inputs[c.rank()];
+            let out = layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec();
+            Ok((out, layer.forward_timed(64, 5)?.total))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (got, ms) = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            assert!(ms > 0.0 && ms.is_finite(), "{name}: rank {rank}: timed {ms}");
+            if sizes[rank] == 0 {
+                assert!(got.is_empty());
+                continue;
+            }
+            let err = relative_error(&config, &weights, &inputs[rank], &got);
+            assert!(err <= BF16_TOL, "{name}: rank {rank}: relative error {err:e}");
+            eprintln!("device dual-batch, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
+        }
+    }
+    // A layer split without its second communicator is a clear error.
+    for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
+        let (_, config, weights) = device_cases().remove(0);
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.dual_batch(None).map(|_| ())
+    }) {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("second communicator"), "{e}");
+    }
+}
+
+#[test]
 fn low_latency_graph_matches_the_reference_and_replays() {
     use moeflow::backend::cuda::CudaMoeLayer;
     let Some(n) = gpus("low_latency_graph_matches_the_reference_and_replays") else { return };

@@ -131,5 +131,23 @@ pub mod cuda {
         pub fn device_name(&self) -> String {
             String::new()
         }
+        /// Unreachable without the feature.
+        pub fn dual_batch(self, _comm: Option<NcclComm>) -> Result<CudaDualBatch> {
+            Err(missing())
+        }
+    }
+
+    /// The dual-batch CUDA layer; without the feature none can be made.
+    pub struct CudaDualBatch(());
+
+    impl CudaDualBatch {
+        /// Unreachable without the feature.
+        pub fn forward(&self, _hidden: &Tensor) -> Result<Tensor> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn forward_timed(&self, _tokens: usize, _seed: u64) -> Result<GpuStageTimes> {
+            Err(missing())
+        }
     }
 }

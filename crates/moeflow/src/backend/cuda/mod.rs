@@ -11,7 +11,7 @@ mod quant;
 pub use super::GpuStageTimes;
 pub use ceiling::measure_ceilings;
 pub use experts::CudaExperts;
-pub use layer::CudaMoeLayer;
+pub use layer::{CudaDualBatch, CudaMoeLayer};
 
 /// Number of CUDA devices (0 without a driver).
 pub fn device_count() -> usize {
@@ -54,6 +54,8 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     /// The stream every operation runs on.
     pub stream: Arc<CudaStream>,
+    /// The device's ordinal.
+    pub ordinal: usize,
     module: Arc<CudaModule>,
 }
 
@@ -71,7 +73,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| err("creating stream", e))?;
         let module = Self::module(&ctx, ordinal)?;
-        Ok(Gpu { ctx, stream, module })
+        Ok(Gpu { ctx, stream, ordinal, module })
     }
 
     fn module(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<CudaModule>> {

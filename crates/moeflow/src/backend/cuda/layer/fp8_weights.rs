@@ -72,9 +72,12 @@ impl CudaMoeLayer {
         if held == 0 {
             return Err(MoeError::Config("fp8 experts: the layer holds no routed experts".into()));
         }
-        let (w13, s13) = quantize(&mut self.w.w13, 2 * i, h)?;
-        let (w2, s2) = quantize(&mut self.w.w2, h, i)?;
-        self.w.fp8 = Some(Fp8Experts { w13, s13, w2, s2 });
+        let w = std::sync::Arc::get_mut(&mut self.w).ok_or_else(|| {
+            MoeError::Config("fp8_experts: quantize before splitting the layer for dual-batch overlap".into())
+        })?;
+        let (w13, s13) = quantize(&mut w.w13, 2 * i, h)?;
+        let (w2, s2) = quantize(&mut w.w2, h, i)?;
+        w.fp8 = Some(Fp8Experts { w13, s13, w2, s2 });
         Ok(self)
     }
 

@@ -17,6 +17,8 @@ use cudarc::cublas::{sys as cb, CudaBlas};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
+mod dual_batch;
+pub use dual_batch::CudaDualBatch;
 mod fp8_weights;
 mod low_latency;
 mod masked_gemm;
@@ -138,6 +140,12 @@ struct EpLink {
     capacity: Option<usize>,
 }
 
+/// The first and last events of a timed run.
+struct Span {
+    first: cudarc::driver::CudaEvent,
+    last: cudarc::driver::CudaEvent,
+}
+
 /// Which slots [`CudaMoeLayer::group_rows`] groups: `slots` expert ids at `ids` over
 /// `experts` experts (padded to `cap` rows each when `cap > 0`), leaving out expert `skip`.
 struct Grouping {
@@ -151,8 +159,8 @@ struct Grouping {
 /// One MoE layer resident on a GPU.
 pub struct CudaMoeLayer {
     gpu: Gpu,
-    /// Side streams, each with its own cuBLAS handle, so that per-expert GEMMs (each too small
-    /// to fill the GPU) run concurrently.
+    /// Side streams, each with its own cuBLAS handle: the first runs the shared expert, the
+    /// others per-expert GEMMs (each too small to fill the GPU) concurrently.
     side: Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>,
     /// One grouped cuBLAS call per GEMM instead of one call per expert.
     grouped: bool,
@@ -161,7 +169,8 @@ pub struct CudaMoeLayer {
     blas: CudaBlas,
     config: MoeConfig,
     k: Kernels,
-    w: DeviceWeights,
+    /// The weights (shared by the two halves of a dual-batch layer).
+    w: std::sync::Arc<DeviceWeights>,
     bufs: Mutex<Option<Buffers>>,
     /// Set when the layer is one rank of an expert-parallel group.
     ep: Option<EpLink>,
@@ -298,7 +307,7 @@ impl CudaMoeLayer {
             blas,
             config: config.clone(),
             k,
-            w,
+            w: std::sync::Arc::new(w),
             bufs: Mutex::new(None),
             ep,
         })
@@ -375,7 +384,7 @@ impl CudaMoeLayer {
             blas,
             config: config.clone(),
             k,
-            w,
+            w: std::sync::Arc::new(w),
             bufs: Mutex::new(None),
             ep,
         })
@@ -434,6 +443,12 @@ impl CudaMoeLayer {
     }
 
     fn timed(&self, tokens: usize, seed: u64, graph: bool) -> Result<GpuStageTimes> {
+        self.timed_marks(tokens, seed, graph).map(|(times, _)| times)
+    }
+
+    /// [`CudaMoeLayer::timed`], also returning the run's first and last events (none when
+    /// nothing ran, or for a graph replay).
+    fn timed_marks(&self, tokens: usize, seed: u64, graph: bool) -> Result<(GpuStageTimes, Option<Span>)> {
         let capacity = self.capacity();
         self.check_capacity(tokens)?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
@@ -448,10 +463,10 @@ impl CudaMoeLayer {
         match capacity {
             Some(m) if !graph => {
                 self.ll_set_tokens(b, tokens)?;
-                self.run(b, m, true)
+                self.run_marks(b, m, true)
             }
-            Some(_) => self.ll_run(b, tokens, true),
-            None => self.run(b, tokens, true),
+            Some(_) => Ok((self.ll_run(b, tokens, true)?, None)),
+            None => self.run_marks(b, tokens, true),
         }
     }
 
@@ -511,8 +526,13 @@ impl CudaMoeLayer {
     /// Runs the layer on the `t` tokens in `b.x` into `b.out` and waits for it; with `timed`,
     /// CUDA events around every stage.
     fn run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
+        self.run_marks(b, t, timed).map(|(times, _)| times)
+    }
+
+    /// [`CudaMoeLayer::run`], also returning the first and last events when timed.
+    fn run_marks(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<(GpuStageTimes, Option<Span>)> {
         if t == 0 && self.ep.is_none() {
-            return Ok(GpuStageTimes::default());
+            return Ok((GpuStageTimes::default(), None));
         }
         let g = &self.gpu;
         let s = &g.stream;
@@ -535,12 +555,12 @@ impl CudaMoeLayer {
             None => s.synchronize().map_err(|e| err("synchronize", e))?,
         }
         if !timed {
-            return Ok(GpuStageTimes::default());
+            return Ok((GpuStageTimes::default(), None));
         }
         let ms = |a: usize, z: usize| -> Result<f64> {
             Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
         };
-        Ok(GpuStageTimes {
+        let times = GpuStageTimes {
             route: ms(0, 1)?,
             permute: ms(1, 2)?,
             dispatch: ms(2, 3)?,
@@ -552,7 +572,10 @@ impl CudaMoeLayer {
             shared: ms(8, 9)?,
             total: ms(0, 9)?,
             dispatch_bytes: sent,
-        })
+        };
+        let mut marks = marks;
+        let last = marks.pop().expect("ten marks");
+        Ok((times, Some(Span { first: marks.swap_remove(0), last })))
     }
 
     /// Enqueues the whole layer on the `t` tokens in `b.x` (into `b.out`) on the layer's
@@ -1224,12 +1247,13 @@ impl CudaMoeLayer {
             // One cuBLAS GEMM per expert, spread over the side streams: each picks its best
             // tensor-core kernel for its size, and together they fill the GPU.
             let main = &self.gpu.stream;
-            for (st, _) in &self.side {
+            let streams = &self.side[1..];
+            for (st, _) in streams {
                 st.join(main).map_err(|e| err("stream fork", e))?;
             }
             let wbase = dptr(w, &self.gpu);
             for (q, &(x, off, r)) in groups.iter().enumerate() {
-                let blas = &self.side[q % self.side.len()].1;
+                let blas = &streams[q % streams.len()].1;
                 gemm_bf16(
                     blas,
                     wbase + 2 * (x * n * kdim) as u64,
@@ -1240,7 +1264,7 @@ impl CudaMoeLayer {
                     r,
                 )?;
             }
-            for (st, _) in &self.side {
+            for (st, _) in streams {
                 main.join(st).map_err(|e| err("stream join", e))?;
             }
             return Ok(());
@@ -1439,10 +1463,11 @@ pub(super) fn act_and_mul(
     .map_err(|e| err("act_and_mul", e))
 }
 
-/// Side streams for concurrent per-expert GEMMs (`MOEFLOW_GEMM_STREAMS`, default 4).
+/// Side streams: one for the shared expert, then those of the concurrent per-expert GEMMs
+/// (`MOEFLOW_GEMM_STREAMS`, default 4).
 fn side_streams(gpu: &Gpu) -> Result<Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>> {
     let n = std::env::var("MOEFLOW_GEMM_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
-    (0..n)
+    (0..=n)
         .map(|_| {
             let st = gpu.ctx.new_stream().map_err(|e| err("creating stream", e))?;
             let blas = CudaBlas::new(st.clone()).map_err(|e| err("cuBLAS handle", e))?;
