@@ -69,6 +69,20 @@ fn gpu_fp8_experts(dtype: DType, runs_fp8: bool) -> Result<bool> {
     }
 }
 
+/// Whether `--quant` asks for fp8 GEMM rows on GPUs (W8A8: `fp8-block` with fp8 experts); any
+/// other quantization there is refused with a message naming what does run.
+fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool) -> Result<bool> {
+    use moeflow::quant::QuantConfig;
+    match quant {
+        QuantConfig::None => Ok(false),
+        QuantConfig::Fp8Block if fp8_experts => Ok(true),
+        other => Err(MoeError::Unsupported(format!(
+            "--quant {other} on GPUs: the GPU layer quantizes GEMM rows only as fp8-block with --dtype f8e4m3 \
+             (W8A8: one GPU, or --strategy lowlatency)"
+        ))),
+    }
+}
+
 /// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, also with
 /// dual-batch overlap, or low-latency in a CUDA graph).
 fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
@@ -126,7 +140,12 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
     // codes; elsewhere the bf16 values would run instead, so that is refused.
     let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some())?;
-    let dtype = if fp8 { "fp8 e4m3 experts (128×128 block scales)" } else { "bf16" };
+    let rows8 = gpu_fp8_rows(par.quant, fp8)?;
+    let dtype = match (fp8, rows8) {
+        (true, true) => "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8",
+        (true, false) => "fp8 e4m3 experts (128×128 block scales)",
+        _ => "bf16",
+    };
     let kind = match capacity {
         Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
         None if par.dual_batch => "all-to-all-v, dual-batch overlap".into(),
@@ -161,6 +180,9 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let mut layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
         if fp8 {
             layer = layer.fp8_experts()?;
+        }
+        if rows8 {
+            layer = layer.fp8_activations()?;
         }
         if let Some(m) = capacity {
             layer = layer.low_latency(m)?;
@@ -264,6 +286,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             preset: p.name.to_string(),
             backend: "cuda".into(),
             dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
+            quant: if rows8 { "fp8-block" } else { "none" }.into(),
             tokens: t,
             ep: par.ep,
             tp: 1,
@@ -273,7 +296,6 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
                 (None, false) => "all2allv (device)",
             }
             .into(),
-            quant: "none".into(),
             rel_error: None,
             ms,
             gflops: flops / ms / 1e6,
@@ -447,7 +469,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return run_cuda(&args);
     }
     if gpu && args.parallel.quant != moeflow::quant::QuantConfig::None {
-        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+        // Quantized rows run only in the device-resident layers (W8A8, in run_cuda_ep).
+        let lowlatency = args.parallel.strategy == Some(moeflow::parallel::StrategyKind::LowLatency);
+        gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && lowlatency && !args.host_staged)?;
     }
     if gpu && !args.host_staged {
         let (_, config) = args.layer.config()?;
@@ -671,14 +695,15 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     if args.parallel.ep != 1 {
         return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
     }
-    if args.parallel.quant != moeflow::quant::QuantConfig::None {
-        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
-    }
     let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
+    let rows8 = gpu_fp8_rows(args.parallel.quant, fp8)?;
     let bar0 = spinner("generating weights on the GPU".into());
     let mut gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
     if fp8 {
         gpu = gpu.fp8_experts()?;
+    }
+    if rows8 {
+        gpu = gpu.fp8_activations()?;
     }
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
     let (gemm_tflops, copy_gbps) = gpu.measure_ceilings()?;
@@ -691,7 +716,11 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         device,
         config.num_experts,
         config.top_k,
-        if fp8 { "fp8 e4m3 experts (128×128 block scales), masked GEMM" } else { "bf16" },
+        match (fp8, rows8) {
+            (true, true) => "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8 masked GEMM",
+            (true, false) => "fp8 e4m3 experts (128×128 block scales), masked GEMM",
+            _ => "bf16",
+        },
         if args.parallel.dual_batch { ", dual-batch overlap" } else { "" },
         gemm_tflops,
         copy_gbps
@@ -750,11 +779,11 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             preset: p.name.to_string(),
             backend: "cuda".into(),
             dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
+            quant: if rows8 { "fp8-block" } else { "none" }.into(),
             tokens: t,
             ep: 1,
             tp: 1,
             strategy: if args.parallel.dual_batch { "local (dual-batch)" } else { "local" }.into(),
-            quant: "none".into(),
             rel_error: None,
             ms,
             gflops: flops / ms / 1e6,

@@ -83,7 +83,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     if gpu && par.quant != moeflow::quant::QuantConfig::None {
-        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+        return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
     }
     let host = RankHost::detect(gpu)?;
     let h = config.hidden;

@@ -61,7 +61,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let start = Instant::now();
     let gpu = args.backend == Backend::Cuda;
     if gpu && par.quant != moeflow::quant::QuantConfig::None {
-        return Err(MoeError::Unsupported("--quant on --backend cuda: quantized GEMMs are not implemented yet".into()));
+        return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
     }
     let host = RankHost::detect(gpu)?;
     let out = if gpu && par.ep == 1 && !par.dual_batch && host == RankHost::Gpus {

@@ -14,6 +14,9 @@ use moeflow::{preset, reference, Activation, DType, MoeConfig, MoeWeights, Route
 /// (8 significand bits: 2^-8 ≈ 4e-3 per rounding, a few roundings in sequence).
 const BF16_TOL: f64 = 2.5e-2;
 
+/// fp8 e4m3 rows (3 significand bits: up to 2^-4 relative per value) before both expert GEMMs.
+const FP8_ROWS_TOL: f64 = 8e-2;
+
 fn layer(config: &MoeConfig, weights: &MoeWeights) -> Option<CudaMoeLayer> {
     match CudaMoeLayer::new(config, weights) {
         Ok(l) => Some(l),
@@ -213,4 +216,19 @@ fn fp8_experts_quantized_on_the_device_match_the_cpu_quantization() {
     eprintln!("fp8 experts: relative error {err:.2e} (against the bf16 weights: {unquantized:.2e})");
     assert!(err <= BF16_TOL, "relative error {err:e}");
     assert!(unquantized > 1.5 * err, "{unquantized:e} vs {err:e}");
+    // W8A8: the GEMM rows quantized to fp8 too (a scale per 128 values), also past 32 rows per
+    // expert (200 tokens), where bf16 rows would go to cuBLAS. fp8 rows add about 2^-5 of
+    // noise per value, so the error is larger, and can be told apart from W8A16's.
+    let layer = layer.fp8_activations().unwrap();
+    assert!(layer.has_fp8_activations());
+    for (t, seed) in [(33, 9), (200, 10)] {
+        let (x, xt) = hidden(t, config.hidden, seed);
+        let got = layer.forward(&xt).unwrap().to_f32_vec();
+        let w8a8 = rel(&got, &reference::forward(&config, &quantized, &x).unwrap().out);
+        eprintln!("fp8 experts and fp8 rows, {t} tokens: relative error {w8a8:.2e}");
+        assert!(w8a8 <= FP8_ROWS_TOL, "{t} tokens: relative error {w8a8:e}");
+        if t == 33 {
+            assert!(w8a8 > 1.5 * err, "fp8 rows {w8a8:e} vs bf16 rows {err:e}");
+        }
+    }
 }

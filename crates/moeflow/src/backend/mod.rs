@@ -124,6 +124,10 @@ pub mod cuda {
             false
         }
         /// Unreachable without the feature.
+        pub fn fp8_activations(self) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
             Err(missing())
         }

@@ -22,6 +22,12 @@ fn kind(q: QuantConfig) -> Result<i32> {
     }
 }
 
+/// Launch shape of `quantize_rows` / `quantize_rows_bf16` (moe.cu): one warp per (row, group
+/// of values with one scale), eight warps a block.
+pub(super) fn quantize_launch(rows: usize, groups: usize) -> LaunchConfig {
+    LaunchConfig { grid_dim: (rows as u32, groups.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
 impl CudaQuant {
     /// Opens GPU 0.
     pub fn new() -> Result<Self> {
@@ -43,8 +49,7 @@ impl CudaQuant {
         if rows > 0 && h > 0 {
             let (xp, cp, sp) = (dx.device_ptr(s).0, codes.device_ptr(s).0, scales.device_ptr(s).0);
             let (hi, gi) = (h as i32, group as i32);
-            let cfg =
-                LaunchConfig { grid_dim: (rows as u32, groups as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let cfg = quantize_launch(rows, groups);
             // SAFETY: quantize_rows(const float*, int, int, int, u8*, float*) over buffers of
             // rows·h values and rows·groups scales.
             unsafe {

@@ -6,7 +6,10 @@
 // deep, 64 token rows a pass), or fp8 e4m3 with one f32 scale per 128 × 128 block, DeepSeek-V3's
 // format (4 stages 128 deep, so a stage moves as many weight bytes, 32 token rows a pass): their
 // codes widen exactly to bf16 for the MMA, and each 128-deep block's partial sums are scaled
-// into the accumulators.
+// into the accumulators. With fp8 rows too (one f32 scale per 128 values of a row, W8A8), the
+// row codes widen the same way and each block's sums are scaled by the weight block's scale
+// times the row group's. (Hopper runs fp8 × fp8 at tensor-core rate only through wgmma; its
+// mma.sync form is emulated, slower than widening here.)
 // (Compiled after moe.cu, whose helpers it uses.)
 
 #define MG_N 128       // output columns per block (bf16: 4 warps × 32, fp8: 8 warps × 16)
@@ -43,10 +46,12 @@ __device__ __forceinline__ unsigned mg_e4m3x2_to_bf16x2(unsigned short v) {
     return out;
 }
 
-// The body of both kernels below; FP8 selects e4m3 weights with block scales `S`.
-template <bool FP8>
-__device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, const bf16_t* A, bf16_t* C,
-                                                 const int* counts, const int* offsets, int cap, int N, int K) {
+// The body of the kernels below; FP8 selects e4m3 weights with block scales `S`, A8 (with FP8)
+// e4m3 rows with scales `SA` [rows, ceil(K / 128)].
+template <bool FP8, bool A8>
+__device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, const void* A, const float* SA,
+                                                 bf16_t* C, const int* counts, const int* offsets, int cap, int N,
+                                                 int K) {
     // Depth per stage, stages, and shared-memory pitches (8 bf16 / 16 bytes past the data
     // keep the fragment loads free of bank conflicts).
     // fp8 takes 32 token rows per pass, so 4 stages of 128-deep fp8 tiles fit twice per SM.
@@ -58,12 +63,12 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
     // bf16 4 warps of 32 columns.
     constexpr int THREADS = FP8 ? 256 : 128;
     constexpr int NT = MG_N / (THREADS / 32) / 8;  // 8-column MMA tiles per warp
-    constexpr int wbytes = FP8 ? 1 : 2;
+    constexpr int wbytes = FP8 ? 1 : 2, abytes = A8 ? 1 : 2;
     constexpr int wpitch = KD * wbytes + 16;  // bytes per weight row
-    constexpr int ald = KD + 8;              // bf16 per token row
+    constexpr int apitch = KD * abytes + 16;  // bytes per token row
     extern __shared__ __align__(16) unsigned char mg_smem[];
     unsigned char* wsm = mg_smem;
-    bf16_t(*as)[MG_M][ald] = (bf16_t(*)[MG_M][ald])(mg_smem + STAGES * MG_N * wpitch);
+    unsigned char* asm_ = mg_smem + STAGES * MG_N * wpitch;
     int e = blockIdx.y, n0 = blockIdx.x * MG_N;
     long base = offsets ? (long)offsets[e] : (long)e * cap;
     int count = offsets ? counts[e] : min(counts[e], cap);
@@ -75,7 +80,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
     for (int m0 = 0; m0 < count; m0 += MG_M) {
         int rows = min(MG_M, count - m0);
         int mtiles = (rows + 15) / 16;
-        const bf16_t* a = A + (base + m0) * K;
+        const unsigned char* a = (const unsigned char*)A + (base + m0) * K * abytes;
         float acc[MT][NT][4], part[MT][NT][4];
 #pragma unroll
         for (int i = 0; i < MT; i++)
@@ -86,7 +91,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
         // Stage s gets depth step kk: 128 weight rows and 64 token rows of KD values, 16 bytes
         // a copy; past K, N or the rows, zeros.
         auto load = [&](int s, int kk) {
-            constexpr int wchunks = KD * wbytes / 16, achunks = KD / 8;  // copies per row
+            constexpr int wchunks = KD * wbytes / 16, achunks = KD * abytes / 16;  // copies per row
 #pragma unroll
             for (int i = 0; i < MG_N * wchunks / THREADS; i++) {
                 int c = threadIdx.x + i * THREADS, row = c / wchunks, col = (c % wchunks) * 16;  // bytes
@@ -97,9 +102,11 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
             }
 #pragma unroll
             for (int i = 0; i < MG_M * achunks / THREADS; i++) {
-                int c = threadIdx.x + i * THREADS, row = c / achunks, col = (c % achunks) * 8, k = kk * KD + col;
+                int c = threadIdx.x + i * THREADS, row = c / achunks, col = (c % achunks) * 16;  // bytes
+                int k = kk * KD + col / abytes;
                 bool ok = row < rows && k < K;
-                mg_cp_async16(&as[s][row][col], ok ? a + (long)row * K + k : a, ok ? 16 : 0);
+                mg_cp_async16(asm_ + ((long)s * MG_M + row) * apitch + col,
+                              ok ? a + ((long)row * K + k) * abytes : a, ok ? 16 : 0);
             }
         };
 #pragma unroll
@@ -115,6 +122,7 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
             mg_commit();
             int st = kk % STAGES;
             const unsigned char* wst = wsm + (long)st * MG_N * wpitch;
+            const unsigned char* ast = asm_ + (long)st * MG_M * apitch;
 #pragma unroll
             for (int k16 = 0; k16 < KD; k16 += 16) {
                 unsigned bf[NT][2];
@@ -133,12 +141,20 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
 #pragma unroll
                 for (int mt = 0; mt < MT; mt++) {
                     if (mt < mtiles) {
-                        int r = mt * 16 + g;
+                        const unsigned char* ar = ast + (mt * 16 + g) * apitch + abytes * (k16 + 2 * tq);
                         unsigned af[4];
-                        af[0] = *(const unsigned*)&as[st][r][k16 + 2 * tq];
-                        af[1] = *(const unsigned*)&as[st][r + 8][k16 + 2 * tq];
-                        af[2] = *(const unsigned*)&as[st][r][k16 + 2 * tq + 8];
-                        af[3] = *(const unsigned*)&as[st][r + 8][k16 + 2 * tq + 8];
+                        if (A8) {
+                            // fp8 rows: codes widened exactly, as the weights' are.
+                            af[0] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)ar);
+                            af[1] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)(ar + 8 * apitch));
+                            af[2] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)(ar + 8));
+                            af[3] = mg_e4m3x2_to_bf16x2(*(const unsigned short*)(ar + 8 * apitch + 8));
+                        } else {
+                            af[0] = *(const unsigned*)ar;
+                            af[1] = *(const unsigned*)(ar + 8 * apitch);
+                            af[2] = *(const unsigned*)(ar + 16);
+                            af[3] = *(const unsigned*)(ar + 8 * apitch + 16);
+                        }
 #pragma unroll
                         for (int nt = 0; nt < NT; nt++) mg_mma(FP8 ? part[mt][nt] : acc[mt][nt], af, bf[nt]);
                     }
@@ -148,14 +164,22 @@ __device__ __forceinline__ void masked_gemm_body(const void* W, const float* S, 
             if (FP8) {
                 float sc = scale[kk];
 #pragma unroll
-                for (int i = 0; i < MT; i++)
+                for (int i = 0; i < MT; i++) {
+                    // W8A8: times the scale of each row's group (rows past the count have none).
+                    float s0 = sc, s1 = sc;
+                    if (A8) {
+                        int r0 = i * 16 + g, r1 = r0 + 8;
+                        s0 = r0 < rows ? sc * SA[(base + m0 + r0) * kblocks + kk] : 0.0f;
+                        s1 = r1 < rows ? sc * SA[(base + m0 + r1) * kblocks + kk] : 0.0f;
+                    }
 #pragma unroll
                     for (int j = 0; j < NT; j++)
 #pragma unroll
                         for (int q = 0; q < 4; q++) {
-                            acc[i][j][q] += sc * part[i][j][q];
+                            acc[i][j][q] += (q < 2 ? s0 : s1) * part[i][j][q];
                             part[i][j][q] = 0.0f;
                         }
+                }
             }
         }
         mg_wait_all();
@@ -189,7 +213,7 @@ extern "C" {
 // memory. Needs K % 8 == 0 and N % 2 == 0.
 __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t* A, bf16_t* C, const int* counts,
                                                    const int* offsets, int cap, int N, int K) {
-    masked_gemm_body<false>(W, nullptr, A, C, counts, offsets, cap, N, K);
+    masked_gemm_body<false, false>(W, nullptr, A, nullptr, C, counts, offsets, cap, N, K);
 }
 
 // masked_gemm with fp8 e4m3 weights W [experts, N, K] and their scales S [experts,
@@ -198,7 +222,16 @@ __global__ void __launch_bounds__(128) masked_gemm(const bf16_t* W, const bf16_t
 __global__ void __launch_bounds__(256) masked_gemm_fp8(const unsigned char* W, const float* S, const bf16_t* A,
                                                        bf16_t* C, const int* counts, const int* offsets, int cap,
                                                        int N, int K) {
-    masked_gemm_body<true>(W, S, A, C, counts, offsets, cap, N, K);
+    masked_gemm_body<true, false>(W, S, A, nullptr, C, counts, offsets, cap, N, K);
+}
+
+// masked_gemm_fp8 with e4m3 rows A too, and their scales SA [rows, ceil(K / 128)] (row value
+// = code · scale of its group of 128), as QuantConfig::Fp8Block quantizes them. Needs K % 16 == 0.
+__global__ void __launch_bounds__(256) masked_gemm_w8a8(const unsigned char* W, const float* S,
+                                                        const unsigned char* A, const float* SA, bf16_t* C,
+                                                        const int* counts, const int* offsets, int cap, int N,
+                                                        int K) {
+    masked_gemm_body<true, true>(W, S, A, SA, C, counts, offsets, cap, N, K);
 }
 
 }  // extern "C"

@@ -5,6 +5,8 @@ typedef unsigned long long u64;
 #define INFINITY __int_as_float(0x7f800000)
 
 __device__ __forceinline__ float bf16_to_f32(bf16_t v) { return __uint_as_float(((unsigned int)v) << 16); }
+__device__ __forceinline__ float to_f32(float v) { return v; }
+__device__ __forceinline__ float to_f32(bf16_t v) { return bf16_to_f32(v); }
 __device__ __forceinline__ bf16_t f32_to_bf16(float f) {
     unsigned int u = __float_as_uint(f);
     if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);  // NaN stays NaN
@@ -473,38 +475,55 @@ __device__ int ceil_log2(float v) {
     return e - 127 + ((b & 0x7fffff) != 0);
 }
 
-// One block per (row, group): kind 1 int8 (amax / 127), 2 fp8 (amax / 448), 3 MXFP8
-// (power-of-two scale per group).
-__global__ void quantize_rows(const float* x, int H, int group, int kind, unsigned char* codes, float* scales) {
-    int r = blockIdx.x, g = blockIdx.y, groups = gridDim.y;
+// One warp per (row, group): kind 1 int8 (amax / 127), 2 fp8 (amax / 448), 3 MXFP8
+// (power-of-two scale per group). Input f32 or bf16. Grid (rows, ceil(groups / warps a block)).
+}  // extern "C"
+// `codes` and `scales` may be null (not written); with `values`, the values the codes stand for
+// (code · scale) are written there as bf16 too.
+template <typename T>
+__device__ void quantize_row_group(const T* x, int H, int group, int kind, unsigned char* codes, float* scales,
+                                   bf16_t* values) {
+    int r = blockIdx.x, lane = threadIdx.x % 32, groups = (H + group - 1) / group;
+    int g = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+    if (g >= groups) return;
     int lo = g * group, hi = min(H, lo + group);
-    const float* row = x + (long)r * H;
-    __shared__ float red[32];
-    float m = 0.0f;
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) m = fmaxf(m, fabsf(row[i]));
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        float a = 0.0f;
-        for (int i = 0; i < (int)(blockDim.x + 31) / 32; i++) a = fmaxf(a, red[i]);
-        float s;
-        if (kind == 1) s = a / 127.0f;
-        else if (kind == 2) s = a / 448.0f;
-        else s = a == 0.0f ? 0.0f : ldexpf(1.0f, max(-127, min(127, ceil_log2(a / 448.0f))));
-        red[0] = s;
-        scales[(long)r * groups + g] = s;
-    }
-    __syncthreads();
-    float s = red[0];
-    for (int i = lo + threadIdx.x; i < hi; i += blockDim.x) {
+    const T* row = x + (long)r * H;
+    float a = 0.0f;
+    for (int i = lo + lane; i < hi; i += 32) a = fmaxf(a, fabsf(to_f32(row[i])));
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    float s;
+    if (kind == 1) s = a / 127.0f;
+    else if (kind == 2) s = a / 448.0f;
+    else s = a == 0.0f ? 0.0f : ldexpf(1.0f, max(-127, min(127, ceil_log2(a / 448.0f))));
+    if (scales && lane == 0) scales[(long)r * groups + g] = s;
+    for (int i = lo + lane; i < hi; i += 32) {
         unsigned char q = 0;
         if (s > 0.0f) {
-            float v = row[i] / s;
+            float v = to_f32(row[i]) / s;
             q = kind == 1 ? (unsigned char)(signed char)fminf(fmaxf(roundf(v), -127.0f), 127.0f) : fp8_e4m3_encode(v);
         }
-        codes[(long)r * H + i] = q;
+        if (codes) codes[(long)r * H + i] = q;
+        if (values) {
+            float d = kind == 1 ? (float)(signed char)q : fp8_e4m3_decode(q);
+            values[(long)r * H + i] = f32_to_bf16(d * s);
+        }
     }
+}
+extern "C" {
+
+// Rows x [rows, H] f32 to codes [rows, H] and scales [rows, ceil(H / group)]; grid (rows, groups).
+__global__ void quantize_rows(const float* x, int H, int group, int kind, unsigned char* codes, float* scales) {
+    quantize_row_group(x, H, group, kind, codes, scales, (bf16_t*)0);
+}
+
+// quantize_rows from bf16 rows; with `counts`, rows r past counts[r / cap] (padding of the
+// padded layout) are skipped. With `values` (may be `x` itself: each lane rewrites only values
+// it read, after its warp has read the whole group), the rows rounded to the quantized grid,
+// as bf16.
+__global__ void quantize_rows_bf16(const bf16_t* x, int H, int group, int kind, const int* counts, int cap,
+                                   unsigned char* codes, float* scales, bf16_t* values) {
+    if (counts && (int)(blockIdx.x % cap) >= counts[blockIdx.x / cap]) return;
+    quantize_row_group(x, H, group, kind, codes, scales, values);
 }
 
 __global__ void dequantize_rows(const unsigned char* codes, const float* scales, long n, int H, int group, int kind, float* out) {

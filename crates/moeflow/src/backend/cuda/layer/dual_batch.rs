@@ -30,9 +30,13 @@ impl CudaMoeLayer {
             (Some(_), Some(c)) => Some(Self::link(&self.config, c)?),
             (None, None) => None,
             (Some(_), None) => {
-                return Err(MoeError::Config("dual-batch overlap of an expert-parallel layer needs a second communicator".into()))
+                return Err(MoeError::Config(
+                    "dual-batch overlap of an expert-parallel layer needs a second communicator".into(),
+                ))
             }
-            (None, Some(_)) => return Err(MoeError::Config("dual-batch overlap on one GPU takes no communicator".into())),
+            (None, Some(_)) => {
+                return Err(MoeError::Config("dual-batch overlap on one GPU takes no communicator".into()))
+            }
         };
         let (gpu, blas, k) = Self::open(&self.config, self.gpu.ordinal)?;
         let twin = CudaMoeLayer {
@@ -40,6 +44,8 @@ impl CudaMoeLayer {
             gpu,
             grouped: self.grouped,
             masked: self.masked,
+            w8a8: self.w8a8,
+            fp8_rows: Mutex::new(None),
             blas,
             config: self.config.clone(),
             k,
@@ -67,7 +73,8 @@ impl CudaDualBatch {
         }
         let x = hidden.to_f32_vec();
         let [t0, t1] = split(s[0]);
-        let parts = [Tensor::from_f32(&[t0, h], x[..t0 * h].to_vec())?, Tensor::from_f32(&[t1, h], x[t0 * h..].to_vec())?];
+        let parts =
+            [Tensor::from_f32(&[t0, h], x[..t0 * h].to_vec())?, Tensor::from_f32(&[t1, h], x[t0 * h..].to_vec())?];
         let outs = self.on_both(|layer, j| layer.forward(&parts[j]))?;
         let mut out = outs[0].to_f32_vec();
         out.extend(outs[1].to_f32_vec());
@@ -79,7 +86,8 @@ impl CudaDualBatch {
     /// the dispatched bytes both halves'.
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         let parts = split(tokens);
-        let [(a, sa), (b, sb)] = self.on_both(|layer, j| layer.timed_marks(parts[j], seed ^ ((j as u64) << 40), false))?;
+        let [(a, sa), (b, sb)] =
+            self.on_both(|layer, j| layer.timed_marks(parts[j], seed ^ ((j as u64) << 40), false))?;
         let total = match (sa, sb) {
             (Some(sa), Some(sb)) => whole(&sa, &sb)?,
             _ => a.total.max(b.total),

@@ -259,11 +259,11 @@ impl CudaMoeLayer {
             let [a, h13, act, y, _] = bufs;
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
             let i = c.inter;
-            self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0)?;
+            self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0, el * cap)?;
             mark(4)?;
             self.act(s, [h13, b13, 0, counts, act], cap as i32, el * cap, i)?;
             mark(5)?;
-            self.masked_gemm(Projection::Down, [act, y], cap, counts, 0)?;
+            self.masked_gemm(Projection::Down, [act, y], cap, counts, 0, el * cap)?;
             mark(6)?;
         } else {
             self.mlp(b, bufs, el, cap, &[], 0, mark)?;

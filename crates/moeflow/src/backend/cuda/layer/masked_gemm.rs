@@ -1,11 +1,20 @@
 //! The masked grouped GEMM's launcher (`kernels/masked_gemm.cu`): every expert's rows counted
-//! on the device, bf16 or fp8 (128 × 128 block) weights, bf16 rows in and out. The
+//! on the device, bf16 or fp8 (128 × 128 block) weights, bf16 rows in and out; with fp8
+//! weights the rows can be quantized to fp8 first (one scale per 128 values, W8A8). The
 //! low-latency layer runs it over its padded layout (no host read, so it can be captured);
 //! the single-GPU layer runs it over its grouped layout when the experts are fp8.
 
 use super::{dptr, err, CudaMoeLayer};
-use crate::error::Result;
-use cudarc::driver::{sys as drv, LaunchConfig, PushKernelArg};
+use crate::error::{MoeError, Result};
+use cudarc::driver::{sys as drv, CudaSlice, LaunchConfig, PushKernelArg};
+
+/// fp8 e4m3 codes of the rows a W8A8 GEMM reads, with one f32 scale per 128 values.
+pub(super) struct Fp8Rows {
+    /// Values the buffers hold.
+    len: usize,
+    codes: CudaSlice<u8>,
+    scales: CudaSlice<f32>,
+}
 
 /// Dynamic shared memory of the masked GEMM, the larger of its two forms (masked_gemm.cu):
 /// bf16, 4 stages of 128 weight rows and 64 token rows 64 deep, 144 bytes apart; fp8 needs
@@ -47,11 +56,37 @@ pub(super) fn masked_gemm_fits(config: &crate::config::MoeConfig) -> bool {
 }
 
 impl CudaMoeLayer {
+    /// Quantizes the rows of every expert GEMM to fp8 e4m3 first, one f32 scale per 128 values
+    /// of a row (`QuantConfig::Fp8Block`), and multiplies fp8 by fp8 (DeepSeek-V3's W8A8 block
+    /// scheme) in the masked GEMM; where cuBLAS runs instead (larger batches), on the values
+    /// the codes stand for. Needs fp8 experts ([`CudaMoeLayer::fp8_experts`]) and depths that
+    /// are multiples of 16.
+    pub fn fp8_activations(mut self) -> Result<Self> {
+        let (h, i) = (self.config.hidden, self.config.inter);
+        if self.w.fp8.is_none() {
+            return Err(MoeError::Config("fp8 activations need fp8 experts (fp8_experts first)".into()));
+        }
+        if !self.masked || h % 16 != 0 || i % 16 != 0 {
+            return Err(MoeError::Unsupported(format!(
+                "fp8 activations need hidden and intermediate sizes divisible by 16 (got {h} and {i})"
+            )));
+        }
+        self.w8a8 = true;
+        Ok(self)
+    }
+
+    /// Whether the expert GEMMs quantize their rows to fp8 (see [`CudaMoeLayer::fp8_activations`]).
+    pub fn has_fp8_activations(&self) -> bool {
+        self.w8a8
+    }
+
     /// `C[b_x + r] = A[b_x + r] · W[x]ᵀ` for every expert `x` held here and `r < counts[x]`
     /// (read on the device), where expert `x`'s rows start at `b_x = offsets[x]` (grouped
-    /// layout), or at `x·cap` when `offsets` is 0 (padded layout), with the weights of
-    /// `projection`: fp8 codes when the layer holds them (and their depth is a multiple of 16),
-    /// else bf16; bf16 in and out, f32 accumulation.
+    /// layout, `rows` rows in all), or at `x·cap` when `offsets` is 0 (padded layout, `rows`
+    /// = experts · cap), with the weights of `projection`: fp8 codes when the layer holds them
+    /// (and their depth is a multiple of 16), else bf16; bf16 in and out, f32 accumulation.
+    /// With fp8 activations the rows are quantized first and the product is fp8 × fp8.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn masked_gemm(
         &self,
         projection: Projection,
@@ -59,6 +94,7 @@ impl CudaMoeLayer {
         cap: usize,
         counts: u64,
         offsets: u64,
+        rows: usize,
     ) -> Result<()> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let (w, n, kdim, fp8) = match projection {
@@ -70,6 +106,26 @@ impl CudaMoeLayer {
         let (capi, ni, ki) = (cap as i32, n as i32, kdim as i32);
         let cfg = masked_gemm_launch(n, experts, fp8.is_some());
         let s = &self.gpu.stream;
+        if let (Some((codes, scales)), true) = (fp8, self.w8a8) {
+            let mut guard = self.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
+            let q = self.quantize_rows_fp8(&mut guard, a, rows, kdim, cap, if offsets == 0 { counts } else { 0 })?;
+            let (wp, sp, qa, qs) = (
+                dptr(codes, &self.gpu),
+                dptr(scales, &self.gpu),
+                dptr(&q.codes, &self.gpu),
+                dptr(&q.scales, &self.gpu),
+            );
+            // SAFETY: masked_gemm_w8a8(u8*, float*, u8*, float*, bf16*, int*, int*, int, int, int):
+            // W holds `experts` [n, kdim] code matrices and their block scales, the row codes
+            // and scales the `rows` rows just quantized; C, counts and offsets as below.
+            return unsafe {
+                let mut l = s.launch_builder(&self.k.masked_gemm_w8a8);
+                l.arg(&wp).arg(&sp).arg(&qa).arg(&qs).arg(&c).arg(&counts).arg(&offsets).arg(&capi).arg(&ni).arg(&ki);
+                l.launch(cfg)
+            }
+            .map(|_| ())
+            .map_err(|e| err("masked_gemm_w8a8", e));
+        }
         // SAFETY: masked_gemm(bf16*, bf16*, bf16*, int*, int*, int, int, int) and
         // masked_gemm_fp8(u8*, float*, bf16*, bf16*, int*, int*, int, int, int): W holds
         // `experts` [n, kdim] matrices (and their block scales), A and C the rows the counts
@@ -94,19 +150,103 @@ impl CudaMoeLayer {
         .map(|_| ())
         .map_err(|e| err("masked_gemm", e))
     }
+
+    /// The `rows` bf16 rows of `kdim` values at `a` as fp8 codes with one scale per 128 values,
+    /// in `buf` (grown when short; it is sized at the first, uncaptured, run of a graph).
+    /// Padded rows (`counts` given: row r past `counts[r / cap]`) are skipped.
+    fn quantize_rows_fp8<'a>(
+        &self,
+        buf: &'a mut Option<Fp8Rows>,
+        a: u64,
+        rows: usize,
+        kdim: usize,
+        cap: usize,
+        counts: u64,
+    ) -> Result<&'a Fp8Rows> {
+        let len = rows * kdim;
+        if buf.as_ref().is_none_or(|q| q.len < len) {
+            let s = &self.gpu.stream;
+            *buf = Some(Fp8Rows {
+                len,
+                codes: s.alloc_zeros::<u8>(len.max(1)).map_err(|e| err("allocating fp8 rows", e))?,
+                // Depths are multiples of 16, so a row has at most kdim / 16 groups of 128.
+                scales: s.alloc_zeros::<f32>(len / 16 + 1).map_err(|e| err("allocating fp8 rows", e))?,
+            });
+        }
+        let q = buf.as_ref().expect("allocated above");
+        if rows == 0 {
+            return Ok(q);
+        }
+        let groups = kdim.div_ceil(128);
+        let (ki, group, kind, capi) = (kdim as i32, 128i32, 2i32, cap.max(1) as i32);
+        let (cp, sp) = (dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu));
+        let cfg = super::super::quant::quantize_launch(rows, groups);
+        let values = 0u64;
+        // SAFETY: quantize_rows_bf16(bf16*, int, int, int, int*, int, u8*, float*, bf16*) over
+        // `rows` rows of kdim values at `a`, writing as many codes and rows · groups scales (the
+        // buffers hold at least that many); counts (or null) one int per expert; no values.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&self.k.quantize_bf16)
+                .arg(&a)
+                .arg(&ki)
+                .arg(&group)
+                .arg(&kind)
+                .arg(&counts)
+                .arg(&capi)
+                .arg(&cp)
+                .arg(&sp)
+                .arg(&values)
+                .launch(cfg)
+        }
+        .map_err(|e| err("quantize_rows_bf16", e))?;
+        Ok(q)
+    }
+
+    /// Rounds the `rows` bf16 rows of `kdim` values at `x`, in place, to the values their fp8
+    /// codes (one scale per 128 values) stand for: the rows of a W8A8 GEMM, for the cuBLAS
+    /// paths that multiply bf16 values.
+    pub(super) fn round_rows_fp8(&self, x: u64, rows: usize, kdim: usize) -> Result<()> {
+        if rows == 0 {
+            return Ok(());
+        }
+        let (ki, group, kind, capi, none) = (kdim as i32, 128i32, 2i32, 1i32, 0u64);
+        let cfg = super::super::quant::quantize_launch(rows, kdim.div_ceil(128));
+        // SAFETY: quantize_rows_bf16(bf16*, int, int, int, int*, int, u8*, float*, bf16*) over
+        // `rows` rows of kdim values at `x`, rewritten in place (each block reads its group
+        // before writing it); no counts, codes or scales.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&self.k.quantize_bf16)
+                .arg(&x)
+                .arg(&ki)
+                .arg(&group)
+                .arg(&kind)
+                .arg(&none)
+                .arg(&capi)
+                .arg(&none)
+                .arg(&none)
+                .arg(&x)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| err("quantize_rows_bf16", e))
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
-    use crate::quant::WeightQuant;
+    use crate::quant::{QuantConfig, WeightQuant};
     use cudarc::driver::PushKernelArg;
     use half::bf16;
 
-    /// The masked GEMM, bf16 and fp8 weights, against an f64 product of the same values, with
-    /// poisoned outputs: widths that are not multiples of the tile (and of the fp8 scale
-    /// blocks), counts of 0, 1, a partial tile, exactly one pass, more than one pass, and the
-    /// whole capacity. Needs a GPU; says loudly when it skips.
+    /// The masked GEMM, bf16 and fp8 weights (and fp8 rows, W8A8), against an f64 product of
+    /// the same values, with poisoned outputs: widths that are not multiples of the tile (and
+    /// of the fp8 scale blocks), counts of 0, 1, a partial tile, exactly one pass, more than
+    /// one pass, and the whole capacity. Needs a GPU; says loudly when it skips.
     #[test]
     fn masked_gemm_matches_f64_and_leaves_masked_rows_alone() {
         if super::super::super::device_count() == 0 {
@@ -115,8 +255,9 @@ mod tests {
         }
         let gpu = Gpu::new(0).unwrap();
         let s = &gpu.stream;
-        for fp8 in [false, true] {
-            let f = gpu.function(if fp8 { "masked_gemm_fp8" } else { "masked_gemm" }).unwrap();
+        for kernel in ["masked_gemm", "masked_gemm_fp8", "masked_gemm_w8a8"] {
+            let fp8 = kernel != "masked_gemm";
+            let f = gpu.function(kernel).unwrap();
             super::allow_masked_gemm_smem(&f).unwrap();
             let shapes =
                 if fp8 { [(200usize, 144usize), (256, 64), (130, 16)] } else { [(200, 136), (256, 64), (130, 8)] };
@@ -133,19 +274,36 @@ mod tests {
                 let (ap, cp, np) = (dptr(&ad, &gpu), dptr(&cd, &gpu), dptr(&countd, &gpu));
                 let (capi, ni, ki) = (cap as i32, n as i32, k as i32);
                 let cfg = super::masked_gemm_launch(n, e, fp8);
+                let mut rows: Vec<f64> = a.iter().map(|&x| bf16::from_bits(x).to_f64()).collect();
                 // The weights as the kernel sees them, in f64.
                 let weights: Vec<f64> = if fp8 {
                     let q = WeightQuant::Fp8Block(128);
                     let (codes, scales) = q.quantize(&w32, e, n, k).unwrap();
                     let (wd, sd) = (s.clone_htod(&codes).unwrap(), s.clone_htod(&scales).unwrap());
                     let (wp, sp) = (dptr(&wd, &gpu), dptr(&sd, &gpu));
-                    // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm_fp8).
-                    unsafe {
-                        let mut l = s.launch_builder(&f);
-                        l.arg(&wp).arg(&sp).arg(&ap).arg(&cp).arg(&np).arg(&0u64).arg(&capi).arg(&ni).arg(&ki);
-                        l.launch(cfg).unwrap();
+                    if kernel == "masked_gemm_w8a8" {
+                        // The rows as fp8 codes with a scale per 128 values, quantized on the host.
+                        let a32: Vec<f32> = rows.iter().map(|&x| x as f32).collect();
+                        let qa = crate::quant::quantize(QuantConfig::Fp8Block, &a32, k).unwrap();
+                        rows = crate::quant::dequantize(&qa).into_iter().map(f64::from).collect();
+                        let (qd, qsd) = (s.clone_htod(&qa.data).unwrap(), s.clone_htod(&qa.scales).unwrap());
+                        let (qp, qsp) = (dptr(&qd, &gpu), dptr(&qsd, &gpu));
+                        // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm_w8a8).
+                        unsafe {
+                            let mut l = s.launch_builder(&f);
+                            l.arg(&wp).arg(&sp).arg(&qp).arg(&qsp).arg(&cp).arg(&np).arg(&0u64);
+                            l.arg(&capi).arg(&ni).arg(&ki).launch(cfg).unwrap();
+                        }
+                        s.synchronize().unwrap();
+                    } else {
+                        // SAFETY: buffers sized as the kernel reads and writes them (see masked_gemm_fp8).
+                        unsafe {
+                            let mut l = s.launch_builder(&f);
+                            l.arg(&wp).arg(&sp).arg(&ap).arg(&cp).arg(&np).arg(&0u64).arg(&capi).arg(&ni).arg(&ki);
+                            l.launch(cfg).unwrap();
+                        }
+                        s.synchronize().unwrap();
                     }
-                    s.synchronize().unwrap();
                     q.dequantize(&codes, &scales, e, n, k).into_iter().map(f64::from).collect()
                 } else {
                     let w = bits(&w32);
@@ -166,13 +324,13 @@ mod tests {
                     for r in 0..cap {
                         for j in 0..n {
                             let out = got[(x * cap + r) * n + j];
-                            let what = format!("fp8 {fp8}, n {n} k {k}: expert {x} row {r} col {j}");
+                            let what = format!("{kernel}, n {n} k {k}: expert {x} row {r} col {j}");
                             if r >= cnt as usize {
                                 assert_eq!(out, poison, "{what}: past its count, written");
                                 continue;
                             }
                             let want: f64 =
-                                (0..k).map(|q| v(a[(x * cap + r) * k + q]) * weights[(x * n + j) * k + q]).sum();
+                                (0..k).map(|q| rows[(x * cap + r) * k + q] * weights[(x * n + j) * k + q]).sum();
                             let tol = 1e-2 * (1.0 + want.abs());
                             assert!((v(out) - want).abs() <= tol, "{what}: {} vs {want}", v(out));
                         }

@@ -46,7 +46,9 @@ struct Kernels {
     ll_combine: CudaFunction,
     masked_gemm: CudaFunction,
     masked_gemm_fp8: CudaFunction,
+    masked_gemm_w8a8: CudaFunction,
     quantize_fp8: CudaFunction,
+    quantize_bf16: CudaFunction,
 }
 
 struct SharedMlp {
@@ -166,6 +168,10 @@ pub struct CudaMoeLayer {
     grouped: bool,
     /// Whether the masked GEMM takes this layer's shapes (see [`masked_gemm::masked_gemm_fits`]).
     masked: bool,
+    /// Whether the masked GEMMs quantize their rows to fp8 (see `fp8_activations`).
+    w8a8: bool,
+    /// Their rows' fp8 codes and scales.
+    fp8_rows: Mutex<Option<masked_gemm::Fp8Rows>>,
     blas: CudaBlas,
     config: MoeConfig,
     k: Kernels,
@@ -237,10 +243,13 @@ impl CudaMoeLayer {
             ll_combine: f("ll_combine")?,
             masked_gemm: f("masked_gemm")?,
             masked_gemm_fp8: f("masked_gemm_fp8")?,
+            masked_gemm_w8a8: f("masked_gemm_w8a8")?,
             quantize_fp8: f("quantize_weight_blocks_fp8")?,
+            quantize_bf16: f("quantize_rows_bf16")?,
         };
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
+        masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_w8a8)?;
         Ok((gpu, blas, k))
     }
 
@@ -304,6 +313,8 @@ impl CudaMoeLayer {
             gpu,
             grouped: gemm_mode() == GemmMode::Grouped,
             masked: masked_gemm::masked_gemm_fits(config),
+            w8a8: false,
+            fp8_rows: Mutex::new(None),
             blas,
             config: config.clone(),
             k,
@@ -381,6 +392,8 @@ impl CudaMoeLayer {
             gpu,
             grouped: gemm_mode() == GemmMode::Grouped,
             masked: masked_gemm::masked_gemm_fits(config),
+            w8a8: false,
+            fp8_rows: Mutex::new(None),
             blas,
             config: config.clone(),
             k,
@@ -838,6 +851,11 @@ impl CudaMoeLayer {
     ) -> Result<()> {
         let [a, h13, act, y, expert_of_row] = bufs;
         let (h, i) = (self.config.hidden, self.config.inter);
+        let act_rows = if cap > 0 { experts * cap } else { rows_total };
+        // W8A8 through cuBLAS: the rows rounded to their fp8 values first.
+        if self.w8a8 {
+            self.round_rows_fp8(a, act_rows, h)?;
+        }
         if cap > 0 {
             self.padded_gemm(&self.w.w13, 2 * i, h, a, h13, experts, cap)?;
         } else {
@@ -845,8 +863,10 @@ impl CudaMoeLayer {
         }
         mark(4)?;
         let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, &self.gpu));
-        let act_rows = if cap > 0 { experts * cap } else { rows_total };
         self.act(&self.gpu.stream, [h13, b13, expert_of_row, 0, act], cap as i32, act_rows, i)?;
+        if self.w8a8 {
+            self.round_rows_fp8(act, act_rows, i)?;
+        }
         mark(5)?;
         if cap > 0 {
             self.padded_gemm(&self.w.w2, h, i, act, y, experts, cap)?;
@@ -872,7 +892,7 @@ impl CudaMoeLayer {
         // fp8 experts run the masked GEMM on the grouped (unpadded) rows while the weights
         // dominate (up to 32 rows per expert on average; measured on H200, DeepSeek-V3 shapes:
         // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
-        // values above.
+        // values above (rows rounded to fp8 first when they are quantized too).
         let fp8 = self.w.fp8.is_some() && self.masked && t * k <= 32 * e;
         let cap = if fp8 { 0 } else { Self::padding(e, t * k, counts.iter().map(|&c| c as usize)) };
         self.permute(b, t, cap)?;
@@ -892,11 +912,11 @@ impl CudaMoeLayer {
             let [a, h13, act, y, expert_of_row] = bufs;
             let (counts, offsets) = (dptr(&b.counts, g), dptr(&b.offsets, g));
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
-            self.masked_gemm(masked_gemm::Projection::Up, [a, h13], 0, counts, offsets)?;
+            self.masked_gemm(masked_gemm::Projection::Up, [a, h13], 0, counts, offsets, t * k)?;
             mark(4)?;
             self.act(s, [h13, b13, expert_of_row, 0, act], 0, t * k, self.config.inter)?;
             mark(5)?;
-            self.masked_gemm(masked_gemm::Projection::Down, [act, y], 0, counts, offsets)?;
+            self.masked_gemm(masked_gemm::Projection::Down, [act, y], 0, counts, offsets, t * k)?;
             mark(6)?;
         } else {
             self.mlp(b, bufs, e, cap, &groups, t * k, mark)?;
