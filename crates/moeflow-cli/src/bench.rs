@@ -97,7 +97,7 @@ fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> b
 
 /// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap).
 enum Timed {
-    Whole(moeflow::backend::cuda::CudaMoeLayer),
+    Whole(Box<moeflow::backend::cuda::CudaMoeLayer>),
     Dual(Box<moeflow::backend::cuda::CudaDualBatch>),
 }
 
@@ -109,7 +109,7 @@ impl Timed {
         dual: bool,
         comm: Option<moeflow::backend::cuda::NcclComm>,
     ) -> Result<Self> {
-        Ok(if dual { Timed::Dual(Box::new(layer.dual_batch(comm)?)) } else { Timed::Whole(layer) })
+        Ok(if dual { Timed::Dual(Box::new(layer.dual_batch(comm)?)) } else { Timed::Whole(Box::new(layer)) })
     }
 
     /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`).
