@@ -90,24 +90,23 @@ __global__ void ll_gather(const unsigned char* recv, long stride, int tokens, in
 }
 
 // part[r, h] = sum over the slots j of message row r that have a row here, in slot order, of
-// weight_j * (y[row, h] + b2[local id_j, h]), as bf16 (0 for rows with no slot here).
+// weight_j * (y[row, h] + b2[local id_j, h]), as bf16 (0 for rows with no slot here). One block
+// per message row, as combine.
 __global__ void ll_combine(const unsigned char* recv, long stride, const bf16_t* y, const float* b2,
                            const int* row_of_slot, int tokens, int k, int H, bf16_t* part) {
-    long n = (long)tokens * H;
-    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
-        long r = idx / H;
-        int h = idx % H;
+    for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
         const int* rid = (const int*)(recv + r * stride);
         const float* rw = (const float*)(recv + r * stride + 4L * k);
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) {
-            int row = row_of_slot[r * k + j];
-            if (row < 0) continue;
-            float v = bf16_to_f32(y[(long)row * H + h]);
-            if (b2) v += b2[(long)rid[j] * H + h];
-            acc += rw[j] * v;
+        const int* rs = row_of_slot + r * k;
+        if (H % 8 == 0) {
+            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                sum_rows8(y, b2, rs, rid, rw, k, H, c, acc);
+                ((uint4*)(part + r * H))[c] = pack8(acc);
+            }
+        } else {
+            for (int h = threadIdx.x; h < H; h += blockDim.x) part[r * H + h] = f32_to_bf16(sum_rows1(y, b2, rs, rid, rw, k, H, h));
         }
-        part[idx] = f32_to_bf16(acc);
     }
 }
 

@@ -294,6 +294,39 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     }
 }
 
+// The weighted rows of one token, in slot order: acc[q] += w_j · (y[rows_j, h] + b2[ids_j, h]) for
+// the eight columns h = 8c + q (sum_rows8; H % 8 == 0) or the one column h (sum_rows1), over the
+// slots j < k whose row is not -1. `w` null means weight 1; `b2` null means no bias.
+__device__ __forceinline__ void sum_rows8(const bf16_t* y, const float* b2, const int* rows, const int* ids,
+                                          const float* w, int k, int H, int c, float* acc) {
+    for (int j = 0; j < k; j++) {
+        if (rows[j] < 0) continue;
+        float v[8];
+        unpack8(((const uint4*)(y + (long)rows[j] * H))[c], v);
+        float wj = w ? w[j] : 1.0f;
+        const float* bj = b2 ? b2 + (long)ids[j] * H + 8 * c : 0;
+        for (int q = 0; q < 8; q++) acc[q] += wj * (bj ? v[q] + bj[q] : v[q]);
+    }
+}
+__device__ __forceinline__ float sum_rows1(const bf16_t* y, const float* b2, const int* rows, const int* ids,
+                                           const float* w, int k, int H, int h) {
+    float acc = 0.0f;
+    for (int j = 0; j < k; j++) {
+        if (rows[j] < 0) continue;
+        float v = bf16_to_f32(y[(long)rows[j] * H + h]);
+        if (b2) v += b2[(long)ids[j] * H + h];
+        acc += (w ? w[j] : 1.0f) * v;
+    }
+    return acc;
+}
+
+// Eight floats as eight bf16 in one 16-byte word.
+__device__ __forceinline__ uint4 pack8(const float* f) {
+    unsigned int o[4];
+    for (int j = 0; j < 4; j++) o[j] = (unsigned int)f32_to_bf16(f[2 * j]) | ((unsigned int)f32_to_bf16(f[2 * j + 1]) << 16);
+    return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]) (kinds: act_mul).
 // expert_of_row may be null (dense MLP). Padded layout (cap > 0) with `counts`: rows past their
 // expert's count are skipped. One block per row (grid-stride over rows); eight values per
@@ -343,22 +376,16 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
     __shared__ float red[32];
     for (long t = blockIdx.x; t < T; t += gridDim.x) {
         float g = ys ? shared_gate(x, gate, t, H, red) : 0.0f;
-        const int* rs = row_of_slot + t * k;
-        const float* wt = w + t * k;
+        const int *rs = row_of_slot + t * k, *id = ids + t * k;
+        const float* wt = weights_applied ? 0 : w + t * k;
         if (H % 8 == 0) {
             for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
                 float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                for (int j = 0; j < k; j++) {
-                    float v[8];
-                    unpack8(((const uint4*)(y + (long)rs[j] * H))[c], v);
-                    float wj = weights_applied ? 1.0f : wt[j];
-                    const float* bj = b2 ? b2 + (long)ids[t * k + j] * H + 8 * c : 0;
-                    for (int q = 0; q < 8; q++) acc[q] += wj * (bj ? v[q] + bj[q] : v[q]);
-                }
+                sum_rows8(y, b2, rs, id, wt, k, H, c, acc);
                 if (ys) {
-                    float s[8];
-                    unpack8(((const uint4*)(ys + t * H))[c], s);
-                    for (int q = 0; q < 8; q++) acc[q] += g * s[q];
+                    float sh[8];
+                    unpack8(((const uint4*)(ys + t * H))[c], sh);
+                    for (int q = 0; q < 8; q++) acc[q] += g * sh[q];
                 }
                 float4* o = (float4*)(out + t * H + 8 * c);
                 o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -366,12 +393,7 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
             }
         } else {
             for (int h = threadIdx.x; h < H; h += blockDim.x) {
-                float acc = 0.0f;
-                for (int j = 0; j < k; j++) {
-                    float v = bf16_to_f32(y[(long)rs[j] * H + h]);
-                    if (b2) v += b2[(long)ids[t * k + j] * H + h];
-                    acc += (weights_applied ? 1.0f : wt[j]) * v;
-                }
+                float acc = sum_rows1(y, b2, rs, id, wt, k, H, h);
                 if (ys) acc += g * bf16_to_f32(ys[t * H + h]);
                 out[t * H + h] = acc;
             }
@@ -380,39 +402,41 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
 }
 
 // Expert-parallel, on the rank holding the experts: part[t, h] = sum over the slots of received
-// token t whose expert is here (row >= 0) of w * (y[row, h] + b2[expert, h]), in slot order, as bf16.
+// token t whose expert is here (row >= 0) of w * (y[row, h] + b2[expert, h]), in slot order, as
+// bf16. One block per token, as combine.
 __global__ void combine_partial(const bf16_t* y, const float* b2, const int* local_ids, const float* w,
                                 const int* row_of_slot, int T, int k, int H, bf16_t* part) {
-    long n = (long)T * H;
-    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < n; idx += (long)gridDim.x * blockDim.x) {
-        long t = idx / H;
-        int h = idx % H;
-        float acc = 0.0f;
-        for (int j = 0; j < k; j++) {
-            long s = t * k + j;
-            int r = row_of_slot[s];
-            if (r < 0) continue;
-            float v = bf16_to_f32(y[(long)r * H + h]);
-            if (b2) v += b2[(long)local_ids[s] * H + h];
-            acc += w[s] * v;
+    for (long t = blockIdx.x; t < T; t += gridDim.x) {
+        const int *rs = row_of_slot + t * k, *id = local_ids + t * k;
+        const float* wt = w + t * k;
+        if (H % 8 == 0) {
+            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                sum_rows8(y, b2, rs, id, wt, k, H, c, acc);
+                ((uint4*)(part + t * H))[c] = pack8(acc);
+            }
+        } else {
+            for (int h = threadIdx.x; h < H; h += blockDim.x) part[t * H + h] = f32_to_bf16(sum_rows1(y, b2, rs, id, wt, k, H, h));
         }
-        part[idx] = f32_to_bf16(acc);
     }
 }
 
 // Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
-// (rows -1 where token t sent nothing to d).
+// (rows -1 where token t sent nothing to d). One block per token, as combine.
 __global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, float* out) {
-    long total = (long)T * H;
-    for (long idx = blockIdx.x * (long)blockDim.x + threadIdx.x; idx < total; idx += (long)gridDim.x * blockDim.x) {
-        long t = idx / H;
-        int h = idx % H;
-        float acc = 0.0f;
-        for (int d = 0; d < n; d++) {
-            int r = rows[t * n + d];
-            if (r >= 0) acc += bf16_to_f32(part[(long)r * H + h]);
+    for (long t = blockIdx.x; t < T; t += gridDim.x) {
+        const int* rt = rows + t * n;
+        if (H % 8 == 0) {
+            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                sum_rows8(part, 0, rt, 0, 0, n, H, c, acc);
+                float4* o = (float4*)(out + t * H + 8 * c);
+                o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            }
+        } else {
+            for (int h = threadIdx.x; h < H; h += blockDim.x) out[t * H + h] = sum_rows1(part, 0, rt, 0, 0, n, H, h);
         }
-        out[idx] = acc;
     }
 }
 

@@ -12,7 +12,7 @@
 //! weighted sum per message row goes back as one bf16 row, summed at home in rank order.
 
 use super::masked_gemm::Projection;
-use super::{dptr, err, grid, rows, CudaMoeLayer, EpLink, GpuStageTimes};
+use super::{dptr, err, rows, CudaMoeLayer, EpLink, GpuStageTimes};
 use crate::error::{MoeError, Result};
 use cudarc::cublas::sys as cb;
 use cudarc::driver::{sys as drv, CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
@@ -283,7 +283,7 @@ impl CudaMoeLayer {
                 .arg(&ki)
                 .arg(&hi)
                 .arg(&part)
-                .launch(grid(msg * h))
+                .launch(rows(msg, 256))
         }
         .map_err(|e| err("ll_combine", e))?;
         self.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)?;
@@ -299,7 +299,7 @@ impl CudaMoeLayer {
                 .arg(&ni)
                 .arg(&hi)
                 .arg(&outp)
-                .launch(grid(m * h))
+                .launch(rows(m, 256))
         }
         .map_err(|e| err("sum_partials", e))?;
         Ok(self.ll_sent_bytes())

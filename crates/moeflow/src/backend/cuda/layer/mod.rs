@@ -1092,7 +1092,7 @@ impl CudaMoeLayer {
                 .arg(&ki)
                 .arg(&hi)
                 .arg(&part)
-                .launch(grid(received * h))
+                .launch(rows(received, 256))
         }
         .map_err(|e| err("combine_partial", e))?;
         self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
@@ -1109,7 +1109,7 @@ impl CudaMoeLayer {
                     .arg(&ni)
                     .arg(&hi)
                     .arg(&outp)
-                    .launch(grid(t * h))
+                    .launch(rows(t, 256))
             }
             .map_err(|e| err("sum_partials", e))?;
         }
