@@ -2,15 +2,22 @@
 //! each through its own instance of the layer (its own stream, buffers, cuBLAS handles and,
 //! expert-parallel, its own communicator) over one shared copy of the weights. Each half is
 //! driven by a host thread of its own, so the host synchronisations of one (the all-to-all-v
-//! counts) never hold up the other: one micro-batch's dispatch and combine overlap the
-//! other's expert GEMMs, and on one GPU the memory-bound stages of one overlap the GEMMs of
-//! the other.
+//! counts) never hold up the other. The halves are staggered: micro-batch 1's expert GEMMs
+//! wait on the device for micro-batch 0's to finish, so the GEMMs never compete for the GPU
+//! while micro-batch 1's routing and dispatch run under micro-batch 0's GEMMs, and micro-batch
+//! 0's combine under micro-batch 1's.
 
-use super::{err, CudaMoeLayer, Span};
+use super::{err, CudaMoeLayer, Span, StageHook};
 use crate::backend::GpuStageTimes;
 use crate::error::{MoeError, Result};
 use crate::tensor::Tensor;
+use cudarc::driver::{CudaEvent, CudaStream};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Mutex;
+use std::time::Duration;
+
+/// How long micro-batch 1 waits for micro-batch 0 to enqueue its GEMMs before giving up.
+const STAGGER_DEADLINE: Duration = Duration::from_secs(60);
 
 /// One layer as two micro-batch halves sharing its weights (see the module docs).
 pub struct CudaDualBatch {
@@ -75,7 +82,7 @@ impl CudaDualBatch {
         let [t0, t1] = split(s[0]);
         let parts =
             [Tensor::from_f32(&[t0, h], x[..t0 * h].to_vec())?, Tensor::from_f32(&[t1, h], x[t0 * h..].to_vec())?];
-        let outs = self.on_both(|layer, j| layer.forward(&parts[j]))?;
+        let outs = self.on_both(|layer, j, hook| layer.forward_hooked(&parts[j], hook))?;
         let mut out = outs[0].to_f32_vec();
         out.extend(outs[1].to_f32_vec());
         Tensor::from_f32(&[s[0], h], out)
@@ -87,7 +94,7 @@ impl CudaDualBatch {
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         let parts = split(tokens);
         let [(a, sa), (b, sb)] =
-            self.on_both(|layer, j| layer.timed_marks(parts[j], seed ^ ((j as u64) << 40), false))?;
+            self.on_both(|layer, j, hook| layer.timed_marks(parts[j], seed ^ ((j as u64) << 40), false, hook))?;
         let total = match (sa, sb) {
             (Some(sa), Some(sb)) => whole(&sa, &sb)?,
             _ => a.total.max(b.total),
@@ -95,20 +102,65 @@ impl CudaDualBatch {
         Ok(GpuStageTimes { total, dispatch_bytes: a.dispatch_bytes + b.dispatch_bytes, ..a })
     }
 
-    /// `f(half, j)` for both halves at once, each on a host thread of its own.
-    fn on_both<T: Send>(&self, f: impl Fn(&CudaMoeLayer, usize) -> Result<T> + Sync) -> Result<[T; 2]> {
+    /// `f(half, j, hook)` for both halves at once, each on a host thread of its own, with the
+    /// hooks that stagger their GEMMs (see the module docs).
+    fn on_both<T: Send>(&self, f: impl Fn(&CudaMoeLayer, usize, &StageHook<'_>) -> Result<T> + Sync) -> Result<[T; 2]> {
+        let (tx, rx) = channel::<CudaEvent>();
+        let stagger = Stagger { done: Mutex::new(Some(tx)), wait: Mutex::new(rx) };
         let [r0, r1] = std::thread::scope(|scope| {
+            let (f, stagger) = (&f, &stagger);
             let run = |j: usize| {
-                let (layer, f) = (&self.halves[j], &f);
+                let layer = &self.halves[j];
                 scope.spawn(move || {
-                    layer.gpu.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
-                    f(layer, j)
+                    let hook = move |stage: usize, s: &CudaStream| stagger.hook(j, stage, s);
+                    let r = layer
+                        .gpu
+                        .ctx
+                        .bind_to_thread()
+                        .map_err(|e| err("binding context", e))
+                        .and_then(|_| f(layer, j, &hook));
+                    // Micro-batch 0 is done enqueueing (or failed): micro-batch 1 stops waiting.
+                    if j == 0 {
+                        stagger.done.lock().unwrap_or_else(|p| p.into_inner()).take();
+                    }
+                    r
                 })
             };
             let handles = [run(0), run(1)];
             handles.map(|h| h.join().unwrap_or_else(|_| Err(MoeError::Config("a micro-batch thread panicked".into()))))
         });
         Ok([r0?, r1?])
+    }
+}
+
+/// The link between the halves: micro-batch 0 sends an event recorded after its GEMMs, which
+/// micro-batch 1's stream waits on before its own.
+struct Stagger {
+    done: Mutex<Option<Sender<CudaEvent>>>,
+    wait: Mutex<Receiver<CudaEvent>>,
+}
+
+impl Stagger {
+    fn hook(&self, half: usize, stage: usize, s: &CudaStream) -> Result<()> {
+        match (half, stage) {
+            (0, 6) => {
+                let ev = s.record_event(None).map_err(|e| err("event", e))?;
+                if let Some(tx) = self.done.lock().unwrap_or_else(|p| p.into_inner()).as_ref() {
+                    // Micro-batch 1 may have stopped listening (failed): nothing to wait for.
+                    let _ = tx.send(ev);
+                }
+                Ok(())
+            }
+            (1, 3) => match self.wait.lock().unwrap_or_else(|p| p.into_inner()).recv_timeout(STAGGER_DEADLINE) {
+                Ok(ev) => s.wait(&ev).map_err(|e| err("stream wait", e)),
+                // Micro-batch 0 ran no GEMMs (no tokens on one GPU) or failed: nothing to wait for.
+                Err(RecvTimeoutError::Disconnected) => Ok(()),
+                Err(RecvTimeoutError::Timeout) => Err(MoeError::Config(format!(
+                    "dual-batch: micro-batch 0 did not reach its expert GEMMs within {STAGGER_DEADLINE:?}"
+                ))),
+            },
+            _ => Ok(()),
+        }
     }
 }
 

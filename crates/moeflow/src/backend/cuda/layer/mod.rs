@@ -142,6 +142,15 @@ struct EpLink {
     capacity: Option<usize>,
 }
 
+/// Called with (stage boundary 0..=9, the layer's stream) as a run is enqueued; boundary 3
+/// comes right before the expert GEMMs, 6 right after them.
+type StageHook<'a> = dyn Fn(usize, &cudarc::driver::CudaStream) -> Result<()> + Sync + 'a;
+
+/// The hook that does nothing.
+fn no_hook(_stage: usize, _stream: &cudarc::driver::CudaStream) -> Result<()> {
+    Ok(())
+}
+
 /// The first and last events of a timed run.
 struct Span {
     first: cudarc::driver::CudaEvent,
@@ -415,6 +424,11 @@ impl CudaMoeLayer {
 
     /// `hidden_states [T, H]` → `[T, H]` f32 (copies in and out included).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.forward_hooked(hidden, &no_hook)
+    }
+
+    /// [`CudaMoeLayer::forward`], calling `hook(stage, stream)` at every stage boundary.
+    fn forward_hooked(&self, hidden: &Tensor, hook: &StageHook<'_>) -> Result<Tensor> {
         let s = hidden.shape();
         if s.len() != 2 || s[1] != self.config.hidden {
             return Err(MoeError::shape("hidden_states", format!("[T, {}]", self.config.hidden), s));
@@ -432,7 +446,7 @@ impl CudaMoeLayer {
             .map_err(|e| err("copy in", e))?;
         match capacity {
             Some(_) => self.ll_run(b, t, false)?,
-            None => self.run(b, t, false)?,
+            None => self.run_marks(b, t, false, hook)?.0,
         };
         let mut out = vec![0f32; t * self.config.hidden];
         self.gpu
@@ -456,12 +470,18 @@ impl CudaMoeLayer {
     }
 
     fn timed(&self, tokens: usize, seed: u64, graph: bool) -> Result<GpuStageTimes> {
-        self.timed_marks(tokens, seed, graph).map(|(times, _)| times)
+        self.timed_marks(tokens, seed, graph, &no_hook).map(|(times, _)| times)
     }
 
-    /// [`CudaMoeLayer::timed`], also returning the run's first and last events (none when
-    /// nothing ran, or for a graph replay).
-    fn timed_marks(&self, tokens: usize, seed: u64, graph: bool) -> Result<(GpuStageTimes, Option<Span>)> {
+    /// [`CudaMoeLayer::timed`], calling `hook` at every stage boundary and also returning the
+    /// run's first and last events (none when nothing ran, or for a graph replay).
+    fn timed_marks(
+        &self,
+        tokens: usize,
+        seed: u64,
+        graph: bool,
+        hook: &StageHook<'_>,
+    ) -> Result<(GpuStageTimes, Option<Span>)> {
         let capacity = self.capacity();
         self.check_capacity(tokens)?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
@@ -476,10 +496,10 @@ impl CudaMoeLayer {
         match capacity {
             Some(m) if !graph => {
                 self.ll_set_tokens(b, tokens)?;
-                self.run_marks(b, m, true)
+                self.run_marks(b, m, true, hook)
             }
             Some(_) => Ok((self.ll_run(b, tokens, true)?, None)),
-            None => self.run_marks(b, tokens, true),
+            None => self.run_marks(b, tokens, true, hook),
         }
     }
 
@@ -539,11 +559,18 @@ impl CudaMoeLayer {
     /// Runs the layer on the `t` tokens in `b.x` into `b.out` and waits for it; with `timed`,
     /// CUDA events around every stage.
     fn run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
-        self.run_marks(b, t, timed).map(|(times, _)| times)
+        self.run_marks(b, t, timed, &no_hook).map(|(times, _)| times)
     }
 
-    /// [`CudaMoeLayer::run`], also returning the first and last events when timed.
-    fn run_marks(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<(GpuStageTimes, Option<Span>)> {
+    /// [`CudaMoeLayer::run`], calling `hook` at every stage boundary (after its event) and
+    /// also returning the first and last events when timed.
+    fn run_marks(
+        &self,
+        b: &mut Buffers,
+        t: usize,
+        timed: bool,
+        hook: &StageHook<'_>,
+    ) -> Result<(GpuStageTimes, Option<Span>)> {
         if t == 0 && self.ep.is_none() {
             return Ok((GpuStageTimes::default(), None));
         }
@@ -560,7 +587,7 @@ impl CudaMoeLayer {
             if let Some(ev) = marks.get(n) {
                 ev.record(s).map_err(|e| err("event", e))?;
             }
-            Ok(())
+            hook(n, s)
         };
         let sent = self.enqueue(b, t, &mark)?;
         match &self.ep {
