@@ -66,10 +66,15 @@ impl CudaMoeLayer {
         if self.w.fp8.is_none() {
             return Err(MoeError::Config("fp8 activations need fp8 experts (fp8_experts first)".into()));
         }
-        if !self.masked || h % 16 != 0 || i % 16 != 0 {
+        if h % 16 != 0 || i % 16 != 0 {
             return Err(MoeError::Unsupported(format!(
                 "fp8 activations need hidden and intermediate sizes divisible by 16 (got {h} and {i})"
             )));
+        }
+        if !self.masked {
+            return Err(MoeError::Unsupported(
+                "fp8 activations run in the masked GEMM (MOEFLOW_LL_GEMM=padded is set)".into(),
+            ));
         }
         self.w8a8 = true;
         Ok(self)
