@@ -232,8 +232,12 @@ impl ParallelConfig {
             if self.strategy == StrategyKind::Local {
                 Some(Box::new(Local) as Box<dyn PrepareFinalize>)
             } else {
-                let own: Box<dyn Communicator> = world.split(0, world.rank())?;
-                Some(self.build(own.as_ref(), placement)?)
+                // `build` splits its own communicators off `world`, so the second instance
+                // shares nothing with the first. (It used to split off a temporary split that
+                // was dropped at once, so a rank could destroy that parent while a peer's NCCL
+                // split still bootstrapped through it: the suspected cause of a rare heap
+                // corruption in the GPU tests.)
+                Some(self.build(world, placement)?)
             }
         } else {
             None
