@@ -45,21 +45,9 @@ impl CudaMoeLayer {
                 return Err(MoeError::Config("dual-batch overlap on one GPU takes no communicator".into()))
             }
         };
-        let (gpu, blas, k) = Self::open(&self.config, self.gpu.ordinal)?;
-        let twin = CudaMoeLayer {
-            side: super::side_streams(&gpu)?,
-            gpu,
-            grouped: self.grouped,
-            masked: self.masked,
-            w8a8: self.w8a8,
-            fp8_rows: Mutex::new(None),
-            blas,
-            config: self.config.clone(),
-            k,
-            w: self.w.clone(),
-            bufs: Mutex::new(None),
-            ep: link,
-        };
+        let opened = Self::open(&self.config, self.gpu.ordinal)?;
+        let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link)?;
+        twin.w8a8 = self.w8a8;
         Ok(CudaDualBatch { halves: [self, twin] })
     }
 }

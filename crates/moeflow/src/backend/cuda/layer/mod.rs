@@ -262,6 +262,29 @@ impl CudaMoeLayer {
         Ok((gpu, blas, k))
     }
 
+    /// A layer over `w` on the opened GPU, with its side streams, empty buffers and bf16 rows.
+    fn assemble(
+        config: &MoeConfig,
+        (gpu, blas, k): (Gpu, CudaBlas, Kernels),
+        w: std::sync::Arc<DeviceWeights>,
+        ep: Option<EpLink>,
+    ) -> Result<Self> {
+        Ok(CudaMoeLayer {
+            side: side_streams(&gpu)?,
+            gpu,
+            grouped: gemm_mode() == GemmMode::Grouped,
+            masked: masked_gemm::masked_gemm_fits(config),
+            w8a8: false,
+            fp8_rows: Mutex::new(None),
+            blas,
+            config: config.clone(),
+            k,
+            w,
+            bufs: Mutex::new(None),
+            ep,
+        })
+    }
+
     /// Uploads `weights` (expert weights as bf16, router in f32) to GPU 0.
     pub fn new(config: &MoeConfig, weights: &MoeWeights) -> Result<Self> {
         Self::new_on(config, weights, 0, None)
@@ -317,20 +340,7 @@ impl CudaMoeLayer {
             },
             fp8: fp8_weights::Fp8Experts::upload(&experts, s)?,
         };
-        Ok(CudaMoeLayer {
-            side: side_streams(&gpu)?,
-            gpu,
-            grouped: gemm_mode() == GemmMode::Grouped,
-            masked: masked_gemm::masked_gemm_fits(config),
-            w8a8: false,
-            fp8_rows: Mutex::new(None),
-            blas,
-            config: config.clone(),
-            k,
-            w: std::sync::Arc::new(w),
-            bufs: Mutex::new(None),
-            ep,
-        })
+        Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep)
     }
 
     /// A layer whose weights are generated on the device (uniform, seeded), for benchmarks of
@@ -396,20 +406,7 @@ impl CudaMoeLayer {
             None => None,
         };
         let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared, fp8: None };
-        Ok(CudaMoeLayer {
-            side: side_streams(&gpu)?,
-            gpu,
-            grouped: gemm_mode() == GemmMode::Grouped,
-            masked: masked_gemm::masked_gemm_fits(config),
-            w8a8: false,
-            fp8_rows: Mutex::new(None),
-            blas,
-            config: config.clone(),
-            k,
-            w: std::sync::Arc::new(w),
-            bufs: Mutex::new(None),
-            ep,
-        })
+        Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep)
     }
 
     /// The layer's configuration.
