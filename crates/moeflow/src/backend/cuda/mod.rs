@@ -41,7 +41,8 @@ use std::sync::{Arc, Mutex, OnceLock};
 const KERNELS: &str = concat!(
     include_str!("kernels/moe.cu"),
     include_str!("kernels/low_latency.cu"),
-    include_str!("kernels/masked_gemm.cu")
+    include_str!("kernels/masked_gemm.cu"),
+    include_str!("kernels/grouped_gemm_sm90.cu")
 );
 
 fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
@@ -83,7 +84,9 @@ impl Gpu {
             return Ok(m.clone());
         }
         let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", e))?;
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}").into_boxed_str());
+        // Hopper builds for sm_90a, whose wgmma and TMA the grouped GEMM needs.
+        let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
+        let arch: &'static str = Box::leak(format!("sm_{major}{minor}{suffix}").into_boxed_str());
         let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), use_fast_math: Some(false), ..Default::default() };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| err("NVRTC compile of moe.cu", e))?;
         let module = ctx.load_module(ptx).map_err(|e| err("loading module", e))?;

@@ -266,7 +266,8 @@ impl CudaMoeLayer {
             self.masked_gemm(Projection::Down, [act, y], cap, counts, 0, el * cap)?;
             mark(6)?;
         } else {
-            self.mlp(b, bufs, el, cap, &[], 0, mark)?;
+            // No row offsets on the device: cuBLAS over the padded layout.
+            self.mlp(b, bufs, el, cap, (&[], [counts, 0]), 0, mark)?;
         }
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let y = bufs[3];

@@ -18,6 +18,7 @@ use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfi
 use std::sync::Mutex;
 
 mod dual_batch;
+mod hopper_gemm;
 pub use dual_batch::CudaDualBatch;
 mod fp8_weights;
 mod low_latency;
@@ -49,6 +50,8 @@ struct Kernels {
     masked_gemm_w8a8: CudaFunction,
     quantize_fp8: CudaFunction,
     quantize_bf16: CudaFunction,
+    /// The wgmma grouped GEMM, on Hopper GPUs.
+    hopper: Option<hopper_gemm::HopperGemm>,
 }
 
 struct SharedMlp {
@@ -255,6 +258,7 @@ impl CudaMoeLayer {
             masked_gemm_w8a8: f("masked_gemm_w8a8")?,
             quantize_fp8: f("quantize_weight_blocks_fp8")?,
             quantize_bf16: f("quantize_rows_bf16")?,
+            hopper: hopper_gemm::HopperGemm::load(&gpu)?,
         };
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
@@ -845,13 +849,14 @@ impl CudaMoeLayer {
     }
 
     /// Padded (`cap` rows per expert, one strided-batched GEMM) unless padding would more
-    /// than double `rows`; 0 means grouped.
-    fn padding(experts: usize, rows: usize, counts: impl Iterator<Item = usize>) -> usize {
+    /// than double `rows`, or the Hopper GEMM runs (it takes the grouped layout as it is); 0
+    /// means grouped.
+    fn padding(&self, experts: usize, rows: usize, counts: impl Iterator<Item = usize>) -> usize {
         let max = counts.max().unwrap_or(0);
         let padded = match gemm_mode() {
             GemmMode::Padded => true,
-            GemmMode::Auto => rows / experts.max(1) <= 192,
-            GemmMode::Loop | GemmMode::Grouped => false,
+            GemmMode::Auto => self.hopper().is_none() && rows / experts.max(1) <= 192,
+            GemmMode::Loop | GemmMode::Grouped | GemmMode::Hopper => false,
         };
         if padded && experts * max <= 2 * rows {
             max
@@ -861,7 +866,8 @@ impl CudaMoeLayer {
     }
 
     /// GEMM, activation, GEMM over `a` (rows grouped as `groups` say, or padded to `cap` per
-    /// expert over `experts` experts), writing `y`.
+    /// expert over `experts` experts; `dev` holds the same counts and row offsets on the
+    /// device; the Hopper GEMM runs when the offsets are there), writing `y`.
     #[allow(clippy::too_many_arguments)]
     fn mlp(
         &self,
@@ -869,7 +875,7 @@ impl CudaMoeLayer {
         bufs: [u64; 5],
         experts: usize,
         cap: usize,
-        groups: &[(usize, usize, usize)],
+        (groups, dev): (&[(usize, usize, usize)], [u64; 2]),
         rows_total: usize,
         mark: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
@@ -880,11 +886,13 @@ impl CudaMoeLayer {
         if self.w8a8 {
             self.round_rows_fp8(a, act_rows, h)?;
         }
-        if cap > 0 {
-            self.padded_gemm(&self.w.w13, 2 * i, h, a, h13, experts, cap)?;
-        } else {
-            self.grouped_gemm(b, &self.w.w13, 2 * i, h, a, h13, groups)?;
-        }
+        let hopper = self.hopper().filter(|_| dev[1] != 0);
+        let gemm = |b: &mut Buffers, w: &CudaSlice<u16>, n: usize, kdim: usize, x: u64, out: u64| match hopper {
+            Some(hg) => hg.run(&self.gpu.stream, dptr(w, &self.gpu), [n, kdim], [x, out], act_rows, dev, experts),
+            None if cap > 0 => self.padded_gemm(w, n, kdim, x, out, experts, cap),
+            None => self.grouped_gemm(b, w, n, kdim, x, out, groups),
+        };
+        gemm(b, &self.w.w13, 2 * i, h, a, h13)?;
         mark(4)?;
         let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, &self.gpu));
         self.act(&self.gpu.stream, [h13, b13, expert_of_row, 0, act], cap as i32, act_rows, i)?;
@@ -892,11 +900,7 @@ impl CudaMoeLayer {
             self.round_rows_fp8(act, act_rows, i)?;
         }
         mark(5)?;
-        if cap > 0 {
-            self.padded_gemm(&self.w.w2, h, i, act, y, experts, cap)?;
-        } else {
-            self.grouped_gemm(b, &self.w.w2, h, i, act, y, groups)?;
-        }
+        gemm(b, &self.w.w2, h, i, act, y)?;
         mark(6)
     }
 
@@ -918,7 +922,7 @@ impl CudaMoeLayer {
         // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
         // values above (rows rounded to fp8 first when they are quantized too).
         let fp8 = self.w.fp8.is_some() && self.masked && t * k <= 32 * e;
-        let cap = if fp8 { 0 } else { Self::padding(e, t * k, counts.iter().map(|&c| c as usize)) };
+        let cap = if fp8 { 0 } else { self.padding(e, t * k, counts.iter().map(|&c| c as usize)) };
         self.permute(b, t, cap)?;
         let mut groups = Vec::new();
         let mut off = 0usize;
@@ -943,7 +947,7 @@ impl CudaMoeLayer {
             self.masked_gemm(masked_gemm::Projection::Down, [act, y], 0, counts, offsets, t * k)?;
             mark(6)?;
         } else {
-            self.mlp(b, bufs, e, cap, &groups, t * k, mark)?;
+            self.mlp(b, bufs, e, cap, (&groups, [dptr(&b.counts, g), dptr(&b.offsets, g)]), t * k, mark)?;
         }
         mark(7)
     }
@@ -1015,7 +1019,7 @@ impl CudaMoeLayer {
         let received: usize = recv_tok.iter().sum();
         let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| all[src * m + first + j] as usize).sum()).collect();
         let slots_here: usize = local.iter().sum();
-        let cap = Self::padding(el, slots_here, local.iter().copied());
+        let cap = self.padding(el, slots_here, local.iter().copied());
         let rows2 = if cap > 0 { el * cap } else { slots_here };
         let mut groups = Vec::new();
         let mut off = 0;
@@ -1100,7 +1104,7 @@ impl CudaMoeLayer {
         let plan = Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32 };
         self.group_rows(&plan, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
         mark(3)?;
-        self.mlp(b, bufs, el, cap, &groups, slots_here, mark)?;
+        self.mlp(b, bufs, el, cap, (&groups, [ecounts, eoffsets]), slots_here, mark)?;
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ri, ki) = (received as i32, k as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
@@ -1541,6 +1545,15 @@ enum GemmMode {
     Loop,
     /// One `cublasGemmGroupedBatchedEx` call.
     Grouped,
+    /// moeflow's wgmma grouped GEMM (the default on Hopper GPUs).
+    Hopper,
+}
+
+impl GemmMode {
+    /// Whether the Hopper grouped GEMM may run.
+    fn allows_hopper(self) -> bool {
+        matches!(self, GemmMode::Auto | GemmMode::Hopper)
+    }
 }
 
 fn gemm_mode() -> GemmMode {
@@ -1548,6 +1561,7 @@ fn gemm_mode() -> GemmMode {
         Ok("padded") => GemmMode::Padded,
         Ok("loop") => GemmMode::Loop,
         Ok("grouped") => GemmMode::Grouped,
+        Ok("hopper") => GemmMode::Hopper,
         _ => GemmMode::Auto,
     }
 }

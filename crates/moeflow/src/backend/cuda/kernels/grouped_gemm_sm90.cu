@@ -1,0 +1,257 @@
+// moeflow's Hopper grouped GEMM: C[r] = A[r] · W[e]ᵀ for every row r of expert e, over all the
+// experts in one persistent launch, bf16 in and out, f32 accumulation. Expert e's rows are
+// A[offsets[e] .. offsets[e] + counts[e]) (grouped or padded layout, both read on the device,
+// so no host read decides the launch); W is [experts · N, K], K contiguous.
+//
+// Built for sm_90a (wgmma and TMA exist only there): each block owns an SM and takes the
+// 128 × 256 output tiles of every expert, in order, from a counter the blocks share (the
+// host zeroes it before each launch). One producer thread streams 64-deep slices
+// of the tile's rows and weights into a 4-stage shared-memory ring with TMA (128-byte swizzle,
+// zero fill past the tensor's edges); two consumer warpgroups multiply them with
+// wgmma.m64n256k16 (64 rows each) straight from shared memory, and hand each stage back
+// through an mbarrier once the tensor cores are done with it. The epilogue rounds to bf16
+// and stores only the expert's own rows, so rows read past its end (the next expert's, or
+// zeros) are computed and dropped. On other architectures the kernel body is empty and the
+// host never launches it.
+// (Compiled after moe.cu, whose typedefs it uses.)
+
+#define GG_BM 128                                  // rows of a tile (two warpgroups of 64)
+#define GG_BN 256                                  // output columns of a tile
+#define GG_BK 64                                   // depth of a stage: 128 bytes, one swizzle row
+#define GG_STAGES 4
+#define GG_A_BYTES (GG_BM * GG_BK * 2)             // 16 KiB
+#define GG_B_BYTES (GG_BN * GG_BK * 2)             // 32 KiB
+#define GG_RING_BYTES (GG_STAGES * (GG_A_BYTES + GG_B_BYTES))
+
+// A CUtensorMap, passed by value (the host encodes it with cuTensorMapEncodeTiled).
+struct __align__(64) gg_tensor_map {
+    u64 opaque[16];
+};
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+__device__ __forceinline__ unsigned gg_smem(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void gg_bar_init(u64* bar, unsigned count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(gg_smem(bar)), "r"(count));
+}
+// Arrives once and announces `bytes` of TMA traffic that completes the phase.
+__device__ __forceinline__ void gg_bar_expect(u64* bar, unsigned bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(gg_smem(bar)), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gg_bar_arrive(u64* bar) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(gg_smem(bar)) : "memory");
+}
+// Spins until the phase of parity `parity` has completed.
+__device__ __forceinline__ void gg_bar_wait(u64* bar, unsigned parity) {
+    asm volatile(
+        "{\n .reg .pred done;\n"
+        "WAIT:\n"
+        " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+        " @!done bra WAIT;\n}\n" ::"r"(gg_smem(bar)),
+        "r"(parity)
+        : "memory");
+}
+
+// Box (x = column, y = row) of `map` into shared memory, completing on `bar`.
+__device__ __forceinline__ void gg_tma_load(void* dst, const gg_tensor_map* map, u64* bar, int x, int y) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n" ::"r"(
+            gg_smem(dst)),
+        "l"((u64)map), "r"(x), "r"(y), "r"(gg_smem(bar))
+        : "memory");
+}
+
+// wgmma descriptor of a K-major tile in shared memory with 128-byte swizzle: rows of 128
+// bytes, 8-row groups 1024 bytes apart (the tile starts 1024-aligned). Adding 2 steps 32
+// bytes (16 bf16) deeper.
+__device__ __forceinline__ u64 gg_desc(const void* p) {
+    return (u64)((gg_smem(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+
+__device__ __forceinline__ void gg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void gg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int pending>
+__device__ __forceinline__ void gg_wait() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(pending) : "memory");
+}
+// Pins the accumulators in place: reads of d after this stay after the wait before it (the
+// compiler cannot see that wgmma writes d asynchronously).
+__device__ __forceinline__ void gg_pin(float* d) {
+#pragma unroll
+    for (int j = 0; j < 128; j++) asm volatile("" : "+f"(d[j])::"memory");
+}
+
+#define GG_D8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+
+// d[64 × 256 fragment] (+)= A[64 × 16] · B[256 × 16]ᵀ, both from shared memory; `accumulate`
+// 0 overwrites d.
+__device__ __forceinline__ void gg_mma(float* d, u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %130, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, "
+        "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+        "}, %128, %129, acc, 1, 1, 0, 0;\n}\n"
+        : GG_D8(0), GG_D8(8), GG_D8(16), GG_D8(24), GG_D8(32), GG_D8(40), GG_D8(48), GG_D8(56), GG_D8(64),
+          GG_D8(72), GG_D8(80), GG_D8(88), GG_D8(96), GG_D8(104), GG_D8(112), GG_D8(120)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// Two f32 rounded to nearest-even bf16, `lo` in the low half.
+__device__ __forceinline__ unsigned gg_pack(float lo, float hi) {
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+
+// The tiles of every expert laid end to end: tile `tile` is expert e's (row block mb, column
+// block nb), row blocks fastest so the blocks running at once share weight columns in L2.
+struct gg_tile {
+    int expert, row0, rows_end, col0;
+};
+__device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, int experts, const int* counts,
+                                             const int* offsets) {
+    int lo = 0, hi = experts - 1;  // the last expert whose first tile is at or before `tile`
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (first_tile[mid] <= tile) lo = mid; else hi = mid - 1;
+    }
+    int local = tile - first_tile[lo];
+    int blocks = (counts[lo] + GG_BM - 1) / GG_BM;
+    gg_tile t;
+    t.expert = lo;
+    t.row0 = offsets[lo] + (local % blocks) * GG_BM;
+    t.rows_end = offsets[lo] + counts[lo];
+    t.col0 = (local / blocks) * GG_BN;
+    return t;
+}
+
+#endif
+
+extern "C" __global__ void __launch_bounds__(384, 1)
+    grouped_gemm_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
+                      bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ unsigned char gg_raw[];
+    // The ring starts 1024-aligned (the swizzle pattern repeats every 1024 bytes).
+    unsigned char* ring = gg_raw + ((1024 - (gg_smem(gg_raw) & 1023)) & 1023);
+    u64* full = (u64*)(ring + GG_RING_BYTES);
+    u64* empty = full + GG_STAGES;
+    int* stage_tile = (int*)(empty + GG_STAGES);  // the tile each stage belongs to, -1: no more
+    int* first_tile = stage_tile + GG_STAGES;     // experts + 1 entries
+    const int col_blocks = (N + GG_BN - 1) / GG_BN, kblocks = (K + GG_BK - 1) / GG_BK;
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < GG_STAGES; s++) {
+            gg_bar_init(&full[s], 1);
+            gg_bar_init(&empty[s], 2 * 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    if (threadIdx.x < 32) {  // tiles per expert, scanned by one warp
+        int acc = 0;
+        for (int base = 0; base < experts; base += 32) {
+            int e = base + threadIdx.x;
+            int n = e < experts ? (counts[e] + GG_BM - 1) / GG_BM * col_blocks : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                int v = __shfl_up_sync(0xffffffffu, n, o);
+                if ((int)threadIdx.x >= o) n += v;
+            }
+            if (e < experts) first_tile[e + 1] = acc + n;
+            acc += __shfl_sync(0xffffffffu, n, 31);
+        }
+        if (threadIdx.x == 0) first_tile[0] = 0;
+    }
+    __syncthreads();
+    const int tiles = first_tile[experts];
+
+    if (threadIdx.x < 128) {
+        // Producer: one thread takes tiles in order from the shared counter (blocks that take
+        // neighbouring tiles start them together, so they share their weights and rows in L2)
+        // and keeps the ring full; the stage that starts a tile carries its index.
+        if (threadIdx.x != 0) return;
+        int stage = 0;
+        unsigned phase = 0;
+        for (;;) {
+            int tile = atomicAdd(next_tile, 1);
+            if (tile >= tiles) {
+                gg_bar_wait(&empty[stage], phase ^ 1);
+                stage_tile[stage] = -1;
+                gg_bar_arrive(&full[stage]);
+                return;
+            }
+            gg_tile t = gg_locate(tile, first_tile, experts, counts, offsets);
+            int wrow = t.expert * N + t.col0;
+            for (int kb = 0; kb < kblocks; kb++) {
+                gg_bar_wait(&empty[stage], phase ^ 1);
+                stage_tile[stage] = tile;
+                gg_bar_expect(&full[stage], GG_A_BYTES + GG_B_BYTES);
+                gg_tma_load(ring + stage * GG_A_BYTES, &a_map, &full[stage], kb * GG_BK, t.row0);
+                gg_tma_load(ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES, &w_map, &full[stage], kb * GG_BK, wrow);
+                if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+    }
+
+    // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
+    const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    float d[128];
+#pragma unroll
+    for (int j = 0; j < 128; j++) d[j] = 0.0f;
+    int stage = 0, last = 0;
+    unsigned phase = 0;
+    for (;;) {
+        gg_bar_wait(&full[stage], phase);
+        const int tile = stage_tile[stage];
+        if (tile < 0) return;
+        gg_tile t = gg_locate(tile, first_tile, experts, counts, offsets);
+        // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
+        if (t.row0 + wg * 64 >= t.rows_end) {
+            for (int kb = 0; kb < kblocks; kb++) {
+                if (kb > 0) gg_bar_wait(&full[stage], phase);
+                gg_bar_arrive(&empty[stage]);
+                if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
+            }
+            continue;
+        }
+        for (int kb = 0; kb < kblocks; kb++) {
+            if (kb > 0) gg_bar_wait(&full[stage], phase);
+            u64 da = gg_desc(ring + stage * GG_A_BYTES + wg * 64 * 128);
+            u64 db = gg_desc(ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES);
+            gg_fence();
+#pragma unroll
+            for (int kk = 0; kk < GG_BK / 16; kk++) gg_mma(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+            gg_commit();
+            // The previous stage's products are done once at most this one is in flight.
+            if (kb > 0) {
+                gg_wait<1>();
+                gg_bar_arrive(&empty[last]);
+            }
+            last = stage;
+            if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
+        }
+        gg_wait<0>();
+        gg_pin(d);
+        gg_bar_arrive(&empty[last]);
+        // Fragment layout: d[4j + {0,1}] is row 16·warp + lane/4, columns 8j + 2·(lane%4) + {0,1};
+        // d[4j + {2,3}] the row 8 below.
+        long r = t.row0 + wg * 64 + warp * 16 + lane / 4;
+        int c = t.col0 + 2 * (lane % 4);
+#pragma unroll
+        for (int j = 0; j < 32; j++) {
+            int col = c + 8 * j;
+            if (col < N) {
+                if (r < t.rows_end) *(unsigned*)(C + r * N + col) = gg_pack(d[4 * j], d[4 * j + 1]);
+                if (r + 8 < t.rows_end) *(unsigned*)(C + (r + 8) * N + col) = gg_pack(d[4 * j + 2], d[4 * j + 3]);
+            }
+        }
+    }
+#endif
+}

@@ -1,0 +1,226 @@
+//! The Hopper grouped GEMM's launcher (`kernels/grouped_gemm_sm90.cu`): every expert's rows in
+//! one persistent wgmma launch, expert counts and row offsets read on the device, operands
+//! streamed by TMA through descriptors encoded here.
+
+use super::{err, CudaMoeLayer};
+use crate::error::{MoeError, Result};
+use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use std::sync::Mutex;
+
+/// Most experts one launch takes (the kernel keeps one int per expert in shared memory).
+const MAX_EXPERTS: usize = 1024;
+
+/// Rows of an output tile (`GG_BM` in the kernel): the boxes TMA reads from `A`.
+const TILE_ROWS: u32 = 128;
+/// Columns of an output tile (`GG_BN`): the boxes TMA reads from `W`.
+const TILE_COLS: u32 = 256;
+
+/// Dynamic shared memory for `experts` experts: the 4-stage ring of row and weight tiles 64
+/// deep (bf16), 1 KiB to align it, 8 mbarriers, 4 stage tags and `experts + 1` tile offsets.
+fn smem_bytes(experts: usize) -> u32 {
+    4 * (TILE_ROWS + TILE_COLS) * 64 * 2 + 1024 + 64 + 16 + 4 * (experts as u32 + 1)
+}
+
+/// A TMA descriptor, which the kernel takes by value.
+#[repr(transparent)]
+struct TensorMap(drv::CUtensorMap);
+
+// SAFETY: a plain 128-byte C struct, passed as a `__grid_constant__` kernel parameter.
+unsafe impl DeviceRepr for TensorMap {}
+
+/// Descriptor of the bf16 matrix `[rows, cols]` at `ptr` (row-major, `cols % 8 == 0` so rows
+/// are 16-byte aligned), read in boxes of `box_rows` rows by 64 columns, 128-byte swizzled,
+/// zeros past its edges.
+fn tensor_map(ptr: u64, rows: usize, cols: usize, box_rows: u32) -> Result<TensorMap> {
+    let dims = [cols as u64, rows as u64];
+    let strides = [2 * cols as u64];
+    let boxes = [64u32, box_rows];
+    let unit = [1u32, 1];
+    let mut map = std::mem::MaybeUninit::<drv::CUtensorMap>::uninit();
+    // SAFETY: the arrays hold rank (2) entries (strides rank − 1); the address and stride are
+    // 16-byte aligned, the box fits the 256-element and 128-byte swizzle limits.
+    let status = unsafe {
+        drv::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            drv::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            2,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            unit.as_ptr(),
+            drv::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            drv::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            drv::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            drv::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if status != drv::CUresult::CUDA_SUCCESS {
+        return Err(err("encoding a TMA descriptor", status));
+    }
+    // SAFETY: initialised by the successful call above.
+    Ok(TensorMap(unsafe { map.assume_init() }))
+}
+
+/// The kernel, the SMs its persistent blocks fill, and the tile counter they share (zeroed
+/// on the stream before each launch).
+pub(super) struct HopperGemm {
+    f: CudaFunction,
+    sms: u32,
+    next_tile: Mutex<CudaSlice<i32>>,
+}
+
+impl HopperGemm {
+    /// The kernel on a Hopper GPU (compute capability 9.0, where the module is built for
+    /// sm_90a), when `MOEFLOW_EXPERT_GEMM` does not ask for cuBLAS; `None` elsewhere.
+    pub(super) fn load(gpu: &super::Gpu) -> Result<Option<Self>> {
+        let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        if cc != (9, 0) || !super::gemm_mode().allows_hopper() {
+            return Ok(None);
+        }
+        let f = gpu.function("grouped_gemm_sm90")?;
+        f.set_attribute(
+            drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes(MAX_EXPERTS) as i32,
+        )
+        .map_err(|e| err("grouped_gemm_sm90 shared memory", e))?;
+        let sms = gpu
+            .ctx
+            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| err("SM count", e))?;
+        let next_tile = gpu.stream.alloc_zeros::<i32>(1).map_err(|e| err("allocating the tile counter", e))?;
+        Ok(Some(HopperGemm { f, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+    }
+
+    /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
+    /// `offsets[x] .. offsets[x] + counts[x]` (device ints), where `A` is `[rows, kdim]` at
+    /// `a`, `C` is `[rows, n]` at `c` and `W` is `[experts, n, kdim]` at `w`; bf16, f32
+    /// accumulation. `kdim` and `n` must be multiples of 8.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        w: u64,
+        [n, kdim]: [usize; 2],
+        [a, c]: [u64; 2],
+        rows: usize,
+        [counts, offsets]: [u64; 2],
+        experts: usize,
+    ) -> Result<()> {
+        if n % 8 != 0 || kdim % 8 != 0 || experts > MAX_EXPERTS {
+            return Err(MoeError::Unsupported(format!(
+                "the Hopper grouped GEMM needs widths divisible by 8 and at most {MAX_EXPERTS} experts \
+                 (got n {n}, k {kdim}, {experts} experts)"
+            )));
+        }
+        if rows == 0 || experts == 0 {
+            return Ok(());
+        }
+        let a_map = tensor_map(a, rows, kdim, TILE_ROWS)?;
+        let w_map = tensor_map(w, experts * n, kdim, TILE_COLS)?;
+        let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
+        let mut counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
+        stream.memset_zeros(&mut *counter).map_err(|e| err("zeroing the tile counter", e))?;
+        let (next, _guard) = counter.device_ptr(stream);
+        let cfg =
+            LaunchConfig { grid_dim: (self.sms, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: smem_bytes(experts) };
+        // SAFETY: grouped_gemm_sm90(map, map, bf16*, int*, int*, int, int, int, int*): the maps
+        // describe A ([rows, kdim]) and W ([experts · n, kdim]); C holds `rows` rows of n;
+        // counts and offsets hold `experts` ints that place rows inside A's `rows`; the
+        // counter is one int, zeroed above in stream order.
+        unsafe {
+            stream
+                .launch_builder(&self.f)
+                .arg(&a_map)
+                .arg(&w_map)
+                .arg(&c)
+                .arg(&counts)
+                .arg(&offsets)
+                .arg(&ei)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&next)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| err("grouped_gemm_sm90", e))
+    }
+}
+
+impl CudaMoeLayer {
+    /// The Hopper grouped GEMM of this layer, when its GPU and shapes take it.
+    pub(super) fn hopper(&self) -> Option<&HopperGemm> {
+        let (h, i) = (self.config.hidden, self.config.inter);
+        self.k.hopper.as_ref().filter(|_| h % 8 == 0 && i % 8 == 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{dptr, Gpu};
+    use super::HopperGemm;
+    use half::bf16;
+
+    /// The Hopper grouped GEMM against an f64 product of the same bf16 values, with poisoned
+    /// outputs: experts with 0, 1, a partial tile, exactly one tile and several tiles of rows,
+    /// widths that are not tile multiples (and depths that are not multiples of 64), grouped
+    /// and padded layouts; the second of two launches is checked. Needs a Hopper GPU; says
+    /// loudly when it skips.
+    #[test]
+    fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone: no CUDA device");
+            return;
+        }
+        let gpu = Gpu::new(0).unwrap();
+        let Some(gemm) = HopperGemm::load(&gpu).unwrap() else {
+            eprintln!("SKIPPED hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone: not a Hopper GPU");
+            return;
+        };
+        let s = &gpu.stream;
+        let bits = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+        let v = |x: u16| bf16::from_bits(x).to_f64();
+        for (n, k, padded) in [(264usize, 200usize, false), (256, 64, true), (8, 8, false), (520, 1000, false)] {
+            let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5];
+            let e = counts.len();
+            let cap = 300;
+            let offsets: Vec<i32> = if padded {
+                (0..e as i32).map(|x| x * cap as i32).collect()
+            } else {
+                counts.iter().scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect()
+            };
+            let rows = if padded { e * cap } else { counts.iter().sum::<i32>() as usize };
+            let w = bits(&crate::preset::uniform(e * n * k, 1.0, 7));
+            let a = bits(&crate::preset::uniform(rows * k, 1.0, 8));
+            let poison = 0x7fc1u16; // a NaN that no product yields
+            let (wd, ad) = (s.clone_htod(&w).unwrap(), s.clone_htod(&a).unwrap());
+            let mut cd = s.clone_htod(&vec![poison; rows * n]).unwrap();
+            let (countd, offd) = (s.clone_htod(&counts).unwrap(), s.clone_htod(&offsets).unwrap());
+            let ptrs = [dptr(&countd, &gpu), dptr(&offd, &gpu)];
+            // Twice, so the second launch shows the tile counter starts again from zero.
+            for _ in 0..2 {
+                s.memcpy_htod(&vec![poison; rows * n], &mut cd).unwrap();
+                gemm.run(s, dptr(&wd, &gpu), [n, k], [dptr(&ad, &gpu), dptr(&cd, &gpu)], rows, ptrs, e).unwrap();
+            }
+            let got = s.clone_dtoh(&cd).unwrap();
+            let mut owned = vec![false; rows];
+            for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
+                for r in off as usize..(off + cnt) as usize {
+                    owned[r] = true;
+                    for j in 0..n {
+                        let want: f64 = (0..k).map(|q| v(a[r * k + q]) * v(w[(x * n + j) * k + q])).sum();
+                        let out = v(got[r * n + j]);
+                        let tol = 1e-2 * (1.0 + want.abs());
+                        assert!(
+                            (out - want).abs() <= tol,
+                            "n {n} k {k} padded {padded}: expert {x} row {r} col {j}: {out} vs {want}"
+                        );
+                    }
+                }
+            }
+            for (r, _) in owned.iter().enumerate().filter(|(_, &o)| !o) {
+                assert!(got[r * n..(r + 1) * n].iter().all(|&x| x == poison), "row {r} of no expert written");
+            }
+        }
+    }
+}
