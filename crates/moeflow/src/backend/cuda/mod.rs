@@ -87,7 +87,15 @@ impl Gpu {
         // Hopper builds for sm_90a, whose wgmma and TMA the grouped GEMM needs.
         let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}{suffix}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions { arch: Some(arch), use_fast_math: Some(false), ..Default::default() };
+        // Extra NVRTC options for kernel experiments (`MOEFLOW_NVRTC_OPTIONS`, space-separated).
+        let options = std::env::var("MOEFLOW_NVRTC_OPTIONS")
+            .map_or(Vec::new(), |v| v.split_whitespace().map(str::to_string).collect());
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            use_fast_math: Some(false),
+            options,
+            ..Default::default()
+        };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| err("NVRTC compile of moe.cu", e))?;
         let module = ctx.load_module(ptx).map_err(|e| err("loading module", e))?;
         cache.push((ordinal, module.clone()));

@@ -111,13 +111,16 @@ __device__ __forceinline__ unsigned gg_pack(float lo, float hi) {
     return r;
 }
 
-// The tiles of every expert laid end to end: tile `tile` is expert e's (row block mb, column
-// block nb), row blocks fastest so the blocks running at once share weight columns in L2.
+// The tiles of every expert laid end to end. Within an expert, row blocks go in groups of
+// GG_GROUP: a group's tiles run column block by column block, row blocks fastest, so the
+// blocks running at once share weight columns and rows in L2 (an expert of at most GG_GROUP
+// row blocks is one group).
+#define GG_GROUP 16
 struct gg_tile {
     int expert, row0, rows_end, col0;
 };
 __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, int experts, const int* counts,
-                                             const int* offsets) {
+                                             const int* offsets, int col_blocks) {
     int lo = 0, hi = experts - 1;  // the last expert whose first tile is at or before `tile`
     while (lo < hi) {
         int mid = (lo + hi + 1) / 2;
@@ -125,16 +128,19 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
     }
     int local = tile - first_tile[lo];
     int blocks = (counts[lo] + GG_BM - 1) / GG_BM;
+    int group = local / (GG_GROUP * col_blocks), in_group = local % (GG_GROUP * col_blocks);
+    int rows = min(GG_GROUP, blocks - group * GG_GROUP);  // row blocks in this group
     gg_tile t;
     t.expert = lo;
-    t.row0 = offsets[lo] + (local % blocks) * GG_BM;
+    t.row0 = offsets[lo] + (group * GG_GROUP + in_group % rows) * GG_BM;
     t.rows_end = offsets[lo] + counts[lo];
-    t.col0 = (local / blocks) * GG_BN;
+    t.col0 = (in_group / rows) * GG_BN;
     return t;
 }
 
 #endif
 
+// C[r] = A[r] · W[e]ᵀ, C [rows, N]; next_tile is zeroed by the host before each launch.
 extern "C" __global__ void __launch_bounds__(384, 1)
     grouped_gemm_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
                       bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile) {
@@ -146,6 +152,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     u64* empty = full + GG_STAGES;
     int* stage_tile = (int*)(empty + GG_STAGES);  // the tile each stage belongs to, -1: no more
     int* first_tile = stage_tile + GG_STAGES;     // experts + 1 entries
+    int* rows_of = first_tile + experts + 1;      // counts, then offsets, copied: experts each
+    int* start_of = rows_of + experts;
     const int col_blocks = (N + GG_BN - 1) / GG_BN, kblocks = (K + GG_BK - 1) / GG_BK;
 
     if (threadIdx.x == 0) {
@@ -154,6 +162,10 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             gg_bar_init(&empty[s], 2 * 128);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        rows_of[e] = counts[e];
+        start_of[e] = offsets[e];
     }
     if (threadIdx.x < 32) {  // tiles per expert, scanned by one warp
         int acc = 0;
@@ -173,22 +185,25 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int tiles = first_tile[experts];
 
     if (threadIdx.x < 128) {
-        // Producer: one thread takes tiles in order from the shared counter (blocks that take
-        // neighbouring tiles start them together, so they share their weights and rows in L2)
-        // and keeps the ring full; the stage that starts a tile carries its index.
+        // Producer: one thread claims tiles in order from the shared counter (blocks that
+        // claim neighbouring tiles start them together, so they share weights and rows in L2),
+        // one tile ahead so the atomic's round trip overlaps loads, and keeps the ring full;
+        // the stage that starts a tile carries its index, -1 once there are none left.
         if (threadIdx.x != 0) return;
         int stage = 0;
         unsigned phase = 0;
+        int next = atomicAdd(next_tile, 1);
         for (;;) {
-            int tile = atomicAdd(next_tile, 1);
+            const int tile = next;
             if (tile >= tiles) {
                 gg_bar_wait(&empty[stage], phase ^ 1);
                 stage_tile[stage] = -1;
                 gg_bar_arrive(&full[stage]);
                 return;
             }
-            gg_tile t = gg_locate(tile, first_tile, experts, counts, offsets);
-            int wrow = t.expert * N + t.col0;
+            next = atomicAdd(next_tile, 1);
+            gg_tile t = gg_locate(tile, first_tile, experts, rows_of, start_of, col_blocks);
+            const int wrow = t.expert * N + t.col0;
             for (int kb = 0; kb < kblocks; kb++) {
                 gg_bar_wait(&empty[stage], phase ^ 1);
                 stage_tile[stage] = tile;
@@ -211,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         gg_bar_wait(&full[stage], phase);
         const int tile = stage_tile[stage];
         if (tile < 0) return;
-        gg_tile t = gg_locate(tile, first_tile, experts, counts, offsets);
+        gg_tile t = gg_locate(tile, first_tile, experts, rows_of, start_of, col_blocks);
         // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
         if (t.row0 + wg * 64 >= t.rows_end) {
             for (int kb = 0; kb < kblocks; kb++) {
@@ -241,15 +256,40 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         gg_pin(d);
         gg_bar_arrive(&empty[last]);
         // Fragment layout: d[4j + {0,1}] is row 16·warp + lane/4, columns 8j + 2·(lane%4) + {0,1};
-        // d[4j + {2,3}] the row 8 below.
-        long r = t.row0 + wg * 64 + warp * 16 + lane / 4;
-        int c = t.col0 + 2 * (lane % 4);
+        // d[4j + {2,3}] the row 8 below. Stores move sixteen bytes a lane: the four lanes of a
+        // quad hold the eight columns of each 8-column chunk of their row between them, and a
+        // 4 × 4 transpose across the quad (two exchanges) gives lane q chunk 4i + q whole
+        // (measured on H200: the down projection at 4096 tokens 1.85 → 1.65 ms against
+        // 4-byte stores).
+        const long r = t.row0 + wg * 64 + warp * 16 + lane / 4;
+        const int q = lane % 4;
+        const bool hi = q & 2, odd = q & 1;
 #pragma unroll
-        for (int j = 0; j < 32; j++) {
-            int col = c + 8 * j;
-            if (col < N) {
-                if (r < t.rows_end) *(unsigned*)(C + r * N + col) = gg_pack(d[4 * j], d[4 * j + 1]);
-                if (r + 8 < t.rows_end) *(unsigned*)(C + (r + 8) * N + col) = gg_pack(d[4 * j + 2], d[4 * j + 3]);
+        for (int i = 0; i < 8; i++) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                unsigned p[4];
+#pragma unroll
+                for (int x = 0; x < 4; x++) p[x] = gg_pack(d[4 * (4 * i + x) + 2 * h], d[4 * (4 * i + x) + 2 * h + 1]);
+                // p[x] is this lane's pair of chunk 4i + x; keep the half of the chunks whose
+                // index has q's bit 1 and trade the other half with lane q ^ 2, then the same
+                // on bit 0 with lane q ^ 1.
+                const unsigned k0 = hi ? p[2] : p[0], k1 = hi ? p[3] : p[1];
+                const unsigned r0 = __shfl_xor_sync(0xffffffffu, hi ? p[0] : p[2], 2);
+                const unsigned r1 = __shfl_xor_sync(0xffffffffu, hi ? p[1] : p[3], 2);
+                const unsigned m0 = odd ? k1 : k0, m1 = odd ? r1 : r0;
+                const unsigned n0 = __shfl_xor_sync(0xffffffffu, odd ? k0 : k1, 1);
+                const unsigned n1 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
+                // Now m0, n0, m1, n1 are the pairs of lanes q, q ^ 1, q ^ 2, q ^ 3 in chunk 4i + q.
+                unsigned o[4];
+#pragma unroll
+                for (int x = 0; x < 4; x++) {
+                    const int y = x ^ q;
+                    o[x] = y == 0 ? m0 : y == 1 ? n0 : y == 2 ? m1 : n1;
+                }
+                const long row = r + 8 * h;
+                const int col = t.col0 + 32 * i + 8 * q;
+                if (row < t.rows_end && col < N) *(uint4*)(C + row * N + col) = make_uint4(o[0], o[1], o[2], o[3]);
             }
         }
     }

@@ -849,13 +849,14 @@ impl CudaMoeLayer {
     }
 
     /// Padded (`cap` rows per expert, one strided-batched GEMM) unless padding would more
-    /// than double `rows`, or the Hopper GEMM runs (it takes the grouped layout as it is); 0
-    /// means grouped.
+    /// than double `rows`, or the Hopper GEMM runs (it takes the grouped layout as it is, see
+    /// `hopper_for`); 0 means grouped.
     fn padding(&self, experts: usize, rows: usize, counts: impl Iterator<Item = usize>) -> usize {
         let max = counts.max().unwrap_or(0);
         let padded = match gemm_mode() {
             GemmMode::Padded => true,
-            GemmMode::Auto => self.hopper().is_none() && rows / experts.max(1) <= 192,
+            GemmMode::Auto => self.hopper_for(rows, experts).is_none() && rows / experts.max(1) <= 192,
+            GemmMode::Cublas => rows / experts.max(1) <= 192,
             GemmMode::Loop | GemmMode::Grouped | GemmMode::Hopper => false,
         };
         if padded && experts * max <= 2 * rows {
@@ -886,7 +887,7 @@ impl CudaMoeLayer {
         if self.w8a8 {
             self.round_rows_fp8(a, act_rows, h)?;
         }
-        let hopper = self.hopper().filter(|_| dev[1] != 0);
+        let hopper = self.hopper_for(rows_total, experts).filter(|_| cap == 0 && dev[1] != 0);
         let gemm = |b: &mut Buffers, w: &CudaSlice<u16>, n: usize, kdim: usize, x: u64, out: u64| match hopper {
             Some(hg) => hg.run(&self.gpu.stream, dptr(w, &self.gpu), [n, kdim], [x, out], act_rows, dev, experts),
             None if cap > 0 => self.padded_gemm(w, n, kdim, x, out, experts, cap),
@@ -1536,16 +1537,20 @@ fn side_streams(gpu: &Gpu) -> Result<Vec<(std::sync::Arc<cudarc::driver::CudaStr
 /// How the expert GEMMs run (`MOEFLOW_EXPERT_GEMM`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum GemmMode {
-    /// Padded up to 192 rows per expert on average, per-expert GEMMs above (measured on H200,
-    /// DeepSeek-V3 shapes: padded is faster up to 128 rows per expert, per-expert from 256).
+    /// The Hopper grouped GEMM where it runs (compute capability 9.0) and is the faster
+    /// choice (`CudaMoeLayer::hopper_for`), else `Cublas`.
     Auto,
+    /// cuBLAS: padded up to 192 rows per expert on average, per-expert GEMMs above (measured
+    /// on H200, DeepSeek-V3 shapes: padded is faster up to 128 rows per expert, per-expert
+    /// from 256).
+    Cublas,
     /// Every expert padded to the largest; one strided-batched GEMM.
     Padded,
     /// One GEMM per expert over the side streams.
     Loop,
     /// One `cublasGemmGroupedBatchedEx` call.
     Grouped,
-    /// moeflow's wgmma grouped GEMM (the default on Hopper GPUs).
+    /// moeflow's wgmma grouped GEMM (`hopper_gemm`) at every size, where it runs.
     Hopper,
 }
 
@@ -1558,6 +1563,7 @@ impl GemmMode {
 
 fn gemm_mode() -> GemmMode {
     match std::env::var("MOEFLOW_EXPERT_GEMM").as_deref() {
+        Ok("cublas") => GemmMode::Cublas,
         Ok("padded") => GemmMode::Padded,
         Ok("loop") => GemmMode::Loop,
         Ok("grouped") => GemmMode::Grouped,
