@@ -186,22 +186,22 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
     if (threadIdx.x < 128) {
         // Producer: one thread claims tiles in order from the shared counter (blocks that
-        // claim neighbouring tiles start them together, so they share weights and rows in L2),
-        // one tile ahead so the atomic's round trip overlaps loads, and keeps the ring full;
-        // the stage that starts a tile carries its index, -1 once there are none left.
+        // claim neighbouring tiles start them together, so they share weights and rows in L2)
+        // and keeps the ring full; the stage that starts a tile carries its index, -1 once
+        // there are none left. A tile is claimed only when its first stage is free: claiming
+        // one tile ahead (to hide the atomic) left whole tiles waiting behind busy blocks at
+        // the end (H200, 2048 tokens: 3.36 against 3.10 ms).
         if (threadIdx.x != 0) return;
         int stage = 0;
         unsigned phase = 0;
-        int next = atomicAdd(next_tile, 1);
         for (;;) {
-            const int tile = next;
+            const int tile = atomicAdd(next_tile, 1);
             if (tile >= tiles) {
                 gg_bar_wait(&empty[stage], phase ^ 1);
                 stage_tile[stage] = -1;
                 gg_bar_arrive(&full[stage]);
                 return;
             }
-            next = atomicAdd(next_tile, 1);
             gg_tile t = gg_locate(tile, first_tile, experts, rows_of, start_of, col_blocks);
             const int wrow = t.expert * N + t.col0;
             for (int kb = 0; kb < kblocks; kb++) {

@@ -34,8 +34,20 @@ __device__ __forceinline__ void mg_mma(float* c, const unsigned* a, const unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// Two e4m3 codes (the lower byte first) as two bf16 (exact: e4m3 values are bf16 values).
+// Two e4m3 codes (the lower byte first) as two bf16 (exact: e4m3 values are bf16 values). The
+// hardware conversion needs sm_89; older GPUs (and builds with MG_SOFT_FP8, which tests this
+// path on newer ones) rebuild the bits: exponent bias 7 becomes 127, the 3 mantissa bits move
+// to the top of bf16's 7, subnormals (multiples of 2^-9) go through an exact float, and
+// S.1111.111 is NaN.
+__device__ __forceinline__ unsigned mg_e4m3_to_bf16(unsigned c) {
+    const unsigned a = c & 0x7fu;
+    const unsigned normal = (a << 4) + (120u << 7);
+    const unsigned subnormal = __float_as_uint((float)a * 0.001953125f) >> 16;  // used when a < 8: exact
+    const unsigned magnitude = a == 0x7fu ? 0x7fc0u : a < 8u ? subnormal : normal;
+    return ((c & 0x80u) << 8) | magnitude;
+}
 __device__ __forceinline__ unsigned mg_e4m3x2_to_bf16x2(unsigned short v) {
+#if __CUDA_ARCH__ >= 890 && !defined(MG_SOFT_FP8)
     unsigned h2, out;
     float lo, hi;
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(v));
@@ -44,6 +56,9 @@ __device__ __forceinline__ unsigned mg_e4m3x2_to_bf16x2(unsigned short v) {
         : "r"(h2));
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
     return out;
+#else
+    return mg_e4m3_to_bf16(v & 0xffu) | (mg_e4m3_to_bf16(v >> 8) << 16);
+#endif
 }
 
 // The body of the kernels below; FP8 selects e4m3 weights with block scales `S`, A8 (with FP8)
