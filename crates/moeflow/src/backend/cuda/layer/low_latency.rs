@@ -37,6 +37,8 @@ pub(super) struct LlBuffers {
     home_rows: CudaSlice<i32>,
     row_of_slot: CudaSlice<i32>,
     counts: CudaSlice<i32>,
+    /// Where each local expert's rows start: `x · cap` (for the Hopper GEMM).
+    offsets: CudaSlice<i32>,
     a: CudaSlice<u16>,
     h13: CudaSlice<u16>,
     act: CudaSlice<u16>,
@@ -103,6 +105,9 @@ impl CudaMoeLayer {
             home_rows: z32(m * n)?,
             row_of_slot: z32(msg * k)?,
             counts: z32(el)?,
+            offsets: s
+                .clone_htod(&(0..el as i32).map(|x| x * cap as i32).collect::<Vec<_>>())
+                .map_err(|e| err("allocating workspace", e))?,
             a: z16(el * cap * h)?,
             h13: z16(el * cap * 2 * i)?,
             act: z16(el * cap * i)?,
@@ -259,11 +264,19 @@ impl CudaMoeLayer {
             let [a, h13, act, y, _] = bufs;
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
             let i = c.inter;
-            self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0, el * cap)?;
+            let ll = b.ll.as_ref().expect("allocated by low_latency()");
+            let hopper = self.ll_hopper().map(|hg| (hg, [counts, dptr(&ll.offsets, g)]));
+            match hopper {
+                Some((hg, dev)) => hg.run(s, dptr(&self.w.w13, g), [2 * i, h], [a, h13], el * cap, dev, el)?,
+                None => self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0, el * cap)?,
+            }
             mark(4)?;
             self.act(s, [h13, b13, 0, counts, act], cap as i32, el * cap, i)?;
             mark(5)?;
-            self.masked_gemm(Projection::Down, [act, y], cap, counts, 0, el * cap)?;
+            match hopper {
+                Some((hg, dev)) => hg.run(s, dptr(&self.w.w2, g), [h, i], [act, y], el * cap, dev, el)?,
+                None => self.masked_gemm(Projection::Down, [act, y], cap, counts, 0, el * cap)?,
+            }
             mark(6)?;
         } else {
             // No row offsets on the device: cuBLAS over the padded layout.
