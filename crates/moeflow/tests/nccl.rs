@@ -49,6 +49,50 @@ fn collectives_move_uneven_and_empty_parts() {
     }
 }
 
+/// Two splits of the same parent back to back, used, torn down, three times over.
+///
+/// Known to fail (session 14, 2 × H200, NCCL nonblocking communicators, blocking splits too):
+/// the second split's member exchange over the parent times out after the deadline (an error,
+/// not a hang). Layers that split twice with work in between (the dual-batch strategies)
+/// pass. Kept as the repro for that and for the rare heap corruption seen at the start of the
+/// dual-batch strategy cases; run it with `--ignored`.
+#[test]
+#[ignore = "known failure: a second split right after the first times out (see the doc comment)"]
+fn splits_and_teardowns_repeat() {
+    let Some(n) = gpus("splits_and_teardowns_repeat") else { return };
+    for round in 0..3 {
+        let results = run_ranks_nccl(&(0..n).collect::<Vec<_>>(), Duration::from_secs(30), |c| {
+            for _ in 0..3 {
+                let (a, b) = (c.split(0, c.rank())?, c.split(0, c.rank())?);
+                for comm in [&a, &b] {
+                    let sum = comm.all_reduce_sum("test.split", &[1.0])?;
+                    assert_eq!(sum, vec![comm.size() as f32], "round {round}");
+                }
+            }
+            Ok(())
+        });
+        for r in results {
+            r.unwrap();
+        }
+    }
+}
+
+/// A communicator of one rank (a sub-group alone) reduces to its own values.
+#[test]
+fn single_rank_groups_reduce() {
+    let Some(n) = gpus("single_rank_groups_reduce") else { return };
+    let results = run_ranks_nccl(&(0..n).collect::<Vec<_>>(), Duration::from_secs(30), |c| {
+        let alone = c.split(c.rank(), 0)?;
+        assert_eq!(alone.size(), 1);
+        let sum = alone.all_reduce_sum("test.alone", &[2.0])?;
+        assert_eq!(sum, vec![2.0]);
+        Ok(())
+    });
+    for r in results {
+        r.unwrap();
+    }
+}
+
 /// A layer with `e` experts, top-`k`, a gated shared expert, and random bf16 weights.
 fn layer_config(e: usize, k: usize) -> (moeflow::MoeConfig, moeflow::MoeWeights) {
     let config = small_config(
