@@ -7,7 +7,7 @@ use crate::error::{MoeError, Result};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
-/// Most experts one launch takes (the kernel keeps one int per expert in shared memory).
+/// Most experts one launch takes (the kernel keeps three ints per expert in shared memory).
 const MAX_EXPERTS: usize = 1024;
 
 /// Rows of an output tile (`GG_BM` in the kernel): the boxes TMA reads from `A`.
