@@ -208,6 +208,7 @@ impl CudaMoeLayer {
         let (send, recv, home_rows, row_of_slot) =
             (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g), dptr(&ll.row_of_slot, g));
         let (counts, a, part, back) = (dptr(&ll.counts, g), dptr(&ll.a, g), dptr(&ll.part, g), dptr(&ll.back, g));
+        let offsets = dptr(&ll.offsets, g);
         let bufs = [a, dptr(&ll.h13, g), dptr(&ll.act, g), dptr(&ll.y, g), 0];
         let (mi, ki, hi, eli, stride_l, msg_i, cap_i) =
             (m as i32, k as i32, h as i32, el as i32, stride as i64, msg as i32, cap as i32);
@@ -264,8 +265,7 @@ impl CudaMoeLayer {
             let [a, h13, act, y, _] = bufs;
             let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, g));
             let i = c.inter;
-            let ll = b.ll.as_ref().expect("allocated by low_latency()");
-            let hopper = self.ll_hopper().map(|hg| (hg, [counts, dptr(&ll.offsets, g)]));
+            let hopper = self.ll_hopper().map(|hg| (hg, [counts, offsets]));
             match hopper {
                 Some((hg, dev)) => hg.run(s, dptr(&self.w.w13, g), [2 * i, h], [a, h13], el * cap, dev, el)?,
                 None => self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0, el * cap)?,
