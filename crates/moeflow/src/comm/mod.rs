@@ -5,6 +5,7 @@
 //! on top of it that a native backend (NCCL) may replace. Reductions sum in rank order, so they
 //! are deterministic. Every call has a deadline; a failure on one rank becomes an error on all.
 
+pub mod meeting;
 mod rendezvous;
 mod tcp;
 mod threads;
