@@ -4,16 +4,19 @@
 //!
 //! Wire format: a hello `[magic u32, rank u32, world u32, port u32]` from each rank to rank 0,
 //! answered by `[len u32, payload]` and `[len u32, table]` (every rank's `ip:port`, comma
-//! separated, rank 0's ip empty: it is `MASTER_ADDR`); afterwards single-byte messages, `A` + `[len u32, reason]` (abort)
-//! or `B` (clean exit). Rank 0 forwards an abort to every rank. A connection that closes
-//! without `B` means its process is gone.
+//! separated, rank 0's ip empty: it is `MASTER_ADDR`); afterwards messages of one kind byte:
+//! `A` + `[len u32, reason]` (abort), `B` (clean exit), `M` + `[key u64, size u32]` (this
+//! rank has reached meeting `key` of `size` ranks; sent to rank 0) and `G` + `[key u64]`
+//! (everyone has; rank 0 to each member). Rank 0 forwards an abort to every rank. A
+//! connection that closes without `B` means its process is gone.
 
 use super::Failure;
 use crate::error::{MoeError, Result};
+use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 const MAGIC: u32 = 0x6d6f_6566; // "moef"
@@ -83,6 +86,17 @@ pub struct Rendezvous {
     /// Set while this rank shuts down, so that its own closing sockets are not taken as a
     /// peer's death.
     closing: Arc<AtomicBool>,
+    meetings: Arc<Meetings>,
+}
+
+/// The meetings of a job (see [`Rendezvous::meet`]).
+#[derive(Default)]
+struct Meetings {
+    /// Meetings everyone has reached that a rank here has not yet left.
+    done: Mutex<HashSet<u64>>,
+    news: Condvar,
+    /// Rank 0: the ranks that reached each meeting still gathering.
+    arrived: Mutex<HashMap<u64, Vec<usize>>>,
 }
 
 impl Rendezvous {
@@ -179,7 +193,7 @@ impl Rendezvous {
     }
 
     /// Starts one reader thread per connection that records aborts and lost peers in the
-    /// failure flag (rank 0 also forwards them to every other rank).
+    /// failure flag (rank 0 also forwards them to every other rank) and handles meetings.
     fn watch(rank: usize, conns: Vec<TcpStream>, failure: Failure) -> Result<Rendezvous> {
         let mut readers = Vec::new();
         for s in &conns {
@@ -188,14 +202,20 @@ impl Rendezvous {
         }
         let peers = Arc::new(conns.into_iter().map(Mutex::new).collect::<Vec<_>>());
         let closing = Arc::new(AtomicBool::new(false));
+        let meetings = Arc::new(Meetings::default());
         for (i, mut reader) in readers.into_iter().enumerate() {
             let peer = if rank == 0 { i + 1 } else { 0 };
-            let (failure, peers, closing) = (failure.clone(), peers.clone(), closing.clone());
+            let (failure, peers, closing, meetings) =
+                (failure.clone(), peers.clone(), closing.clone(), meetings.clone());
             std::thread::spawn(move || {
-                let reason = match read_message(&mut reader) {
-                    Ok(Message::Bye) => return,
-                    Ok(Message::Abort(reason)) => reason,
-                    Err(_) => format!("rank {peer} exited or lost its connection"),
+                let reason = loop {
+                    match read_message(&mut reader) {
+                        Ok(Message::Bye) => return,
+                        Ok(Message::Abort(reason)) => break reason,
+                        Ok(Message::Arrived { key, size }) => meetings.arrive(&peers, key, size, peer),
+                        Ok(Message::AllArrived(key)) => meetings.finish(key),
+                        Err(_) => break format!("rank {peer} exited or lost its connection"),
+                    }
                 };
                 if closing.load(Ordering::SeqCst) {
                     return;
@@ -206,7 +226,35 @@ impl Rendezvous {
                 }
             });
         }
-        Ok(Rendezvous { rank, peers, failure, closing })
+        Ok(Rendezvous { rank, peers, failure, closing, meetings })
+    }
+
+    /// Waits until all `size` ranks that meet at `key` (a number they agree on, used once)
+    /// have called this, the job fails (`give_up()` turns true) or `deadline` passes; says
+    /// whether all arrived. Rank 0 keeps the count, so it must be alive, not a member.
+    pub fn meet(&self, key: u64, size: usize, deadline: Instant, give_up: impl Fn() -> bool) -> bool {
+        if self.rank == 0 {
+            self.meetings.arrive(&self.peers, key, size, 0);
+        } else {
+            let mut s = self.peers[0].lock().unwrap_or_else(|e| e.into_inner());
+            let sent = s
+                .write_all(b"M")
+                .and_then(|_| s.write_all(&key.to_le_bytes()))
+                .and_then(|_| s.write_all(&(size as u32).to_le_bytes()));
+            if sent.is_err() {
+                return false;
+            }
+        }
+        let mut done = self.meetings.done.lock().unwrap_or_else(|e| e.into_inner());
+        while !done.remove(&key) {
+            let now = Instant::now();
+            if now >= deadline || give_up() {
+                return false;
+            }
+            let step = (deadline - now).min(Duration::from_millis(10));
+            done = self.meetings.news.wait_timeout(done, step).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        true
     }
 
     /// The flag the peers' failures are recorded in.
@@ -247,6 +295,35 @@ fn resolve(listing: &str, master: &str) -> Vec<String> {
 enum Message {
     Bye,
     Abort(String),
+    Arrived { key: u64, size: usize },
+    AllArrived(u64),
+}
+
+impl Meetings {
+    /// Rank 0: `rank` reached meeting `key` of `size` ranks; once all have, each member
+    /// hears so (rank 0 through `done`, the others through `G`).
+    fn arrive(&self, peers: &[Mutex<TcpStream>], key: u64, size: usize, rank: usize) {
+        let mut arrived = self.arrived.lock().unwrap_or_else(|e| e.into_inner());
+        let here = arrived.entry(key).or_default();
+        here.push(rank);
+        if here.len() < size {
+            return;
+        }
+        for r in arrived.remove(&key).unwrap_or_default() {
+            if r == 0 {
+                self.finish(key);
+            } else {
+                let mut s = peers[r - 1].lock().unwrap_or_else(|e| e.into_inner());
+                let _ = s.write_all(b"G").and_then(|_| s.write_all(&key.to_le_bytes()));
+            }
+        }
+    }
+
+    /// Everyone reached meeting `key`.
+    fn finish(&self, key: u64) {
+        self.done.lock().unwrap_or_else(|e| e.into_inner()).insert(key);
+        self.news.notify_all();
+    }
 }
 
 fn broadcast_abort(peers: &[Mutex<TcpStream>], reason: &str, skip: Option<usize>) {
@@ -264,6 +341,15 @@ fn read_message(s: &mut TcpStream) -> std::io::Result<Message> {
     match kind[0] {
         b'B' => Ok(Message::Bye),
         b'A' => Ok(Message::Abort(String::from_utf8_lossy(&read_blob(s)?).into_owned())),
+        b'M' => {
+            let [lo, hi, size] = read_u32s::<3>(s)?;
+            let key = u64::from(u32::from_le(lo)) | u64::from(u32::from_le(hi)) << 32;
+            Ok(Message::Arrived { key, size: u32::from_le(size) as usize })
+        }
+        b'G' => {
+            let [lo, hi] = read_u32s::<2>(s)?;
+            Ok(Message::AllArrived(u64::from(u32::from_le(lo)) | u64::from(u32::from_le(hi)) << 32))
+        }
         other => Err(std::io::Error::other(format!("unknown message {other}"))),
     }
 }
@@ -371,6 +457,44 @@ mod tests {
         for r in &ranks {
             assert_eq!(r.failure().get().as_deref(), Some("rank 1 hit an error in all2allv dispatch"));
         }
+    }
+
+    #[test]
+    fn members_meet_with_or_without_rank_0_and_a_missing_member_ends_at_the_deadline() {
+        let port = free_port();
+        let ranks: Vec<Rendezvous> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..3)
+                .map(|r| s.spawn(move || Rendezvous::join(&env(r, 3, port), || Ok(vec![7]), Duration::from_secs(20))))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap().unwrap().1).collect()
+        });
+        let soon = || Instant::now() + Duration::from_secs(10);
+        let (start, left) = (Instant::now(), Mutex::new(Vec::new()));
+        std::thread::scope(|s| {
+            for (r, rdv) in ranks.iter().enumerate() {
+                let left = &left;
+                s.spawn(move || {
+                    // Arrivals spread out: nobody leaves before the last one comes.
+                    std::thread::sleep(Duration::from_millis(40 * r as u64));
+                    assert!(rdv.meet(9, 3, soon(), || false), "rank {r}");
+                    left.lock().unwrap().push((r, Instant::now()));
+                    // Ranks 1 and 2 meet without rank 0, twice (distinct keys).
+                    if r > 0 {
+                        assert!(rdv.meet(11, 2, soon(), || false), "rank {r}");
+                        assert!(rdv.meet(12, 2, soon(), || false), "rank {r}");
+                    }
+                });
+            }
+        });
+        let left = left.into_inner().unwrap();
+        assert_eq!(left.len(), 3);
+        assert!(left.iter().all(|&(_, t)| t >= start + Duration::from_millis(80)), "left before rank 2 came");
+        // Rank 2 never comes to meeting 13: rank 1 gives up at its deadline, or on a failure.
+        let start = Instant::now();
+        assert!(!ranks[1].meet(13, 2, start + Duration::from_millis(200), || false));
+        assert!(start.elapsed() >= Duration::from_millis(200) && start.elapsed() < Duration::from_secs(5));
+        assert!(!ranks[1].meet(14, 2, soon(), || true));
+        assert!(ranks.iter().all(|r| r.failure().get().is_none()));
     }
 
     #[test]

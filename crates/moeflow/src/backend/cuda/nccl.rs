@@ -49,6 +49,43 @@ struct State {
     sizes: Option<CudaSlice<u64>>,
 }
 
+/// Where the ranks of a communicator meet on the host after destroying it.
+enum Teardown {
+    /// Ranks that are threads of this process.
+    Threads(Arc<Meeting>),
+    /// Ranks in separate processes of one job, meeting through its rendezvous at `key`.
+    Job { rendezvous: Arc<Rendezvous>, key: u64, size: usize },
+}
+
+impl Teardown {
+    /// The meeting of the `size` ranks that got colour `color` in split number `split`
+    /// (every rank numbers its splits alike, since splits are collective).
+    fn child(&self, split: u64, color: u64, size: usize) -> Teardown {
+        match self {
+            Teardown::Threads(m) => Teardown::Threads(m.child(split, color, size)),
+            Teardown::Job { rendezvous, key, .. } => {
+                // A key no other communicator of the job gets (splitmix64 of the three).
+                let mut z = key ^ split.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ color.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+                z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                Teardown::Job { rendezvous: rendezvous.clone(), key: z ^ (z >> 31), size }
+            }
+        }
+    }
+
+    /// Arrives and waits for the other ranks (ten seconds at most, less once the job failed).
+    fn meet(&self, give_up: impl Fn() -> bool) {
+        match self {
+            Teardown::Threads(m) => {
+                m.meet(give_up);
+            }
+            Teardown::Job { rendezvous, key, size } => {
+                rendezvous.meet(*key, *size, Instant::now() + Duration::from_secs(10), give_up);
+            }
+        }
+    }
+}
+
 /// One rank of an NCCL group.
 pub struct NcclComm {
     rank: usize,
@@ -60,9 +97,8 @@ pub struct NcclComm {
     failure: Failure,
     /// The job's liveness channel (multi-process jobs): own failures are sent to every peer.
     rendezvous: Option<Arc<Rendezvous>>,
-    /// Where this communicator's in-process ranks meet after destroying it (see `Drop`);
-    /// `None` for ranks in separate processes.
-    meeting: Option<Arc<Meeting>>,
+    /// Where this communicator's ranks meet after destroying it (see `Drop`).
+    teardown: Teardown,
     /// Splits of this communicator so far (the same count on every rank).
     splits: AtomicU64,
     timeout: Duration,
@@ -147,7 +183,7 @@ impl NcclComm {
         id: &[u8],
         failure: Failure,
         rendezvous: Option<Arc<Rendezvous>>,
-        meeting: Option<Arc<Meeting>>,
+        teardown: Teardown,
         timeout: Duration,
     ) -> Result<NcclComm> {
         nccl_present()?;
@@ -175,7 +211,7 @@ impl NcclComm {
             state: Mutex::new(State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None }),
             failure,
             rendezvous,
-            meeting,
+            teardown,
             splits: AtomicU64::new(0),
             timeout,
         };
@@ -191,7 +227,8 @@ impl NcclComm {
     pub fn from_env(env: &LaunchEnv, timeout: Duration) -> Result<NcclComm> {
         let (id, rdv) = Rendezvous::join(env, unique_id, timeout)?;
         let rdv = Arc::new(rdv);
-        Self::new(env.rank, env.world_size, env.local_rank, &id, rdv.failure(), Some(rdv), None, timeout)
+        let teardown = Teardown::Job { rendezvous: rdv.clone(), key: 0, size: env.world_size };
+        Self::new(env.rank, env.world_size, env.local_rank, &id, rdv.failure(), Some(rdv), teardown, timeout)
     }
 
     /// The GPU's context.
@@ -477,7 +514,7 @@ impl NcclComm {
             state: Mutex::new(State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None }),
             failure: self.failure.clone(),
             rendezvous: self.rendezvous.clone(),
-            meeting: self.meeting.as_ref().map(|m| m.child(split, color as u64, members.len())),
+            teardown: self.teardown.child(split, color as u64, members.len()),
             splits: AtomicU64::new(0),
             timeout: self.timeout,
         };
@@ -565,13 +602,11 @@ impl Drop for NcclComm {
                         let _api = api(device);
                         nc::ncclCommDestroy(st.comm.0);
                     }
-                    // The destroy can wait for peer GPUs to go idle: in-process ranks leave
-                    // it together, so none starts a collective that a slower rank's destroy
-                    // would wait behind (measured on 2 × H200, NCCL 2.28: back-to-back splits
-                    // and teardowns otherwise stalled until the deadline, every time).
-                    if let Some(m) = &self.meeting {
-                        m.meet(|| self.failure.get().is_some());
-                    }
+                    // The destroy can wait for peer GPUs to go idle: the ranks leave it
+                    // together, so none starts a collective that a slower rank's destroy would
+                    // wait behind (measured on 2 × H200, NCCL 2.28: back-to-back splits and
+                    // teardowns otherwise stalled until the deadline, every time).
+                    self.teardown.meet(|| self.failure.get().is_some());
                     return;
                 }
                 if Instant::now() >= deadline {
@@ -604,16 +639,16 @@ pub fn run_ranks_nccl<T: Send>(
             .iter()
             .enumerate()
             .map(|(rank, &device)| {
-                let (f, id, failure, meeting) = (&f, &id, failure.clone(), meeting.clone());
+                let (f, id, failure) = (&f, &id, failure.clone());
+                let teardown = Teardown::Threads(meeting.clone());
                 s.spawn(move || {
-                    let comm =
-                        match NcclComm::new(rank, size, device, id, failure.clone(), None, Some(meeting), timeout) {
-                            Ok(c) => c,
-                            Err(e) => {
-                                failure.set(&format!("rank {rank} could not join: {e}"));
-                                return Err(e);
-                            }
-                        };
+                    let comm = match NcclComm::new(rank, size, device, id, failure.clone(), None, teardown, timeout) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            failure.set(&format!("rank {rank} could not join: {e}"));
+                            return Err(e);
+                        }
+                    };
                     crate::comm::run_rank(rank, &comm, || f(&comm))
                 })
             })
