@@ -233,6 +233,9 @@ impl Rendezvous {
     /// have called this, the job fails (`give_up()` turns true) or `deadline` passes; says
     /// whether all arrived. Rank 0 keeps the count, so it must be alive, not a member.
     pub fn meet(&self, key: u64, size: usize, deadline: Instant, give_up: impl Fn() -> bool) -> bool {
+        if size <= 1 {
+            return true;
+        }
         if self.rank == 0 {
             self.meetings.arrive(&self.peers, key, size, 0);
         } else {
@@ -478,7 +481,8 @@ mod tests {
                     std::thread::sleep(Duration::from_millis(40 * r as u64));
                     assert!(rdv.meet(9, 3, soon(), || false), "rank {r}");
                     left.lock().unwrap().push((r, Instant::now()));
-                    // Ranks 1 and 2 meet without rank 0, twice (distinct keys).
+                    // Ranks 1 and 2 meet without rank 0, twice (distinct keys); alone, at once.
+                    assert!(rdv.meet(10 + r as u64 * 100, 1, Instant::now(), || false));
                     if r > 0 {
                         assert!(rdv.meet(11, 2, soon(), || false), "rank {r}");
                         assert!(rdv.meet(12, 2, soon(), || false), "rank {r}");
