@@ -443,15 +443,20 @@ mod tests {
         }
     }
 
-    #[test]
-    fn an_abort_reaches_every_rank() {
+    /// Three ranks of one job, joined.
+    fn three_ranks() -> Vec<Rendezvous> {
         let port = free_port();
-        let ranks: Vec<Rendezvous> = std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let hs: Vec<_> = (0..3)
                 .map(|r| s.spawn(move || Rendezvous::join(&env(r, 3, port), || Ok(vec![7]), Duration::from_secs(20))))
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap().unwrap().1).collect()
-        });
+        })
+    }
+
+    #[test]
+    fn an_abort_reaches_every_rank() {
+        let ranks = three_ranks();
         ranks[1].abort("rank 1 hit an error in all2allv dispatch");
         let deadline = Instant::now() + Duration::from_secs(10);
         while ranks.iter().any(|r| r.failure().get().is_none()) && Instant::now() < deadline {
@@ -464,13 +469,7 @@ mod tests {
 
     #[test]
     fn members_meet_with_or_without_rank_0_and_a_missing_member_ends_at_the_deadline() {
-        let port = free_port();
-        let ranks: Vec<Rendezvous> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..3)
-                .map(|r| s.spawn(move || Rendezvous::join(&env(r, 3, port), || Ok(vec![7]), Duration::from_secs(20))))
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap().unwrap().1).collect()
-        });
+        let ranks = three_ranks();
         let soon = || Instant::now() + Duration::from_secs(10);
         let (start, left) = (Instant::now(), Mutex::new(Vec::new()));
         std::thread::scope(|s| {
