@@ -231,7 +231,8 @@ impl Rendezvous {
 
     /// Waits until all `size` ranks that meet at `key` (a number they agree on, used once)
     /// have called this, the job fails (`give_up()` turns true) or `deadline` passes; says
-    /// whether all arrived. Rank 0 keeps the count, so it must be alive, not a member.
+    /// whether all arrived. Rank 0 keeps the count: it must still be running, though it need
+    /// not be a member.
     pub fn meet(&self, key: u64, size: usize, deadline: Instant, give_up: impl Fn() -> bool) -> bool {
         if size <= 1 {
             return true;
