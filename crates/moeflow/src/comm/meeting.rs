@@ -8,7 +8,28 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 /// How long a rank waits at a meeting for the others.
-const MEETING_DEADLINE: Duration = Duration::from_secs(10);
+pub const MEETING_DEADLINE: Duration = Duration::from_secs(10);
+
+/// Waits on `news` until `done` holds for the value under `lock`, `give_up()` turns true or
+/// `deadline` passes (checked at least every 10 ms); says whether `done` held.
+pub(crate) fn wait_until<T>(
+    lock: &Mutex<T>,
+    news: &Condvar,
+    deadline: Instant,
+    give_up: impl Fn() -> bool,
+    mut done: impl FnMut(&mut T) -> bool,
+) -> bool {
+    let mut value = lock.lock().unwrap_or_else(|p| p.into_inner());
+    while !done(&mut value) {
+        let now = Instant::now();
+        if now >= deadline || give_up() {
+            return false;
+        }
+        let step = (deadline - now).min(Duration::from_millis(10));
+        value = news.wait_timeout(value, step).unwrap_or_else(|p| p.into_inner()).0;
+    }
+    true
+}
 
 /// A sub-group: (split number, colour).
 type SubGroup = (u64, u64);
@@ -51,21 +72,12 @@ impl Meeting {
     }
 
     /// Arrives and waits until all ranks have, `give_up()` turns true (a failed job), or
-    /// ten seconds pass; says whether all arrived.
+    /// [`MEETING_DEADLINE`] passes; says whether all arrived.
     pub fn meet(&self, give_up: impl Fn() -> bool) -> bool {
         let deadline = Instant::now() + MEETING_DEADLINE;
-        let mut arrived = self.arrived.lock().unwrap_or_else(|p| p.into_inner());
-        *arrived += 1;
+        *self.arrived.lock().unwrap_or_else(|p| p.into_inner()) += 1;
         self.all_here.notify_all();
-        while *arrived < self.size {
-            let now = Instant::now();
-            if now >= deadline || give_up() {
-                return false;
-            }
-            let step = (deadline - now).min(Duration::from_millis(10));
-            arrived = self.all_here.wait_timeout(arrived, step).unwrap_or_else(|p| p.into_inner()).0;
-        }
-        true
+        wait_until(&self.arrived, &self.all_here, deadline, give_up, |arrived| *arrived >= self.size)
     }
 }
 

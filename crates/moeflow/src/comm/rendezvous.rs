@@ -249,16 +249,9 @@ impl Rendezvous {
                 return false;
             }
         }
-        let mut done = self.meetings.done.lock().unwrap_or_else(|e| e.into_inner());
-        while !done.remove(&key) {
-            let now = Instant::now();
-            if now >= deadline || give_up() {
-                return false;
-            }
-            let step = (deadline - now).min(Duration::from_millis(10));
-            done = self.meetings.news.wait_timeout(done, step).unwrap_or_else(|e| e.into_inner()).0;
-        }
-        true
+        super::meeting::wait_until(&self.meetings.done, &self.meetings.news, deadline, give_up, |done| {
+            done.remove(&key)
+        })
     }
 
     /// The flag the peers' failures are recorded in.

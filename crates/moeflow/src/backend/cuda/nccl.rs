@@ -12,7 +12,7 @@
 //! device, then the parts travel with one grouped `ncclSend`/`ncclRecv`.
 
 use super::err;
-use crate::comm::meeting::Meeting;
+use crate::comm::meeting::{Meeting, MEETING_DEADLINE};
 use crate::comm::{Communicator, Failure, LaunchEnv, Rendezvous};
 use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DevicePtr};
@@ -73,14 +73,15 @@ impl Teardown {
         }
     }
 
-    /// Arrives and waits for the other ranks (ten seconds at most, less once the job failed).
+    /// Arrives and waits for the other ranks ([`MEETING_DEADLINE`] at most, less once the job
+    /// failed).
     fn meet(&self, give_up: impl Fn() -> bool) {
         match self {
             Teardown::Threads(m) => {
                 m.meet(give_up);
             }
             Teardown::Job { rendezvous, key, size } => {
-                rendezvous.meet(*key, *size, Instant::now() + Duration::from_secs(10), give_up);
+                rendezvous.meet(*key, *size, Instant::now() + MEETING_DEADLINE, give_up);
             }
         }
     }
