@@ -97,16 +97,7 @@ __global__ void ll_combine(const unsigned char* recv, long stride, const bf16_t*
     for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
         const int* rid = (const int*)(recv + r * stride);
         const float* rw = (const float*)(recv + r * stride + 4L * k);
-        const int* rs = row_of_slot + r * k;
-        if (H % 8 == 0) {
-            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                sum_rows8(y, b2, rs, rid, rw, k, H, c, acc);
-                ((uint4*)(part + r * H))[c] = pack8(acc);
-            }
-        } else {
-            for (int h = threadIdx.x; h < H; h += blockDim.x) part[r * H + h] = f32_to_bf16(sum_rows1(y, b2, rs, rid, rw, k, H, h));
-        }
+        weighted_row_bf16(y, b2, row_of_slot + r * k, rid, rw, k, H, part + r * H);
     }
 }
 

@@ -276,13 +276,15 @@ __global__ void take_rows(const bf16_t* src, const int* idx, int n, int H, bf16_
 }
 
 // act(g) * u for the activation kinds: 0 silu, 1 gelu erf, 2 gelu tanh, 3 GPT-OSS clamped swiglu.
+// The sigmoids divide with __fdividef (2 ulp; 0 once exp overflows, the limit), which keeps
+// the Hopper GEMM's activation epilogue short.
 __device__ __forceinline__ float act_mul(float g, float u, int kind, float alpha, float limit) {
-    if (kind == 0) return g / (1.0f + __expf(-g)) * u;
+    if (kind == 0) return __fdividef(g, 1.0f + __expf(-g)) * u;
     if (kind == 1) return 0.5f * g * (1.0f + erff(g * 0.70710678118654752f)) * u;
     if (kind == 2) return 0.5f * g * (1.0f + tanhf(0.7978845608028654f * (g + 0.044715f * g * g * g))) * u;
     g = fminf(g, limit);
     u = fminf(fmaxf(u, -limit), limit);
-    return (u + 1.0f) * (g / (1.0f + __expf(-alpha * g)));
+    return (u + 1.0f) * __fdividef(g, 1.0f + __expf(-alpha * g));
 }
 
 // Eight bf16 values of a 16-byte word as floats.
@@ -325,6 +327,21 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
     unsigned int o[4];
     for (int j = 0; j < 4; j++) o[j] = (unsigned int)f32_to_bf16(f[2 * j]) | ((unsigned int)f32_to_bf16(f[2 * j + 1]) << 16);
     return make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// out_row[h] = the bf16 weighted sum of one token's rows (sum_rows8 / sum_rows1 over its k
+// slots: rows, ids, weights), every column h < H, shared among the calling block's threads.
+__device__ __forceinline__ void weighted_row_bf16(const bf16_t* y, const float* b2, const int* rows, const int* ids,
+                                                  const float* w, int k, int H, bf16_t* out_row) {
+    if (H % 8 == 0) {
+        for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+            float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+            sum_rows8(y, b2, rows, ids, w, k, H, c, acc);
+            ((uint4*)out_row)[c] = pack8(acc);
+        }
+    } else {
+        for (int h = threadIdx.x; h < H; h += blockDim.x) out_row[h] = f32_to_bf16(sum_rows1(y, b2, rows, ids, w, k, H, h));
+    }
 }
 
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]) (kinds: act_mul).
@@ -407,17 +424,7 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
 __global__ void combine_partial(const bf16_t* y, const float* b2, const int* local_ids, const float* w,
                                 const int* row_of_slot, int T, int k, int H, bf16_t* part) {
     for (long t = blockIdx.x; t < T; t += gridDim.x) {
-        const int *rs = row_of_slot + t * k, *id = local_ids + t * k;
-        const float* wt = w + t * k;
-        if (H % 8 == 0) {
-            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
-                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                sum_rows8(y, b2, rs, id, wt, k, H, c, acc);
-                ((uint4*)(part + t * H))[c] = pack8(acc);
-            }
-        } else {
-            for (int h = threadIdx.x; h < H; h += blockDim.x) part[t * H + h] = f32_to_bf16(sum_rows1(y, b2, rs, id, wt, k, H, h));
-        }
+        weighted_row_bf16(y, b2, row_of_slot + t * k, local_ids + t * k, w + t * k, k, H, part + t * H);
     }
 }
 

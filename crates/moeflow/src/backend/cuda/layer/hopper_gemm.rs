@@ -2,8 +2,9 @@
 //! one persistent wgmma launch, expert counts and row offsets read on the device, operands
 //! streamed by TMA through descriptors encoded here.
 
-use super::{err, CudaMoeLayer};
+use super::{act_params, err, CudaMoeLayer};
 use crate::error::{MoeError, Result};
+use crate::experts::Activation;
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
@@ -12,8 +13,19 @@ const MAX_EXPERTS: usize = 1024;
 
 /// Rows of an output tile (`GG_BM` in the kernel): the boxes TMA reads from `A`.
 const TILE_ROWS: u32 = 128;
-/// Columns of an output tile (`GG_BN`): the boxes TMA reads from `W`.
+/// Columns of an output tile (`GG_BN`): two boxes of half as many rows read from `W`.
 const TILE_COLS: u32 = 256;
+
+/// What the Hopper GEMM writes.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Epilogue {
+    /// The product, `C [rows, n]`.
+    Product,
+    /// The up projection's activation: `W` holds each expert's `n = 2 I` gate rows then up
+    /// rows, and `C [rows, I] = act(gate + b) · (up + b)` from the f32 accumulators, `b` the
+    /// expert's row of the f32 bias `[experts, 2 I]` at `bias` (0: no bias).
+    Activation { activation: Activation, bias: u64 },
+}
 
 /// Dynamic shared memory for `experts` experts: the 4-stage ring of row and weight tiles 64
 /// deep (bf16), 1 KiB to align it, 8 mbarriers, 4 stage tags, `experts + 1` tile offsets
@@ -96,7 +108,8 @@ impl HopperGemm {
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
     /// `offsets[x] .. offsets[x] + counts[x]` (device ints), where `A` is `[rows, kdim]` at
     /// `a`, `C` is `[rows, n]` at `c` and `W` is `[experts, n, kdim]` at `w`; bf16, f32
-    /// accumulation. `kdim` and `n` must be multiples of 8.
+    /// accumulation. `kdim` and `n` must be multiples of 8 (16 with an activation, whose `C`
+    /// is `[rows, n / 2]`: see [`Epilogue`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -107,31 +120,42 @@ impl HopperGemm {
         rows: usize,
         [counts, offsets]: [u64; 2],
         experts: usize,
+        epilogue: Epilogue,
     ) -> Result<()> {
-        if n % 8 != 0 || kdim % 8 != 0 || experts > MAX_EXPERTS {
+        let (kind, alpha, limit, bias) = match epilogue {
+            Epilogue::Product => (-1, 0.0, 0.0, 0u64),
+            Epilogue::Activation { activation, bias } => {
+                let (kind, alpha, limit) = act_params(activation);
+                (kind, alpha, limit, bias)
+            }
+        };
+        let width_step = if kind >= 0 { 16 } else { 8 };
+        if n % width_step != 0 || kdim % 8 != 0 || experts > MAX_EXPERTS {
             return Err(MoeError::Unsupported(format!(
-                "the Hopper grouped GEMM needs widths divisible by 8 and at most {MAX_EXPERTS} experts \
-                 (got n {n}, k {kdim}, {experts} experts)"
+                "the Hopper grouped GEMM needs widths divisible by {width_step} and at most {MAX_EXPERTS} \
+                 experts (got n {n}, k {kdim}, {experts} experts)"
             )));
         }
         if rows == 0 || experts == 0 {
             return Ok(());
         }
         let a_map = tensor_map(a, rows, kdim, TILE_ROWS)?;
-        let w_map = tensor_map(w, experts * n, kdim, TILE_COLS)?;
+        let w_map = tensor_map(w, experts * n, kdim, TILE_COLS / 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
         let mut counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         stream.memset_zeros(&mut *counter).map_err(|e| err("zeroing the tile counter", e))?;
         let (next, _guard) = counter.device_ptr(stream);
         let cfg =
             LaunchConfig { grid_dim: (self.sms, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: smem_bytes(experts) };
-        // SAFETY: grouped_gemm_sm90(map, map, bf16*, int*, int*, int, int, int, int*): the maps
-        // describe A ([rows, kdim]) and W ([experts · n, kdim]); C holds `rows` rows of n;
-        // counts and offsets hold `experts` ints that place rows inside A's `rows`; the
-        // counter is one int, zeroed above in stream order.
+        // SAFETY: grouped_gemm_sm90(map, map, bf16*, int*, int*, int, int, int, int*, int, float,
+        // float, float*): the maps describe A ([rows, kdim]) and W ([experts · n, kdim]); C
+        // holds `rows` rows of n (n / 2 with an activation); counts and offsets hold `experts`
+        // ints that place rows inside A's `rows`; the counter is one int, zeroed above in
+        // stream order; the bias, when given, holds `experts · n` floats.
         unsafe {
             let mut l = stream.launch_builder(&self.f);
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
+            l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             l.launch(cfg)
         }
         .map(|_| ())
@@ -175,14 +199,17 @@ impl CudaMoeLayer {
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
-    use super::HopperGemm;
+    use super::{Epilogue, HopperGemm};
+    use crate::experts::Activation;
     use half::bf16;
 
     /// The Hopper grouped GEMM against an f64 product of the same bf16 values, with poisoned
     /// outputs: experts with 0, 1, a partial tile, exactly one tile and several tiles of rows,
     /// widths that are not tile multiples (and depths that are not multiples of 64), grouped
-    /// and padded layouts, experts spanning more than one group of row blocks; the second of
-    /// two launches is checked. Needs a Hopper GPU; says loudly when it skips.
+    /// and padded layouts, experts spanning more than one group of row blocks; then the same
+    /// with every activation in the epilogue (gate and up halves of `n`, with and without a
+    /// bias). The second of two launches is checked. Needs a Hopper GPU; says loudly when it
+    /// skips.
     #[test]
     fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
         if super::super::super::device_count() == 0 {
@@ -197,7 +224,17 @@ mod tests {
         let s = &gpu.stream;
         let bits = |v: &[f32]| v.iter().map(|&x| bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
         let v = |x: u16| bf16::from_bits(x).to_f64();
-        for (n, k, padded) in [(264usize, 200usize, false), (256, 64, true), (8, 8, false), (520, 1000, false)] {
+        let acts = [Activation::Silu, Activation::GeluErf, Activation::GeluTanh, Activation::GPT_OSS];
+        // (n, k, padded layout, activation and whether it has a bias)
+        type Case = (usize, usize, bool, Option<(Activation, bool)>);
+        let mut cases: Vec<Case> =
+            vec![(264, 200, false, None), (256, 64, true, None), (8, 8, false, None), (520, 1000, false, None)];
+        // Activations: I = n / 2 of 16 (less than a tile), 136 (a tile and a part) and 256.
+        for (x, &act) in acts.iter().enumerate() {
+            cases.push(([32, 272, 512, 272][x], 136 + 8 * x, x % 2 == 1, Some((act, x < 2))));
+            cases.push((512, 64, false, Some((act, x >= 2))));
+        }
+        for (n, k, padded, act) in cases {
             // 2100 rows: 17 row blocks, more than one group of 16.
             let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 2100];
             let e = counts.len();
@@ -208,39 +245,54 @@ mod tests {
                 counts.iter().scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect()
             };
             let rows = if padded { e * cap } else { counts.iter().sum::<i32>() as usize };
-            let width = n;
+            let width = if act.is_some() { n / 2 } else { n };
             let w = bits(&crate::preset::uniform(e * n * k, 1.0, 7));
             let a = bits(&crate::preset::uniform(rows * k, 1.0, 8));
+            let bias: Vec<f32> = crate::preset::uniform(e * n, 1.0, 9);
+            let with_bias = matches!(act, Some((_, true)));
             let poison = 0x7fc1u16; // a NaN that no product yields
-            let (wd, ad) = (s.clone_htod(&w).unwrap(), s.clone_htod(&a).unwrap());
+            let (wd, ad, bd) = (s.clone_htod(&w).unwrap(), s.clone_htod(&a).unwrap(), s.clone_htod(&bias).unwrap());
             let mut cd = s.clone_htod(&vec![poison; rows * width]).unwrap();
             let (countd, offd) = (s.clone_htod(&counts).unwrap(), s.clone_htod(&offsets).unwrap());
             let ptrs = [dptr(&countd, &gpu), dptr(&offd, &gpu)];
+            let epilogue = match act {
+                None => Epilogue::Product,
+                Some((activation, b)) => Epilogue::Activation { activation, bias: if b { dptr(&bd, &gpu) } else { 0 } },
+            };
             // Twice, so the second launch shows the tile counter starts again from zero.
             for _ in 0..2 {
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
                 let ac = [dptr(&ad, &gpu), dptr(&cd, &gpu)];
-                gemm.run(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e).unwrap();
+                gemm.run(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue).unwrap();
             }
             let got = s.clone_dtoh(&cd).unwrap();
             let mut owned = vec![false; rows];
+            let what = format!("n {n} k {k} padded {padded} activation {act:?}");
             for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
+                let dot = |r: usize, j: usize| (0..k).map(|q| v(a[r * k + q]) * v(w[(x * n + j) * k + q])).sum::<f64>();
                 for r in off as usize..(off + cnt) as usize {
                     owned[r] = true;
                     for j in 0..width {
-                        let want: f64 = (0..k).map(|q| v(a[r * k + q]) * v(w[(x * n + j) * k + q])).sum();
+                        let want = match act {
+                            None => dot(r, j),
+                            Some((activation, _)) => {
+                                let b = |c: usize| if with_bias { bias[x * n + c] as f64 } else { 0.0 };
+                                activation.apply_f64(dot(r, j) + b(j), dot(r, width + j) + b(width + j))
+                            }
+                        };
                         let out = v(got[r * width + j]);
                         let tol = 1e-2 * (1.0 + want.abs());
-                        assert!(
-                            (out - want).abs() <= tol,
-                            "n {n} k {k} padded {padded}: expert {x} row {r} col {j}: {out} vs {want}"
-                        );
+                        assert!((out - want).abs() <= tol, "{what}: expert {x} row {r} col {j}: {out} vs {want}");
                     }
                 }
             }
             for (r, _) in owned.iter().enumerate().filter(|(_, &o)| !o) {
-                assert!(got[r * width..(r + 1) * width].iter().all(|&x| x == poison), "row {r} of no expert written");
+                assert!(
+                    got[r * width..(r + 1) * width].iter().all(|&x| x == poison),
+                    "{what}: row {r} of no expert written"
+                );
             }
+            eprintln!("hopper grouped GEMM matches f64: {what}");
         }
     }
 }

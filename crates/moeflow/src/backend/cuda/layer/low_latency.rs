@@ -11,6 +11,7 @@
 //! grouped GEMM (`kernels/masked_gemm.cu`) runs each expert over its counted rows only, and the
 //! weighted sum per message row goes back as one bf16 row, summed at home in rank order.
 
+use super::hopper_gemm::Epilogue;
 use super::masked_gemm::Projection;
 use super::{dptr, err, rows, CudaMoeLayer, EpLink, GpuStageTimes};
 use crate::error::{MoeError, Result};
@@ -267,14 +268,22 @@ impl CudaMoeLayer {
             let i = c.inter;
             let hopper = self.ll_hopper().map(|hg| (hg, [counts, offsets]));
             match hopper {
-                Some((hg, dev)) => hg.run(s, dptr(&self.w.w13, g), [2 * i, h], [a, h13], el * cap, dev, el)?,
-                None => self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0, el * cap)?,
+                Some((hg, dev)) => {
+                    let epilogue = Epilogue::Activation { activation: c.activation, bias: b13 };
+                    hg.run(s, dptr(&self.w.w13, g), [2 * i, h], [a, act], el * cap, dev, el, epilogue)?;
+                    mark(4)?;
+                }
+                None => {
+                    self.masked_gemm(Projection::Up, [a, h13], cap, counts, 0, el * cap)?;
+                    mark(4)?;
+                    self.act(s, [h13, b13, 0, counts, act], cap as i32, el * cap, i)?;
+                }
             }
-            mark(4)?;
-            self.act(s, [h13, b13, 0, counts, act], cap as i32, el * cap, i)?;
             mark(5)?;
             match hopper {
-                Some((hg, dev)) => hg.run(s, dptr(&self.w.w2, g), [h, i], [act, y], el * cap, dev, el)?,
+                Some((hg, dev)) => {
+                    hg.run(s, dptr(&self.w.w2, g), [h, i], [act, y], el * cap, dev, el, Epilogue::Product)?
+                }
                 None => self.masked_gemm(Projection::Down, [act, y], cap, counts, 0, el * cap)?,
             }
             mark(6)?;

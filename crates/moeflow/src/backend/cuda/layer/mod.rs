@@ -15,6 +15,7 @@ use crate::router::RouterConfig;
 use crate::tensor::Tensor;
 use cudarc::cublas::{sys as cb, CudaBlas};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use hopper_gemm::Epilogue;
 use std::sync::Mutex;
 
 mod dual_batch;
@@ -868,7 +869,8 @@ impl CudaMoeLayer {
 
     /// GEMM, activation, GEMM over `a` (rows grouped as `groups` say, or padded to `cap` per
     /// expert over `experts` experts; `dev` holds the same counts and row offsets on the
-    /// device; the Hopper GEMM runs when the offsets are there), writing `y`.
+    /// device; the Hopper GEMM runs when the offsets are there, with the activation in its
+    /// up projection's epilogue), writing `y`.
     #[allow(clippy::too_many_arguments)]
     fn mlp(
         &self,
@@ -887,21 +889,41 @@ impl CudaMoeLayer {
         if self.w8a8 {
             self.round_rows_fp8(a, act_rows, h)?;
         }
-        let hopper = self.hopper_for(rows_total, experts).filter(|_| cap == 0 && dev[1] != 0);
-        let gemm = |b: &mut Buffers, w: &CudaSlice<u16>, n: usize, kdim: usize, x: u64, out: u64| match hopper {
-            Some(hg) => hg.run(&self.gpu.stream, dptr(w, &self.gpu), [n, kdim], [x, out], act_rows, dev, experts),
-            None if cap > 0 => self.padded_gemm(w, n, kdim, x, out, experts, cap),
-            None => self.grouped_gemm(b, w, n, kdim, x, out, groups),
-        };
-        gemm(b, &self.w.w13, 2 * i, h, a, h13)?;
-        mark(4)?;
         let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, &self.gpu));
-        self.act(&self.gpu.stream, [h13, b13, expert_of_row, 0, act], cap as i32, act_rows, i)?;
+        let hopper = self.hopper_for(rows_total, experts).filter(|_| cap == 0 && dev[1] != 0);
+        if let Some(hg) = hopper {
+            let epilogue = Epilogue::Activation { activation: self.config.activation, bias: b13 };
+            hg.run(
+                &self.gpu.stream,
+                dptr(&self.w.w13, &self.gpu),
+                [2 * i, h],
+                [a, act],
+                act_rows,
+                dev,
+                experts,
+                epilogue,
+            )?;
+            mark(4)?;
+        } else {
+            match cap {
+                0 => self.grouped_gemm(b, &self.w.w13, 2 * i, h, a, h13, groups)?,
+                _ => self.padded_gemm(&self.w.w13, 2 * i, h, a, h13, experts, cap)?,
+            }
+            mark(4)?;
+            self.act(&self.gpu.stream, [h13, b13, expert_of_row, 0, act], cap as i32, act_rows, i)?;
+        }
         if self.w8a8 {
             self.round_rows_fp8(act, act_rows, i)?;
         }
         mark(5)?;
-        gemm(b, &self.w.w2, h, i, act, y)?;
+        match (hopper, cap) {
+            (Some(hg), _) => {
+                let w2 = dptr(&self.w.w2, &self.gpu);
+                hg.run(&self.gpu.stream, w2, [h, i], [act, y], act_rows, dev, experts, Epilogue::Product)?
+            }
+            (None, 0) => self.grouped_gemm(b, &self.w.w2, h, i, act, y, groups)?,
+            (None, _) => self.padded_gemm(&self.w.w2, h, i, act, y, experts, cap)?,
+        }
         mark(6)
     }
 
