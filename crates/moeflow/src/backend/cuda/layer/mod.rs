@@ -937,15 +937,20 @@ impl CudaMoeLayer {
         // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
         unsafe { s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
             .map_err(|e| err("count", e))?;
-        // Expert sizes on the host decide the GEMM shapes.
-        let mut counts = vec![0i32; e];
-        s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
         // fp8 experts run the masked GEMM on the grouped (unpadded) rows while the weights
         // dominate (up to 32 rows per expert on average; measured on H200, DeepSeek-V3 shapes:
         // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
         // values above (rows rounded to fp8 first when they are quantized too).
         let fp8 = self.w.fp8.is_some() && self.masked && t * k <= 32 * e;
-        let cap = if fp8 { 0 } else { self.padding(e, t * k, counts.iter().map(|&c| c as usize)) };
+        // Expert sizes on the host decide cuBLAS's GEMM shapes; the masked and Hopper GEMMs
+        // read them on the device, so the host does not wait for them.
+        let on_device = fp8 || self.hopper_for(t * k, e).is_some();
+        let mut counts = Vec::new();
+        if !on_device {
+            counts = vec![0i32; e];
+            s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
+        }
+        let cap = if on_device { 0 } else { self.padding(e, t * k, counts.iter().map(|&c| c as usize)) };
         self.permute(b, t, cap)?;
         let mut groups = Vec::new();
         let mut off = 0usize;
