@@ -105,9 +105,7 @@ fn forward(bencher: Bencher, dtype: DType, tokens: usize) {
     let c = olmoe();
     let layer = layer(dtype);
     let x = Tensor::from_f32(&[tokens, c.hidden], preset::uniform(tokens * c.hidden, 1.0, 4)).expect("input");
-    bencher
-        .counter(ItemsCount::new(c.expert_flops(tokens) as u64))
-        .bench_local(|| layer.forward(&x).expect("forward"));
+    bencher.counter(ItemsCount::new(c.expert_flops(tokens) as u64)).bench_local(|| layer.forward(&x).expect("forward"));
 }
 
 /// Every router kind on 256 tokens' logits over 64 experts, top-8.

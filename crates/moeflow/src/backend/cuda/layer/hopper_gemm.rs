@@ -165,20 +165,23 @@ impl HopperGemm {
 
 impl CudaMoeLayer {
     /// The Hopper grouped GEMM for `rows` rows over `experts` experts, when the GPU and shapes
-    /// take it and it is the better choice: from 8 to 256 rows an expert on average, or
+    /// take it and it is the better choice: from 8 to 1024 rows an expert on average, or
     /// always with `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
     /// experts, the layer with its shared expert, two runs each (ms, this kernel against
     /// cuBLAS): 16 rows an expert 1.55, 1.46 against 1.56, 1.62; 64 rows 1.68, 1.58 against
     /// 1.72, 1.89; 128 rows 2.05, 2.07 against 2.02, 2.10; 256 rows 3.43, 3.47 against 3.80,
-    /// 4.39 (cuBLAS's fast case there is 3.04, its slow cases are frequent). cuBLAS is ahead
-    /// at 1 row (0.30 against 0.33), level at 4, and ahead from 512 rows (5.48 against 6.16),
-    /// where its per-expert GEMMs leave room that the shared expert fills.
+    /// 4.39 (cuBLAS's fast case there is 3.04, its slow cases are frequent). With the
+    /// activation in its epilogue (session 16): 512 rows 5.61, 5.75 against 5.63, 7.82; 1024
+    /// rows 11.08, 11.10 against 11.09, 12.61 (the same fast cases, and none of cuBLAS's slow
+    /// ones); 2048 rows 22.38, 22.64 against 21.87, 21.85, where cuBLAS's per-expert GEMMs
+    /// leave room that the shared expert fills. cuBLAS is ahead at 1 row (0.30 against
+    /// 0.33) and level at 2 to 4.
     pub(super) fn hopper_for(&self, rows: usize, experts: usize) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
         let wanted = match super::gemm_mode() {
             super::GemmMode::Hopper => true,
-            _ => (8..=256).contains(&per_expert),
+            _ => (8..=1024).contains(&per_expert),
         };
         self.k.hopper.as_ref().filter(|_| wanted && h % 8 == 0 && i % 8 == 0)
     }
