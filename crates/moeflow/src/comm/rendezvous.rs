@@ -97,6 +97,8 @@ struct Meetings {
     news: Condvar,
     /// Rank 0: the ranks that reached each meeting still gathering.
     arrived: Mutex<HashMap<u64, Vec<usize>>>,
+    /// Other ranks: rank 0, which keeps every meeting's count, has left the job.
+    host_left: AtomicBool,
 }
 
 impl Rendezvous {
@@ -210,13 +212,21 @@ impl Rendezvous {
             std::thread::spawn(move || {
                 let reason = loop {
                     match read_message(&mut reader) {
-                        Ok(Message::Bye) => return,
+                        Ok(Message::Bye) => {
+                            if peer == 0 {
+                                meetings.host_left();
+                            }
+                            return;
+                        }
                         Ok(Message::Abort(reason)) => break reason,
                         Ok(Message::Arrived { key, size }) => meetings.arrive(&peers, key, size, peer),
                         Ok(Message::AllArrived(key)) => meetings.finish(key),
                         Err(_) => break format!("rank {peer} exited or lost its connection"),
                     }
                 };
+                if peer == 0 {
+                    meetings.host_left();
+                }
                 if closing.load(Ordering::SeqCst) {
                     return;
                 }
@@ -231,8 +241,8 @@ impl Rendezvous {
 
     /// Waits until all `size` ranks that meet at `key` (a number they agree on, used once)
     /// have called this, the job fails (`give_up()` turns true) or `deadline` passes; says
-    /// whether all arrived. Rank 0 keeps the count: it must still be running, though it need
-    /// not be a member.
+    /// whether all arrived. Rank 0 keeps the count, though it need not be a member: once it
+    /// has left the job, meetings end at once, unmet.
     pub fn meet(&self, key: u64, size: usize, deadline: Instant, give_up: impl Fn() -> bool) -> bool {
         if size <= 1 {
             return true;
@@ -249,9 +259,8 @@ impl Rendezvous {
                 return false;
             }
         }
-        super::meeting::wait_until(&self.meetings.done, &self.meetings.news, deadline, give_up, |done| {
-            done.remove(&key)
-        })
+        let ended = || give_up() || self.meetings.host_left.load(Ordering::SeqCst);
+        super::meeting::wait_until(&self.meetings.done, &self.meetings.news, deadline, ended, |done| done.remove(&key))
     }
 
     /// The flag the peers' failures are recorded in.
@@ -314,6 +323,12 @@ impl Meetings {
                 let _ = s.write_all(b"G").and_then(|_| s.write_all(&key.to_le_bytes()));
             }
         }
+    }
+
+    /// Rank 0 is gone: no meeting can complete, so none is waited for.
+    fn host_left(&self) {
+        self.host_left.store(true, Ordering::SeqCst);
+        self.news.notify_all();
     }
 
     /// Everyone reached meeting `key`.
@@ -492,6 +507,25 @@ mod tests {
         assert!(start.elapsed() >= Duration::from_millis(200) && start.elapsed() < Duration::from_secs(5));
         assert!(!ranks[1].meet(14, 2, soon(), || true));
         assert!(ranks.iter().all(|r| r.failure().get().is_none()));
+    }
+
+    #[test]
+    fn meetings_end_at_once_when_rank_0_leaves() {
+        let mut ranks = three_ranks().into_iter();
+        let (r0, r1, r2) = (ranks.next().unwrap(), ranks.next().unwrap(), ranks.next().unwrap());
+        let soon = Instant::now() + Duration::from_secs(10);
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            // Rank 1 waits for rank 2, which never comes; rank 0 leaves meanwhile.
+            let waiting = s.spawn(|| r1.meet(20, 2, soon, || false));
+            std::thread::sleep(Duration::from_millis(100));
+            drop(r0);
+            assert!(!waiting.join().unwrap(), "rank 1 met without rank 2");
+        });
+        // A meeting that starts after rank 0 left ends at once as well.
+        assert!(!r2.meet(21, 2, soon, || false));
+        assert!(start.elapsed() < Duration::from_secs(5), "waited {:?} for a job whose rank 0 left", start.elapsed());
+        assert!(r1.failure().get().is_none() && r2.failure().get().is_none(), "a goodbye is not a failure");
     }
 
     #[test]
