@@ -113,6 +113,24 @@ fn dual_batch_halves_match_the_reference() {
     assert!(times.total > 0.0 && times.total.is_finite());
 }
 
+/// A batch large enough for the bf16 copy to run beside the router GEMM (T · H ≥ 2^23), with
+/// 512 rows per expert (on Hopper the wgmma GEMM with the activation in its epilogue, cuBLAS's
+/// per-expert GEMMs elsewhere) and a gated shared expert on the side stream too.
+#[test]
+fn large_batch_matches_reference() {
+    let shared = Some(SharedConfig { inter: 32, gated: true });
+    let softmax = RouterConfig::Softmax { renormalize: true };
+    let config = small_config(2048, 32, 16, 2, softmax, Activation::Silu, shared);
+    let weights = preset::random_weights(&config, DType::BF16, 10);
+    let Some(gpu) = layer(&config, &weights) else { return };
+    let (x, xt) = hidden(4096, 2048, 11);
+    let got = gpu.forward(&xt).unwrap().to_f32_vec();
+    let err = rel(&got, &reference::forward(&config, &weights, &x).unwrap().out);
+    println!("4096 tokens, hidden 2048: relative error {err:.2e}");
+    assert!(err <= BF16_TOL, "relative error {err:e}");
+    assert_eq!(gpu.forward(&xt).unwrap().to_f32_vec(), got, "differs run to run");
+}
+
 /// The fixtures: `MOEFLOW_FIXTURES`, the source tree this was built from, or `./fixtures`.
 fn fixtures() -> std::path::PathBuf {
     if let Ok(d) = std::env::var("MOEFLOW_FIXTURES") {
