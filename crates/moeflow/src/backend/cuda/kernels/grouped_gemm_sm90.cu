@@ -8,6 +8,12 @@
 // [rows, I]: a tile takes 128 gate and the 128 matching up rows of W, so each lane holds the
 // gate and up value of the same output column, straight from the f32 accumulators.
 //
+// With gather_x (the single-GPU up projection) the rows of A are not read from a permuted
+// copy: the producer warpgroup copies each token's row into the stage itself with cp.async,
+// eight threads a row, in the swizzled layout TMA would write (H200, DeepSeek-V3 shapes: 1.40
+// against 1.42–1.43 ms at 128 tokens, 5.35–5.40 against 5.39–5.43 at 4096; with one thread a
+// row, reading 16 of every 32 bytes fetched, 4096 tokens took 6.74).
+//
 // Built for sm_90a (wgmma and TMA exist only there): each block owns an SM and takes the
 // 128 × 256 output tiles of every expert, in order, from a counter the blocks share (the
 // host zeroes it before each launch). One producer thread streams 64-deep slices of the
@@ -65,6 +71,15 @@ __device__ __forceinline__ void gg_tma_load(void* dst, const gg_tensor_map* map,
             gg_smem(dst)),
         "l"((u64)map), "r"(x), "r"(y), "r"(gg_smem(bar))
         : "memory");
+}
+
+// 16 bytes from `src` (0 bytes, zeros, when `bytes` is 0) to shared memory, and an arrival on
+// `bar` once this thread's copies so far have landed (the barrier counts it in advance).
+__device__ __forceinline__ void gg_copy16(void* dst, const void* src, unsigned bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(gg_smem(dst)), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void gg_copies_arrive(u64* bar) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(gg_smem(bar)) : "memory");
 }
 
 // wgmma descriptor of a K-major tile in shared memory with 128-byte swizzle: rows of 128
@@ -172,11 +187,14 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
 
 // C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0), or its activation, C [rows, N / 2], with
 // the kinds, alpha and limit of act_mul and the f32 bias b13 [experts, N] (null: none); W is
-// read in boxes of 128 rows; next_tile is zeroed by the host before each launch.
+// read in boxes of 128 rows; next_tile is zeroed by the host before each launch. With
+// gather_x, row r of A is row slot_of_row[r] / gather_k of gather_x [·, K] (the permute's
+// gather done by the producer warpgroup's cp.async copies), and a_map is not read.
 extern "C" __global__ void __launch_bounds__(384, 1)
     grouped_gemm_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
                       bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,
-                      int act_kind, float alpha, float limit, const float* b13) {
+                      int act_kind, float alpha, float limit, const float* b13, const bf16_t* gather_x,
+                      const int* slot_of_row, int gather_k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ unsigned char gg_raw[];
     // The ring starts 1024-aligned (the swizzle pattern repeats every 1024 bytes).
@@ -187,6 +205,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     int* first_tile = stage_tile + GG_STAGES;     // experts + 1 entries
     int* rows_of = first_tile + experts + 1;      // counts, then offsets, copied: experts each
     int* start_of = rows_of + experts;
+    int* claimed = start_of + experts;  // gather: the tile the producer warpgroup works on
+    const bool gather = gather_x != 0;
     // An activation tile covers GG_BN / 2 output columns: its gate rows and their up rows.
     const bool act = act_kind >= 0;
     const int width = act ? N / 2 : N, tile_cols = act ? GG_BN / 2 : GG_BN;
@@ -194,7 +214,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
 
     if (threadIdx.x == 0) {
         for (int s = 0; s < GG_STAGES; s++) {
-            gg_bar_init(&full[s], 1);
+            gg_bar_init(&full[s], gather ? 1 + 128 : 1);  // gather: and every producer thread's copies
             gg_bar_init(&empty[s], 2 * 128);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -227,28 +247,63 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         // there are none left. A tile is claimed only when its first stage is free: claiming
         // one tile ahead (to hide the atomic) left whole tiles waiting behind busy blocks at
         // the end (H200, 2048 tokens: 3.36 against 3.10 ms).
-        if (threadIdx.x != 0) return;
+        // Gathering, every thread of the warpgroup copies one row of each A stage.
+        if (threadIdx.x != 0 && !gather) return;
+        const int me = threadIdx.x;
         int stage = 0;
         unsigned phase = 0;
         for (;;) {
-            const int tile = atomicAdd(next_tile, 1);
+            int tile;
+            if (gather) {
+                if (me == 0) *claimed = atomicAdd(next_tile, 1);
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+                tile = *claimed;
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            } else {
+                tile = atomicAdd(next_tile, 1);
+            }
             if (tile >= tiles) {
                 gg_bar_wait(&empty[stage], phase ^ 1);
-                stage_tile[stage] = -1;
-                gg_bar_arrive(&full[stage]);
+                if (me == 0) stage_tile[stage] = -1;
+                gg_bar_arrive(&full[stage]);  // gathering, every thread arrives (1 + 128 with thread 0's)
+                if (gather && me == 0) gg_bar_arrive(&full[stage]);
                 return;
             }
             gg_tile t = gg_locate(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
             // W rows of the tile's two halves: the next 128 rows, or the up rows of its gate rows.
             const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : GG_BN / 2);
+            // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
+            // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from
+            // the rows' tokens (null: past the expert's rows, left as they are and dropped).
+            const int chunk = me % 8;
+            const bf16_t* src[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int row = t.row0 + me / 8 + 16 * j;
+                src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
+            }
             for (int kb = 0; kb < kblocks; kb++) {
                 gg_bar_wait(&empty[stage], phase ^ 1);
-                stage_tile[stage] = tile;
-                gg_bar_expect(&full[stage], GG_A_BYTES + GG_B_BYTES);
-                gg_tma_load(ring + stage * GG_A_BYTES, &a_map, &full[stage], kb * GG_BK, t.row0);
-                unsigned char* b = ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES;
-                gg_tma_load(b, &w_map, &full[stage], kb * GG_BK, wrow);
-                gg_tma_load(b + GG_B_BYTES / 2, &w_map, &full[stage], kb * GG_BK, wrow2);
+                unsigned char* a = ring + stage * GG_A_BYTES;
+                if (me == 0) {
+                    stage_tile[stage] = tile;
+                    gg_bar_expect(&full[stage], (gather ? 0 : GG_A_BYTES) + GG_B_BYTES);
+                    if (!gather) gg_tma_load(a, &a_map, &full[stage], kb * GG_BK, t.row0);
+                    unsigned char* b = ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES;
+                    gg_tma_load(b, &w_map, &full[stage], kb * GG_BK, wrow);
+                    gg_tma_load(b + GG_B_BYTES / 2, &w_map, &full[stage], kb * GG_BK, wrow2);
+                }
+                if (gather) {
+                    // The 128-byte swizzle TMA would apply: 16-byte chunk c of row r at c ^ (r % 8).
+                    const int col = kb * GG_BK + 8 * chunk;
+                    const unsigned bytes = col < K ? 16 : 0;
+#pragma unroll
+                    for (int j = 0; j < 8; j++) {
+                        const int r = me / 8 + 16 * j;
+                        if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
+                    }
+                    gg_copies_arrive(&full[stage]);
+                }
                 if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
             }
         }
@@ -277,6 +332,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         }
         for (int kb = 0; kb < kblocks; kb++) {
             if (kb > 0) gg_bar_wait(&full[stage], phase);
+            // Rows gathered by cp.async were written through the generic proxy; wgmma reads
+            // through the async one.
+            if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             u64 da = gg_desc(ring + stage * GG_A_BYTES + wg * 64 * 128);
             u64 db = gg_desc(ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES);
             gg_fence();

@@ -27,11 +27,20 @@ pub(super) enum Epilogue {
     Activation { activation: Activation, bias: u64 },
 }
 
+/// Rows of `A` gathered by the GEMM itself: row `r` is row `slot_of_row[r] / k` of the bf16
+/// `x [·, kdim]` (device pointers), as the permute would have copied it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Gather {
+    pub x: u64,
+    pub slot_of_row: u64,
+    pub k: usize,
+}
+
 /// Dynamic shared memory for `experts` experts: the 4-stage ring of row and weight tiles 64
-/// deep (bf16), 1 KiB to align it, 8 mbarriers, 4 stage tags, `experts + 1` tile offsets
-/// and a copy of the counts and row offsets.
+/// deep (bf16), 1 KiB to align it, 8 mbarriers, 4 stage tags, `experts + 1` tile offsets,
+/// a copy of the counts and row offsets, and the tile a gathering producer works on.
 fn smem_bytes(experts: usize) -> u32 {
-    4 * (TILE_ROWS + TILE_COLS) * 64 * 2 + 1024 + 64 + 16 + 4 * (3 * experts as u32 + 1)
+    4 * (TILE_ROWS + TILE_COLS) * 64 * 2 + 1024 + 64 + 16 + 4 * (3 * experts as u32 + 2)
 }
 
 /// A TMA descriptor, which the kernel takes by value.
@@ -109,7 +118,8 @@ impl HopperGemm {
     /// `offsets[x] .. offsets[x] + counts[x]` (device ints), where `A` is `[rows, kdim]` at
     /// `a`, `C` is `[rows, n]` at `c` and `W` is `[experts, n, kdim]` at `w`; bf16, f32
     /// accumulation. `kdim` and `n` must be multiples of 8 (16 with an activation, whose `C`
-    /// is `[rows, n / 2]`: see [`Epilogue`]).
+    /// is `[rows, n / 2]`: see [`Epilogue`]). With `gather` the rows of `A` are read from
+    /// where it says instead of from `a` (see [`Gather`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -121,6 +131,7 @@ impl HopperGemm {
         [counts, offsets]: [u64; 2],
         experts: usize,
         epilogue: Epilogue,
+        gather: Option<Gather>,
     ) -> Result<()> {
         let (kind, alpha, limit, bias) = match epilogue {
             Epilogue::Product => (-1, 0.0, 0.0, 0u64),
@@ -148,14 +159,17 @@ impl HopperGemm {
         let cfg =
             LaunchConfig { grid_dim: (self.sms, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: smem_bytes(experts) };
         // SAFETY: grouped_gemm_sm90(map, map, bf16*, int*, int*, int, int, int, int*, int, float,
-        // float, float*): the maps describe A ([rows, kdim]) and W ([experts · n, kdim]); C
-        // holds `rows` rows of n (n / 2 with an activation); counts and offsets hold `experts`
-        // ints that place rows inside A's `rows`; the counter is one int, zeroed above in
-        // stream order; the bias, when given, holds `experts · n` floats.
+        // float, float*, bf16*, int*, int): the maps describe A ([rows, kdim]) and W ([experts ·
+        // n, kdim]); C holds `rows` rows of n (n / 2 with an activation); counts and offsets hold
+        // `experts` ints that place rows inside A's `rows`; the counter is one int, zeroed above
+        // in stream order; the bias, when given, holds `experts · n` floats; a gather's map
+        // holds `rows` slots whose tokens are rows of its x.
         unsafe {
             let mut l = stream.launch_builder(&self.f);
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
+            let (gx, gs, gk) = gather.map_or((0u64, 0u64, 1i32), |g| (g.x, g.slot_of_row, g.k as i32));
+            l.arg(&gx).arg(&gs).arg(&gk);
             l.launch(cfg)
         }
         .map(|_| ())
@@ -203,7 +217,7 @@ impl CudaMoeLayer {
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
-    use super::{Epilogue, HopperGemm};
+    use super::{Epilogue, Gather, HopperGemm};
     use crate::experts::Activation;
     use half::bf16;
 
@@ -212,7 +226,8 @@ mod tests {
     /// widths that are not tile multiples (and depths that are not multiples of 64), grouped
     /// and padded layouts, experts spanning more than one group of row blocks; then the same
     /// with every activation in the epilogue (gate and up halves of `n`, with and without a
-    /// bias). The second of two launches is checked. Needs a Hopper GPU; says loudly when it
+    /// bias), and with the rows gathered by the GEMM from a shuffled copy (three slots a
+    /// token). The second of two launches is checked. Needs a Hopper GPU; says loudly when it
     /// skips.
     #[test]
     fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
@@ -238,7 +253,9 @@ mod tests {
             cases.push(([32, 272, 512, 272][x], 136 + 8 * x, x % 2 == 1, Some((act, x < 2))));
             cases.push((512, 64, false, Some((act, x >= 2))));
         }
-        for (n, k, padded, act) in cases {
+        // Every case also with its rows gathered.
+        let cases: Vec<(Case, bool)> = cases.iter().flat_map(|&c| [(c, false), (c, true)]).collect();
+        for ((n, k, padded, act), gathered) in cases {
             // 2100 rows: 17 row blocks, more than one group of 16.
             let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 2100];
             let e = counts.len();
@@ -259,6 +276,15 @@ mod tests {
             let mut cd = s.clone_htod(&vec![poison; rows * width]).unwrap();
             let (countd, offd) = (s.clone_htod(&counts).unwrap(), s.clone_htod(&offsets).unwrap());
             let ptrs = [dptr(&countd, &gpu), dptr(&offd, &gpu)];
+            // Row r of A is token (r · 7919) % rows of x, held by slot 3 · token + r % 3.
+            let token = |r: usize| (r * 7919) % rows;
+            let mut x = vec![0u16; rows * k];
+            for r in 0..rows {
+                x[token(r) * k..(token(r) + 1) * k].copy_from_slice(&a[r * k..(r + 1) * k]);
+            }
+            let slot_of_row: Vec<i32> = (0..rows).map(|r| (3 * token(r) + r % 3) as i32).collect();
+            let (xd, sd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&slot_of_row).unwrap());
+            let gather = gathered.then(|| Gather { x: dptr(&xd, &gpu), slot_of_row: dptr(&sd, &gpu), k: 3 });
             let epilogue = match act {
                 None => Epilogue::Product,
                 Some((activation, b)) => Epilogue::Activation { activation, bias: if b { dptr(&bd, &gpu) } else { 0 } },
@@ -267,11 +293,11 @@ mod tests {
             for _ in 0..2 {
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
                 let ac = [dptr(&ad, &gpu), dptr(&cd, &gpu)];
-                gemm.run(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue).unwrap();
+                gemm.run(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue, gather).unwrap();
             }
             let got = s.clone_dtoh(&cd).unwrap();
             let mut owned = vec![false; rows];
-            let what = format!("n {n} k {k} padded {padded} activation {act:?}");
+            let what = format!("n {n} k {k} padded {padded} activation {act:?} gathered {gathered}");
             for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
                 let dot = |r: usize, j: usize| (0..k).map(|q| v(a[r * k + q]) * v(w[(x * n + j) * k + q])).sum::<f64>();
                 for r in off as usize..(off + cnt) as usize {

@@ -270,7 +270,7 @@ impl CudaMoeLayer {
             match hopper {
                 Some((hg, dev)) => {
                     let epilogue = Epilogue::Activation { activation: c.activation, bias: b13 };
-                    hg.run(s, dptr(&self.w.w13, g), [2 * i, h], [a, act], el * cap, dev, el, epilogue)?;
+                    hg.run(s, dptr(&self.w.w13, g), [2 * i, h], [a, act], el * cap, dev, el, epilogue, None)?;
                     mark(4)?;
                 }
                 None => {
@@ -282,14 +282,14 @@ impl CudaMoeLayer {
             mark(5)?;
             match hopper {
                 Some((hg, dev)) => {
-                    hg.run(s, dptr(&self.w.w2, g), [h, i], [act, y], el * cap, dev, el, Epilogue::Product)?
+                    hg.run(s, dptr(&self.w.w2, g), [h, i], [act, y], el * cap, dev, el, Epilogue::Product, None)?
                 }
                 None => self.masked_gemm(Projection::Down, [act, y], cap, counts, 0, el * cap)?,
             }
             mark(6)?;
         } else {
             // No row offsets on the device: cuBLAS over the padded layout.
-            self.mlp(b, bufs, el, cap, (&[], [counts, 0]), 0, mark)?;
+            self.mlp(b, bufs, el, cap, (&[], [counts, 0]), 0, None, mark)?;
         }
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let y = bufs[3];

@@ -15,7 +15,7 @@ use crate::router::RouterConfig;
 use crate::tensor::Tensor;
 use cudarc::cublas::{sys as cb, CudaBlas};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use hopper_gemm::Epilogue;
+use hopper_gemm::{Epilogue, Gather};
 use std::sync::Mutex;
 
 mod dual_batch;
@@ -169,6 +169,8 @@ struct Grouping {
     experts: usize,
     cap: usize,
     skip: i32,
+    /// Copy the rows into place (false: the Hopper GEMM gathers them itself).
+    copy_rows: bool,
 }
 
 /// One MoE layer resident on a GPU.
@@ -797,13 +799,14 @@ impl CudaMoeLayer {
     }
 
     /// Rows of `b.x_bf` into `b.a` grouped by expert (expert `x` from row `offsets[x]`, or
-    /// `x · cap` when `cap > 0`), with the slot/row maps.
-    fn permute(&self, b: &Buffers, t: usize, cap: usize) -> Result<()> {
+    /// `x · cap` when `cap > 0`), with the slot/row maps; without `copy_rows` only the maps
+    /// (the Hopper GEMM then gathers the rows itself).
+    fn permute(&self, b: &Buffers, t: usize, cap: usize, copy_rows: bool) -> Result<()> {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         let g = &self.gpu;
         let pi = |x: &CudaSlice<i32>| dptr(x, g);
         let maps = [pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row)];
-        let plan = Grouping { ids: pi(&b.ids), slots: t * k, experts: e, cap, skip: -1 };
+        let plan = Grouping { ids: pi(&b.ids), slots: t * k, experts: e, cap, skip: -1, copy_rows };
         self.group_rows(&plan, pi(&b.counts), pi(&b.offsets), maps, dptr(&b.x_bf, g), k, dptr(&b.a, g))
     }
 
@@ -848,15 +851,17 @@ impl CudaMoeLayer {
                 .arg(&er)
                 .launch(warps)
                 .map_err(|e| err("scatter", e))?;
-            s.launch_builder(&self.k.gather)
-                .arg(&x)
-                .arg(&hi)
-                .arg(&rs)
-                .arg(&ki)
-                .arg(&slots)
-                .arg(&a)
-                .launch(rows(p.slots, 128))
-                .map_err(|e| err("gather", e))?;
+            if p.copy_rows {
+                s.launch_builder(&self.k.gather)
+                    .arg(&x)
+                    .arg(&hi)
+                    .arg(&rs)
+                    .arg(&ki)
+                    .arg(&slots)
+                    .arg(&a)
+                    .launch(rows(p.slots, 128))
+                    .map_err(|e| err("gather", e))?;
+            }
         }
         Ok(())
     }
@@ -892,6 +897,7 @@ impl CudaMoeLayer {
         cap: usize,
         (groups, dev): (&[(usize, usize, usize)], [u64; 2]),
         rows_total: usize,
+        gather: Option<Gather>,
         mark: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
         let [a, h13, act, y, expert_of_row] = bufs;
@@ -903,6 +909,9 @@ impl CudaMoeLayer {
         }
         let b13 = self.w.b13.as_ref().map_or(0u64, |x| dptr(x, &self.gpu));
         let hopper = self.hopper_for(rows_total, experts).filter(|_| cap == 0 && dev[1] != 0);
+        if gather.is_some() && hopper.is_none() {
+            return Err(MoeError::Unsupported("rows left to gather without the Hopper GEMM".into()));
+        }
         if let Some(hg) = hopper {
             let epilogue = Epilogue::Activation { activation: self.config.activation, bias: b13 };
             hg.run(
@@ -914,6 +923,7 @@ impl CudaMoeLayer {
                 dev,
                 experts,
                 epilogue,
+                gather,
             )?;
             mark(4)?;
         } else {
@@ -931,7 +941,7 @@ impl CudaMoeLayer {
         match (hopper, cap) {
             (Some(hg), _) => {
                 let w2 = dptr(&self.w.w2, &self.gpu);
-                hg.run(&self.gpu.stream, w2, [h, i], [act, y], act_rows, dev, experts, Epilogue::Product)?
+                hg.run(&self.gpu.stream, w2, [h, i], [act, y], act_rows, dev, experts, Epilogue::Product, None)?
             }
             (None, 0) => self.grouped_gemm(b, &self.w.w2, h, i, act, y, groups)?,
             (None, _) => self.padded_gemm(&self.w.w2, h, i, act, y, experts, cap)?,
@@ -963,7 +973,14 @@ impl CudaMoeLayer {
             s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
         }
         let cap = if on_device { 0 } else { self.padding(e, t * k, counts.iter().map(|&c| c as usize)) };
-        self.permute(b, t, cap)?;
+        // The Hopper GEMM gathers the rows of its up projection itself (not for fp8 rows,
+        // which are rounded in place first).
+        let gather = (!fp8 && !self.w8a8 && self.hopper_for(t * k, e).is_some()).then(|| Gather {
+            x: dptr(&b.x_bf, g),
+            slot_of_row: dptr(&b.slot_of_row, g),
+            k,
+        });
+        self.permute(b, t, cap, gather.is_none())?;
         let mut groups = Vec::new();
         let mut off = 0usize;
         for (x, &cnt) in counts.iter().enumerate() {
@@ -987,7 +1004,8 @@ impl CudaMoeLayer {
             self.masked_gemm(masked_gemm::Projection::Down, [act, y], 0, counts, offsets, t * k)?;
             mark(6)?;
         } else {
-            self.mlp(b, bufs, e, cap, (&groups, [dptr(&b.counts, g), dptr(&b.offsets, g)]), t * k, mark)?;
+            let dev = [dptr(&b.counts, g), dptr(&b.offsets, g)];
+            self.mlp(b, bufs, e, cap, (&groups, dev), t * k, gather, mark)?;
         }
         mark(7)
     }
@@ -1141,10 +1159,11 @@ impl CudaMoeLayer {
                 .launch(warps)
                 .map_err(|e| err("count", e))?;
         }
-        let plan = Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32 };
+        let plan =
+            Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows: true };
         self.group_rows(&plan, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
         mark(3)?;
-        self.mlp(b, bufs, el, cap, (&groups, [ecounts, eoffsets]), slots_here, mark)?;
+        self.mlp(b, bufs, el, cap, (&groups, [ecounts, eoffsets]), slots_here, None, mark)?;
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ri, ki) = (received as i32, k as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
