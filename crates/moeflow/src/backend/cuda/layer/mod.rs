@@ -1159,11 +1159,17 @@ impl CudaMoeLayer {
                 .launch(warps)
                 .map_err(|e| err("count", e))?;
         }
-        let plan =
-            Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows: true };
+        // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
+        let gather = (cap == 0 && !self.w8a8 && self.hopper_for(slots_here, el).is_some()).then_some(Gather {
+            x: recv_rows,
+            slot_of_row: maps[1],
+            k,
+        });
+        let copy_rows = gather.is_none();
+        let plan = Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
         self.group_rows(&plan, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
         mark(3)?;
-        self.mlp(b, bufs, el, cap, (&groups, [ecounts, eoffsets]), slots_here, None, mark)?;
+        self.mlp(b, bufs, el, cap, (&groups, [ecounts, eoffsets]), slots_here, gather, mark)?;
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ri, ki) = (received as i32, k as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
