@@ -1,6 +1,8 @@
 //! The Hopper grouped GEMM's launcher (`kernels/grouped_gemm_sm90.cu`): every expert's rows in
 //! one persistent wgmma launch, expert counts and row offsets read on the device, operands
-//! streamed by TMA through descriptors encoded here.
+//! streamed by TMA through descriptors encoded here (or, for an up projection, token rows
+//! gathered by the kernel itself: [`Gather`]), with the activation in the up projection's
+//! epilogue ([`Epilogue`]).
 
 use super::{act_params, err, CudaMoeLayer};
 use crate::error::{MoeError, Result};
