@@ -1,8 +1,8 @@
 //! Hugging Face checkpoints: find the MoE blocks of a model and load one, with the model
 //! family's own tensor names and router semantics.
 //!
-//! One file per family: [`mixtral`], [`qwen_moe`] (Qwen2-MoE, Qwen3-MoE, OLMoE), [`deepseek`]
-//! (V2, V3), [`gpt_oss`]. Quantized weights (GPT-OSS MXFP4, DeepSeek-V3 fp8 blocks) are
+//! One file per family: `mixtral.rs`, `qwen_moe.rs` (Qwen2-MoE, Qwen3-MoE, OLMoE), `deepseek.rs`
+//! (V2, V3), `gpt_oss.rs`. Quantized weights (GPT-OSS MXFP4, DeepSeek-V3 fp8 blocks) are
 //! dequantized on load.
 
 mod checkpoint;
