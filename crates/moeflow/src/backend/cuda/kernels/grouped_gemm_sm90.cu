@@ -8,8 +8,8 @@
 // [rows, I]: a tile takes 128 gate and the 128 matching up rows of W, so each lane holds the
 // gate and up value of the same output column, straight from the f32 accumulators.
 //
-// With gather_x (the single-GPU up projection) the rows of A are not read from a permuted
-// copy: the producer warpgroup copies each token's row into the stage itself with cp.async,
+// With gather_x (the up projection on one GPU and in the expert-parallel layer) the rows of A
+// are not read from a permuted copy: the producer warpgroup copies each token's row into the stage itself with cp.async,
 // eight threads a row, in the swizzled layout TMA would write (H200, DeepSeek-V3 shapes: 1.40
 // against 1.42–1.43 ms at 128 tokens, 5.35–5.40 against 5.39–5.43 at 4096; with one thread a
 // row, each warp instruction touching 32 rows, 4096 tokens took 6.74).
@@ -247,7 +247,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         // there are none left. A tile is claimed only when its first stage is free: claiming
         // one tile ahead (to hide the atomic) left whole tiles waiting behind busy blocks at
         // the end (H200, 2048 tokens: 3.36 against 3.10 ms).
-        // Gathering, every thread of the warpgroup copies one row of each A stage.
+        // Gathering, every thread of the warpgroup copies its share of each A stage.
         if (threadIdx.x != 0 && !gather) return;
         const int me = threadIdx.x;
         int stage = 0;
