@@ -9,10 +9,11 @@
 // gate and up value of the same output column, straight from the f32 accumulators.
 //
 // With gather_x (the up projection on one GPU and in the expert-parallel layer) the rows of A
-// are not read from a permuted copy: the producer warpgroup copies each token's row into the stage itself with cp.async,
-// eight threads a row, in the swizzled layout TMA would write (H200, DeepSeek-V3 shapes: 1.40
-// against 1.42–1.43 ms at 128 tokens, 5.35–5.40 against 5.39–5.43 at 4096; with one thread a
-// row, each warp instruction touching 32 rows, 4096 tokens took 6.74).
+// are not read from a permuted copy: the producer warpgroup copies each token's row into the
+// stage itself with cp.async, eight threads a row, in the swizzled layout TMA would write
+// (H200, DeepSeek-V3 shapes, one GPU: 1.40 against 1.42–1.43 ms at 128 tokens, 5.35–5.40
+// against 5.39–5.43 at 4096; with one thread a row, each warp instruction touching 32 rows,
+// 4096 tokens took 6.74).
 //
 // Built for sm_90a (wgmma and TMA exist only there): each block owns an SM and takes the
 // 128 × 256 output tiles of every expert, in order, from a counter the blocks share (the
