@@ -354,14 +354,11 @@ fn read_message(s: &mut TcpStream) -> std::io::Result<Message> {
         b'B' => Ok(Message::Bye),
         b'A' => Ok(Message::Abort(String::from_utf8_lossy(&read_blob(s)?).into_owned())),
         b'M' => {
-            let [lo, hi, size] = read_u32s::<3>(s)?;
-            let key = u64::from(u32::from_le(lo)) | u64::from(u32::from_le(hi)) << 32;
+            let key = read_u64(s)?;
+            let [size] = read_u32s::<1>(s)?;
             Ok(Message::Arrived { key, size: u32::from_le(size) as usize })
         }
-        b'G' => {
-            let [lo, hi] = read_u32s::<2>(s)?;
-            Ok(Message::AllArrived(u64::from(u32::from_le(lo)) | u64::from(u32::from_le(hi)) << 32))
-        }
+        b'G' => Ok(Message::AllArrived(read_u64(s)?)),
         other => Err(std::io::Error::other(format!("unknown message {other}"))),
     }
 }
@@ -370,6 +367,13 @@ fn read_u32s<const N: usize>(s: &mut impl Read) -> std::io::Result<[u32; N]> {
     let mut v = [0u32; N];
     s.read_exact(bytemuck::cast_slice_mut(&mut v))?;
     Ok(v)
+}
+
+/// A little-endian u64 (a meeting's key).
+fn read_u64(s: &mut impl Read) -> std::io::Result<u64> {
+    let mut b = [0u8; 8];
+    s.read_exact(&mut b)?;
+    Ok(u64::from_le_bytes(b))
 }
 
 fn write_blob(s: &mut impl Write, data: &[u8]) -> std::io::Result<()> {

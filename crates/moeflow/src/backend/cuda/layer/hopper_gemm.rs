@@ -203,6 +203,13 @@ impl CudaMoeLayer {
         self.k.hopper.as_ref().filter(|_| wanted && h % 8 == 0 && i % 8 == 0)
     }
 
+    /// Whether the up projection over `rows` rows of `experts` experts gathers its rows itself
+    /// ([`Gather`]): the Hopper GEMM runs on the grouped layout (`cap` 0), and the rows need no
+    /// rounding in place first (W8A8).
+    pub(super) fn hopper_gathers(&self, rows: usize, experts: usize, cap: usize) -> bool {
+        cap == 0 && !self.w8a8 && self.hopper_for(rows, experts).is_some()
+    }
+
     /// The Hopper grouped GEMM for the low-latency layer's padded layout (it reads the counts
     /// on the device, so the layer stays capturable), with bf16 experts; fp8 experts and
     /// other GPUs run the masked GEMM. Measured on 2 × H200, EP 2, DeepSeek-V3 shapes, 64

@@ -973,9 +973,8 @@ impl CudaMoeLayer {
             s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
         }
         let cap = if on_device { 0 } else { self.padding(e, t * k, counts.iter().map(|&c| c as usize)) };
-        // The Hopper GEMM gathers the rows of its up projection itself (not for fp8 rows,
-        // which are rounded in place first).
-        let gather = (!fp8 && !self.w8a8 && self.hopper_for(t * k, e).is_some()).then(|| Gather {
+        // The Hopper GEMM gathers the rows of its up projection itself.
+        let gather = (!fp8 && self.hopper_gathers(t * k, e, cap)).then(|| Gather {
             x: dptr(&b.x_bf, g),
             slot_of_row: dptr(&b.slot_of_row, g),
             k,
@@ -1160,11 +1159,8 @@ impl CudaMoeLayer {
                 .map_err(|e| err("count", e))?;
         }
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
-        let gather = (cap == 0 && !self.w8a8 && self.hopper_for(slots_here, el).is_some()).then_some(Gather {
-            x: recv_rows,
-            slot_of_row: maps[1],
-            k,
-        });
+        let gather =
+            self.hopper_gathers(slots_here, el, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
         let copy_rows = gather.is_none();
         let plan = Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
         self.group_rows(&plan, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
