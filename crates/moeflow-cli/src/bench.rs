@@ -156,18 +156,20 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         _ => (true, 0),
     };
     let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
-    let (gemm_tflops, copy_gbps) = measure_ceilings(device)?;
+    let ceilings = measure_ceilings(device)?;
+    let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
     bar0.finish_and_clear();
     if rank0 {
         println!(
             "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, {dtype}; \
-             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
+             GEMM {:.0} TFLOP/s ({:.0} sustained), copy {:.0} GB/s per GPU",
             p.name,
             par.ep,
             config.num_experts,
             config.num_experts / par.ep,
             config.top_k,
             gemm_tflops,
+            ceilings.gemm_tflops_sustained,
             copy_gbps
         );
     }
@@ -257,7 +259,8 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let local = config.num_experts / par.ep;
         let bytes = local.min(t * par.ep * config.top_k) * per_expert
             + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
-        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        let floor_at = |tflops: f64| (flops / (tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        let floor = floor_at(gemm_tflops);
         let sent = med(|s| s.dispatch_bytes as f64);
         let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
         let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
@@ -301,6 +304,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             gflops: flops / ms / 1e6,
             matmul_fraction: flops / ms / 1e9 / gemm_tflops,
             floor_ms: floor,
+            floor_sustained_ms: Some(floor_at(ceilings.gemm_tflops_sustained)),
             runs: slowest.len(),
             stages_ms: StageTimes {
                 route: med(|s| s.route),
@@ -416,6 +420,9 @@ pub struct Record {
     pub matmul_fraction: f64,
     /// max(FLOPs at the matmul rate, weight bytes at the copy bandwidth).
     pub floor_ms: f64,
+    /// GPU: the same floor with the GEMM rate a GPU holds under sustained load (its power cap
+    /// lowers the clocks within a second), the rate a long run of GEMMs can reach.
+    pub floor_sustained_ms: Option<f64>,
     pub runs: usize,
     /// Median time of each stage on rank 0, ms.
     pub stages_ms: StageTimes,
@@ -505,8 +512,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // The compute floor uses the cores' FMA peak where it was measured (no GEMM beats it),
     // else the matmul rate.
     let (matmul_gflops, copy_gbps, ceiling_name, fma_peak) = if gpu {
-        let (tflops, gbps) = moeflow::backend::cuda::measure_ceilings(device)?;
-        (tflops * 1e3, gbps, "cuBLAS bf16 8192³", None)
+        let c = moeflow::backend::cuda::measure_ceilings(device)?;
+        (c.gemm_tflops * 1e3, c.copy_gbps, "cuBLAS bf16 8192³", None)
     } else {
         let host = ceiling::measure();
         (host.matmul_gflops, host.copy_gbps, "gemm crate, f32", host.fma_peak_gflops)
@@ -675,6 +682,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             gflops,
             matmul_fraction: gflops / (devices * matmul_gflops),
             floor_ms,
+            floor_sustained_ms: None,
             runs: m.totals.len(),
             stages_ms,
             bytes_moved_per_rank: m.bytes,
@@ -706,12 +714,14 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         gpu = gpu.fp8_activations()?;
     }
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
-    let (gemm_tflops, copy_gbps) = gpu.measure_ceilings()?;
+    let ceilings = gpu.measure_ceilings()?;
+    let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
     let device = gpu.device_name();
     let gpu = Timed::new(gpu, args.parallel.dual_batch, None)?;
     bar0.finish_and_clear();
     println!(
-        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
+        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³; {:.0} sustained), \
+         copy {:.0} GB/s",
         p.name,
         device,
         config.num_experts,
@@ -723,6 +733,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         },
         if args.parallel.dual_batch { ", dual-batch overlap" } else { "" },
         gemm_tflops,
+        ceilings.gemm_tflops_sustained,
         copy_gbps
     );
     println!(
@@ -758,7 +769,8 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         let bytes = experts_read * per_expert
             + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2)
             + t * config.hidden * 8;
-        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        let floor_at = |tflops: f64| (flops / (tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        let floor = floor_at(gemm_tflops);
         println!(
             "{:>7} {:>9.3} {:>8.1} {:>8.0} {:>9.3} {:>6.0}%   {:>6.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>6.3}",
             t,
@@ -789,6 +801,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             gflops: flops / ms / 1e6,
             matmul_fraction: flops / ms / 1e9 / gemm_tflops,
             floor_ms: floor,
+            floor_sustained_ms: Some(floor_at(ceilings.gemm_tflops_sustained)),
             runs,
             stages_ms: StageTimes {
                 route: med(|s| s.route),

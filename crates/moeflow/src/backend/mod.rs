@@ -30,6 +30,19 @@ pub struct GpuStageTimes {
     pub dispatch_bytes: usize,
 }
 
+/// A GPU's ceilings, measured where the benchmark runs.
+#[derive(Clone, Copy, Debug)]
+pub struct GpuCeilings {
+    /// Dense bf16 GEMM TFLOP/s (cuBLAS, 8192³ on random values: zeros draw less power and
+    /// clock higher), median of 5 runs on a cool GPU.
+    pub gemm_tflops: f64,
+    /// The same GEMM after a second of back-to-back runs, once the power cap has lowered the
+    /// clocks: the rate a long batch of GEMMs can hold.
+    pub gemm_tflops_sustained: f64,
+    /// Device-to-device copy GB/s (bytes read + written, 1 GiB), median of 5 runs.
+    pub copy_gbps: f64,
+}
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 
@@ -44,7 +57,7 @@ pub mod cuda {
         MoeError::Unsupported("this moeflow was built without CUDA; rebuild with `--features cuda`".into())
     }
 
-    pub use crate::backend::GpuStageTimes;
+    pub use crate::backend::{GpuCeilings, GpuStageTimes};
 
     /// No devices without the feature.
     pub fn device_count() -> usize {
@@ -52,7 +65,7 @@ pub mod cuda {
     }
 
     /// Always an error without the feature.
-    pub fn measure_ceilings(_device: usize) -> Result<(f64, f64)> {
+    pub fn measure_ceilings(_device: usize) -> Result<GpuCeilings> {
         Err(missing())
     }
 
@@ -128,7 +141,7 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
-        pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
+        pub fn measure_ceilings(&self) -> Result<super::GpuCeilings> {
             Err(missing())
         }
         /// Unreachable without the feature.

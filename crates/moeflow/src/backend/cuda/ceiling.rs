@@ -1,22 +1,26 @@
-//! The GPU's own ceilings, measured where the benchmark runs: dense bf16 GEMM rate and
-//! device-to-device copy bandwidth.
+//! The GPU's own ceilings, measured where the benchmark runs: dense bf16 GEMM rate, cool and
+//! under sustained load, and device-to-device copy bandwidth.
 
 use super::layer::gemm_bf16;
 use super::{err, Gpu};
+use super::GpuCeilings;
 use crate::error::Result;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys as drv, DevicePtr, LaunchConfig, PushKernelArg};
 
-/// Dense bf16 GEMM TFLOP/s (cuBLAS, 8192³ on random values: zeros draw less power and clock
-/// higher) and copy GB/s (bytes read + written, 1 GiB device-to-device) of GPU `device`,
-/// medians of 5 runs after a warm-up.
-pub fn measure_ceilings(device: usize) -> Result<(f64, f64)> {
+/// Seconds of back-to-back GEMMs before the sustained rate is timed: long enough for the
+/// power cap to bring the clocks down (on H200 they fall from 1980 MHz to 1425–1560 within
+/// a second of a MoE layer's GEMMs, throttled for software power capping).
+const LOAD_SECONDS: f64 = 1.0;
+
+/// The ceilings of GPU `device` (see [`GpuCeilings`]).
+pub fn measure_ceilings(device: usize) -> Result<GpuCeilings> {
     let gpu = Gpu::new(device)?;
     let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
     measure(&gpu, &blas)
 }
 
-pub(super) fn measure(g: &Gpu, blas: &CudaBlas) -> Result<(f64, f64)> {
+pub(super) fn measure(g: &Gpu, blas: &CudaBlas) -> Result<GpuCeilings> {
     let n = 8192usize;
     let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
     let (a, w, c) = (alloc(n * n)?, alloc(n * n)?, alloc(n * n)?);
@@ -29,30 +33,41 @@ pub(super) fn measure(g: &Gpu, blas: &CudaBlas) -> Result<(f64, f64)> {
         unsafe { g.stream.launch_builder(&fill).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(cfg) }
             .map_err(|e| err("fill", e))?;
     }
-    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        let mut v = Vec::new();
-        for rep in 0..6 {
-            let (e0, e1) = (
-                g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)),
-                g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)),
-            );
-            let (e0, e1) = (e0.map_err(|e| err("event", e))?, e1.map_err(|e| err("event", e))?);
-            e0.record(&g.stream).map_err(|e| err("event", e))?;
+    // Milliseconds `f` takes on the stream, `reps` times back to back.
+    let span = |reps: usize, f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        let new = || g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
+        let (e0, e1) = (new()?, new()?);
+        e0.record(&g.stream).map_err(|e| err("event", e))?;
+        for _ in 0..reps {
             f()?;
-            e1.record(&g.stream).map_err(|e| err("event", e))?;
-            e1.synchronize().map_err(|e| err("event", e))?;
-            if rep > 0 {
-                v.push(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64);
-            }
         }
+        e1.record(&g.stream).map_err(|e| err("event", e))?;
+        e1.synchronize().map_err(|e| err("event", e))?;
+        Ok(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64)
+    };
+    // Median of 5 single runs after a warm-up.
+    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
+        span(1, f)?;
+        let mut v = (0..5).map(|_| span(1, f)).collect::<Result<Vec<_>>>()?;
         v.sort_by(f64::total_cmp);
         Ok(v[v.len() / 2])
     };
     let ptr = |s: &cudarc::driver::CudaSlice<u16>| s.device_ptr(&g.stream).0;
     let (ap, wp, cp) = (ptr(&a), ptr(&w), ptr(&c));
-    let gemm_ms = time(&mut || gemm_bf16(blas, wp, n, n, ap, cp, n))?;
+    let mut gemm = || gemm_bf16(blas, wp, n, n, ap, cp, n);
+    let gemm_ms = time(&mut gemm)?;
+    let mut loaded = 0.0;
+    while loaded < LOAD_SECONDS * 1e3 {
+        loaded += span(50, &mut gemm)?;
+    }
+    let sustained_ms = span(20, &mut gemm)? / 20.0;
     let bytes = 1usize << 30;
     let (src, mut dst) = (alloc(bytes / 2)?, alloc(bytes / 2)?);
     let copy_ms = time(&mut || g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| err("copy", e)))?;
-    Ok((2.0 * (n * n * n) as f64 / gemm_ms / 1e9, 2.0 * bytes as f64 / copy_ms / 1e6))
+    let tflops = |ms: f64| 2.0 * (n * n * n) as f64 / ms / 1e9;
+    Ok(GpuCeilings {
+        gemm_tflops: tflops(gemm_ms),
+        gemm_tflops_sustained: tflops(sustained_ms),
+        copy_gbps: 2.0 * bytes as f64 / copy_ms / 1e6,
+    })
 }

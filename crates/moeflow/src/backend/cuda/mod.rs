@@ -8,7 +8,7 @@ mod layer;
 mod nccl;
 mod quant;
 
-pub use super::GpuStageTimes;
+pub use super::{GpuCeilings, GpuStageTimes};
 pub use ceiling::measure_ceilings;
 pub use experts::CudaExperts;
 pub use layer::{CudaDualBatch, CudaMoeLayer};

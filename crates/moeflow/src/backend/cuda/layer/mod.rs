@@ -551,7 +551,7 @@ impl CudaMoeLayer {
     }
 
     /// Measured ceilings of this GPU: see [`super::measure_ceilings`].
-    pub fn measure_ceilings(&self) -> Result<(f64, f64)> {
+    pub fn measure_ceilings(&self) -> Result<super::GpuCeilings> {
         super::ceiling::measure(&self.gpu, &self.blas)
     }
 
