@@ -162,14 +162,13 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     if rank0 {
         println!(
             "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, {dtype}; \
-             GEMM {:.0} TFLOP/s ({:.0} sustained), copy {:.0} GB/s per GPU",
+             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
             p.name,
             par.ep,
             config.num_experts,
             config.num_experts / par.ep,
             config.top_k,
             gemm_tflops,
-            ceilings.gemm_tflops_sustained,
             copy_gbps
         );
     }
@@ -249,6 +248,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     );
     let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();
+    let mut floor_inputs = Vec::new();
     let mut ours = Vec::new();
     let mut direct = Vec::new();
     for (&t, (slowest, samples)) in args.tokens.iter().zip(measured) {
@@ -259,8 +259,8 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let local = config.num_experts / par.ep;
         let bytes = local.min(t * par.ep * config.top_k) * per_expert
             + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
-        let floor_at = |tflops: f64| (flops / (tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
-        let floor = floor_at(gemm_tflops);
+        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        floor_inputs.push((flops, bytes));
         let sent = med(|s| s.dispatch_bytes as f64);
         let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
         let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
@@ -304,7 +304,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             gflops: flops / ms / 1e6,
             matmul_fraction: flops / ms / 1e9 / gemm_tflops,
             floor_ms: floor,
-            floor_sustained_ms: Some(floor_at(ceilings.gemm_tflops_sustained)),
+            floor_sustained_ms: None,
             runs: slowest.len(),
             stages_ms: StageTimes {
                 route: med(|s| s.route),
@@ -324,6 +324,9 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             direct.join(", ")
         );
     }
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
+        moeflow::backend::cuda::measure_sustained_gemm(device)
+    })?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;
     }
@@ -720,8 +723,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     let gpu = Timed::new(gpu, args.parallel.dual_batch, None)?;
     bar0.finish_and_clear();
     println!(
-        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³; {:.0} sustained), \
-         copy {:.0} GB/s",
+        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
         p.name,
         device,
         config.num_experts,
@@ -733,7 +735,6 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         },
         if args.parallel.dual_batch { ", dual-batch overlap" } else { "" },
         gemm_tflops,
-        ceilings.gemm_tflops_sustained,
         copy_gbps
     );
     println!(
@@ -754,6 +755,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     );
     let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();
+    let mut floor_inputs = Vec::new();
     for &t in &args.tokens {
         for _ in 0..3 {
             gpu.forward_timed(t, args.layer.seed)?;
@@ -769,8 +771,8 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         let bytes = experts_read * per_expert
             + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2)
             + t * config.hidden * 8;
-        let floor_at = |tflops: f64| (flops / (tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
-        let floor = floor_at(gemm_tflops);
+        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        floor_inputs.push((flops, bytes));
         println!(
             "{:>7} {:>9.3} {:>8.1} {:>8.0} {:>9.3} {:>6.0}%   {:>6.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>6.3}",
             t,
@@ -801,7 +803,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             gflops: flops / ms / 1e6,
             matmul_fraction: flops / ms / 1e9 / gemm_tflops,
             floor_ms: floor,
-            floor_sustained_ms: Some(floor_at(ceilings.gemm_tflops_sustained)),
+            floor_sustained_ms: None,
             runs,
             stages_ms: StageTimes {
                 route: med(|s| s.route),
@@ -814,8 +816,35 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             comm_gbps: None,
         });
     }
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;
     }
+    Ok(())
+}
+
+/// After a GPU benchmark's runs (it leaves the GPU throttled for a while): measures the GEMM
+/// rate the GPU holds under sustained load, prints it with each record's floor at that rate,
+/// and sets the records' `floor_sustained_ms` from their (FLOPs, bytes).
+fn sustained_floors(
+    records: &mut [Record],
+    floor_inputs: &[(f64, usize)],
+    copy_gbps: f64,
+    measure: impl FnOnce() -> Result<f64>,
+) -> Result<()> {
+    let bar = spinner("measuring the GEMM rate under sustained load".into());
+    let tflops = measure()?;
+    bar.finish_and_clear();
+    let mut floors = Vec::new();
+    for (r, &(flops, bytes)) in records.iter_mut().zip(floor_inputs) {
+        let floor = (flops / (tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        r.floor_sustained_ms = Some(floor);
+        floors.push(format!("T {} {:.3} ms ({:.0}%)", r.tokens, floor, 100.0 * floor / r.ms));
+    }
+    println!(
+        "sustained: the same GEMM runs at {tflops:.0} TFLOP/s after a second of load (power-capped clocks); \
+         floors at that rate: {}",
+        floors.join(", ")
+    );
     Ok(())
 }

@@ -30,15 +30,13 @@ pub struct GpuStageTimes {
     pub dispatch_bytes: usize,
 }
 
-/// A GPU's ceilings, measured where the benchmark runs.
+/// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds
+/// under sustained load is measured apart: `measure_sustained_gemm`).
 #[derive(Clone, Copy, Debug)]
 pub struct GpuCeilings {
     /// Dense bf16 GEMM TFLOP/s (cuBLAS, 8192³ on random values: zeros draw less power and
-    /// clock higher), median of 5 runs on a cool GPU.
+    /// clock higher), median of 5 runs.
     pub gemm_tflops: f64,
-    /// The same GEMM after a second of back-to-back runs, once the power cap has lowered the
-    /// clocks: the rate a long batch of GEMMs can hold.
-    pub gemm_tflops_sustained: f64,
     /// Device-to-device copy GB/s (bytes read + written, 1 GiB), median of 5 runs.
     pub copy_gbps: f64,
 }
@@ -66,6 +64,11 @@ pub mod cuda {
 
     /// Always an error without the feature.
     pub fn measure_ceilings(_device: usize) -> Result<GpuCeilings> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
+    pub fn measure_sustained_gemm(_device: usize) -> Result<f64> {
         Err(missing())
     }
 
@@ -144,6 +147,7 @@ pub mod cuda {
         pub fn measure_ceilings(&self) -> Result<super::GpuCeilings> {
             Err(missing())
         }
+
         /// Unreachable without the feature.
         pub fn device_name(&self) -> String {
             String::new()

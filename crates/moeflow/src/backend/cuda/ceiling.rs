@@ -1,73 +1,108 @@
-//! The GPU's own ceilings, measured where the benchmark runs: dense bf16 GEMM rate, cool and
-//! under sustained load, and device-to-device copy bandwidth.
+//! The GPU's own ceilings, measured where the benchmark runs: dense bf16 GEMM rate (on a cool
+//! GPU, and under sustained load) and device-to-device copy bandwidth.
 
 use super::layer::gemm_bf16;
-use super::{err, Gpu};
 use super::GpuCeilings;
+use super::{err, Gpu};
 use crate::error::Result;
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{sys as drv, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys as drv, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Seconds of back-to-back GEMMs before the sustained rate is timed: long enough for the
 /// power cap to bring the clocks down (on H200 they fall from 1980 MHz to 1425–1560 within
 /// a second of a MoE layer's GEMMs, throttled for software power capping).
 const LOAD_SECONDS: f64 = 1.0;
+/// The square GEMM both rates are measured on.
+const N: usize = 8192;
 
-/// The ceilings of GPU `device` (see [`GpuCeilings`]).
+/// The cool ceilings of GPU `device` (see [`GpuCeilings`]).
 pub fn measure_ceilings(device: usize) -> Result<GpuCeilings> {
     let gpu = Gpu::new(device)?;
     let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
     measure(&gpu, &blas)
 }
 
-pub(super) fn measure(g: &Gpu, blas: &CudaBlas) -> Result<GpuCeilings> {
-    let n = 8192usize;
-    let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
-    let (a, w, c) = (alloc(n * n)?, alloc(n * n)?, alloc(n * n)?);
-    let fill = g.function("fill_uniform_bf16")?;
-    for (seed, m) in [(1u64, &a), (2, &w)] {
-        let (ptr, len, scale) = (m.device_ptr(&g.stream).0, (n * n) as i64, 1.0f32);
-        let blocks = (n * n).div_ceil(256).min(65_535) as u32;
-        let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: fill_uniform_bf16(bf16*, long, u64, float) writes the n² values of `m`.
-        unsafe { g.stream.launch_builder(&fill).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(cfg) }
-            .map_err(|e| err("fill", e))?;
-    }
-    // Milliseconds `f` takes on the stream, `reps` times back to back.
-    let span = |reps: usize, f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        let new = || g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
-        let (e0, e1) = (new()?, new()?);
-        e0.record(&g.stream).map_err(|e| err("event", e))?;
-        for _ in 0..reps {
-            f()?;
+/// The dense bf16 GEMM TFLOP/s GPU `device` holds under sustained load (see
+/// [`measure_sustained`]).
+pub fn measure_sustained_gemm(device: usize) -> Result<f64> {
+    let gpu = Gpu::new(device)?;
+    let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
+    measure_sustained(&gpu, &blas)
+}
+
+/// Random bf16 operands and an output of the N × N GEMM.
+struct Operands {
+    a: CudaSlice<u16>,
+    w: CudaSlice<u16>,
+    c: CudaSlice<u16>,
+}
+
+impl Operands {
+    fn new(g: &Gpu) -> Result<Self> {
+        let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
+        let (a, w, c) = (alloc(N * N)?, alloc(N * N)?, alloc(N * N)?);
+        let fill = g.function("fill_uniform_bf16")?;
+        for (seed, m) in [(1u64, &a), (2, &w)] {
+            let (ptr, len, scale) = (m.device_ptr(&g.stream).0, (N * N) as i64, 1.0f32);
+            let blocks = (N * N).div_ceil(256).min(65_535) as u32;
+            let cfg = LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: fill_uniform_bf16(bf16*, long, u64, float) writes the N² values of `m`.
+            unsafe { g.stream.launch_builder(&fill).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(cfg) }
+                .map_err(|e| err("fill", e))?;
         }
-        e1.record(&g.stream).map_err(|e| err("event", e))?;
-        e1.synchronize().map_err(|e| err("event", e))?;
-        Ok(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64)
-    };
-    // Median of 5 single runs after a warm-up.
-    let time = |f: &mut dyn FnMut() -> Result<()>| -> Result<f64> {
-        span(1, f)?;
-        let mut v = (0..5).map(|_| span(1, f)).collect::<Result<Vec<_>>>()?;
-        v.sort_by(f64::total_cmp);
-        Ok(v[v.len() / 2])
-    };
-    let ptr = |s: &cudarc::driver::CudaSlice<u16>| s.device_ptr(&g.stream).0;
-    let (ap, wp, cp) = (ptr(&a), ptr(&w), ptr(&c));
-    let mut gemm = || gemm_bf16(blas, wp, n, n, ap, cp, n);
-    let gemm_ms = time(&mut gemm)?;
+        Ok(Operands { a, w, c })
+    }
+
+    fn gemm(&self, g: &Gpu, blas: &CudaBlas) -> Result<()> {
+        let p = |s: &CudaSlice<u16>| s.device_ptr(&g.stream).0;
+        gemm_bf16(blas, p(&self.w), N, N, p(&self.a), p(&self.c), N)
+    }
+}
+
+/// Milliseconds `f` takes on the stream, `reps` times back to back.
+fn span(g: &Gpu, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    let new = || g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
+    let (e0, e1) = (new()?, new()?);
+    e0.record(&g.stream).map_err(|e| err("event", e))?;
+    for _ in 0..reps {
+        f()?;
+    }
+    e1.record(&g.stream).map_err(|e| err("event", e))?;
+    e1.synchronize().map_err(|e| err("event", e))?;
+    Ok(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64)
+}
+
+/// Median milliseconds of 5 single runs of `f` after a warm-up.
+fn median_ms(g: &Gpu, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
+    span(g, 1, f)?;
+    let mut v = (0..5).map(|_| span(g, 1, f)).collect::<Result<Vec<_>>>()?;
+    v.sort_by(f64::total_cmp);
+    Ok(v[v.len() / 2])
+}
+
+fn tflops(ms: f64) -> f64 {
+    2.0 * (N * N * N) as f64 / ms / 1e9
+}
+
+pub(super) fn measure(g: &Gpu, blas: &CudaBlas) -> Result<GpuCeilings> {
+    let ops = Operands::new(g)?;
+    let gemm_ms = median_ms(g, &mut || ops.gemm(g, blas))?;
+    drop(ops);
+    let bytes = 1usize << 30;
+    let alloc = |len: usize| g.stream.alloc_zeros::<u16>(len).map_err(|e| err("alloc", e));
+    let (src, mut dst) = (alloc(bytes / 2)?, alloc(bytes / 2)?);
+    let copy_ms = median_ms(g, &mut || g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| err("copy", e)))?;
+    Ok(GpuCeilings { gemm_tflops: tflops(gemm_ms), copy_gbps: 2.0 * bytes as f64 / copy_ms / 1e6 })
+}
+
+/// The GEMM's rate over 20 runs after [`LOAD_SECONDS`] of back-to-back runs. It leaves the GPU
+/// throttled for a while, so benchmarks measure it after their own runs.
+fn measure_sustained(g: &Gpu, blas: &CudaBlas) -> Result<f64> {
+    let ops = Operands::new(g)?;
+    let mut gemm = || ops.gemm(g, blas);
     let mut loaded = 0.0;
     while loaded < LOAD_SECONDS * 1e3 {
-        loaded += span(50, &mut gemm)?;
+        loaded += span(g, 50, &mut gemm)?;
     }
-    let sustained_ms = span(20, &mut gemm)? / 20.0;
-    let bytes = 1usize << 30;
-    let (src, mut dst) = (alloc(bytes / 2)?, alloc(bytes / 2)?);
-    let copy_ms = time(&mut || g.stream.memcpy_dtod(&src, &mut dst).map_err(|e| err("copy", e)))?;
-    let tflops = |ms: f64| 2.0 * (n * n * n) as f64 / ms / 1e9;
-    Ok(GpuCeilings {
-        gemm_tflops: tflops(gemm_ms),
-        gemm_tflops_sustained: tflops(sustained_ms),
-        copy_gbps: 2.0 * bytes as f64 / copy_ms / 1e6,
-    })
+    Ok(tflops(span(g, 20, &mut gemm)? / 20.0))
 }

@@ -9,7 +9,7 @@ mod nccl;
 mod quant;
 
 pub use super::{GpuCeilings, GpuStageTimes};
-pub use ceiling::measure_ceilings;
+pub use ceiling::{measure_ceilings, measure_sustained_gemm};
 pub use experts::CudaExperts;
 pub use layer::{CudaDualBatch, CudaMoeLayer};
 

@@ -35,8 +35,19 @@ __device__ float shared_gate(const float* x, const float* gate, long t, int H, f
 
 extern "C" {
 
+// y = x rounded to bf16: eight values a step (two 16-byte loads, one 16-byte store) when both
+// are 16-byte aligned, then the rest one by one (H200, 4096 × 7168: 91 µs one value a step).
 __global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) y[i] = f32_to_bf16(x[i]);
+    const long first = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+    const long n8 = (((u64)x | (u64)y) & 15) == 0 ? n / 8 : 0;
+    for (long i = first; i < n8; i += stride) {
+        const float4 a = ((const float4*)x)[2 * i], b = ((const float4*)x)[2 * i + 1];
+        const float v[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+        unsigned int o[4];
+        for (int j = 0; j < 4; j++) o[j] = (unsigned int)f32_to_bf16(v[2 * j]) | ((unsigned int)f32_to_bf16(v[2 * j + 1]) << 16);
+        ((uint4*)y)[i] = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    for (long i = 8 * n8 + first; i < n; i += stride) y[i] = f32_to_bf16(x[i]);
 }
 
 // Deterministic uniform values in [-scale, scale) from (seed, index): for large benchmarks.
@@ -299,15 +310,28 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 // The weighted rows of one token, in slot order: acc[q] += w_j · (y[rows_j, h] + b2[ids_j, h]) for
 // the eight columns h = 8c + q (sum_rows8; H % 8 == 0) or the one column h (sum_rows1), over the
 // slots j < k whose row is not -1. `w` null means weight 1; `b2` null means no bias.
+// (The rows are loaded four at a time before any is summed, so their loads overlap; the sums
+// keep slot order. H200, 4096 tokens × 8 slots × 7168: combine took 184 µs one row at a time.)
 __device__ __forceinline__ void sum_rows8(const bf16_t* y, const float* b2, const int* rows, const int* ids,
                                           const float* w, int k, int H, int c, float* acc) {
-    for (int j = 0; j < k; j++) {
-        if (rows[j] < 0) continue;
-        float v[8];
-        unpack8(((const uint4*)(y + (long)rows[j] * H))[c], v);
-        float wj = w ? w[j] : 1.0f;
-        const float* bj = b2 ? b2 + (long)ids[j] * H + 8 * c : 0;
-        for (int q = 0; q < 8; q++) acc[q] += wj * (bj ? v[q] + bj[q] : v[q]);
+    for (int j0 = 0; j0 < k; j0 += 4) {
+        int r[4];
+        uint4 raw[4];
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            r[u] = j0 + u < k ? rows[j0 + u] : -1;
+            if (r[u] >= 0) raw[u] = ((const uint4*)(y + (long)r[u] * H))[c];
+        }
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            if (r[u] < 0) continue;
+            const int j = j0 + u;
+            float v[8];
+            unpack8(raw[u], v);
+            float wj = w ? w[j] : 1.0f;
+            const float* bj = b2 ? b2 + (long)ids[j] * H + 8 * c : 0;
+            for (int q = 0; q < 8; q++) acc[q] += wj * (bj ? v[q] + bj[q] : v[q]);
+        }
     }
 }
 __device__ __forceinline__ float sum_rows1(const bf16_t* y, const float* b2, const int* rows, const int* ids,
