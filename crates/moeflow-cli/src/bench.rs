@@ -83,12 +83,13 @@ fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool) -> Result
     }
 }
 
-/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, also with
-/// dual-batch overlap, or low-latency in a CUDA graph).
+/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v or
+/// all-gather / reduce-scatter, also with dual-batch overlap, or low-latency in a CUDA graph).
 fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
     use moeflow::parallel::{PlacementKind, StrategyKind};
     par.ep > 1
-        && (par.strategy == StrategyKind::All2AllV || par.strategy == StrategyKind::LowLatency && !par.dual_batch)
+        && (matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::AllGather)
+            || par.strategy == StrategyKind::LowLatency && !par.dual_batch)
         && par.tp == 1
         && par.redundant.is_empty()
         && par.placement == PlacementKind::Contiguous
@@ -146,10 +147,12 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         (true, false) => "fp8 e4m3 experts (128×128 block scales)",
         _ => "bf16",
     };
+    let all_gather = par.strategy == moeflow::parallel::StrategyKind::AllGather;
+    let exchange = if all_gather { "all-gather / reduce-scatter" } else { "all-to-all-v" };
     let kind = match capacity {
         Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
-        None if par.dual_batch => "all-to-all-v, dual-batch overlap".into(),
-        None => "all-to-all-v".into(),
+        None if par.dual_batch => format!("{exchange}, dual-batch overlap"),
+        None => exchange.into(),
     };
     let (rank0, device) = match host {
         RankHost::Launched { env, .. } => (env.rank == 0, env.local_rank),
@@ -187,6 +190,9 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         }
         if let Some(m) = capacity {
             layer = layer.low_latency(m)?;
+        }
+        if all_gather {
+            layer = layer.all_gather()?;
         }
         let layer = Timed::new(layer, par.dual_batch, par.dual_batch.then(|| nccl.duplicate()).transpose()?)?;
         let mut per_t = Vec::new();
@@ -294,11 +300,13 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             ep: par.ep,
             tp: 1,
             strategy: match (capacity, par.dual_batch) {
-                (Some(_), _) => "lowlatency (device, graph)",
-                (None, true) => "all2allv (device, dual-batch)",
-                (None, false) => "all2allv (device)",
-            }
-            .into(),
+                (Some(_), _) => "lowlatency (device, graph)".to_string(),
+                (None, dual) => format!(
+                    "{} (device{})",
+                    if all_gather { "allgather" } else { "all2allv" },
+                    if dual { ", dual-batch" } else { "" }
+                ),
+            },
             rel_error: None,
             ms,
             gflops: flops / ms / 1e6,
@@ -490,7 +498,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             return run_cuda_ep(&args, &host);
         }
         println!(
-            "note: the device-resident layer covers all2allv (also --dual-batch) and lowlatency with contiguous \
+            "note: the device-resident layer covers all2allv and allgather (also --dual-batch) and lowlatency with contiguous \
              placement, TP 1, no replicas, experts divisible by EP; this layout runs host-staged (rows through \
              host memory)"
         );

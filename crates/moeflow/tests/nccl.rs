@@ -206,34 +206,45 @@ fn relative_error(config: &moeflow::MoeConfig, weights: &moeflow::MoeWeights, x:
     got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
 }
 
-#[test]
-fn device_resident_all2allv_matches_the_reference_and_repeats() {
+/// Every device case through the expert-parallel layer `make` builds on each rank, with uneven
+/// batches and rank 1 without tokens: against the f64 reference, and run after run the same.
+fn device_layer_matches_the_reference(
+    label: &str,
+    n: usize,
+    make: impl Fn(moeflow::backend::cuda::CudaMoeLayer) -> moeflow::Result<moeflow::backend::cuda::CudaMoeLayer> + Sync,
+) {
     use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
     let devices: Vec<usize> = (0..n).collect();
     for (name, config, weights) in device_cases() {
         let h = config.hidden;
-        // Uneven batches, rank 1 without tokens.
         let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, 300][r % 4]).collect();
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 50 + r as u64)).collect();
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?;
+            let layer = make(CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?)?;
             let x = &inputs[c.rank()];
             let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
             Ok((layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec()))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let (a, b) = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            let (a, b) = r.unwrap_or_else(|e| panic!("{label}, {name}: rank {rank}: {e}"));
             assert!(
                 a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{name}: rank {rank} differs run to run"
+                "{label}, {name}: rank {rank} differs run to run"
             );
             let err = relative_error(&config, &weights, &inputs[rank], &a);
-            assert!(err <= BF16_TOL, "{name}: rank {rank}: relative error {err:e}");
-            eprintln!("device all2allv, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
+            assert!(err <= BF16_TOL, "{label}, {name}: rank {rank}: relative error {err:e}");
+            eprintln!("device {label}, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
         }
     }
+}
+
+#[test]
+fn device_resident_all2allv_matches_the_reference_and_repeats() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    device_layer_matches_the_reference("all2allv", n, Ok);
     // Experts that do not split evenly are a clear error, not a wrong answer.
     let config =
         small_config(64, 32, 2 * n + 1, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
@@ -247,18 +258,41 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
 }
 
 #[test]
+fn device_resident_all_gather_matches_the_reference_and_repeats() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(n) = gpus("device_resident_all_gather_matches_the_reference_and_repeats") else { return };
+    device_layer_matches_the_reference("all-gather", n, |layer| layer.all_gather());
+    // One way of dispatching per layer: asking for both is a clear error.
+    let devices: Vec<usize> = (0..n).collect();
+    let (_, config, weights) = device_cases().swap_remove(0);
+    for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.all_gather()?.low_latency(16).map(|_| ())
+    }) {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("dispatches one way"), "{e}");
+    }
+}
+
+#[test]
 fn device_dual_batch_matches_the_reference() {
     use moeflow::backend::cuda::CudaMoeLayer;
     let Some(n) = gpus("device_dual_batch_matches_the_reference") else { return };
     let devices: Vec<usize> = (0..n).collect();
-    for (name, config, weights) in device_cases() {
+    // Both halves exchange by all-to-all-v, then both by all-gather.
+    for (name, config, weights, all_gather) in
+        device_cases().into_iter().flat_map(|(n, c, w)| [false, true].map(|ag| (n, c.clone(), w.clone(), ag)))
+    {
         let h = config.hidden;
         // Uneven batches: one token (its second half empty), none, odd, and large.
         let sizes: Vec<usize> = (0..n).map(|r| [1, 0, 37, 300][r % 4]).collect();
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 70 + r as u64)).collect();
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.dual_batch(Some(c.duplicate()?))?;
+            let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?;
+            if all_gather {
+                layer = layer.all_gather()?;
+            }
+            let layer = layer.dual_batch(Some(c.duplicate()?))?;
             let x = &inputs[c.rank()];
             let out = layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec();
             Ok((out, layer.forward_timed(64, 5)?.total))
@@ -272,7 +306,11 @@ fn device_dual_batch_matches_the_reference() {
             }
             let err = relative_error(&config, &weights, &inputs[rank], &got);
             assert!(err <= BF16_TOL, "{name}: rank {rank}: relative error {err:e}");
-            eprintln!("device dual-batch, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
+            let how = if all_gather { "all-gather" } else { "all2allv" };
+            eprintln!(
+                "device dual-batch {how}, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}",
+                sizes[rank]
+            );
         }
     }
     // A layer split without its second communicator is a clear error.

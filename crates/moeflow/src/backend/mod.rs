@@ -147,10 +147,13 @@ pub mod cuda {
         pub fn measure_ceilings(&self) -> Result<super::GpuCeilings> {
             Err(missing())
         }
-
         /// Unreachable without the feature.
         pub fn device_name(&self) -> String {
             String::new()
+        }
+        /// Unreachable without the feature.
+        pub fn all_gather(self) -> Result<Self> {
+            Err(missing())
         }
         /// Unreachable without the feature.
         pub fn dual_batch(self, _comm: Option<NcclComm>) -> Result<CudaDualBatch> {

@@ -45,6 +45,10 @@ impl CudaMoeLayer {
                 return Err(MoeError::Config("dual-batch overlap on one GPU takes no communicator".into()))
             }
         };
+        let mut link = link;
+        if let (Some(twin), Some(mine)) = (link.as_mut(), self.ep.as_ref()) {
+            twin.all_gather = mine.all_gather;
+        }
         let opened = Self::open(&self.config, self.gpu.ordinal)?;
         let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link)?;
         twin.w8a8 = self.w8a8;

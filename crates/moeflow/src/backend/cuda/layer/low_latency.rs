@@ -66,6 +66,9 @@ impl CudaMoeLayer {
         let Some(link) = layer.ep.as_mut() else {
             return Err(MoeError::Config("low-latency dispatch needs an expert-parallel layer (new_ep)".into()));
         };
+        if link.all_gather {
+            return Err(MoeError::Config("a layer dispatches one way: lowlatency or all-gather, not both".into()));
+        }
         if max_tokens_per_rank == 0 {
             return Err(MoeError::Config("lowlatency needs max_tokens_per_rank > 0".into()));
         }

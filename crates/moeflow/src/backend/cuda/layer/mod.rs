@@ -18,6 +18,7 @@ use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfi
 use hopper_gemm::{Epilogue, Gather};
 use std::sync::Mutex;
 
+mod all_gather;
 mod dual_batch;
 mod hopper_gemm;
 pub use dual_batch::CudaDualBatch;
@@ -144,6 +145,9 @@ struct EpLink {
     first: usize,
     local: usize,
     capacity: Option<usize>,
+    /// Whether tokens travel by all-gather and come back by reduce-scatter ([`all_gather`])
+    /// instead of all-to-all-v.
+    all_gather: bool,
 }
 
 /// Called with (stage boundary 0..=9, the layer's stream) as a run is enqueued; boundary 3
@@ -159,6 +163,18 @@ fn no_hook(_stage: usize, _stream: &cudarc::driver::CudaStream) -> Result<()> {
 struct Span {
     first: cudarc::driver::CudaEvent,
     last: cudarc::driver::CudaEvent,
+}
+
+/// How this rank's experts take the slots they received (see `CudaMoeLayer::local_plan`).
+struct LocalPlan {
+    /// Slots of this rank's experts.
+    slots: usize,
+    /// Rows per expert in the padded layout, 0 for the grouped one.
+    cap: usize,
+    /// Rows of the expert GEMMs.
+    rows: usize,
+    /// (local expert, first row, rows) of each expert with rows.
+    groups: Vec<(usize, usize, usize)>,
 }
 
 /// Which slots [`CudaMoeLayer::group_rows`] groups: `slots` expert ids at `ids` over
@@ -313,7 +329,7 @@ impl CudaMoeLayer {
                 "the device-resident expert-parallel layer splits experts evenly: {e} experts on {n} ranks"
             )));
         }
-        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None })
+        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None, all_gather: false })
     }
 
     fn new_on(config: &MoeConfig, weights: &MoeWeights, device: usize, ep: Option<EpLink>) -> Result<Self> {
@@ -643,6 +659,7 @@ impl CudaMoeLayer {
         }
         let sent = match &self.ep {
             Some(link) if link.capacity.is_some() => self.ll_experts(b, link, mark)?,
+            Some(link) if link.all_gather => self.ag_experts(b, t, link, mark)?,
             Some(link) => self.ep_experts(b, t, link, mark)?,
             None => {
                 self.local_experts(b, t, mark)?;
@@ -1023,7 +1040,6 @@ impl CudaMoeLayer {
         mark: &dyn Fn(usize) -> Result<()>,
     ) -> Result<usize> {
         use crate::comm::Communicator;
-        use cudarc::nccl::sys as nc;
         let c = &self.config;
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
         let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
@@ -1031,14 +1047,9 @@ impl CudaMoeLayer {
         let s = &g.stream;
         // Home: slots per expert, and the ranks each token goes to, in token order per
         // destination (the one host read of the routing).
-        let mut ids = vec![0i32; t * k];
-        if t > 0 {
-            s.memcpy_dtoh(&b.ids.slice(0..t * k), &mut ids).map_err(|e| err("reading ids", e))?;
-        }
-        let mut counts = vec![0i32; e];
+        let (ids, counts) = self.read_routing(b, t)?;
         let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
         for (slot, &id) in ids.iter().enumerate() {
-            counts[id as usize] += 1;
             let list = &mut lists[id as usize / el];
             if list.last() != Some(&(slot / k)) {
                 list.push(slot / k);
@@ -1056,37 +1067,12 @@ impl CudaMoeLayer {
         // Every rank's slot counts per expert and token counts per destination.
         let m = e + n;
         let mine: Vec<i32> = counts.iter().copied().chain(send_tok.iter().map(|&x| x as i32)).collect();
-        if b.exchange.as_ref().is_none_or(|x| x.len() < m * (n + 1)) {
-            b.exchange = Some(s.alloc_zeros::<i32>(m * (n + 1)).map_err(|e| err("allocating workspace", e))?);
-        }
-        let ex = b.exchange.as_mut().expect("allocated");
-        s.memcpy_htod(&mine, &mut ex.slice_mut(0..m)).map_err(|e| err("upload", e))?;
-        let exp = dptr(ex, g);
-        link.comm.enqueue("moe counts", s, |comm, cs| {
-            // SAFETY: all-gather of m ints per rank into the n · m ints after this rank's own.
-            unsafe {
-                nc::ncclAllGather(exp as _, (exp + 4 * m as u64) as _, m, nc::ncclDataType_t::ncclInt32, comm, cs)
-            }
-        })?;
-        link.comm.wait("moe counts", s)?;
-        let mut all = vec![0i32; n * m];
-        s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(m..m * (n + 1)), &mut all)
-            .map_err(|e| err("reading counts", e))?;
+        let all = self.gather_counts(b, link, &mine)?;
         let recv_tok: Vec<usize> = (0..n).map(|src| all[src * m + e + rank] as usize).collect();
         let received: usize = recv_tok.iter().sum();
         let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| all[src * m + first + j] as usize).sum()).collect();
-        let slots_here: usize = local.iter().sum();
-        let cap = self.padding(el, slots_here, local.iter().copied());
-        let rows2 = if cap > 0 { el * cap } else { slots_here };
-        let mut groups = Vec::new();
-        let mut off = 0;
-        for (j, &cnt) in local.iter().enumerate() {
-            if cnt > 0 {
-                groups.push((j, if cap > 0 { j * cap } else { off }, cnt));
-            }
-            off += cnt;
-        }
-        let need = [sent, received, rows2, t];
+        let plan = self.local_plan(&local);
+        let need = [sent, received, plan.rows, t];
         if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
             let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
             b.ep = None;
@@ -1103,11 +1089,8 @@ impl CudaMoeLayer {
         let (pi, pf, pb) =
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
         let (xbp, send_rows, send_idx_p) = (pb(&b.x_bf), pb(&ep.send_rows), pi(&ep.send_idx));
-        let (recv_rows, recv_ids, recv_w, local_ids) =
-            (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w), pi(&ep.local_ids));
-        let (ecounts, eoffsets, part, back) = (pi(&ep.counts), pi(&ep.offsets), pb(&ep.part), pb(&ep.back));
-        let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
-        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
+        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
+        let (part, back) = (pb(&ep.part), pb(&ep.back));
         let (home_rows_p, send_ids_p, send_w_p) = (pi(&ep.home_rows), pi(&ep.send_ids), pf(&ep.send_w));
         let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
         // The token rows, and their ids and weights (k 4-byte values = 2k 16-bit words a row).
@@ -1136,6 +1119,108 @@ impl CudaMoeLayer {
             &[(recv_rows, 2 * h), (recv_ids, 4 * k), (recv_w, 4 * k)],
             &recv_tok,
         )?;
+        self.serve_received(b, received, &plan, mark)?;
+        self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
+        mark(7)?;
+        if t > 0 {
+            let (ti, ni, outp) = (t as i32, n as i32, dptr(&b.out, g));
+            // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
+            // entries, each -1 or a row of `back`.
+            unsafe {
+                s.launch_builder(&self.k.sum_partials)
+                    .arg(&back)
+                    .arg(&home_rows_p)
+                    .arg(&ti)
+                    .arg(&ni)
+                    .arg(&hi)
+                    .arg(&outp)
+                    .launch(rows(t, 256))
+            }
+            .map_err(|e| err("sum_partials", e))?;
+        }
+        let row = 2 * h + 8 * k;
+        Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+    }
+
+    /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
+    fn read_routing(&self, b: &Buffers, t: usize) -> Result<(Vec<i32>, Vec<i32>)> {
+        let k = self.config.top_k;
+        let mut ids = vec![0i32; t * k];
+        if t > 0 {
+            self.gpu.stream.memcpy_dtoh(&b.ids.slice(0..t * k), &mut ids).map_err(|e| err("reading ids", e))?;
+        }
+        let mut counts = vec![0i32; self.config.num_experts];
+        for &id in &ids {
+            counts[id as usize] += 1;
+        }
+        Ok((ids, counts))
+    }
+
+    /// Every rank's `mine` (the same length on every rank), rank after rank, through an NCCL
+    /// all-gather on the device and a host read.
+    fn gather_counts(&self, b: &mut Buffers, link: &EpLink, mine: &[i32]) -> Result<Vec<i32>> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let (n, m, s) = (link.comm.size(), mine.len(), &self.gpu.stream);
+        if b.exchange.as_ref().is_none_or(|x| x.len() < m * (n + 1)) {
+            b.exchange = Some(s.alloc_zeros::<i32>(m * (n + 1)).map_err(|e| err("allocating workspace", e))?);
+        }
+        let ex = b.exchange.as_mut().expect("allocated");
+        s.memcpy_htod(mine, &mut ex.slice_mut(0..m)).map_err(|e| err("upload", e))?;
+        let exp = dptr(ex, &self.gpu);
+        link.comm.enqueue("moe counts", s, |comm, cs| {
+            // SAFETY: all-gather of m ints per rank into the n · m ints after this rank's own.
+            unsafe {
+                nc::ncclAllGather(exp as _, (exp + 4 * m as u64) as _, m, nc::ncclDataType_t::ncclInt32, comm, cs)
+            }
+        })?;
+        link.comm.wait("moe counts", s)?;
+        let mut all = vec![0i32; n * m];
+        s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(m..m * (n + 1)), &mut all)
+            .map_err(|e| err("reading counts", e))?;
+        Ok(all)
+    }
+
+    /// How this rank's experts take `local[j]` slots each: padded to a capacity (`cap` > 0)
+    /// or grouped, the rows of the grouped GEMMs, and (expert, first row, rows) per expert hit.
+    fn local_plan(&self, local: &[usize]) -> LocalPlan {
+        let el = local.len();
+        let slots: usize = local.iter().sum();
+        let cap = self.padding(el, slots, local.iter().copied());
+        let mut groups = Vec::new();
+        let mut off = 0;
+        for (j, &cnt) in local.iter().enumerate() {
+            if cnt > 0 {
+                groups.push((j, if cap > 0 { j * cap } else { off }, cnt));
+            }
+            off += cnt;
+        }
+        LocalPlan { slots, cap, rows: if cap > 0 { el * cap } else { slots }, groups }
+    }
+
+    /// Where the experts are: the `received` tokens in `b.ep` (rows, ids, weights) through
+    /// this rank's experts, as planned, into `part` (one bf16 row per received token: the
+    /// weighted sum of its slots held here, in slot order; zeros where none is).
+    fn serve_received(
+        &self,
+        b: &mut Buffers,
+        received: usize,
+        plan: &LocalPlan,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
+        let link = self.ep.as_ref().expect("an expert-parallel layer");
+        let (h, k, el, first) = (self.config.hidden, self.config.top_k, link.local, link.first);
+        let (g, cap) = (&self.gpu, plan.cap);
+        let s = &g.stream;
+        let ep = b.ep.as_ref().expect("allocated by the caller");
+        let (pi, pf, pb) =
+            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        let (recv_rows, recv_ids, recv_w, local_ids) =
+            (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w), pi(&ep.local_ids));
+        let (ecounts, eoffsets, part) = (pi(&ep.counts), pi(&ep.offsets), pb(&ep.part));
+        let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
+        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
+        let hi = h as i32;
         // Where the experts are: the received slots regrouped by local expert.
         let (rk, first_i, el_i, buckets) = ((received * k) as i32, first as i32, el as i32, (el + 1) as i32);
         // SAFETY: localize_ids(int*, int, int, int, int*) and count_slots(int*, int, int, int*)
@@ -1160,12 +1245,13 @@ impl CudaMoeLayer {
         }
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
         let gather =
-            self.hopper_gathers(slots_here, el, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
+            self.hopper_gathers(plan.slots, el, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
         let copy_rows = gather.is_none();
-        let plan = Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
-        self.group_rows(&plan, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
+        let grouping =
+            Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
+        self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
         mark(3)?;
-        self.mlp(b, bufs, el, cap, (&groups, [ecounts, eoffsets]), slots_here, gather, mark)?;
+        self.mlp(b, bufs, el, cap, (&plan.groups, [ecounts, eoffsets]), plan.slots, gather, mark)?;
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ri, ki) = (received as i32, k as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
@@ -1184,26 +1270,7 @@ impl CudaMoeLayer {
                 .launch(rows(received, 256))
         }
         .map_err(|e| err("combine_partial", e))?;
-        self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
-        mark(7)?;
-        if t > 0 {
-            let (ti, ni, outp) = (t as i32, n as i32, dptr(&b.out, g));
-            // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
-            // entries, each -1 or a row of `back`.
-            unsafe {
-                s.launch_builder(&self.k.sum_partials)
-                    .arg(&back)
-                    .arg(&home_rows_p)
-                    .arg(&ti)
-                    .arg(&ni)
-                    .arg(&hi)
-                    .arg(&outp)
-                    .launch(rows(t, 256))
-            }
-            .map_err(|e| err("sum_partials", e))?;
-        }
-        let row = 2 * h + 8 * k;
-        Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+        Ok(())
     }
 
     /// Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` (rows grouped by

@@ -1,0 +1,152 @@
+//! The device-resident all-gather / reduce-scatter form of the expert-parallel layer: every
+//! rank all-gathers every rank's token rows, top-k ids and weights (each batch padded to the
+//! largest), runs its own experts on all of them, and a reduce-scatter brings each rank the
+//! sum over ranks of its tokens' partial outputs. No per-destination lists are built, at the
+//! price of moving every row to every rank: the naive strategy, simplest where batches are
+//! small or most tokens go to most ranks.
+//!
+//! Each rank's partial output of a token is its slots' weighted sum in slot order (zeros when
+//! it holds none of them), as in the all-to-all-v layer; the reduce-scatter adds the ranks'
+//! bf16 partials in NCCL's fixed order, so runs repeat exactly.
+
+use super::{dptr, err, rows, Buffers, CudaMoeLayer, EpLink};
+use crate::error::{MoeError, Result};
+use cudarc::driver::CudaSlice;
+
+impl CudaMoeLayer {
+    /// This expert-parallel layer dispatching by all-gather and combining by reduce-scatter
+    /// (see the module docs) instead of all-to-all-v. Not with the low-latency form.
+    pub fn all_gather(self) -> Result<Self> {
+        let mut layer = self;
+        let Some(link) = layer.ep.as_mut() else {
+            return Err(MoeError::Config("all-gather dispatch needs an expert-parallel layer (new_ep)".into()));
+        };
+        if link.capacity.is_some() {
+            return Err(MoeError::Config("a layer dispatches one way: lowlatency or all-gather, not both".into()));
+        }
+        link.all_gather = true;
+        Ok(layer)
+    }
+
+    /// The all-gather layer's expert stage on this rank's `t` routed tokens (route done):
+    /// gathers, runs the experts here, reduce-scatters into `b.out [t, H]`. Returns the bytes
+    /// this rank sent to other ranks in the gather.
+    pub(super) fn ag_experts(
+        &self,
+        b: &mut Buffers,
+        t: usize,
+        link: &EpLink,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<usize> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let c = &self.config;
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let (n, el, first) = (link.comm.size(), link.local, link.first);
+        let g = &self.gpu;
+        let s = &g.stream;
+        // Every rank's slots per expert and batch size: this rank's experts' rows, the padding.
+        let (_, counts) = self.read_routing(b, t)?;
+        let mine: Vec<i32> = counts.iter().copied().chain([t as i32]).collect();
+        let all = self.gather_counts(b, link, &mine)?;
+        let m = e + 1;
+        let t_max = (0..n).map(|r| all[r * m + e] as usize).max().unwrap_or(0);
+        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|r| all[r * m + first + j] as usize).sum()).collect();
+        let plan = self.local_plan(&local);
+        let received = n * t_max;
+        let need = [t_max, received, plan.rows, t];
+        if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
+            let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
+            b.ep = None;
+            b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), n)?);
+        }
+        mark(2)?;
+        if t_max == 0 {
+            // No rank has tokens: nothing to move, every later stage empty.
+            for stage in 3..=7 {
+                mark(stage)?;
+            }
+            return Ok(0);
+        }
+        let ep = b.ep.as_mut().expect("allocated");
+        let (pi, pf, pb) =
+            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        // This rank's batch, padded to t_max tokens of zeros with no expert (id -1).
+        let (send_rows, send_ids, send_w) = (pb(&ep.send_rows), pi(&ep.send_ids), pf(&ep.send_w));
+        let own = [(pb(&b.x_bf), send_rows, 2 * h), (pi(&b.ids), send_ids, 4 * k), (pf(&b.weights), send_w, 4 * k)];
+        for (i, (src, dst, width)) in own.into_iter().enumerate() {
+            let pad = if i == 1 { 0xff } else { 0 };
+            // SAFETY: the send buffers hold t_max rows of `width` bytes (t ≤ t_max); the
+            // sources hold this batch's t rows; both on the layer's stream.
+            unsafe {
+                if t > 0 {
+                    cudarc::driver::result::memcpy_dtod_async(dst, src, t * width, s.cu_stream())
+                        .map_err(|e| err("staging the gather", e))?;
+                }
+                if t < t_max {
+                    cudarc::driver::result::memset_d8_async(
+                        dst + (t * width) as u64,
+                        pad,
+                        (t_max - t) * width,
+                        s.cu_stream(),
+                    )
+                    .map_err(|e| err("padding the gather", e))?;
+                }
+            }
+        }
+        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
+        let gathered = [(send_rows, recv_rows, 2 * h), (send_ids, recv_ids, 4 * k), (send_w, recv_w, 4 * k)];
+        link.comm.enqueue("moe all-gather", s, |comm, cs| {
+            for (src, dst, width) in gathered {
+                // SAFETY: t_max rows of `width` bytes from every rank into n · t_max rows.
+                let r = unsafe {
+                    nc::ncclAllGather(src as _, dst as _, t_max * width, nc::ncclDataType_t::ncclUint8, comm, cs)
+                };
+                if r != nc::ncclResult_t::ncclSuccess {
+                    return r;
+                }
+            }
+            nc::ncclResult_t::ncclSuccess
+        })?;
+        self.serve_received(b, received, &plan, mark)?;
+        let ep = b.ep.as_ref().expect("allocated");
+        let (part, back) = (pb(&ep.part), pb(&ep.back));
+        link.comm.enqueue("moe reduce-scatter", s, |comm, cs| {
+            // SAFETY: n · t_max bf16 rows of h in, this rank's t_max rows out.
+            unsafe {
+                nc::ncclReduceScatter(
+                    part as _,
+                    back as _,
+                    t_max * h,
+                    nc::ncclDataType_t::ncclBfloat16,
+                    nc::ncclRedOp_t::ncclSum,
+                    comm,
+                    cs,
+                )
+            }
+        })?;
+        mark(7)?;
+        if t > 0 {
+            // out = back's first t rows in f32: sum_partials over one "rank", row t for token t.
+            let identity: Vec<i32> = (0..t as i32).collect();
+            let home = b.ep.as_mut().expect("allocated");
+            s.memcpy_htod(&identity, &mut home.home_rows.slice_mut(0..t)).map_err(|e| err("upload", e))?;
+            let (home_rows, ti, one, hi, outp) = (pi(&home.home_rows), t as i32, 1i32, h as i32, dptr(&b.out, g));
+            // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t
+            // entries, each a row of `back` (t_max ≥ t rows of h).
+            unsafe {
+                use cudarc::driver::PushKernelArg;
+                s.launch_builder(&self.k.sum_partials)
+                    .arg(&back)
+                    .arg(&home_rows)
+                    .arg(&ti)
+                    .arg(&one)
+                    .arg(&hi)
+                    .arg(&outp)
+                    .launch(rows(t, 256))
+            }
+            .map_err(|e| err("sum_partials", e))?;
+        }
+        Ok((n - 1) * t_max * (2 * h + 8 * k))
+    }
+}
