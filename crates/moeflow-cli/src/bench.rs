@@ -1,7 +1,7 @@
 //! `moeflow bench`: layer time over token counts, against this machine's measured ceilings.
 //! With `--ep N` the layer runs on N in-process ranks, `--tokens` counting tokens per DP group.
 
-use crate::common::{bar, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
+use crate::common::{bar, device_resident, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, RankHost};
@@ -81,19 +81,6 @@ fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool) -> Result
              (W8A8: one GPU, or --strategy lowlatency)"
         ))),
     }
-}
-
-/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v or
-/// all-gather / reduce-scatter, also with dual-batch overlap, or low-latency in a CUDA graph).
-fn device_resident(par: &moeflow::parallel::ParallelConfig, experts: usize) -> bool {
-    use moeflow::parallel::{PlacementKind, StrategyKind};
-    par.ep > 1
-        && (matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::AllGather)
-            || par.strategy == StrategyKind::LowLatency && !par.dual_batch)
-        && par.tp == 1
-        && par.redundant.is_empty()
-        && par.placement == PlacementKind::Contiguous
-        && experts.is_multiple_of(par.ep)
 }
 
 /// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap).

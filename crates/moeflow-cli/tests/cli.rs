@@ -64,6 +64,24 @@ fn run_matches_transformers() {
     check_run_launched(&["launch", "--gpus", "4", "--"], "qwen2_moe", "1", &["--ep", "4", "--tp", "2"], 1e-5);
 }
 
+/// `run --backend cuda` over two GPU ranks: the device-resident layer for all2allv, allgather
+/// (also as two micro-batches) and lowlatency, against transformers within bf16 rounding.
+/// Needs 2 GPUs (and the `cuda` feature); says loudly when it skips.
+#[test]
+fn run_on_gpus_matches_transformers() {
+    let gpus = moeflow::backend::cuda::device_count();
+    if gpus < 2 {
+        eprintln!("SKIPPED run_on_gpus_matches_transformers: needs 2 GPUs and the cuda feature, found {gpus}");
+        return;
+    }
+    for (name, layer) in [("qwen2_moe", "1"), ("deepseek_v3", "2"), ("gpt_oss", "1")] {
+        for strategy in [&["all2allv"][..], &["allgather"], &["allgather", "--dual-batch"], &["lowlatency"]] {
+            let args = [&["--backend", "cuda", "--dtype", "bf16", "--ep", "2", "--strategy"][..], strategy].concat();
+            check_run_within(name, layer, &args, 2.5e-2);
+        }
+    }
+}
+
 #[test]
 fn failed_runs_leave_no_output() {
     let out = tmp("none.safetensors");
