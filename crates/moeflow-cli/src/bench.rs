@@ -134,8 +134,12 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         (true, false) => "fp8 e4m3 experts (128×128 block scales)",
         _ => "bf16",
     };
-    let all_gather = par.strategy == moeflow::parallel::StrategyKind::AllGather;
-    let exchange = if all_gather { "all-gather / reduce-scatter" } else { "all-to-all-v" };
+    use moeflow::parallel::StrategyKind;
+    let exchange = match par.strategy {
+        StrategyKind::AllGather => "all-gather / reduce-scatter",
+        StrategyKind::Multicast => "multicast / all-reduce",
+        _ => "all-to-all-v",
+    };
     let kind = match capacity {
         Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
         None if par.dual_batch => format!("{exchange}, dual-batch overlap"),
@@ -178,8 +182,10 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         if let Some(m) = capacity {
             layer = layer.low_latency(m)?;
         }
-        if all_gather {
-            layer = layer.all_gather()?;
+        match par.strategy {
+            StrategyKind::AllGather => layer = layer.all_gather()?,
+            StrategyKind::Multicast => layer = layer.multicast()?,
+            _ => {}
         }
         let layer = Timed::new(layer, par.dual_batch, par.dual_batch.then(|| nccl.duplicate()).transpose()?)?;
         let mut per_t = Vec::new();
@@ -288,11 +294,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             tp: 1,
             strategy: match (capacity, par.dual_batch) {
                 (Some(_), _) => "lowlatency (device, graph)".to_string(),
-                (None, dual) => format!(
-                    "{} (device{})",
-                    if all_gather { "allgather" } else { "all2allv" },
-                    if dual { ", dual-batch" } else { "" }
-                ),
+                (None, dual) => format!("{} (device{})", par.strategy, if dual { ", dual-batch" } else { "" }),
             },
             rel_error: None,
             ms,
@@ -485,7 +487,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             return run_cuda_ep(&args, &host);
         }
         println!(
-            "note: the device-resident layer covers all2allv and allgather (also --dual-batch) and lowlatency with contiguous \
+            "note: the device-resident layer covers all2allv, allgather, multicast (also --dual-batch) and lowlatency with contiguous \
              placement, TP 1, no replicas, experts divisible by EP; this layout runs host-staged (rows through \
              host memory)"
         );

@@ -223,11 +223,11 @@ pub fn split_tokens(tokens: usize, groups: usize) -> Vec<(usize, usize)> {
         .collect()
 }
 
-/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v or
-/// all-gather / reduce-scatter, also with dual-batch overlap, or low-latency in a CUDA graph).
+/// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, all-gather /
+/// reduce-scatter or multicast, also with dual-batch overlap, or low-latency in a CUDA graph).
 pub fn device_resident(par: &ParallelConfig, experts: usize) -> bool {
     par.ep > 1
-        && (matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::AllGather)
+        && (matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::AllGather | StrategyKind::Multicast)
             || par.strategy == StrategyKind::LowLatency && !par.dual_batch)
         && par.tp == 1
         && par.redundant.is_empty()

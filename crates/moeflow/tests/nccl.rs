@@ -258,15 +258,22 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
 }
 
 #[test]
-fn device_resident_all_gather_matches_the_reference_and_repeats() {
+fn device_resident_gathering_layers_match_the_reference_and_repeat() {
     use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("device_resident_all_gather_matches_the_reference_and_repeats") else { return };
+    let Some(n) = gpus("device_resident_gathering_layers_match_the_reference_and_repeat") else { return };
     device_layer_matches_the_reference("all-gather", n, |layer| layer.all_gather());
+    device_layer_matches_the_reference("multicast", n, |layer| layer.multicast());
     // One way of dispatching per layer: asking for both is a clear error.
     let devices: Vec<usize> = (0..n).collect();
     let (_, config, weights) = device_cases().swap_remove(0);
     for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
         CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.all_gather()?.low_latency(16).map(|_| ())
+    }) {
+        let e = r.unwrap_err().to_string();
+        assert!(e.contains("dispatches one way"), "{e}");
+    }
+    for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.all_gather()?.multicast().map(|_| ())
     }) {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("dispatches one way"), "{e}");

@@ -1,48 +1,74 @@
-//! The device-resident all-gather / reduce-scatter form of the expert-parallel layer: every
-//! rank all-gathers every rank's token rows, top-k ids and weights (each batch padded to the
-//! largest), runs its own experts on all of them, and a reduce-scatter brings each rank the
-//! sum over ranks of its tokens' partial outputs. No per-destination lists are built, at the
-//! price of moving every row to every rank: the naive strategy, simplest where batches are
-//! small or most tokens go to most ranks.
+//! The device-resident gathering forms of the expert-parallel layer: every rank receives
+//! every rank's token rows, top-k ids and weights (each batch padded to the largest), runs its
+//! own experts on all of them, and the ranks' partial outputs are summed back. No
+//! per-destination lists are built, at the price of moving every row to every rank: the naive
+//! strategies, simplest where batches are small or most tokens go to most ranks.
+//! - all-gather / reduce-scatter ([`CudaMoeLayer::all_gather`]): one all-gather out, and a
+//!   reduce-scatter brings each rank the sums of its own tokens;
+//! - multicast ([`CudaMoeLayer::multicast`]): each rank broadcasts its rows to all (one
+//!   broadcast per root), and an all-reduce gives every rank every token's sum, of which it
+//!   keeps its own.
 //!
 //! Each rank's partial output of a token is its slots' weighted sum in slot order (zeros when
-//! it holds none of them), as in the all-to-all-v layer; the reduce-scatter adds the ranks'
-//! bf16 partials in NCCL's fixed order, so runs repeat exactly.
+//! it holds none of them), as in the all-to-all-v layer; the collectives add the ranks' bf16
+//! partials in NCCL's fixed order, so runs repeat exactly.
 
 use super::{dptr, err, rows, Buffers, CudaMoeLayer, EpLink};
 use crate::error::{MoeError, Result};
 use cudarc::driver::CudaSlice;
 
+/// How a gathering layer moves rows (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Gathering {
+    /// All-gather out, reduce-scatter back.
+    AllGather,
+    /// A broadcast from each rank out, all-reduce back.
+    Multicast,
+}
+
 impl CudaMoeLayer {
     /// This expert-parallel layer dispatching by all-gather and combining by reduce-scatter
     /// (see the module docs) instead of all-to-all-v. Not with the low-latency form.
     pub fn all_gather(self) -> Result<Self> {
+        self.gathering(Gathering::AllGather)
+    }
+
+    /// This expert-parallel layer dispatching by one broadcast per rank and combining by
+    /// all-reduce (see the module docs) instead of all-to-all-v. Not with the low-latency form.
+    pub fn multicast(self) -> Result<Self> {
+        self.gathering(Gathering::Multicast)
+    }
+
+    fn gathering(self, how: Gathering) -> Result<Self> {
         let mut layer = self;
         let Some(link) = layer.ep.as_mut() else {
-            return Err(MoeError::Config("all-gather dispatch needs an expert-parallel layer (new_ep)".into()));
+            return Err(MoeError::Config(format!("{how:?} dispatch needs an expert-parallel layer (new_ep)")));
         };
-        if link.capacity.is_some() {
-            return Err(MoeError::Config("a layer dispatches one way: lowlatency or all-gather, not both".into()));
+        if link.capacity.is_some() || link.gathering.is_some_and(|g| g != how) {
+            return Err(MoeError::Config(
+                "a layer dispatches one way: all-to-all-v, all-gather, multicast or lowlatency".into(),
+            ));
         }
-        link.all_gather = true;
+        link.gathering = Some(how);
         Ok(layer)
     }
 
-    /// The all-gather layer's expert stage on this rank's `t` routed tokens (route done):
-    /// gathers, runs the experts here, reduce-scatters into `b.out [t, H]`. Returns the bytes
-    /// this rank sent to other ranks in the gather.
-    pub(super) fn ag_experts(
+    /// A gathering layer's expert stage on this rank's `t` routed tokens (route done): gathers
+    /// `how`, runs the experts here, sums back into `b.out [t, H]`. Returns the bytes this
+    /// rank sent to other ranks in the gather.
+    pub(super) fn gathered_experts(
         &self,
         b: &mut Buffers,
         t: usize,
         link: &EpLink,
+        how: Gathering,
         mark: &dyn Fn(usize) -> Result<()>,
     ) -> Result<usize> {
         use crate::comm::Communicator;
         use cudarc::nccl::sys as nc;
         let c = &self.config;
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
-        let (n, el, first) = (link.comm.size(), link.local, link.first);
+        let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
         let g = &self.gpu;
         let s = &g.stream;
         // Every rank's slots per expert and batch size: this rank's experts' rows, the padding.
@@ -96,11 +122,23 @@ impl CudaMoeLayer {
         }
         let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
         let gathered = [(send_rows, recv_rows, 2 * h), (send_ids, recv_ids, 4 * k), (send_w, recv_w, 4 * k)];
-        link.comm.enqueue("moe all-gather", s, |comm, cs| {
+        let u8t = nc::ncclDataType_t::ncclUint8;
+        link.comm.enqueue("moe gather", s, |comm, cs| {
             for (src, dst, width) in gathered {
-                // SAFETY: t_max rows of `width` bytes from every rank into n · t_max rows.
+                let bytes = t_max * width;
+                // SAFETY: t_max rows of `width` bytes from every rank into n · t_max rows (root
+                // r's into rows r · t_max ..).
                 let r = unsafe {
-                    nc::ncclAllGather(src as _, dst as _, t_max * width, nc::ncclDataType_t::ncclUint8, comm, cs)
+                    match how {
+                        Gathering::AllGather => nc::ncclAllGather(src as _, dst as _, bytes, u8t, comm, cs),
+                        Gathering::Multicast => (0..n)
+                            .map(|root| {
+                                let at = (dst + (root * bytes) as u64) as _;
+                                nc::ncclBroadcast(src as _, at, bytes, u8t, root as i32, comm, cs)
+                            })
+                            .find(|r| *r != nc::ncclResult_t::ncclSuccess)
+                            .unwrap_or(nc::ncclResult_t::ncclSuccess),
+                    }
                 };
                 if r != nc::ncclResult_t::ncclSuccess {
                     return r;
@@ -110,19 +148,22 @@ impl CudaMoeLayer {
         })?;
         self.serve_received(b, received, &plan, mark)?;
         let ep = b.ep.as_ref().expect("allocated");
-        let (part, back) = (pb(&ep.part), pb(&ep.back));
-        link.comm.enqueue("moe reduce-scatter", s, |comm, cs| {
-            // SAFETY: n · t_max bf16 rows of h in, this rank's t_max rows out.
+        let part = pb(&ep.part);
+        let (bf16, sum) = (nc::ncclDataType_t::ncclBfloat16, nc::ncclRedOp_t::ncclSum);
+        // This rank's t_max summed rows: reduce-scattered into `back`, or its share of the
+        // all-reduced partials.
+        let back = match how {
+            Gathering::AllGather => pb(&ep.back),
+            Gathering::Multicast => part + (2 * rank * t_max * h) as u64,
+        };
+        link.comm.enqueue("moe sum", s, |comm, cs| {
+            // SAFETY: n · t_max bf16 rows of h in; this rank's t_max rows out (`back`), or all
+            // of them in place.
             unsafe {
-                nc::ncclReduceScatter(
-                    part as _,
-                    back as _,
-                    t_max * h,
-                    nc::ncclDataType_t::ncclBfloat16,
-                    nc::ncclRedOp_t::ncclSum,
-                    comm,
-                    cs,
-                )
+                match how {
+                    Gathering::AllGather => nc::ncclReduceScatter(part as _, back as _, t_max * h, bf16, sum, comm, cs),
+                    Gathering::Multicast => nc::ncclAllReduce(part as _, part as _, n * t_max * h, bf16, sum, comm, cs),
+                }
             }
         })?;
         mark(7)?;

@@ -47,7 +47,7 @@ impl CudaMoeLayer {
         };
         let mut link = link;
         if let (Some(twin), Some(mine)) = (link.as_mut(), self.ep.as_ref()) {
-            twin.all_gather = mine.all_gather;
+            twin.gathering = mine.gathering;
         }
         let opened = Self::open(&self.config, self.gpu.ordinal)?;
         let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link)?;

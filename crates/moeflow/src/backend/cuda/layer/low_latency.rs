@@ -66,8 +66,10 @@ impl CudaMoeLayer {
         let Some(link) = layer.ep.as_mut() else {
             return Err(MoeError::Config("low-latency dispatch needs an expert-parallel layer (new_ep)".into()));
         };
-        if link.all_gather {
-            return Err(MoeError::Config("a layer dispatches one way: lowlatency or all-gather, not both".into()));
+        if link.gathering.is_some() {
+            return Err(MoeError::Config(
+                "a layer dispatches one way: all-to-all-v, all-gather, multicast or lowlatency".into(),
+            ));
         }
         if max_tokens_per_rank == 0 {
             return Err(MoeError::Config("lowlatency needs max_tokens_per_rank > 0".into()));

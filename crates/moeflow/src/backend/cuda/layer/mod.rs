@@ -145,9 +145,9 @@ struct EpLink {
     first: usize,
     local: usize,
     capacity: Option<usize>,
-    /// Whether tokens travel by all-gather and come back by reduce-scatter ([`all_gather`])
-    /// instead of all-to-all-v.
-    all_gather: bool,
+    /// How a gathering layer moves tokens ([`all_gather`]); `None`: all-to-all-v (or the
+    /// low-latency form).
+    gathering: Option<all_gather::Gathering>,
 }
 
 /// Called with (stage boundary 0..=9, the layer's stream) as a run is enqueued; boundary 3
@@ -329,7 +329,7 @@ impl CudaMoeLayer {
                 "the device-resident expert-parallel layer splits experts evenly: {e} experts on {n} ranks"
             )));
         }
-        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None, all_gather: false })
+        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None, gathering: None })
     }
 
     fn new_on(config: &MoeConfig, weights: &MoeWeights, device: usize, ep: Option<EpLink>) -> Result<Self> {
@@ -659,7 +659,10 @@ impl CudaMoeLayer {
         }
         let sent = match &self.ep {
             Some(link) if link.capacity.is_some() => self.ll_experts(b, link, mark)?,
-            Some(link) if link.all_gather => self.ag_experts(b, t, link, mark)?,
+            Some(link) if link.gathering.is_some() => {
+                let how = link.gathering.expect("checked");
+                self.gathered_experts(b, t, link, how, mark)?
+            }
             Some(link) => self.ep_experts(b, t, link, mark)?,
             None => {
                 self.local_experts(b, t, mark)?;
