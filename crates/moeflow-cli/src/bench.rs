@@ -137,6 +137,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     use moeflow::parallel::StrategyKind;
     let exchange = match par.strategy {
         StrategyKind::AllGather => "all-gather / reduce-scatter",
+        StrategyKind::AllGatherLogits => "all-gather of router logits / reduce-scatter",
         StrategyKind::Multicast => "multicast / all-reduce",
         _ => "all-to-all-v",
     };
@@ -184,6 +185,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         }
         match par.strategy {
             StrategyKind::AllGather => layer = layer.all_gather()?,
+            StrategyKind::AllGatherLogits => layer = layer.all_gather_logits()?,
             StrategyKind::Multicast => layer = layer.multicast()?,
             _ => {}
         }
@@ -487,9 +489,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             return run_cuda_ep(&args, &host);
         }
         println!(
-            "note: the device-resident layer covers all2allv, allgather, multicast (also --dual-batch) and lowlatency with contiguous \
-             placement, TP 1, no replicas, experts divisible by EP; this layout runs host-staged (rows through \
-             host memory)"
+            "note: the device-resident layer covers all2allv, allgather, allgather-logits, multicast (also \
+             --dual-batch) and lowlatency with contiguous placement, TP 1, no replicas, experts divisible by \
+             EP; this layout runs host-staged (rows through host memory)"
         );
     }
     let (p, config) = args.layer.config()?;

@@ -224,10 +224,12 @@ pub fn split_tokens(tokens: usize, groups: usize) -> Vec<(usize, usize)> {
 }
 
 /// Whether the device-resident expert-parallel layer covers `par` (all-to-all-v, all-gather /
-/// reduce-scatter or multicast, also with dual-batch overlap, or low-latency in a CUDA graph).
+/// reduce-scatter of ids or of router logits, or multicast, also with dual-batch overlap, or
+/// low-latency in a CUDA graph).
 pub fn device_resident(par: &ParallelConfig, experts: usize) -> bool {
+    use StrategyKind::*;
     par.ep > 1
-        && (matches!(par.strategy, StrategyKind::All2AllV | StrategyKind::AllGather | StrategyKind::Multicast)
+        && (matches!(par.strategy, All2AllV | AllGather | AllGatherLogits | Multicast)
             || par.strategy == StrategyKind::LowLatency && !par.dual_batch)
         && par.tp == 1
         && par.redundant.is_empty()

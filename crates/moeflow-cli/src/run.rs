@@ -128,7 +128,7 @@ pub fn run(args: RunArgs) -> Result<()> {
 }
 
 /// This rank's share through the device-resident expert-parallel layer (NCCL ranks only):
-/// all-to-all-v, all-gather or multicast, optionally as two micro-batches, or the low-latency form with
+/// all-to-all-v, all-gather (of ids or logits) or multicast, optionally as two micro-batches, or the low-latency form with
 /// `--max-tokens-per-rank` as its capacity.
 fn device_forward(
     comm: &dyn moeflow::comm::Communicator,
@@ -147,6 +147,7 @@ fn device_forward(
     match par.strategy {
         StrategyKind::LowLatency => layer = layer.low_latency(par.max_tokens_per_rank)?,
         StrategyKind::AllGather => layer = layer.all_gather()?,
+        StrategyKind::AllGatherLogits => layer = layer.all_gather_logits()?,
         StrategyKind::Multicast => layer = layer.multicast()?,
         _ => {}
     }

@@ -65,7 +65,7 @@ fn run_matches_transformers() {
 }
 
 /// `run --backend cuda` over two GPU ranks: the device-resident layer for all2allv, allgather
-/// (also as two micro-batches), multicast and lowlatency, against transformers within bf16 rounding.
+/// (also as two micro-batches), allgather-logits, multicast and lowlatency, against transformers within bf16 rounding.
 /// Needs 2 GPUs (and the `cuda` feature); says loudly when it skips.
 #[test]
 fn run_on_gpus_matches_transformers() {
@@ -75,9 +75,15 @@ fn run_on_gpus_matches_transformers() {
         return;
     }
     for (name, layer) in [("qwen2_moe", "1"), ("deepseek_v3", "2"), ("gpt_oss", "1")] {
-        for strategy in
-            [&["all2allv"][..], &["allgather"], &["allgather", "--dual-batch"], &["multicast"], &["lowlatency"]]
-        {
+        let strategies = [
+            &["all2allv"][..],
+            &["allgather"],
+            &["allgather", "--dual-batch"],
+            &["allgather-logits"],
+            &["multicast"],
+            &["lowlatency"],
+        ];
+        for strategy in strategies {
             let args = [&["--backend", "cuda", "--dtype", "bf16", "--ep", "2", "--strategy"][..], strategy].concat();
             check_run_within(name, layer, &args, 2.5e-2);
         }

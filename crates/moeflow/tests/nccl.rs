@@ -263,6 +263,7 @@ fn device_resident_gathering_layers_match_the_reference_and_repeat() {
     let Some(n) = gpus("device_resident_gathering_layers_match_the_reference_and_repeat") else { return };
     device_layer_matches_the_reference("all-gather", n, |layer| layer.all_gather());
     device_layer_matches_the_reference("multicast", n, |layer| layer.multicast());
+    device_layer_matches_the_reference("all-gather of logits", n, |layer| layer.all_gather_logits());
     // One way of dispatching per layer: asking for both is a clear error.
     let devices: Vec<usize> = (0..n).collect();
     let (_, config, weights) = device_cases().swap_remove(0);

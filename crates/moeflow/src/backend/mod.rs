@@ -160,6 +160,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn all_gather_logits(self) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn dual_batch(self, _comm: Option<NcclComm>) -> Result<CudaDualBatch> {
             Err(missing())
         }

@@ -5,6 +5,9 @@
 //! strategies, simplest where batches are small or most tokens go to most ranks.
 //! - all-gather / reduce-scatter ([`CudaMoeLayer::all_gather`]): one all-gather out, and a
 //!   reduce-scatter brings each rank the sums of its own tokens;
+//! - all-gather of router logits ([`CudaMoeLayer::all_gather_logits`]): the same with each
+//!   token's router logits in place of its ids and weights, every rank routing every token
+//!   itself (the same kernel on the same logits, so the same choice as at home);
 //! - multicast ([`CudaMoeLayer::multicast`]): each rank broadcasts its rows to all (one
 //!   broadcast per root), and an all-reduce gives every rank every token's sum, of which it
 //!   keeps its own.
@@ -22,6 +25,8 @@ use cudarc::driver::CudaSlice;
 pub(super) enum Gathering {
     /// All-gather out, reduce-scatter back.
     AllGather,
+    /// All-gather of rows and router logits out (routing after it), reduce-scatter back.
+    AllGatherLogits,
     /// A broadcast from each rank out, all-reduce back.
     Multicast,
 }
@@ -31,6 +36,12 @@ impl CudaMoeLayer {
     /// (see the module docs) instead of all-to-all-v. Not with the low-latency form.
     pub fn all_gather(self) -> Result<Self> {
         self.gathering(Gathering::AllGather)
+    }
+
+    /// This expert-parallel layer all-gathering router logits with the rows, every rank
+    /// routing every token, and combining by reduce-scatter (see the module docs).
+    pub fn all_gather_logits(self) -> Result<Self> {
+        self.gathering(Gathering::AllGatherLogits)
     }
 
     /// This expert-parallel layer dispatching by one broadcast per rank and combining by
@@ -97,11 +108,28 @@ impl CudaMoeLayer {
         let ep = b.ep.as_mut().expect("allocated");
         let (pi, pf, pb) =
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
-        // This rank's batch, padded to t_max tokens of zeros with no expert (id -1).
+        // This rank's batch, padded to t_max tokens of zeros with no expert (id -1): rows with
+        // ids and weights, or rows with router logits.
         let (send_rows, send_ids, send_w) = (pb(&ep.send_rows), pi(&ep.send_ids), pf(&ep.send_w));
-        let own = [(pb(&b.x_bf), send_rows, 2 * h), (pi(&b.ids), send_ids, 4 * k), (pf(&b.weights), send_w, 4 * k)];
-        for (i, (src, dst, width)) in own.into_iter().enumerate() {
-            let pad = if i == 1 { 0xff } else { 0 };
+        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
+        let (send_logits, recv_logits) = (pf(&ep.send_logits), pf(&ep.recv_logits));
+        let logits = how == Gathering::AllGatherLogits;
+        let (own, gathered) = if logits {
+            (
+                vec![(pb(&b.x_bf), send_rows, 2 * h, 0u8), (pf(&b.logits), send_logits, 4 * e, 0)],
+                vec![(send_rows, recv_rows, 2 * h), (send_logits, recv_logits, 4 * e)],
+            )
+        } else {
+            (
+                vec![
+                    (pb(&b.x_bf), send_rows, 2 * h, 0u8),
+                    (pi(&b.ids), send_ids, 4 * k, 0xff),
+                    (pf(&b.weights), send_w, 4 * k, 0),
+                ],
+                vec![(send_rows, recv_rows, 2 * h), (send_ids, recv_ids, 4 * k), (send_w, recv_w, 4 * k)],
+            )
+        };
+        for (src, dst, width, pad) in own {
             // SAFETY: the send buffers hold t_max rows of `width` bytes (t ≤ t_max); the
             // sources hold this batch's t rows; both on the layer's stream.
             unsafe {
@@ -120,8 +148,6 @@ impl CudaMoeLayer {
                 }
             }
         }
-        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
-        let gathered = [(send_rows, recv_rows, 2 * h), (send_ids, recv_ids, 4 * k), (send_w, recv_w, 4 * k)];
         let u8t = nc::ncclDataType_t::ncclUint8;
         link.comm.enqueue("moe gather", s, |comm, cs| {
             for (src, dst, width) in gathered {
@@ -130,7 +156,9 @@ impl CudaMoeLayer {
                 // r's into rows r · t_max ..).
                 let r = unsafe {
                     match how {
-                        Gathering::AllGather => nc::ncclAllGather(src as _, dst as _, bytes, u8t, comm, cs),
+                        Gathering::AllGather | Gathering::AllGatherLogits => {
+                            nc::ncclAllGather(src as _, dst as _, bytes, u8t, comm, cs)
+                        }
                         Gathering::Multicast => (0..n)
                             .map(|root| {
                                 let at = (dst + (root * bytes) as u64) as _;
@@ -146,6 +174,19 @@ impl CudaMoeLayer {
             }
             nc::ncclResult_t::ncclSuccess
         })?;
+        if logits {
+            // Every token routed here, then the padding's choices dropped (id -1).
+            self.top_k(recv_logits, received, recv_ids, recv_w)?;
+            for r in 0..n {
+                let tr = all[r * m + e] as usize;
+                if tr < t_max {
+                    let at = recv_ids + (4 * k * (r * t_max + tr)) as u64;
+                    // SAFETY: rows tr .. t_max of rank r's block of the n · t_max · k ids.
+                    unsafe { cudarc::driver::result::memset_d8_async(at, 0xff, 4 * k * (t_max - tr), s.cu_stream()) }
+                        .map_err(|e| err("dropping the padding", e))?;
+                }
+            }
+        }
         self.serve_received(b, received, &plan, mark)?;
         let ep = b.ep.as_ref().expect("allocated");
         let part = pb(&ep.part);
@@ -153,7 +194,7 @@ impl CudaMoeLayer {
         // This rank's t_max summed rows: reduce-scattered into `back`, or its share of the
         // all-reduced partials.
         let back = match how {
-            Gathering::AllGather => pb(&ep.back),
+            Gathering::AllGather | Gathering::AllGatherLogits => pb(&ep.back),
             Gathering::Multicast => part + (2 * rank * t_max * h) as u64,
         };
         link.comm.enqueue("moe sum", s, |comm, cs| {
@@ -161,7 +202,9 @@ impl CudaMoeLayer {
             // of them in place.
             unsafe {
                 match how {
-                    Gathering::AllGather => nc::ncclReduceScatter(part as _, back as _, t_max * h, bf16, sum, comm, cs),
+                    Gathering::AllGather | Gathering::AllGatherLogits => {
+                        nc::ncclReduceScatter(part as _, back as _, t_max * h, bf16, sum, comm, cs)
+                    }
                     Gathering::Multicast => nc::ncclAllReduce(part as _, part as _, n * t_max * h, bf16, sum, comm, cs),
                 }
             }

@@ -135,6 +135,9 @@ struct EpBuffers {
     act: CudaSlice<u16>,
     y: CudaSlice<u16>,
     part: CudaSlice<u16>,
+    /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
+    send_logits: CudaSlice<f32>,
+    recv_logits: CudaSlice<f32>,
 }
 
 /// The expert-parallel side of a layer: its communicator, the experts this rank holds
@@ -738,13 +741,11 @@ impl CudaMoeLayer {
     /// f32 → bf16 copy of the tokens, router GEMM, bias, and top-k into `b.ids`/`b.weights`.
     fn route(&self, b: &Buffers, t: usize) -> Result<()> {
         let c = &self.config;
-        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let (h, e) = (c.hidden, c.num_experts);
         let g = &self.gpu;
         let s = &g.stream;
         let p = |x: &CudaSlice<f32>| dptr(x, g);
-        let pi = |x: &CudaSlice<i32>| dptr(x, g);
         let pb = |x: &CudaSlice<u16>| dptr(x, g);
-        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         let (n_th, n) = (t * h, (t * h) as i64);
         let (xp, xbp) = (p(&b.x), pb(&b.x_bf));
         // Large batches make their bf16 copy on side stream 0, beside the router GEMM (both
@@ -773,6 +774,19 @@ impl CudaMoeLayer {
             unsafe { s.launch_builder(&self.k.add_bias).arg(&lp).arg(&bp).arg(&ti).arg(&ei).launch(grid(t * e)) }
                 .map_err(|e| err("add_bias", e))?;
         }
+        self.top_k(dptr(&b.logits, g), t, dptr(&b.ids, g), dptr(&b.weights, g))?;
+        if overlap {
+            s.join(side).map_err(|e| err("stream join", e))?;
+        }
+        Ok(())
+    }
+
+    /// Top-k ids `[t, k]` and weights `[t, k]` at `ids` and `weights` from the router logits
+    /// `[t, E]` (bias added) at `logits`, for the layer's router kind.
+    fn top_k(&self, logits: u64, t: usize, ids: u64, weights: u64) -> Result<()> {
+        let c = &self.config;
+        let (e, k) = (c.num_experts, c.top_k);
+        let g = &self.gpu;
         let (kind, n_group, topk_group, renorm, scaling) = match c.router {
             RouterConfig::Softmax { renormalize } => (0i32, 1i32, 1i32, renormalize as i32, 1.0f32),
             RouterConfig::TopKSoftmax => (1, 1, 1, 0, 1.0),
@@ -786,36 +800,36 @@ impl CudaMoeLayer {
         if n_group > 64 {
             return Err(MoeError::Unsupported("more than 64 expert groups on the CUDA backend".into()));
         }
-        {
-            let (lp, bp, ti, ei, ki) = (p(&b.logits), opt(&self.w.correction_bias), t as i32, e as i32, k as i32);
-            let (ip, wp) = (pi(&b.ids), p(&b.weights));
-            // SAFETY: as above.
-            unsafe {
-                s.launch_builder(&self.k.route)
-                    .arg(&lp)
-                    .arg(&bp)
-                    .arg(&ti)
-                    .arg(&ei)
-                    .arg(&ki)
-                    .arg(&kind)
-                    .arg(&n_group)
-                    .arg(&topk_group)
-                    .arg(&renorm)
-                    .arg(&scaling)
-                    .arg(&ip)
-                    .arg(&wp)
-                    .launch(LaunchConfig {
-                        grid_dim: (t.div_ceil(4) as u32, 1, 1),
-                        block_dim: (128, 1, 1),
-                        shared_mem_bytes: 0,
-                    })
-            }
-            .map_err(|e| err("route", e))?;
+        if t == 0 {
+            return Ok(());
         }
-        if overlap {
-            s.join(side).map_err(|e| err("stream join", e))?;
+        let bp = self.w.correction_bias.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (ti, ei, ki) = (t as i32, e as i32, k as i32);
+        // SAFETY: route(float*, float*, int, int, int, int, int, int, int, float, int*, float*)
+        // reads t · E logits (and E bias values) and writes t · k ids and weights.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.route)
+                .arg(&logits)
+                .arg(&bp)
+                .arg(&ti)
+                .arg(&ei)
+                .arg(&ki)
+                .arg(&kind)
+                .arg(&n_group)
+                .arg(&topk_group)
+                .arg(&renorm)
+                .arg(&scaling)
+                .arg(&ids)
+                .arg(&weights)
+                .launch(LaunchConfig {
+                    grid_dim: (t.div_ceil(4) as u32, 1, 1),
+                    block_dim: (128, 1, 1),
+                    shared_mem_bytes: 0,
+                })
         }
-        Ok(())
+        .map(|_| ())
+        .map_err(|e| err("route", e))
     }
 
     /// Rows of `b.x_bf` into `b.a` grouped by expert (expert `x` from row `offsets[x]`, or
@@ -1341,7 +1355,8 @@ impl CudaMoeLayer {
     /// (each rounded up to a power of two) on `ranks` ranks.
     fn ep_buffers(&self, cap: [usize; 4], ranks: usize) -> Result<EpBuffers> {
         let c = &self.config;
-        let (h, i, k, el) = (c.hidden, c.inter, c.top_k, self.ep.as_ref().map_or(c.num_experts, |l| l.local));
+        let (h, i, k, e) = (c.hidden, c.inter, c.top_k, c.num_experts);
+        let el = self.ep.as_ref().map_or(e, |l| l.local);
         let cap = cap.map(|x| x.max(1).next_power_of_two());
         let [sent, recv, rows2, t] = cap;
         let s = &self.gpu.stream;
@@ -1370,6 +1385,8 @@ impl CudaMoeLayer {
             act: z16(rows2 * i)?,
             y: z16(rows2 * h)?,
             part: z16(recv * h)?,
+            send_logits: zf(sent * e)?,
+            recv_logits: zf(recv * e)?,
         })
     }
 
