@@ -92,11 +92,7 @@ impl CudaMoeLayer {
         let plan = self.local_plan(&local);
         let received = n * t_max;
         let need = [t_max, received, plan.rows, t];
-        if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
-            let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
-            b.ep = None;
-            b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), n)?);
-        }
+        self.grow_ep_buffers(b, need, n)?;
         mark(2)?;
         if t_max == 0 {
             // No rank has tokens: nothing to move, every later stage empty.

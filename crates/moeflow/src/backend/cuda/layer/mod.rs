@@ -1090,11 +1090,7 @@ impl CudaMoeLayer {
         let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| all[src * m + first + j] as usize).sum()).collect();
         let plan = self.local_plan(&local);
         let need = [sent, received, plan.rows, t];
-        if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
-            let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
-            b.ep = None;
-            b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), n)?);
-        }
+        self.grow_ep_buffers(b, need, n)?;
         let ep = b.ep.as_mut().expect("allocated");
         let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
         if sent > 0 {
@@ -1349,6 +1345,17 @@ impl CudaMoeLayer {
             }
             nc::ncclResult_t::ncclSuccess
         })
+    }
+
+    /// `b.ep` grown, where needed, to `need` = [rows sent, rows received, expert rows, home
+    /// tokens] on `ranks` ranks (each capacity keeps its largest so far).
+    fn grow_ep_buffers(&self, b: &mut Buffers, need: [usize; 4], ranks: usize) -> Result<()> {
+        if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
+            let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
+            b.ep = None;
+            b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), ranks)?);
+        }
+        Ok(())
     }
 
     /// Expert-parallel buffers for `cap` = [rows sent, rows received, expert rows, home tokens]
