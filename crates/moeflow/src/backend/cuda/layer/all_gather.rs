@@ -1,6 +1,6 @@
 //! The device-resident gathering forms of the expert-parallel layer: every rank receives
-//! every rank's token rows, top-k ids and weights (each batch padded to the largest), runs its
-//! own experts on all of them, and the ranks' partial outputs are summed back. No
+//! every rank's token rows with their routing (each batch padded to the largest), runs its own
+//! experts on all of them, and the ranks' partial outputs are summed back. No
 //! per-destination lists are built, at the price of moving every row to every rank: the naive
 //! strategies, simplest where batches are small or most tokens go to most ranks.
 //! - all-gather / reduce-scatter ([`CudaMoeLayer::all_gather`]): one all-gather out, and a
@@ -227,6 +227,7 @@ impl CudaMoeLayer {
             }
             .map_err(|e| err("sum_partials", e))?;
         }
-        Ok((n - 1) * t_max * (2 * h + 8 * k))
+        let row = if logits { 2 * h + 4 * e } else { 2 * h + 8 * k };
+        Ok((n - 1) * t_max * row)
     }
 }
