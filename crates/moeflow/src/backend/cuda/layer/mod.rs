@@ -3,7 +3,8 @@
 //! GEMMs with f32 accumulation (padded strided-batched, or per expert over side streams),
 //! activation, and a weighted combine in slot order. On one GPU, or as one rank of an
 //! expert-parallel group ([`CudaMoeLayer::new_ep`]) whose tokens travel to the ranks holding
-//! their experts over NCCL, on the device; [`low_latency`] is that group's fixed-capacity form,
+//! their experts over NCCL, on the device; [`all_gather`] holds that group's gathering forms
+//! (all-gather, all-gather of logits, multicast), [`low_latency`] its fixed-capacity form,
 //! captured in a CUDA graph, and [`fp8_weights`] its fp8 experts.
 
 use super::{err, Gpu};
