@@ -236,3 +236,29 @@ pub fn device_resident(par: &ParallelConfig, experts: usize) -> bool {
         && par.placement == PlacementKind::Contiguous
         && experts.is_multiple_of(par.ep)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_resident_covers_the_layouts_its_layer_runs() {
+        use StrategyKind::*;
+        let on = |p: ParallelConfig, experts: usize| device_resident(&p, experts);
+        for s in [All2AllV, AllGather, AllGatherLogits, Multicast, LowLatency] {
+            assert!(on(ParallelConfig::new(2, 1, s), 8), "{s}");
+            assert!(on(ParallelConfig::new(4, 1, s), 8), "{s}");
+        }
+        for s in [All2AllV, AllGather, AllGatherLogits, Multicast] {
+            assert!(on(ParallelConfig { dual_batch: true, ..ParallelConfig::new(2, 1, s) }, 8), "{s} dual-batch");
+        }
+        // One rank, TP slicing, uneven experts, a graph split in two, other placements and
+        // replicas stay with the modular layer.
+        assert!(!on(ParallelConfig::new(1, 1, Local), 8));
+        assert!(!on(ParallelConfig::new(4, 2, AllGather), 8));
+        assert!(!on(ParallelConfig::new(2, 1, All2AllV), 9));
+        assert!(!on(ParallelConfig { dual_batch: true, ..ParallelConfig::new(2, 1, LowLatency) }, 8));
+        assert!(!on(ParallelConfig { placement: PlacementKind::RoundRobin, ..ParallelConfig::new(2, 1, All2AllV) }, 8));
+        assert!(!on(ParallelConfig { redundant: vec![0], ..ParallelConfig::new(2, 1, Multicast) }, 8));
+    }
+}
