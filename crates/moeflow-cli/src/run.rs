@@ -128,8 +128,8 @@ pub fn run(args: RunArgs) -> Result<()> {
 }
 
 /// This rank's share through the device-resident expert-parallel layer (NCCL ranks only):
-/// all-to-all-v, all-gather (of ids or logits) or multicast, optionally as two micro-batches, or the low-latency form with
-/// `--max-tokens-per-rank` as its capacity.
+/// all-to-all-v, all-gather (of ids or logits) or multicast, optionally as two micro-batches,
+/// or the low-latency form with `--max-tokens-per-rank` as its capacity.
 fn device_forward(
     comm: &dyn moeflow::comm::Communicator,
     par: &moeflow::parallel::ParallelConfig,

@@ -2,15 +2,14 @@
 //! GPU, and under sustained load) and device-to-device copy bandwidth.
 
 use super::layer::gemm_bf16;
-use super::GpuCeilings;
-use super::{err, Gpu};
+use super::{err, Gpu, GpuCeilings};
 use crate::error::Result;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys as drv, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Seconds of back-to-back GEMMs before the sustained rate is timed: long enough for the
-/// power cap to bring the clocks down (on H200 they fall from 1980 MHz to 1425–1560 within
-/// a second of a MoE layer's GEMMs, throttled for software power capping).
+/// power cap to bring the clocks down (on H200 they fall from 1980 MHz to about 1500 within a
+/// second of a MoE layer's GEMMs, throttled for software power capping).
 const LOAD_SECONDS: f64 = 1.0;
 /// The square GEMM both rates are measured on.
 const N: usize = 8192;
