@@ -65,8 +65,9 @@ fn run_matches_transformers() {
 }
 
 /// `run --backend cuda` over two GPU ranks: the device-resident layer for all2allv, allgather
-/// (also as two micro-batches), allgather-logits, multicast and lowlatency, against transformers within bf16 rounding.
-/// Needs 2 GPUs (and the `cuda` feature); says loudly when it skips.
+/// (also as two micro-batches), allgather-logits, multicast and lowlatency, against
+/// transformers within bf16 rounding. Needs 2 GPUs (and the `cuda` feature); says loudly when
+/// it skips.
 #[test]
 fn run_on_gpus_matches_transformers() {
     let gpus = moeflow::backend::cuda::device_count();

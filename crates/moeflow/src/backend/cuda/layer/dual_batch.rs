@@ -33,7 +33,7 @@ impl CudaMoeLayer {
         if self.capacity().is_some() {
             return Err(MoeError::Unsupported("dual-batch overlap of the low-latency layer".into()));
         }
-        let link = match (&self.ep, comm) {
+        let mut link = match (&self.ep, comm) {
             (Some(_), Some(c)) => Some(Self::link(&self.config, c)?),
             (None, None) => None,
             (Some(_), None) => {
@@ -45,7 +45,7 @@ impl CudaMoeLayer {
                 return Err(MoeError::Config("dual-batch overlap on one GPU takes no communicator".into()))
             }
         };
-        let mut link = link;
+        // The twin exchanges tokens the same way.
         if let (Some(twin), Some(mine)) = (link.as_mut(), self.ep.as_ref()) {
             twin.gathering = mine.gathering;
         }
