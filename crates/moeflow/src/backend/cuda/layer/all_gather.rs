@@ -16,7 +16,7 @@
 //! it holds none of them), as in the all-to-all-v layer; the collectives add the ranks' bf16
 //! partials in NCCL's fixed order, so runs repeat exactly.
 
-use super::{dptr, err, rows, Buffers, CudaMoeLayer, EpLink};
+use super::{dptr, err, Buffers, CudaMoeLayer, EpLink};
 use crate::error::{MoeError, Result};
 use cudarc::driver::CudaSlice;
 
@@ -207,26 +207,13 @@ impl CudaMoeLayer {
         })?;
         mark(7)?;
         if t > 0 {
-            // out = back's first t rows in f32: sum_partials over one "rank", row t for token t.
+            // out = back's first t rows in f32: one "rank" whose row t is token t's.
             let identity: Vec<i32> = (0..t as i32).collect();
             let home = b.ep.as_mut().expect("allocated");
             s.memcpy_htod(&identity, &mut home.home_rows.slice_mut(0..t)).map_err(|e| err("upload", e))?;
-            let (home_rows, ti, one, hi, outp) = (pi(&home.home_rows), t as i32, 1i32, h as i32, dptr(&b.out, g));
-            // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t
-            // entries, each a row of `back` (t_max ≥ t rows of h).
-            unsafe {
-                use cudarc::driver::PushKernelArg;
-                s.launch_builder(&self.k.sum_partials)
-                    .arg(&back)
-                    .arg(&home_rows)
-                    .arg(&ti)
-                    .arg(&one)
-                    .arg(&hi)
-                    .arg(&outp)
-                    .launch(rows(t, 256))
-            }
-            .map_err(|e| err("sum_partials", e))?;
         }
+        let home_rows = pi(&b.ep.as_ref().expect("allocated").home_rows);
+        self.sum_home(back, home_rows, t, 1, dptr(&b.out, g))?;
         let row = if logits { 2 * h + 4 * e } else { 2 * h + 8 * k };
         Ok((n - 1) * t_max * row)
     }

@@ -1136,24 +1136,34 @@ impl CudaMoeLayer {
         self.serve_received(b, received, &plan, mark)?;
         self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
         mark(7)?;
-        if t > 0 {
-            let (ti, ni, outp) = (t as i32, n as i32, dptr(&b.out, g));
-            // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
-            // entries, each -1 or a row of `back`.
-            unsafe {
-                s.launch_builder(&self.k.sum_partials)
-                    .arg(&back)
-                    .arg(&home_rows_p)
-                    .arg(&ti)
-                    .arg(&ni)
-                    .arg(&hi)
-                    .arg(&outp)
-                    .launch(rows(t, 256))
-            }
-            .map_err(|e| err("sum_partials", e))?;
-        }
+        self.sum_home(back, home_rows_p, t, n, dptr(&b.out, g))?;
         let row = 2 * h + 8 * k;
         Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+    }
+
+    /// `out [t, H]` (f32) = for each home token, the sum in order of the `n` bf16 rows of
+    /// `back` that `home_rows` (`t · n` ints, -1: none) names for it.
+    fn sum_home(&self, back: u64, home_rows: u64, t: usize, n: usize, out: u64) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let (ti, ni, hi) = (t as i32, n as i32, self.config.hidden as i32);
+        // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
+        // entries, each -1 or a row of `back`; `out` holds t rows of H.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&self.k.sum_partials)
+                .arg(&back)
+                .arg(&home_rows)
+                .arg(&ti)
+                .arg(&ni)
+                .arg(&hi)
+                .arg(&out)
+                .launch(rows(t, 256))
+        }
+        .map(|_| ())
+        .map_err(|e| err("sum_partials", e))
     }
 
     /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
