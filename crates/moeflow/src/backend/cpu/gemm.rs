@@ -112,33 +112,36 @@ unsafe fn segment_tile<T: PanelElem>(
         return;
     }
     let use_avx2 = avx2_available();
+    // Rows split into near-equal blocks of at most MR, so no block is starved of independent
+    // accumulators.
+    let blocks = s.rows.div_ceil(MR);
     let mut k0 = 0;
     while k0 < k {
         let kc = KC.min(k - k0);
-        // Rows split into near-equal blocks of at most MR, so no block is starved of
-        // independent accumulators; a block's A slice stays in L1 while panels stream by.
-        let blocks = s.rows.div_ceil(MR);
-        let mut r = 0;
-        for blk in 0..blocks {
-            let mr = s.rows / blocks + usize::from(blk < s.rows % blocks);
-            let row = s.row_start + r;
-            for p in panels.clone() {
-                let panel = w.panel(s.expert, p);
-                // The first row block brings B in from memory: have it prefetch the block the
-                // next call reads (next panel, or the first panel of the next k block).
-                let next = if p + 1 < panels.end {
-                    Some(w.panel(s.expert, p + 1).as_ptr().add(k0 * NR))
-                } else if k0 + kc < k {
-                    Some(w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR))
-                } else {
-                    None
-                };
+        for p in panels.clone() {
+            let panel = w.panel(s.expert, p);
+            // Every row block reuses this panel's k block from L1. Meanwhile the block this
+            // task reads next (the next panel's, or the first panel's of the next k block)
+            // comes in from memory, a share per row block, so memory traffic is spread over
+            // the whole computation instead of stalling the first row block.
+            let next = if p + 1 < panels.end {
+                Some((w.panel(s.expert, p + 1).as_ptr().add(k0 * NR), kc))
+            } else if k0 + kc < k {
+                Some((w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR), KC.min(k - k0 - kc)))
+            } else {
+                None
+            };
+            let mut r = 0;
+            for blk in 0..blocks {
+                let mr = s.rows / blocks + usize::from(blk < s.rows % blocks);
+                let row = s.row_start + r;
                 let prefetch = match next {
-                    Some(ptr) if blk == 0 => (
-                        ptr as *const u8,
-                        KC.min(k - k0 - if p + 1 < panels.end { 0 } else { kc }) * NR * std::mem::size_of::<T>(),
-                    ),
-                    _ => (std::ptr::null(), 0),
+                    Some((ptr, steps)) => {
+                        let bytes = steps * NR * std::mem::size_of::<T>();
+                        let (lo, hi) = (bytes * blk / blocks, bytes * (blk + 1) / blocks);
+                        ((ptr as *const u8).add(lo), hi - lo)
+                    }
+                    None => (std::ptr::null(), 0),
                 };
                 let tile = Tile {
                     a: a.as_ptr().add(row * lda + k0),
@@ -152,8 +155,8 @@ unsafe fn segment_tile<T: PanelElem>(
                     prefetch,
                 };
                 dispatch_kernel(use_avx2, mr, tile);
+                r += mr;
             }
-            r += mr;
         }
         k0 += kc;
     }
@@ -276,12 +279,16 @@ mod avx2 {
                 row[1] = _mm256_fmadd_ps(av, b1, row[1]);
             }
         };
+        // The prefetch block's cache lines, spread evenly over the loop's four-step rounds.
         let (pf, pf_len) = t.prefetch;
+        let per_round = pf_len.div_ceil((t.kc / 4).max(1));
+        let (mut pf_due, mut pf_sent) = (0, 0);
         let mut kk = 0;
         while kk + 4 <= t.kc {
-            if kk * 32 < pf_len {
-                _mm_prefetch(pf.add(kk * 32) as *const i8, _MM_HINT_T0);
-                _mm_prefetch(pf.add(kk * 32 + 64) as *const i8, _MM_HINT_T0);
+            pf_due = (pf_due + per_round).min(pf_len);
+            while pf_sent < pf_due {
+                _mm_prefetch(pf.add(pf_sent) as *const i8, _MM_HINT_T0);
+                pf_sent += 64;
             }
             step(&mut acc, b, kk);
             step(&mut acc, b.add(NR), kk + 1);
