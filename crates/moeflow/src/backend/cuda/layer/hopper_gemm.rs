@@ -181,7 +181,7 @@ impl HopperGemm {
 
 impl CudaMoeLayer {
     /// The Hopper grouped GEMM for `rows` rows over `experts` experts, when the GPU and shapes
-    /// take it and it is the better choice: from 8 to 1024 rows an expert on average, or
+    /// take it and it is the better choice: from 2 to 1024 rows an expert on average, or
     /// always with `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
     /// experts, the layer with its shared expert, two runs each (ms, this kernel against
     /// cuBLAS): 16 rows an expert 1.55, 1.46 against 1.56, 1.62; 64 rows 1.68, 1.58 against
@@ -190,15 +190,16 @@ impl CudaMoeLayer {
     /// activation in its epilogue (session 16): 512 rows 5.61, 5.75 against 5.63, 7.82; 1024
     /// rows 11.08, 11.10 against 11.09, 12.61 (the same fast cases, and none of cuBLAS's slow
     /// ones); 2048 rows 22.38, 22.64 against 21.87, 21.85, where cuBLAS's per-expert GEMMs
-    /// leave room that the shared expert fills. cuBLAS is ahead at 1 row (0.30 against
-    /// 0.33) and level at 2 to 4. On H100 alike: 512 rows 6.03, 6.07 against 5.98, 6.89;
-    /// 1024 rows 11.18, 11.41 against 11.59, 14.67.
+    /// leave room that the shared expert fills. On H100 alike: 512 rows 6.03, 6.07 against
+    /// 5.98, 6.89; 1024 rows 11.18, 11.41 against 11.59, 14.67. Below 8 rows (session 17,
+    /// routed experts only, three rounds): 1 row 0.976–0.979 against cuBLAS's 0.963–0.968,
+    /// 2 rows 1.208–1.213 against 1.242–1.271, 4 rows 1.372–1.388 against 1.405–1.411.
     pub(super) fn hopper_for(&self, rows: usize, experts: usize) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
         let wanted = match super::gemm_mode() {
             super::GemmMode::Hopper => true,
-            _ => (8..=1024).contains(&per_expert),
+            _ => (2..=1024).contains(&per_expert),
         };
         self.k.hopper.as_ref().filter(|_| wanted && h % 8 == 0 && i % 8 == 0)
     }

@@ -1066,11 +1066,16 @@ impl CudaMoeLayer {
         // Home: slots per expert, and the ranks each token goes to, in token order per
         // destination (the one host read of the routing).
         let (ids, counts) = self.read_routing(b, t)?;
-        let mut lists: Vec<Vec<usize>> = vec![Vec::new(); n];
-        for (slot, &id) in ids.iter().enumerate() {
-            let list = &mut lists[id as usize / el];
-            if list.last() != Some(&(slot / k)) {
-                list.push(slot / k);
+        // No division in the loop: at 4096 tokens, top-8, two per slot took 0.2 ms of host
+        // time while the GPU waited.
+        let rank_of: Vec<usize> = (0..e).map(|x| x / el).collect();
+        let mut lists: Vec<Vec<usize>> = (0..n).map(|_| Vec::with_capacity(t)).collect();
+        for (tok, row) in ids.chunks_exact(k).enumerate() {
+            for &id in row {
+                let list = &mut lists[rank_of[id as usize]];
+                if list.last() != Some(&tok) {
+                    list.push(tok);
+                }
             }
         }
         let send_tok: Vec<usize> = lists.iter().map(Vec::len).collect();
