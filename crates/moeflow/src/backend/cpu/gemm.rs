@@ -120,14 +120,17 @@ unsafe fn segment_tile<T: PanelElem>(
         let kc = KC.min(k - k0);
         for p in panels.clone() {
             let panel = w.panel(s.expert, p);
-            // Every row block reuses this panel's k block from L1. Meanwhile the block this
-            // task reads next (the next panel's, or the first panel's of the next k block)
-            // comes in from memory, a share per row block, so memory traffic is spread over
-            // the whole computation instead of stalling the first row block.
+            // Every row block reuses this panel's k block from L1. Meanwhile the block read
+            // next (the next panel's, the first panel's of the next k block, or at the end
+            // the first block of the panel after this task's, which the task after it in
+            // order reads) comes in from memory, a share per row block, so memory traffic is
+            // spread over the whole computation instead of stalling the first row block.
             let next = if p + 1 < panels.end {
                 Some((w.panel(s.expert, p + 1).as_ptr().add(k0 * NR), kc))
             } else if k0 + kc < k {
                 Some((w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR), KC.min(k - k0 - kc)))
+            } else if panels.end < w.panels() {
+                Some((w.panel(s.expert, panels.end).as_ptr(), KC.min(k)))
             } else {
                 None
             };
