@@ -567,23 +567,26 @@ impl NcclComm {
     /// and connected to every peer before it returns (see the module documentation).
     pub fn duplicate(&self) -> Result<NcclComm> {
         let child = self.split_as(0, self.rank, true)?;
-        child.warm_up()?;
+        child.warm_up(self)?;
         Ok(child)
     }
 
     /// One launch of every kind the layers issue (all-gather, reduce-scatter, all-reduce,
     /// broadcast, and a send and a receive with every peer), at a small and a large size, so
     /// that NCCL sets up its connections now: in blocking mode it would otherwise do so inside
-    /// a later launch, waiting on the host for peers. The peers are in this same call, right
-    /// after the split they all completed; the device work is awaited against the deadline.
-    fn warm_up(&self) -> Result<()> {
+    /// a later launch, waiting on the host for peers. The ranks first meet through `parent`
+    /// (polled, against the deadline), once each holds its buffer, so that none starts the
+    /// launches before every peer is there to connect; the device work is awaited against
+    /// the deadline too.
+    fn warm_up(&self, parent: &NcclComm) -> Result<()> {
         let op = "warm-up";
-        let mut st = self.lock();
-        self.check_failure(&mut st, op)?;
         let (n, s) = (self.size, &self.stream);
-        let deadline = Instant::now() + self.timeout;
         const LARGE: usize = 1 << 20;
         let buf = s.alloc_zeros::<u16>(2 * n * LARGE).map_err(|e| err("warm-up buffer", e))?;
+        crate::comm::CommExt::all_gather_vec::<u64>(parent, "warm-up meeting", &[1])?;
+        let mut st = self.lock();
+        self.check_failure(&mut st, op)?;
+        let deadline = Instant::now() + self.timeout;
         let (base, _guard) = buf.device_ptr(s);
         let (send, recv) = (base, base + (2 * n * LARGE) as u64);
         let (comm, cs, bf16) = (st.comm.0, s.cu_stream() as nc::cudaStream_t, nc::ncclDataType_t::ncclBfloat16);
