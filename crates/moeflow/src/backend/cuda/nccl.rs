@@ -60,6 +60,13 @@ struct State {
     blocking: bool,
 }
 
+impl State {
+    /// A fresh handle's state: not aborted, no staging buffers yet.
+    fn new(raw: nc::ncclComm_t, blocking: bool) -> Self {
+        State { comm: RawComm(raw), aborted: false, send: None, recv: None, sizes: None, blocking }
+    }
+}
+
 /// Where the ranks of a communicator meet on the host after destroying it.
 enum Teardown {
     /// Ranks that are threads of this process.
@@ -221,14 +228,7 @@ impl NcclComm {
             device,
             ctx,
             stream,
-            state: Mutex::new(State {
-                comm: RawComm(raw),
-                aborted: false,
-                send: None,
-                recv: None,
-                sizes: None,
-                blocking,
-            }),
+            state: Mutex::new(State::new(raw, blocking)),
             failure,
             rendezvous,
             teardown,
@@ -541,14 +541,7 @@ impl NcclComm {
             device: self.device,
             ctx: self.ctx.clone(),
             stream,
-            state: Mutex::new(State {
-                comm: RawComm(raw),
-                aborted: false,
-                send: None,
-                recv: None,
-                sizes: None,
-                blocking,
-            }),
+            state: Mutex::new(State::new(raw, blocking)),
             failure: self.failure.clone(),
             rendezvous: self.rendezvous.clone(),
             teardown: self.teardown.child(split, color as u64, members.len()),
