@@ -98,9 +98,7 @@ impl CpuExperts {
             |((arow, hrow), &used)| {
                 if used {
                     let (gate, up) = hrow.split_at(i);
-                    for ((o, &g), &u) in arow.iter_mut().zip(gate).zip(up) {
-                        *o = activation.apply(g, u);
-                    }
+                    crate::backend::cpu::activation::gated_row(activation, gate, up, arow);
                 }
             },
         );

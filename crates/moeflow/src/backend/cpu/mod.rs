@@ -1,4 +1,6 @@
-//! The CPU backend: packed weights and the grouped GEMM the fast experts run on.
+//! The CPU backend: packed weights, the grouped GEMM and the row activation the fast experts
+//! run on.
+pub mod activation;
 pub mod ceiling;
 pub mod gemm;
 pub mod mmap;
