@@ -8,7 +8,7 @@
 use divan::counter::ItemsCount;
 use divan::Bencher;
 use moeflow::backend::cpu::ceiling;
-use moeflow::backend::cpu::gemm::Segment;
+use moeflow::backend::cpu::gemm::{grouped_gemm, Rows, Segment};
 use moeflow::backend::cpu::packed::PackedMatrices;
 use moeflow::{preset, DType, LayerOptions, MoeConfig, MoeLayer, Tensor};
 use std::sync::OnceLock;
@@ -69,11 +69,11 @@ fn grouped_gemm_up_projection(bencher: Bencher, dtype: &str) {
     match dtype {
         "f32" => {
             let w = up_weights_f32();
-            bencher.bench_local(|| moeflow::backend::cpu::gemm::grouped_gemm(&a, k, &segments, w, &mut out, n));
+            bencher.bench_local(|| grouped_gemm(&a, Rows::strided(k), &segments, w, &mut out, Rows::strided(n)));
         }
         _ => {
             let w = up_weights_bf16();
-            bencher.bench_local(|| moeflow::backend::cpu::gemm::grouped_gemm(&a, k, &segments, w, &mut out, n));
+            bencher.bench_local(|| grouped_gemm(&a, Rows::strided(k), &segments, w, &mut out, Rows::strided(n)));
         }
     }
 }

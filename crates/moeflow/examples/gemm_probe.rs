@@ -13,10 +13,10 @@ fn main() {
     let flops = 2.0 * (e * m * n * k) as f64;
     for _ in 0..3 {
         let t = std::time::Instant::now();
-        grouped_gemm(&a, k, &segs, &pf, &mut c, n);
+        grouped_gemm(&a, Rows::strided(k), &segs, &pf, &mut c, Rows::strided(n));
         let f = t.elapsed().as_secs_f64();
         let t = std::time::Instant::now();
-        grouped_gemm(&a, k, &segs, &pb, &mut c, n);
+        grouped_gemm(&a, Rows::strided(k), &segs, &pb, &mut c, Rows::strided(n));
         let b = t.elapsed().as_secs_f64();
         println!("f32 {:.1} GFLOP/s  bf16 {:.1} GFLOP/s", flops / f / 1e9, flops / b / 1e9);
     }

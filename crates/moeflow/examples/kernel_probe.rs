@@ -13,12 +13,12 @@ fn main() {
         let reps = (2_000_000_000 / (2 * m * n * k)).max(1);
         let t = std::time::Instant::now();
         for _ in 0..reps {
-            grouped_gemm(&a, k, &segs, &pf, &mut c, n);
+            grouped_gemm(&a, Rows::strided(k), &segs, &pf, &mut c, Rows::strided(n));
         }
         let f = t.elapsed().as_secs_f64();
         let t = std::time::Instant::now();
         for _ in 0..reps {
-            grouped_gemm(&a, k, &segs, &pb, &mut c, n);
+            grouped_gemm(&a, Rows::strided(k), &segs, &pb, &mut c, Rows::strided(n));
         }
         let b = t.elapsed().as_secs_f64();
         let fl = (2 * m * n * k * reps) as f64;

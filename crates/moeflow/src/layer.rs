@@ -1,6 +1,6 @@
 //! `MoeLayer`, the modular kernel: router → prepare → experts → finalize (+ shared experts).
 
-use crate::backend::cpu::gemm::Segment;
+use crate::backend::cpu::gemm::{Rows, Segment};
 use crate::backend::cpu::packed::PackedStack;
 use crate::config::{MoeConfig, MoeWeights};
 use crate::dispatch::{finalize_async, prepare_async, DispatchInput, Local, PrepareFinalize, Prepared};
@@ -319,7 +319,8 @@ impl MoeLayer {
     fn logits(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let e = self.config.num_experts;
         let mut logits = vec![0f32; tokens * e];
-        self.gate.gemm(x, self.config.hidden, &[Segment { expert: 0, row_start: 0, rows: tokens }], &mut logits, e);
+        let rows = [Segment { expert: 0, row_start: 0, rows: tokens }];
+        self.gate.gemm(x, Rows::strided(self.config.hidden), &rows, &mut logits, Rows::strided(e));
         if let Some(b) = &self.gate_bias {
             for row in logits.chunks_mut(e) {
                 row.iter_mut().zip(b).for_each(|(l, b)| *l += b);

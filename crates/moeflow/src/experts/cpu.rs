@@ -1,8 +1,10 @@
-//! The fast CPU experts: permute rows by expert, two grouped GEMMs on packed weights (f32 or
-//! bf16) around the activation, unpermute to `[tokens, k, H]` unweighted slot rows.
+//! The fast CPU experts: two grouped GEMMs on packed weights (f32 or bf16) around the
+//! activation, over rows grouped by expert. The permutation is an index list, not a copy: the
+//! first GEMM reads each row from its token, the second writes it to its `[tokens, k, H]` slot
+//! (unweighted).
 
 use super::{Activation, ActivationFormat, BatchedInput, ExpertInput, ExpertWeights, Experts};
-use crate::backend::cpu::gemm::Segment;
+use crate::backend::cpu::gemm::{Rows, Segment};
 use crate::backend::cpu::packed::PackedStack;
 use crate::error::{MoeError, Result};
 use crate::reduce::{WeightAndReduce, WeightedSum};
@@ -77,15 +79,28 @@ impl CpuExperts {
             workspace.resize(need, 0.0);
         }
         let (h13, act) = workspace[..need].split_at_mut(rows * 2 * self.inter);
-        self.gemm1_act(x, &segments, h13, act);
-        self.gemm2(act, &segments, out);
+        self.gemm1_act(x, Rows::strided(self.hidden), &segments, h13, act);
+        self.gemm2(act, &segments, out, Rows::strided(self.hidden));
     }
 
-    /// `h13 = a · w13^T + b13`, then `act = act(gate) * up`, over rows grouped in `segments`.
-    fn gemm1_act(&self, a: &[f32], segments: &[Segment], h13: &mut [f32], act: &mut [f32]) {
-        let (h, i) = (self.hidden, self.inter);
-        self.w13.gemm(a, h, segments, h13, 2 * i);
-        add_bias(h13, 2 * i, segments, self.b13.as_deref());
+    /// The rows the first GEMM reads: `hidden` itself, or, when these experts quantize their
+    /// own input, its rows quantized (per token, as prepare would have) and widened back into
+    /// `deferred`.
+    fn gemm_input<'a>(&self, hidden: &'a [f32], deferred: &'a mut Vec<f32>) -> Result<&'a [f32]> {
+        if self.defer_input_quant && self.input_quant != crate::quant::QuantConfig::None {
+            *deferred = crate::quant::dequantize(&crate::quant::quantize(self.input_quant, hidden, self.hidden)?);
+            Ok(deferred)
+        } else {
+            Ok(hidden)
+        }
+    }
+
+    /// `h13 = a · w13^T + b13`, then `act = act(gate) * up`, over rows grouped in `segments`
+    /// (`a`'s rows found through `a_rows`; `h13` and `act` are in GEMM row order).
+    fn gemm1_act(&self, a: &[f32], a_rows: Rows, segments: &[Segment], h13: &mut [f32], act: &mut [f32]) {
+        let i = self.inter;
+        self.w13.gemm(a, a_rows, segments, h13, Rows::strided(2 * i));
+        add_bias(h13, Rows::strided(2 * i), 2 * i, segments, self.b13.as_deref());
         if i == 0 {
             return;
         }
@@ -104,24 +119,32 @@ impl CpuExperts {
         );
     }
 
-    /// `y = act · w2^T + b2` over rows grouped in `segments`.
-    fn gemm2(&self, act: &[f32], segments: &[Segment], y: &mut [f32]) {
-        self.w2.gemm(act, self.inter, segments, y, self.hidden);
-        add_bias(y, self.hidden, segments, self.b2.as_deref());
+    /// `y = act · w2^T + b2` over rows grouped in `segments`, `y`'s rows found through `y_rows`.
+    fn gemm2(&self, act: &[f32], segments: &[Segment], y: &mut [f32], y_rows: Rows) {
+        self.w2.gemm(act, Rows::strided(self.inter), segments, y, y_rows);
+        add_bias(y, y_rows, self.hidden, segments, self.b2.as_deref());
     }
 }
 
-/// Adds `bias [E, n]` of each segment's expert to its rows of `c [rows, n]`.
-fn add_bias(c: &mut [f32], n: usize, segments: &[Segment], bias: Option<&[f32]>) {
+/// Adds `bias [E, n]` of each segment's expert to its rows of `c`, found through `rows` (whose
+/// stride is at least `n`).
+fn add_bias(c: &mut [f32], rows: Rows, n: usize, segments: &[Segment], bias: Option<&[f32]>) {
     let Some(bias) = bias else { return };
+    // The expert of every buffer row, so the rows are visited in parallel in buffer order.
+    let stride = rows.stride.max(1);
+    let mut expert_of = vec![usize::MAX; c.len().div_ceil(stride)];
     for s in segments {
-        let b = &bias[s.expert * n..(s.expert + 1) * n];
-        c[s.row_start * n..(s.row_start + s.rows) * n].par_chunks_mut(n.max(1)).for_each(|row| {
-            for (x, &bv) in row.iter_mut().zip(b) {
+        for j in s.row_start..s.row_start + s.rows {
+            expert_of[rows.index.map_or(j, |ix| ix[j] as usize)] = s.expert;
+        }
+    }
+    c.par_chunks_mut(stride).zip(expert_of.par_iter()).for_each(|(row, &e)| {
+        if e != usize::MAX {
+            for (x, &bv) in row[..n].iter_mut().zip(&bias[e * n..(e + 1) * n]) {
                 *x += bv;
             }
-        });
-    }
+        }
+    });
 }
 
 impl Experts for CpuExperts {
@@ -162,22 +185,15 @@ impl Experts for CpuExperts {
             .collect();
         let (h13, rest) = workspace.split_at_mut(rows * 2 * i);
         let act = &mut rest[..rows * i];
-        let deferred;
-        let hidden = if self.defer_input_quant && self.input_quant != crate::quant::QuantConfig::None {
-            // Rows arrived unquantized: quantize them here, as prepare would have.
-            deferred = crate::quant::dequantize(&crate::quant::quantize(self.input_quant, input.hidden, h)?);
-            &deferred[..]
-        } else {
-            input.hidden
-        };
-        self.gemm1_act(hidden, &segments, h13, act);
-        self.gemm2(act, &segments, out);
+        let mut deferred = Vec::new();
+        let hidden = self.gemm_input(input.hidden, &mut deferred)?;
+        self.gemm1_act(hidden, Rows::strided(h), &segments, h13, act);
+        self.gemm2(act, &segments, out, Rows::strided(h));
         Ok(())
     }
 
     fn workspace_len(&self, tokens: usize, k: usize) -> usize {
-        let rows = tokens * k;
-        rows * (self.hidden + 3 * self.inter)
+        tokens * k * 3 * self.inter
     }
 
     fn weight_and_reduce(&self) -> &'static dyn WeightAndReduce {
@@ -199,29 +215,19 @@ impl Experts for CpuExperts {
         let segments: Vec<Segment> =
             groups.segments().map(|(expert, row_start, rows)| Segment { expert, row_start, rows }).collect();
 
-        // Workspace: gathered rows (reused for the expert outputs), GEMM1 output, activation.
-        let (rows_buf, rest) = workspace.split_at_mut(rows * h);
-        let (h13, rest) = rest.split_at_mut(rows * 2 * i);
+        // Workspace: GEMM1 output and activation, in GEMM row order. The first GEMM reads each
+        // row from its token, the second writes it to its slot.
+        let (h13, rest) = workspace.split_at_mut(rows * 2 * i);
         let act = &mut rest[..rows * i];
-        rows_buf.par_chunks_mut(h.max(1)).zip(order.par_iter()).for_each(|(row, &s)| {
-            let t = s as usize / k;
-            row.copy_from_slice(&input.hidden[t * h..(t + 1) * h]);
-        });
-        if self.defer_input_quant && self.input_quant != crate::quant::QuantConfig::None {
-            // Rows arrived unquantized: quantize them here, as prepare would have.
-            let q = crate::quant::quantize(self.input_quant, rows_buf, h)?;
-            rows_buf.copy_from_slice(&crate::quant::dequantize(&q));
-        }
-        self.gemm1_act(rows_buf, &segments, h13, act);
-        self.gemm2(act, &segments, rows_buf);
-        let y = &*rows_buf;
-        // Unpermute.
+        let token_of_row: Vec<u32> = order.iter().map(|&s| s / k as u32).collect();
+        let mut deferred = Vec::new();
+        let hidden = self.gemm_input(input.hidden, &mut deferred)?;
+        self.gemm1_act(hidden, Rows::indexed(h, &token_of_row), &segments, h13, act);
+        self.gemm2(act, &segments, out, Rows::indexed(h, order));
+        // Slots no local expert computed.
         out.par_chunks_mut(h.max(1)).zip(row_of_slot.par_iter()).for_each(|(dst, &r)| {
             if r == u32::MAX {
-                dst.iter_mut().for_each(|x| *x = -0.0);
-            } else {
-                let r = r as usize;
-                dst.copy_from_slice(&y[r * h..(r + 1) * h]);
+                dst.fill(-0.0);
             }
         });
         Ok(())

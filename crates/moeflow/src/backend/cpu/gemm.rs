@@ -16,7 +16,7 @@ const KC: usize = 256;
 /// Panels handled by one parallel task.
 const PANELS_PER_TASK: usize = 4;
 
-/// One expert's rows: `rows` consecutive rows of `A` and `C` starting at `row_start`.
+/// One expert's rows: GEMM rows `row_start..row_start + rows`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Segment {
     /// Index of the matrix in the packed stack.
@@ -27,11 +27,51 @@ pub struct Segment {
     pub rows: usize,
 }
 
+/// Where the GEMM's rows of one operand lie in its buffer: row `j` at `stride · j`, or at
+/// `stride · index[j]` with an index list (a gather for `A`, a scatter for `C`, so rows grouped
+/// by expert need not be copied into that order).
+#[derive(Clone, Copy, Debug)]
+pub struct Rows<'a> {
+    /// Elements from one buffer row to the next.
+    pub stride: usize,
+    /// Buffer row of each GEMM row, if not the identity.
+    pub index: Option<&'a [u32]>,
+}
+
+impl<'a> Rows<'a> {
+    /// GEMM row `j` is buffer row `j`.
+    pub fn strided(stride: usize) -> Self {
+        Rows { stride, index: None }
+    }
+
+    /// GEMM row `j` is buffer row `index[j]`.
+    pub fn indexed(stride: usize, index: &'a [u32]) -> Self {
+        Rows { stride, index: Some(index) }
+    }
+
+    /// Buffer row of GEMM row `j`.
+    #[inline]
+    fn of(&self, j: usize) -> usize {
+        self.index.map_or(j, |ix| ix[j] as usize)
+    }
+
+    /// Checks that GEMM rows `range` lie in a buffer of `len` elements, `width` used per row.
+    fn check(&self, range: std::ops::Range<usize>, width: usize, len: usize, what: &str) {
+        if let Some(ix) = self.index {
+            assert!(range.end <= ix.len(), "gemm {what} index length");
+        }
+        for j in range {
+            assert!(self.of(j) * self.stride + width <= len, "gemm {what} bounds");
+        }
+    }
+}
+
 /// A raw output pointer shared by tasks that write disjoint tiles.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
-// SAFETY: tasks built by `grouped_gemm` write disjoint (row range, column range) tiles of C,
-// and the pointer outlives the parallel scope that uses it.
+// SAFETY: tasks built by `grouped_gemm` write disjoint (row, column range) tiles of C (every
+// GEMM row maps to its own buffer row, checked there), and the pointer outlives the parallel
+// scope that uses it.
 unsafe impl Send for OutPtr {}
 // SAFETY: as above; no two tasks touch the same element.
 unsafe impl Sync for OutPtr {}
@@ -43,25 +83,33 @@ impl OutPtr {
     }
 }
 
-/// `C[r, n] = Σ_k A[r, k] · W_e[n, k]` for the rows of every segment.
+/// `C[r, n] = Σ_k A[r, k] · W_e[n, k]` for the rows `r` of every segment, `A`'s and `C`'s rows
+/// found through `a_rows` and `c_rows`.
 ///
-/// `a` is `[rows, lda]` with `K = w.k` used columns; `c` is `[rows, ldc]` with `w.n` written
-/// columns. Segments must lie inside both buffers and not overlap.
+/// `A` rows have `K = w.k` used columns, `C` rows `w.n` written columns. Every row must lie
+/// inside its buffer, and no two GEMM rows may write the same `C` row (both checked; a
+/// violation panics, as slice indexing does).
 pub fn grouped_gemm<T: PanelElem>(
     a: &[f32],
-    lda: usize,
+    a_rows: Rows,
     segments: &[Segment],
     w: &PackedMatrices<T>,
     c: &mut [f32],
-    ldc: usize,
+    c_rows: Rows,
 ) {
     let (n, k) = (w.n, w.k);
-    assert!(lda >= k && ldc >= n, "gemm strides");
+    assert!(a_rows.stride >= k && c_rows.stride >= n, "gemm strides");
+    let mut written = vec![false; if n == 0 { 0 } else { c.len() / c_rows.stride.max(1) + 1 }];
     for s in segments {
         assert!(s.expert < w.count, "gemm expert index");
-        let end = s.row_start + s.rows;
-        assert!(s.rows == 0 || (end - 1) * lda + k <= a.len(), "gemm A bounds");
-        assert!(s.rows == 0 || (end - 1) * ldc + n <= c.len(), "gemm C bounds");
+        let rows = s.row_start..s.row_start + s.rows;
+        a_rows.check(rows.clone(), k, a.len(), "A");
+        c_rows.check(rows.clone(), n, c.len(), "C");
+        if n > 0 {
+            for j in rows {
+                assert!(!std::mem::replace(&mut written[c_rows.of(j)], true), "gemm C rows written twice");
+            }
+        }
     }
     let groups = w.panels().div_ceil(PANELS_PER_TASK);
     let tasks: Vec<(usize, usize)> = segments
@@ -75,9 +123,10 @@ pub fn grouped_gemm<T: PanelElem>(
         let s = segments[si];
         let p0 = g * PANELS_PER_TASK;
         let p1 = (p0 + PANELS_PER_TASK).min(w.panels());
-        // SAFETY: this task writes only rows `s.row_start..+s.rows` and columns of panels
-        // `p0..p1` of C; tasks differ in segment (disjoint rows) or panel group.
-        unsafe { segment_tile(a, lda, s, w, p0..p1, out.get(), ldc) };
+        // SAFETY: this task writes only the C rows of GEMM rows `s.row_start..+s.rows` (each
+        // its own buffer row, checked above) in the columns of panels `p0..p1`; tasks differ in
+        // segment (disjoint rows) or panel group.
+        unsafe { segment_tile(a, a_rows, s, w, p0..p1, out.get(), c_rows) };
     };
     if tasks.len() > 1 {
         tasks.par_iter().for_each(run);
@@ -89,32 +138,38 @@ pub fn grouped_gemm<T: PanelElem>(
 /// Computes one segment's rows for panels `panels` of its expert.
 ///
 /// # Safety
-/// `c` must be valid for writes of rows `s.row_start..s.row_start + s.rows` (stride `ldc`)
+/// `c` must be valid for writes of the C rows of the segment's GEMM rows (through `c_rows`)
 /// in the columns covered by `panels`, and no other thread may touch them meanwhile.
 unsafe fn segment_tile<T: PanelElem>(
     a: &[f32],
-    lda: usize,
+    a_rows: Rows,
     s: Segment,
     w: &PackedMatrices<T>,
     panels: std::ops::Range<usize>,
     c: *mut f32,
-    ldc: usize,
+    c_rows: Rows,
 ) {
     let k = w.k;
     if k == 0 {
         for r in 0..s.rows {
+            let row = c.add(c_rows.of(s.row_start + r) * c_rows.stride);
             for p in panels.clone() {
                 for j in p * NR..((p + 1) * NR).min(w.n) {
-                    *c.add((s.row_start + r) * ldc + j) = 0.0;
+                    *row.add(j) = 0.0;
                 }
             }
         }
         return;
     }
     let use_avx2 = avx2_available();
+    // Each row's start in A and in C, found once.
+    let a_row: Vec<*const f32> =
+        (0..s.rows).map(|r| a.as_ptr().add(a_rows.of(s.row_start + r) * a_rows.stride)).collect();
+    let c_row: Vec<*mut f32> = (0..s.rows).map(|r| c.add(c_rows.of(s.row_start + r) * c_rows.stride)).collect();
     // Rows split into near-equal blocks of at most MR, so no block is starved of independent
-    // accumulators.
+    // accumulators: the first `extra` blocks have `base + 1` rows, the others `base`.
     let blocks = s.rows.div_ceil(MR);
+    let (base, extra) = (s.rows / blocks, s.rows % blocks);
     let mut k0 = 0;
     while k0 < k {
         let kc = KC.min(k - k0);
@@ -134,28 +189,23 @@ unsafe fn segment_tile<T: PanelElem>(
             } else {
                 None
             };
+            let (next_ptr, next_bytes) =
+                next.map_or((std::ptr::null(), 0), |(ptr, steps)| (ptr as *const u8, steps * NR * size_of::<T>()));
+            let share = next_bytes.div_ceil(blocks);
             let mut r = 0;
             for blk in 0..blocks {
-                let mr = s.rows / blocks + usize::from(blk < s.rows % blocks);
-                let row = s.row_start + r;
-                let prefetch = match next {
-                    Some((ptr, steps)) => {
-                        let bytes = steps * NR * std::mem::size_of::<T>();
-                        let (lo, hi) = (bytes * blk / blocks, bytes * (blk + 1) / blocks);
-                        ((ptr as *const u8).add(lo), hi - lo)
-                    }
-                    None => (std::ptr::null(), 0),
-                };
+                let mr = base + usize::from(blk < extra);
+                let lo = (blk * share).min(next_bytes);
                 let tile = Tile {
-                    a: a.as_ptr().add(row * lda + k0),
-                    lda,
+                    a: a_row.as_ptr().add(r),
+                    a_col: k0,
                     b: panel.as_ptr().add(k0 * NR),
                     kc,
-                    c: c.add(row * ldc + p * NR),
-                    ldc,
+                    c: c_row.as_ptr().add(r),
+                    c_col: p * NR,
                     cols: NR.min(w.n - p * NR),
                     accumulate: k0 > 0,
-                    prefetch,
+                    prefetch: (next_ptr.wrapping_add(lo), (lo + share).min(next_bytes) - lo),
                 };
                 dispatch_kernel(use_avx2, mr, tile);
                 r += mr;
@@ -167,12 +217,14 @@ unsafe fn segment_tile<T: PanelElem>(
 
 /// Operands of one micro-kernel call: `mr` rows × `cols` (≤ NR) columns over `kc` steps.
 struct Tile<T> {
-    a: *const f32,
-    lda: usize,
+    /// The `mr` rows' starts in `A`; the tile's columns begin `a_col` elements in.
+    a: *const *const f32,
+    a_col: usize,
     b: *const T,
     kc: usize,
-    c: *mut f32,
-    ldc: usize,
+    /// The `mr` rows' starts in `C`; the tile's columns begin `c_col` elements in.
+    c: *const *mut f32,
+    c_col: usize,
     cols: usize,
     accumulate: bool,
     /// A block to pull into cache while computing: (start, bytes).
@@ -217,10 +269,10 @@ unsafe fn dispatch_kernel<T: PanelElem>(use_avx2: bool, mr: usize, t: Tile<T>) {
 unsafe fn portable_kernel<T: PanelElem>(mr: usize, t: &Tile<T>) {
     for r in 0..mr {
         for j in 0..t.cols {
-            let cp = t.c.add(r * t.ldc + j);
+            let cp = (*t.c.add(r)).add(t.c_col + j);
             let mut acc = if t.accumulate { *cp } else { 0.0 };
             for kk in 0..t.kc {
-                let av = *t.a.add(r * t.lda + kk);
+                let av = *(*t.a.add(r)).add(t.a_col + kk);
                 let bv = (*t.b.add(kk * NR + T::slot(j))).to_f32();
                 acc = av.mul_add(bv, acc);
             }
@@ -254,10 +306,11 @@ mod avx2 {
     /// Requires AVX2 and FMA (checked by the caller) and valid tile pointers.
     #[target_feature(enable = "avx2,fma")]
     pub(super) unsafe fn kernel<T: PanelElem, const M: usize>(t: &Tile<T>) {
+        let rows: [*const f32; M] = std::array::from_fn(|r| (*t.a.add(r)).add(t.a_col));
+        let out: [*mut f32; M] = std::array::from_fn(|r| (*t.c.add(r)).add(t.c_col));
         let mut acc = [[_mm256_setzero_ps(); 2]; M];
         if t.accumulate {
-            for (r, row) in acc.iter_mut().enumerate() {
-                let src = t.c.add(r * t.ldc);
+            for (row, &src) in acc.iter_mut().zip(&out) {
                 if t.cols == NR {
                     row[0] = _mm256_loadu_ps(src);
                     row[1] = _mm256_loadu_ps(src.add(8));
@@ -268,10 +321,6 @@ mod avx2 {
                     row[1] = _mm256_loadu_ps(buf.as_ptr().add(8));
                 }
             }
-        }
-        let mut rows = [t.a; M];
-        for (r, p) in rows.iter_mut().enumerate() {
-            *p = t.a.add(r * t.lda);
         }
         let mut b = t.b;
         let step = |acc: &mut [[__m256; 2]; M], b: *const T, kk: usize| {
@@ -305,8 +354,7 @@ mod avx2 {
             b = b.add(NR);
             kk += 1;
         }
-        for (r, row) in acc.iter().enumerate() {
-            let dst = t.c.add(r * t.ldc);
+        for (row, &dst) in acc.iter().zip(&out) {
             if t.cols == NR {
                 _mm256_storeu_ps(dst, row[0]);
                 _mm256_storeu_ps(dst.add(8), row[1]);
@@ -349,7 +397,7 @@ mod tests {
             let packed = PackedMatrices::pack(&w, 1, n, k);
             let mut c = vec![f32::NAN; m * n];
             let seg = [Segment { expert: 0, row_start: 0, rows: m }];
-            grouped_gemm(&a, k, &seg, &packed, &mut c, n);
+            grouped_gemm(&a, Rows::strided(k), &seg, &packed, &mut c, Rows::strided(n));
             let want = naive(&a, &w, m, n, k);
             assert_eq!(
                 c.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -374,11 +422,73 @@ mod tests {
             Segment { expert: 2, row_start: 11, rows: 13 },
         ];
         let mut c = vec![f32::NAN; m * n];
-        grouped_gemm(&a, k, &segs, &packed, &mut c, n);
+        grouped_gemm(&a, Rows::strided(k), &segs, &packed, &mut c, Rows::strided(n));
         for s in segs {
             let wf: Vec<f32> = w[s.expert * n * k..(s.expert + 1) * n * k].iter().map(|x| x.to_f32()).collect();
             let want = naive(&a[s.row_start * k..(s.row_start + s.rows) * k], &wf, s.rows, n, k);
             assert_eq!(&c[s.row_start * n..(s.row_start + s.rows) * n], &want[..]);
         }
+    }
+
+    #[test]
+    fn indexed_rows_gather_and_scatter_like_copies() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (e, n, k, tokens) = (2, 37, 70, 9);
+        let a: Vec<f32> = (0..tokens * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let w: Vec<bf16> = (0..e * n * k).map(|_| bf16::from_f32(rng.gen_range(-1.0..1.0))).collect();
+        let packed = PackedMatrices::pack(&w, e, n, k);
+        // GEMM rows read tokens (some twice) and write to scattered rows of a wider buffer.
+        let token_of_row: [u32; 8] = [3, 0, 3, 8, 1, 5, 5, 2];
+        let out_row: [u32; 8] = [10, 2, 0, 7, 11, 4, 1, 9];
+        let segs = [Segment { expert: 1, row_start: 0, rows: 3 }, Segment { expert: 0, row_start: 3, rows: 5 }];
+        let ldc = n + 3;
+        let mut c = vec![f32::NAN; 12 * ldc];
+        grouped_gemm(&a, Rows::indexed(k, &token_of_row), &segs, &packed, &mut c, Rows::indexed(ldc, &out_row));
+        // The same through copies: gather, contiguous GEMM, scatter.
+        let gathered: Vec<f32> =
+            token_of_row.iter().flat_map(|&t| a[t as usize * k..(t as usize + 1) * k].to_vec()).collect();
+        let mut dense = vec![0f32; 8 * n];
+        grouped_gemm(&gathered, Rows::strided(k), &segs, &packed, &mut dense, Rows::strided(n));
+        for (j, &r) in out_row.iter().enumerate() {
+            let got = &c[r as usize * ldc..r as usize * ldc + n];
+            assert_eq!(got, &dense[j * n..(j + 1) * n], "GEMM row {j}");
+            assert!(c[r as usize * ldc + n..(r as usize + 1) * ldc].iter().all(|x| x.is_nan()), "past n");
+        }
+        for r in [3, 5, 6, 8] {
+            assert!(c[r * ldc..(r + 1) * ldc].iter().all(|x| x.is_nan()), "row {r} is not an output row");
+        }
+    }
+
+    #[test]
+    fn rows_written_twice_or_out_of_bounds_are_refused() {
+        let packed = PackedMatrices::pack(&[1.0f32; 4 * 3], 1, 4, 3);
+        let a = vec![1f32; 2 * 3];
+        let seg = [Segment { expert: 0, row_start: 0, rows: 2 }];
+        let run = |a_ix: &'static [u32], c_ix: &'static [u32], c_len: usize| {
+            let a = a.clone();
+            let packed = packed.clone();
+            std::panic::catch_unwind(move || {
+                let mut c = vec![0f32; c_len];
+                grouped_gemm(&a, Rows::indexed(3, a_ix), &seg, &packed, &mut c, Rows::indexed(4, c_ix));
+            })
+            .map_err(|e| {
+                e.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            })
+        };
+        assert!(run(&[0, 1], &[1, 0], 8).is_ok());
+        assert!(run(&[0, 1], &[1, 1], 8).unwrap_err().contains("written twice"));
+        assert!(run(&[0, 2], &[0, 1], 8).unwrap_err().contains("A bounds"));
+        assert!(run(&[0, 1], &[0, 2], 8).unwrap_err().contains("C bounds"));
+        assert!(run(&[0], &[0, 1], 8).unwrap_err().contains("A index length"));
+        // Overlapping segments write the same rows too.
+        let twice = [Segment { expert: 0, row_start: 0, rows: 2 }, Segment { expert: 0, row_start: 1, rows: 1 }];
+        let r = std::panic::catch_unwind(|| {
+            let mut c = vec![0f32; 8];
+            grouped_gemm(&a, Rows::strided(3), &twice, &packed, &mut c, Rows::strided(4));
+        });
+        assert!(r.is_err());
     }
 }

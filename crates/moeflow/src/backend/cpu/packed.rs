@@ -5,6 +5,7 @@
 //! identity for f32, an interleave of the two halves for bf16), zero-padded past `N`.
 //! Stacked per-expert matrices `[E, N, K]` are packed expert by expert.
 
+use super::gemm::Rows;
 use half::bf16;
 
 /// Columns of one packed panel: two AVX2 vectors of f32.
@@ -202,17 +203,17 @@ impl PackedStack {
     }
 
     /// `C[rows_s] = A[rows_s] · W[e_s]^T` for every segment (see [`super::gemm::grouped_gemm`]).
-    pub fn gemm(&self, a: &[f32], lda: usize, segments: &[super::gemm::Segment], c: &mut [f32], ldc: usize) {
+    pub fn gemm(&self, a: &[f32], a_rows: Rows, segments: &[super::gemm::Segment], c: &mut [f32], c_rows: Rows) {
         match self {
-            PackedStack::F32(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
-            PackedStack::BF16(w) => super::gemm::grouped_gemm(a, lda, segments, w, c, ldc),
+            PackedStack::F32(w) => super::gemm::grouped_gemm(a, a_rows, segments, w, c, c_rows),
+            PackedStack::BF16(w) => super::gemm::grouped_gemm(a, a_rows, segments, w, c, c_rows),
             PackedStack::Quantized { format, n, k, codes, scales, scratch, .. } => {
                 let mut packed = scratch.lock().unwrap_or_else(|p| p.into_inner());
                 for s in segments.iter().filter(|s| s.rows > 0) {
                     let d = crate::quant::Dequantizer::new(*format, codes, scales, s.expert, *n, *k);
                     packed.refill(*n, *k, |r, out| d.row(r, out));
                     let one = [super::gemm::Segment { expert: 0, ..*s }];
-                    super::gemm::grouped_gemm(a, lda, &one, &packed, c, ldc);
+                    super::gemm::grouped_gemm(a, a_rows, &one, &packed, c, c_rows);
                 }
             }
         }
