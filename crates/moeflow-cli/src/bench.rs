@@ -36,14 +36,17 @@ pub struct BenchArgs {
     /// (every strategy) instead of the device-resident all-to-all-v layer.
     #[arg(long)]
     host_staged: bool,
-    /// After the device-resident run, run the same shapes through a PyTorch + NCCL layer
-    /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py) and print the ratio.
+    /// After the run, run the same shapes through a PyTorch layer and print the ratio: on one
+    /// CPU rank tools/torch_cpu_baseline.py, after the device-resident multi-GPU layer a
+    /// PyTorch + NCCL layer (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
     #[arg(long)]
     torch_baseline: bool,
 }
 
-/// The PyTorch + NCCL baseline layer, run by `--torch-baseline`.
+/// The PyTorch + NCCL baseline layer, run by `--torch-baseline` on GPUs.
 const TORCH_BASELINE: &str = include_str!("../../../tools/torch_ep_baseline.py");
+/// The PyTorch CPU baseline layer, run by `--torch-baseline` on one CPU rank.
+const TORCH_CPU_BASELINE: &str = include_str!("../../../tools/torch_cpu_baseline.py");
 
 /// Writes `records` to `path` as a pretty JSON array.
 fn write_records(path: &std::path::Path, records: &[Record]) -> Result<()> {
@@ -330,38 +333,23 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         write_records(path, &records)?;
     }
     if args.torch_baseline {
-        if *host != RankHost::Gpus {
-            return Err(MoeError::Config("--torch-baseline starts its own processes: run without a launcher".into()));
-        }
         torch_baseline(args, &config, par.ep, &ours)?;
     }
     Ok(())
 }
 
-/// Runs tools/torch_ep_baseline.py on `ep` GPUs with the preset's shapes and prints its times
-/// beside `ours` (tokens, layer ms, dispatch ms, combine ms).
-fn torch_baseline(
-    args: &BenchArgs,
-    config: &moeflow::MoeConfig,
-    ep: usize,
-    ours: &[(usize, f64, f64, f64)],
-) -> Result<()> {
+/// Runs the Python baseline `source` (written to a temporary file) as
+/// `python3 <launcher...> <script> <args...>` under a spinner saying `what`, and returns its
+/// JSON line (the one holding `"baseline"`), or an error with the tail of its stderr.
+fn run_baseline(source: &str, launcher: &[String], args: &[String], what: String) -> Result<serde_json::Value> {
     let io = |context: &str, e: std::io::Error| MoeError::Io { context: context.into(), source: e };
     let script = std::env::temp_dir().join(format!("moeflow_torch_baseline_{}.py", std::process::id()));
-    std::fs::write(&script, TORCH_BASELINE).map_err(|e| io("writing the baseline script", e))?;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| io("choosing a port", e))?;
-    let tokens: Vec<String> = args.tokens.iter().map(|t| t.to_string()).collect();
-    let bar = spinner(format!("running the PyTorch + NCCL baseline on {ep} GPUs"));
+    std::fs::write(&script, source).map_err(|e| io("writing the baseline script", e))?;
+    let bar = spinner(what);
     let out = std::process::Command::new("python3")
-        .args(["-m", "torch.distributed.run", "--nproc-per-node", &ep.to_string(), "--master-port", &port.to_string()])
+        .args(launcher)
         .arg(&script)
-        .args(["--hidden", &config.hidden.to_string(), "--inter", &config.inter.to_string()])
-        .args(["--experts", &config.num_experts.to_string(), "--top-k", &config.top_k.to_string()])
-        .args(["--shared-inter", &config.shared.map_or(0, |s| s.inter).to_string()])
-        .args(["--tokens", &tokens.join(","), "--runs", &args.min_runs.max(20).to_string()])
+        .args(args)
         .output()
         .map_err(|e| io("starting python3", e));
     bar.finish_and_clear();
@@ -375,8 +363,49 @@ fn torch_baseline(
             String::from_utf8_lossy(&out.stderr).lines().rev().take(5).collect::<Vec<_>>().join(" | ")
         ))
     })?;
-    let v: serde_json::Value =
-        serde_json::from_str(line).map_err(|e| MoeError::Json { context: "baseline output".into(), source: e })?;
+    serde_json::from_str(line).map_err(|e| MoeError::Json { context: "baseline output".into(), source: e })
+}
+
+/// The shape arguments both baseline scripts take, from `config`.
+fn baseline_shape_args(config: &moeflow::MoeConfig, tokens: &[usize], runs: usize) -> Vec<String> {
+    let tokens: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+    [
+        ("--hidden", config.hidden.to_string()),
+        ("--inter", config.inter.to_string()),
+        ("--experts", config.num_experts.to_string()),
+        ("--top-k", config.top_k.to_string()),
+        ("--shared-inter", config.shared.map_or(0, |s| s.inter).to_string()),
+        ("--tokens", tokens.join(",")),
+        ("--runs", runs.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(flag, value)| [flag.to_string(), value])
+    .collect()
+}
+
+/// Runs tools/torch_ep_baseline.py on `ep` GPUs with the preset's shapes and prints its times
+/// beside `ours` (tokens, layer ms, dispatch ms, combine ms).
+fn torch_baseline(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    ep: usize,
+    ours: &[(usize, f64, f64, f64)],
+) -> Result<()> {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?;
+    let launcher: Vec<String> = ["-m", "torch.distributed.run", "--nproc-per-node", &ep.to_string(), "--master-port"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([port.to_string()])
+        .collect();
+    let v = run_baseline(
+        TORCH_BASELINE,
+        &launcher,
+        &baseline_shape_args(config, &args.tokens, args.min_runs.max(20)),
+        format!("running the PyTorch + NCCL baseline on {ep} GPUs"),
+    )?;
     println!("PyTorch {} + NCCL baseline, same shapes, same GPUs:", v["torch"].as_str().unwrap_or("?"));
     println!(
         "{:>7} {:>10} {:>10} {:>8}   {:>12} {:>12}",
@@ -395,6 +424,31 @@ fn torch_baseline(
             rec["dispatch_ms"].as_f64().unwrap_or(f64::NAN),
             rec["combine_ms"].as_f64().unwrap_or(f64::NAN)
         );
+    }
+    Ok(())
+}
+
+/// Runs tools/torch_cpu_baseline.py with the preset's shapes and weight dtype on this machine
+/// and prints its times beside `ours` (tokens, layer ms).
+fn torch_cpu_baseline(args: &BenchArgs, config: &moeflow::MoeConfig, ours: &[(usize, f64)]) -> Result<()> {
+    // bf16 or f32 (checked before the run).
+    let dtype = if args.layer.dtype == DType::BF16 { "bf16" } else { "f32" };
+    let mut script_args = baseline_shape_args(config, &args.tokens, args.min_runs.max(5));
+    script_args.extend(["--dtype".to_string(), dtype.to_string()]);
+    let v = run_baseline(TORCH_CPU_BASELINE, &[], &script_args, "running the PyTorch CPU baseline".into())?;
+    println!(
+        "PyTorch {} baseline on this machine ({} threads, {} weights, {} matmuls), same shapes:",
+        v["torch"].as_str().unwrap_or("?"),
+        v["threads"].as_u64().unwrap_or(0),
+        v["dtype"].as_str().unwrap_or("?"),
+        v["compute"].as_str().unwrap_or("?")
+    );
+    println!("{:>7} {:>10} {:>10} {:>8}", "tokens", "torch ms", "moeflow ms", "speedup");
+    for rec in v["records"].as_array().into_iter().flatten() {
+        let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
+        let ms = rec["ms"].as_f64().unwrap_or(f64::NAN);
+        let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
+        println!("{:>7} {:>10.3} {:>10.3} {:>7.2}x", t, ms, mine, ms / mine);
     }
     Ok(())
 }
@@ -474,6 +528,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     let host = RankHost::detect(gpu)?;
+    if args.torch_baseline {
+        check_torch_baseline(&args, gpu, &host)?;
+    }
     if gpu && args.parallel.ep == 1 && host == RankHost::Gpus {
         return run_cuda(&args);
     }
@@ -487,6 +544,11 @@ pub fn run(args: BenchArgs) -> Result<()> {
         let par = args.parallel.config(1)?;
         if device_resident(&par, config.num_experts) {
             return run_cuda_ep(&args, &host);
+        }
+        if args.torch_baseline {
+            return Err(MoeError::Config(
+                "--torch-baseline compares the device-resident layer; this layout runs host-staged".into(),
+            ));
         }
         println!(
             "note: the device-resident layer covers all2allv, allgather, allgather-logits, multicast (also \
@@ -694,6 +756,36 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(path) = &args.json {
         write_records(path, &records)?;
         println!("wrote {} records to {}", records.len(), path.display());
+    }
+    if args.torch_baseline {
+        let ours: Vec<(usize, f64)> = records.iter().map(|r| (r.tokens, r.ms)).collect();
+        torch_cpu_baseline(&args, &config, &ours)?;
+    }
+    Ok(())
+}
+
+/// Refuses `--torch-baseline` where no baseline runs beside the layer, before any work: it
+/// compares one CPU rank (bf16 or f32 weights) or the device-resident multi-GPU layer, started
+/// without a launcher.
+fn check_torch_baseline(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
+    let refuse = |why: &str| Err(MoeError::Config(format!("--torch-baseline {why}")));
+    if host.launched_rank().is_some() {
+        return refuse("starts its own processes: run without a launcher");
+    }
+    if gpu {
+        if args.parallel.ep == 1 {
+            return refuse("on GPUs compares the multi-GPU layer (--ep 2 or more); on one GPU it is not available");
+        }
+        if args.host_staged {
+            return refuse("compares the device-resident layer, not --host-staged");
+        }
+    } else {
+        if args.parallel.ep != 1 {
+            return refuse("on CPU compares one rank (--ep 1)");
+        }
+        if !matches!(args.layer.dtype, DType::BF16 | DType::F32) {
+            return refuse(&format!("on CPU takes bf16 or f32 weights, not {}", args.layer.dtype));
+        }
     }
     Ok(())
 }
