@@ -319,7 +319,11 @@ impl MoeLayer {
     fn logits(&self, x: &[f32], tokens: usize) -> Vec<f32> {
         let e = self.config.num_experts;
         let mut logits = vec![0f32; tokens * e];
-        let rows = [Segment { expert: 0, row_start: 0, rows: tokens }];
+        // Rows in blocks of 24, so the GEMM has tasks for every thread even with few experts.
+        let rows: Vec<Segment> = (0..tokens)
+            .step_by(24)
+            .map(|row_start| Segment { expert: 0, row_start, rows: 24.min(tokens - row_start) })
+            .collect();
         self.gate.gemm(x, Rows::strided(self.config.hidden), &rows, &mut logits, Rows::strided(e));
         if let Some(b) = &self.gate_bias {
             for row in logits.chunks_mut(e) {
