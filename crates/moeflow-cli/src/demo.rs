@@ -54,12 +54,21 @@ pub fn run(args: DemoArgs) -> Result<()> {
         if par.dual_batch { " (dual-batch)" } else { "" }
     );
     let original = args.layer.weights(&config)?;
-    let mut weights = original.clone();
-    quantize_weights(&mut weights, par.quant)?;
+    // The layer runs on quantized weights, the reference on the originals (one copy unless
+    // quantizing).
+    let quantized = match par.quant {
+        moeflow::quant::QuantConfig::None => None,
+        quant => {
+            let mut w = original.clone();
+            quantize_weights(&mut w, quant)?;
+            Some(w)
+        }
+    };
+    let weights = quantized.as_ref().unwrap_or(&original);
     let bar = spinner("packing weights".into());
     let single = MoeLayer::new(
         &config,
-        &weights,
+        weights,
         LayerOptions {
             chunk_size: args.layer.chunk_size,
             quant: par.quant,
@@ -100,7 +109,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         Ok((out, median(&times), times.len()))
     };
     let (out, (lo, hi), secs, runs) = if gpu && par.ep == 1 && host == RankHost::Gpus && !par.dual_batch {
-        let gpu = moeflow::backend::cuda::CudaMoeLayer::new(&config, &weights)?;
+        let gpu = moeflow::backend::cuda::CudaMoeLayer::new(&config, weights)?;
         println!("  device          {}", gpu.device_name());
         let (out, secs, runs) = timed(&|| gpu.forward(&input))?;
         (out, (0, t), secs, runs)
@@ -120,7 +129,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
         };
         let bar = spinner(format!("running on {what}"));
         let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
-            let layer = par.layer(comm, placement.clone(), &config, &weights, kind, args.layer.chunk_size)?;
+            let layer = par.layer(comm, placement.clone(), &config, weights, kind, args.layer.chunk_size)?;
             let (a, b) = groups[comm.rank() / par.tp];
             let mine = Tensor::from_f32(&[b - a, h], x[a * h..b * h].to_vec())?;
             let mut out = layer.forward(&mine)?;

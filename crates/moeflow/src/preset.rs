@@ -4,7 +4,7 @@ use crate::config::{MoeConfig, MoeWeights, SharedConfig, SharedWeights};
 use crate::error::{MoeError, Result};
 use crate::experts::{Activation, ExpertWeights};
 use crate::router::RouterConfig;
-use crate::tensor::Tensor;
+use crate::tensor::{CpuStorage, Tensor};
 use crate::DType;
 use rand::{Rng, SeedableRng};
 use rayon::prelude::*;
@@ -100,18 +100,35 @@ fn has_biases(config: &MoeConfig) -> bool {
 
 /// Uniform values in `[-scale, scale)`, reproducible from `seed` whatever the thread count.
 pub fn uniform(len: usize, scale: f32, seed: u64) -> Vec<f32> {
+    uniform_as(len, scale, seed, |x| x)
+}
+
+/// [`uniform`]'s values passed through `convert` as they are drawn, so a tensor stored in a
+/// narrower type never exists in f32 as a whole.
+fn uniform_as<T: Copy + Default + Send>(
+    len: usize,
+    scale: f32,
+    seed: u64,
+    convert: impl Fn(f32) -> T + Sync,
+) -> Vec<T> {
     const CHUNK: usize = 1 << 16;
-    let mut v = vec![0f32; len];
+    let mut v = vec![T::default(); len];
     v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c as u64);
-        chunk.iter_mut().for_each(|x| *x = rng.gen_range(-scale..scale));
+        chunk.iter_mut().for_each(|x| *x = convert(rng.gen_range(-scale..scale)));
     });
     v
 }
 
+/// [`uniform`] values of `shape` stored as `dtype` (rounded to nearest even).
 fn tensor(shape: &[usize], scale: f32, seed: u64, dtype: DType) -> Tensor {
     let n = shape.iter().product();
-    Tensor::from_f32_as(shape, &uniform(n, scale, seed), dtype).expect("shape matches length")
+    let storage = match dtype {
+        DType::F32 => CpuStorage::F32(uniform(n, scale, seed)),
+        DType::BF16 => CpuStorage::BF16(uniform_as(n, scale, seed, half::bf16::from_f32)),
+        _ => return Tensor::from_f32_as(shape, &uniform(n, scale, seed), dtype).expect("shape matches length"),
+    };
+    Tensor::new(shape, storage).expect("shape matches length")
 }
 
 /// Random weights for `config`, expert and shared weights stored as `dtype` (router in f32).
