@@ -12,9 +12,7 @@ use half::bf16;
 pub const NR: usize = 16;
 
 /// An element the packed GEMM can read: f32, or bf16 widened to f32 on load.
-pub trait PanelElem: Copy + Send + Sync + 'static {
-    /// The zero used to pad the last panel.
-    const ZERO: Self;
+pub trait PanelElem: Copy + Send + Sync + bytemuck::Zeroable + 'static {
     /// Whether the element is bf16 (the kernel widens it with a shift).
     const IS_BF16: bool;
     /// Widen to f32 (exact for both element types).
@@ -29,7 +27,6 @@ pub trait PanelElem: Copy + Send + Sync + 'static {
 }
 
 impl PanelElem for f32 {
-    const ZERO: Self = 0.0;
     const IS_BF16: bool = false;
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -38,7 +35,6 @@ impl PanelElem for f32 {
 }
 
 impl PanelElem for bf16 {
-    const ZERO: Self = bf16::ZERO;
     const IS_BF16: bool = true;
     #[inline(always)]
     fn to_f32(self) -> f32 {
@@ -79,7 +75,9 @@ impl<T: PanelElem> PackedMatrices<T> {
         assert_eq!(src.len(), count * n * k, "packed source length");
         let panels = n.div_ceil(NR);
         let per = panels * NR * k;
-        let mut data = vec![T::ZERO; count * per];
+        // Zeroed by the allocator (fresh pages), so the memory is first touched by the parallel
+        // packing below rather than by one thread filling it.
+        let mut data: Vec<T> = bytemuck::zeroed_vec(count * per);
         use rayon::prelude::*;
         data.par_chunks_mut(NR * k.max(1)).enumerate().for_each(|(idx, panel)| {
             if k == 0 {
