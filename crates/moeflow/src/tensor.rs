@@ -27,6 +27,13 @@ pub enum CpuStorage {
     I32(Vec<i32>),
 }
 
+/// `convert` applied to every element; large vectors are split over the threads (weights of
+/// a whole layer are hundreds of MB).
+fn widen<T: Copy + Sync>(v: &[T], convert: impl Fn(T) -> f32 + Sync + Send) -> Vec<f32> {
+    use rayon::prelude::*;
+    v.par_iter().with_min_len(1 << 16).map(|&x| convert(x)).collect()
+}
+
 /// Where a tensor's elements live.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Storage {
@@ -70,12 +77,12 @@ impl CpuStorage {
     fn to_f32(&self) -> Vec<f32> {
         match self {
             CpuStorage::F32(v) => v.clone(),
-            CpuStorage::BF16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::F16(v) => v.iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::F8E4M3(v) => v.iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::F8E5M2(v) => v.iter().map(|x| x.to_f32()).collect(),
-            CpuStorage::I8(v) => v.iter().map(|&x| x as f32).collect(),
-            CpuStorage::I32(v) => v.iter().map(|&x| x as f32).collect(),
+            CpuStorage::BF16(v) => widen(v, bf16::to_f32),
+            CpuStorage::F16(v) => widen(v, f16::to_f32),
+            CpuStorage::F8E4M3(v) => widen(v, |x| x.to_f32()),
+            CpuStorage::F8E5M2(v) => widen(v, |x| x.to_f32()),
+            CpuStorage::I8(v) => widen(v, |x| x as f32),
+            CpuStorage::I32(v) => widen(v, |x| x as f32),
         }
     }
 
