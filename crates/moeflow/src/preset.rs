@@ -105,14 +105,15 @@ pub fn uniform(len: usize, scale: f32, seed: u64) -> Vec<f32> {
 
 /// [`uniform`]'s values passed through `convert` as they are drawn, so a tensor stored in a
 /// narrower type never exists in f32 as a whole.
-fn uniform_as<T: Copy + Default + Send>(
+fn uniform_as<T: Copy + bytemuck::Zeroable + Send>(
     len: usize,
     scale: f32,
     seed: u64,
     convert: impl Fn(f32) -> T + Sync,
 ) -> Vec<T> {
     const CHUNK: usize = 1 << 16;
-    let mut v = vec![T::default(); len];
+    // Fresh zeroed pages, first touched by the parallel fill.
+    let mut v: Vec<T> = bytemuck::zeroed_vec(len);
     v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
         let mut rng = rand::rngs::SmallRng::seed_from_u64(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ c as u64);
         chunk.iter_mut().for_each(|x| *x = convert(rng.gen_range(-scale..scale)));
