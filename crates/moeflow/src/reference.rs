@@ -3,7 +3,7 @@
 
 use crate::config::{MoeConfig, MoeWeights};
 use crate::error::Result;
-use crate::experts::expert_row_f64;
+use crate::experts::{expert_row_f64, WeightValues};
 use crate::router::RouterConfig;
 use rayon::prelude::*;
 
@@ -90,19 +90,19 @@ pub fn route_token_f64(cfg: &RouterConfig, logits: &[f64], k: usize, bias: &[f64
     }
 }
 
-/// Weights as f32 values, read once.
-struct Flat {
-    w13: Vec<f32>,
-    w2: Vec<f32>,
+/// An expert stack's weights and biases as the reference reads them.
+struct Flat<'a> {
+    w13: WeightValues<'a>,
+    w2: WeightValues<'a>,
     b13: Option<Vec<f32>>,
     b2: Option<Vec<f32>>,
 }
 
-impl Flat {
-    fn new(w: &crate::experts::ExpertWeights) -> Self {
+impl<'a> Flat<'a> {
+    fn new(w: &'a crate::experts::ExpertWeights) -> Self {
         Flat {
-            w13: w.w13_f32(),
-            w2: w.w2_f32(),
+            w13: WeightValues::w13(w),
+            w2: WeightValues::w2(w),
             b13: w.b13.as_ref().map(|b| b.to_f32_vec()),
             b2: w.b2.as_ref().map(|b| b.to_f32_vec()),
         }

@@ -10,7 +10,7 @@ mod reference;
 pub use activation::Activation;
 pub use cpu::CpuExperts;
 
-pub use reference::{expert_row_f64, ReferenceExperts};
+pub use reference::{expert_row_f64, ReferenceExperts, WeightValues};
 
 use crate::error::{MoeError, Result};
 use crate::quant::WeightQuant;

@@ -4,13 +4,55 @@
 use super::{Activation, ExpertInput, ExpertWeights, Experts};
 use crate::error::Result;
 use crate::reduce::{NoOp, WeightAndReduce};
+use crate::tensor::{CpuStorage, Tensor};
+use half::bf16;
+use std::borrow::Cow;
+
+/// A stack of expert matrices as the reference reads them: f32 values, or bf16 values read in
+/// place (so a layer's bf16 weights are never copied whole); both widen exactly to f64.
+#[derive(Clone, Debug)]
+pub enum WeightValues<'a> {
+    /// f32 values, borrowed or (for quantized weights) dequantized.
+    F32(Cow<'a, [f32]>),
+    /// bf16 values, borrowed.
+    BF16(&'a [bf16]),
+}
+
+impl<'a> WeightValues<'a> {
+    /// `weights.w13`: borrowed when stored as f32 or bf16, else dequantized to f32.
+    pub fn w13(weights: &'a ExpertWeights) -> Self {
+        Self::stored(&weights.w13, weights).unwrap_or_else(|| WeightValues::F32(Cow::Owned(weights.w13_f32())))
+    }
+
+    /// `weights.w2`, as [`WeightValues::w13`].
+    pub fn w2(weights: &'a ExpertWeights) -> Self {
+        Self::stored(&weights.w2, weights).unwrap_or_else(|| WeightValues::F32(Cow::Owned(weights.w2_f32())))
+    }
+
+    fn stored(t: &'a Tensor, weights: &ExpertWeights) -> Option<Self> {
+        match (&weights.quant, t.cpu()) {
+            (None, CpuStorage::F32(v)) => Some(WeightValues::F32(Cow::Borrowed(v))),
+            (None, CpuStorage::BF16(v)) => Some(WeightValues::BF16(v)),
+            _ => None,
+        }
+    }
+
+    /// `Σ_j w[start + j] · x[j]` in f64, summed in order.
+    fn dot(&self, start: usize, x: &[f64]) -> f64 {
+        let end = start + x.len();
+        match self {
+            WeightValues::F32(w) => w[start..end].iter().zip(x).map(|(&a, &b)| a as f64 * b).sum(),
+            WeightValues::BF16(w) => w[start..end].iter().zip(x).map(|(&a, &b)| a.to_f64() * b).sum(),
+        }
+    }
+}
 
 /// Expert `e` applied to one row `x [H]` in f64: `w2 · act(w13 · x + b13) + b2`.
-/// `w13 [E, 2I, H]`, `w2 [E, H, I]` as f32 values (exact copies of the stored weights).
+/// `w13 [E, 2I, H]`, `w2 [E, H, I]` (the stored values, widened exactly).
 #[allow(clippy::too_many_arguments)]
 pub fn expert_row_f64(
-    w13: &[f32],
-    w2: &[f32],
+    w13: &WeightValues,
+    w2: &WeightValues,
     b13: Option<&[f32]>,
     b2: Option<&[f32]>,
     activation: Activation,
@@ -18,18 +60,15 @@ pub fn expert_row_f64(
     e: usize,
     x: &[f64],
 ) -> Vec<f64> {
-    let dot = |w: &[f32], x: &[f64]| w.iter().zip(x).map(|(&a, &b)| a as f64 * b).sum::<f64>();
-    let w13 = &w13[e * 2 * i * h..(e + 1) * 2 * i * h];
     let bias = |b: Option<&[f32]>, n: usize, j: usize| b.map_or(0.0, |b| b[e * n + j] as f64);
     let act: Vec<f64> = (0..i)
         .map(|j| {
-            let g = dot(&w13[j * h..(j + 1) * h], x) + bias(b13, 2 * i, j);
-            let u = dot(&w13[(i + j) * h..(i + j + 1) * h], x) + bias(b13, 2 * i, i + j);
+            let g = w13.dot((e * 2 * i + j) * h, x) + bias(b13, 2 * i, j);
+            let u = w13.dot((e * 2 * i + i + j) * h, x) + bias(b13, 2 * i, i + j);
             activation.apply_f64(g, u)
         })
         .collect();
-    let w2 = &w2[e * h * i..(e + 1) * h * i];
-    (0..h).map(|r| dot(&w2[r * i..(r + 1) * i], &act) + bias(b2, h, r)).collect()
+    (0..h).map(|r| w2.dot((e * h + r) * i, &act) + bias(b2, h, r)).collect()
 }
 
 /// Experts computed by [`expert_row_f64`]; they weight and sum their own output (so finalize
@@ -82,8 +121,8 @@ impl Experts for ReferenceExperts {
                 let Some(e) = input.local_expert(t * k + j) else { continue };
                 let w = if input.weights_applied { 1.0 } else { input.weights[t * k + j] as f64 };
                 let y = expert_row_f64(
-                    &self.w13,
-                    &self.w2,
+                    &WeightValues::F32(Cow::Borrowed(&self.w13)),
+                    &WeightValues::F32(Cow::Borrowed(&self.w2)),
                     self.b13.as_deref(),
                     self.b2.as_deref(),
                     self.activation,
