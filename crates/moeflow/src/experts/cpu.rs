@@ -135,7 +135,7 @@ fn add_bias(c: &mut [f32], rows: Rows, n: usize, segments: &[Segment], bias: Opt
     let mut expert_of = vec![usize::MAX; c.len().div_ceil(stride)];
     for s in segments {
         for j in s.row_start..s.row_start + s.rows {
-            expert_of[rows.index.map_or(j, |ix| ix[j] as usize)] = s.expert;
+            expert_of[rows.of(j)] = s.expert;
         }
     }
     c.par_chunks_mut(stride).zip(expert_of.par_iter()).for_each(|(row, &e)| {

@@ -51,7 +51,7 @@ impl<'a> Rows<'a> {
 
     /// Buffer row of GEMM row `j`.
     #[inline]
-    fn of(&self, j: usize) -> usize {
+    pub fn of(&self, j: usize) -> usize {
         self.index.map_or(j, |ix| ix[j] as usize)
     }
 
