@@ -37,8 +37,9 @@ pub struct BenchArgs {
     #[arg(long)]
     host_staged: bool,
     /// After the run, run the same shapes through a PyTorch layer and print the ratio: on one
-    /// CPU rank tools/torch_cpu_baseline.py, after the device-resident multi-GPU layer a
-    /// PyTorch + NCCL layer (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
+    /// CPU rank tools/torch_cpu_baseline.py, on one GPU tools/torch_gpu_baseline.py (argsort,
+    /// torch._grouped_mm), after the device-resident multi-GPU layer a PyTorch + NCCL layer
+    /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
     #[arg(long)]
     torch_baseline: bool,
 }
@@ -47,6 +48,8 @@ pub struct BenchArgs {
 const TORCH_BASELINE: &str = include_str!("../../../tools/torch_ep_baseline.py");
 /// The PyTorch CPU baseline layer, run by `--torch-baseline` on one CPU rank.
 const TORCH_CPU_BASELINE: &str = include_str!("../../../tools/torch_cpu_baseline.py");
+/// The one-GPU PyTorch baseline layer, run by `--torch-baseline` on one GPU.
+const TORCH_GPU_BASELINE: &str = include_str!("../../../tools/torch_gpu_baseline.py");
 
 /// Writes `records` to `path` as a pretty JSON array.
 fn write_records(path: &std::path::Path, records: &[Record]) -> Result<()> {
@@ -428,21 +431,35 @@ fn torch_baseline(
     Ok(())
 }
 
-/// Runs tools/torch_cpu_baseline.py with the preset's shapes and weight dtype on this machine
-/// and prints its times beside `ours` (tokens, layer ms).
-fn torch_cpu_baseline(args: &BenchArgs, config: &moeflow::MoeConfig, ours: &[(usize, f64)]) -> Result<()> {
-    // bf16 or f32 (checked before the run).
-    let dtype = if args.layer.dtype == DType::BF16 { "bf16" } else { "f32" };
-    let mut script_args = baseline_shape_args(config, &args.tokens, args.min_runs.max(5));
-    script_args.extend(["--dtype".to_string(), dtype.to_string()]);
-    let v = run_baseline(TORCH_CPU_BASELINE, &[], &script_args, "running the PyTorch CPU baseline".into())?;
-    println!(
-        "PyTorch {} baseline on this machine ({} threads, {} weights, {} matmuls), same shapes:",
-        v["torch"].as_str().unwrap_or("?"),
-        v["threads"].as_u64().unwrap_or(0),
-        v["dtype"].as_str().unwrap_or("?"),
-        v["compute"].as_str().unwrap_or("?")
-    );
+/// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside
+/// `ours` (tokens, layer ms): tools/torch_gpu_baseline.py on this GPU with `gpu`, else
+/// tools/torch_cpu_baseline.py with the run's weight dtype on this machine.
+fn torch_single_baseline(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    gpu: bool,
+    ours: &[(usize, f64)],
+) -> Result<()> {
+    let mut script_args = baseline_shape_args(config, &args.tokens, args.min_runs.max(if gpu { 20 } else { 5 }));
+    let v = if gpu {
+        run_baseline(TORCH_GPU_BASELINE, &[], &script_args, "running the PyTorch baseline on this GPU".into())?
+    } else {
+        // bf16 or f32 (checked before the run).
+        let dtype = if args.layer.dtype == DType::BF16 { "bf16" } else { "f32" };
+        script_args.extend(["--dtype".to_string(), dtype.to_string()]);
+        run_baseline(TORCH_CPU_BASELINE, &[], &script_args, "running the PyTorch CPU baseline".into())?
+    };
+    let torch = v["torch"].as_str().unwrap_or("?");
+    if gpu {
+        println!("PyTorch {torch} baseline on this GPU (argsort, torch._grouped_mm, bf16), same shapes:");
+    } else {
+        println!(
+            "PyTorch {torch} baseline on this machine ({} threads, {} weights, {} matmuls), same shapes:",
+            v["threads"].as_u64().unwrap_or(0),
+            v["dtype"].as_str().unwrap_or("?"),
+            v["compute"].as_str().unwrap_or("?")
+        );
+    }
     println!("{:>7} {:>10} {:>10} {:>8}", "tokens", "torch ms", "moeflow ms", "speedup");
     for rec in v["records"].as_array().into_iter().flatten() {
         let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
@@ -759,23 +776,20 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     if args.torch_baseline {
         let ours: Vec<(usize, f64)> = records.iter().map(|r| (r.tokens, r.ms)).collect();
-        torch_cpu_baseline(&args, &config, &ours)?;
+        torch_single_baseline(&args, &config, false, &ours)?;
     }
     Ok(())
 }
 
 /// Refuses `--torch-baseline` where no baseline runs beside the layer, before any work: it
-/// compares one CPU rank (bf16 or f32 weights) or the device-resident multi-GPU layer, started
-/// without a launcher.
+/// compares one CPU rank (bf16 or f32 weights), one GPU, or the device-resident multi-GPU
+/// layer, started without a launcher.
 fn check_torch_baseline(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
     let refuse = |why: &str| Err(MoeError::Config(format!("--torch-baseline {why}")));
     if host.launched_rank().is_some() {
         return refuse("starts its own processes: run without a launcher");
     }
     if gpu {
-        if args.parallel.ep == 1 {
-            return refuse("on GPUs compares the multi-GPU layer (--ep 2 or more); on one GPU it is not available");
-        }
         if args.host_staged {
             return refuse("compares the device-resident layer, not --host-staged");
         }
@@ -910,6 +924,10 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;
+    }
+    if args.torch_baseline {
+        let ours: Vec<(usize, f64)> = records.iter().map(|r| (r.tokens, r.ms)).collect();
+        torch_single_baseline(args, &config, true, &ours)?;
     }
     Ok(())
 }

@@ -153,12 +153,12 @@ fn demo_check_bench_inspect() {
     // fp8 experts are a GPU format: on the CPU a clear error names the dtype.
     let res = moeflow(&["bench", "--experts", "8", "--tokens", "3", "--dtype", "f8e4m3"]);
     assert!(!res.status.success() && text(&res).contains("f8e4m3"), "{}", text(&res));
-    // A PyTorch baseline runs beside one CPU rank or the multi-GPU layer only: anything else
-    // is refused before the run (no table printed).
+    // A PyTorch baseline runs beside one CPU rank, one GPU or the device-resident multi-GPU
+    // layer only: anything else is refused before the run (no table printed).
     for (args, needle) in [
         (&["--ep", "2"][..], "on CPU compares one rank"),
         (&["--dtype", "f16"][..], "bf16 or f32 weights, not f16"),
-        (&["--backend", "cuda"][..], "on one GPU it is not available"),
+        (&["--backend", "cuda", "--ep", "2", "--host-staged"][..], "not --host-staged"),
     ] {
         let res = moeflow(&[&["bench", "--experts", "8", "--tokens", "3", "--torch-baseline"][..], args].concat());
         let t = text(&res);
