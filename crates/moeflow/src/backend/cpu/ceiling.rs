@@ -30,24 +30,28 @@ pub fn measure() -> HostCeilings {
     }
 }
 
-/// Median over `runs` of the f32 FMA rate of every thread at once, GFLOP/s: each thread runs
-/// twelve independent chains of 8-wide fused multiply-adds (enough to cover the FMA latency on
-/// two pipes). `None` where AVX2 and FMA are missing.
+/// Median over `runs` of the f32 FMA rate of every thread at once, GFLOP/s: chunks of twelve
+/// independent chains of 8-wide fused multiply-adds (enough to cover the FMA latency on two
+/// pipes), 32 chunks per thread handed out as threads free up, as the GEMM's tasks are, so a
+/// thread that starts late or shares its core does not hold the others back. `None` where AVX2
+/// and FMA are missing.
 pub fn fma_peak_gflops(runs: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
     {
+        use rayon::prelude::*;
         if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
             return None;
         }
-        const STEPS: usize = 20_000_000;
+        const STEPS: usize = 600_000;
+        let chunks = 32 * rayon::current_num_threads();
         let mut samples = Vec::new();
         for _ in 0..runs + 1 {
             let t = Instant::now();
             // SAFETY: AVX2 and FMA were detected above.
-            let sums: Vec<f32> = rayon::broadcast(|_| unsafe { fma_chains(STEPS) });
+            let sums: Vec<f32> = (0..chunks).into_par_iter().map(|_| unsafe { fma_chains(STEPS) }).collect();
             let secs = t.elapsed().as_secs_f64();
             std::hint::black_box(sums);
-            samples.push((rayon::current_num_threads() * STEPS * 12 * 16) as f64 / secs / 1e9);
+            samples.push((chunks * STEPS * 12 * 16) as f64 / secs / 1e9);
         }
         samples.remove(0);
         Some(median(samples))
