@@ -320,6 +320,7 @@ fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             },
             bytes_moved_per_rank: 2 * sent as usize,
             comm_gbps: Some(gbps(dispatch + collect) * 2.0),
+            bf16_matmul: None,
         });
     }
     if capacity.is_some() {
@@ -503,6 +504,9 @@ pub struct Record {
     pub bytes_moved_per_rank: usize,
     /// Those bytes over rank 0's prepare + finalize time, GB/s.
     pub comm_gbps: Option<f64>,
+    /// CPU experts with bf16 weights: `dot` (bf16 dot products) or `widen` (f32 arithmetic).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bf16_matmul: Option<String>,
 }
 
 /// Per token count: run times (s), stage times of rank 0, bytes moved by rank 0.
@@ -578,7 +582,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let mut weights = args.layer.weights(&config)?;
     // The unquantized path, to measure the quantized one's error against.
     let f32_path = if par.quant != moeflow::quant::QuantConfig::None && par.ep == 1 {
-        Some(MoeLayer::new(&config, &weights, moeflow::LayerOptions::default())?)
+        let f32_options = moeflow::LayerOptions { bf16_matmul: moeflow::Bf16Matmul::Widen, ..Default::default() };
+        Some(MoeLayer::new(&config, &weights, f32_options)?)
     } else {
         None
     };
@@ -590,22 +595,27 @@ pub fn run(args: BenchArgs) -> Result<()> {
         _ => 0,
     };
     let bar0 = spinner("measuring the matmul rate and copy bandwidth".into());
-    // The compute floor uses the cores' FMA peak where it was measured (no GEMM beats it),
-    // else the matmul rate.
-    let (matmul_gflops, copy_gbps, ceiling_name, fma_peak) = if gpu {
+    // The compute floor uses the cores' peak for the instructions the experts run where it was
+    // measured (no GEMM beats it): the bf16 dot-product peak when bf16 weights take dot
+    // products, else the FMA peak; else the matmul rate.
+    let dot = !gpu
+        && args.layer.dtype == DType::BF16
+        && par.quant == moeflow::quant::QuantConfig::None
+        && par.bf16_matmul.uses_dot();
+    let (matmul_gflops, copy_gbps, ceiling_name, fma_peak, dot_peak) = if gpu {
         let c = moeflow::backend::cuda::measure_ceilings(device)?;
-        (c.gemm_tflops * 1e3, c.copy_gbps, "cuBLAS bf16 8192³", None)
+        (c.gemm_tflops * 1e3, c.copy_gbps, "cuBLAS bf16 8192³", None, None)
     } else {
         let host = ceiling::measure();
-        (host.matmul_gflops, host.copy_gbps, "gemm crate, f32", host.fma_peak_gflops)
+        (host.matmul_gflops, host.copy_gbps, "gemm crate, f32", host.fma_peak_gflops, host.bf16_dot_peak_gflops)
     };
-    let compute_gflops = fma_peak.unwrap_or(matmul_gflops);
+    let compute_gflops = if dot { dot_peak } else { None }.or(fma_peak).unwrap_or(matmul_gflops);
     bar0.finish_and_clear();
     let groups = par.ep / par.tp;
     let rank0 = host.launched_rank().is_none_or(|r| r == 0);
     if rank0 {
         println!(
-            "moeflow bench: {} on {}, {} weights, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}){}, copy {:.1} GB/s",
+            "moeflow bench: {} on {}, {} weights{}, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}){}{}, copy {:.1} GB/s",
             p.name,
             match &host {
                 RankHost::Threads => format!("cpu ({} threads)", rayon::current_num_threads()),
@@ -614,12 +624,18 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 RankHost::Launched { env, gpu: false } => format!("{} processes (TCP)", env.world_size),
             },
             args.layer.dtype,
+            if !gpu && args.layer.dtype == DType::BF16 && par.quant == moeflow::quant::QuantConfig::None {
+                format!(" ({})", par.bf16_matmul.describe())
+            } else {
+                String::new()
+            },
             par.ep,
             par.tp,
             par.strategy,
             par.quant,
             matmul_gflops,
             fma_peak.map_or(String::new(), |p| format!(", FMA peak {p:.1} GFLOP/s")),
+            dot_peak.filter(|_| dot).map_or(String::new(), |p| format!(", bf16 dot peak {p:.1} GFLOP/s")),
             copy_gbps
         );
     }
@@ -631,6 +647,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 chunk_size: args.layer.chunk_size,
                 quant: par.quant,
                 defer_input_quant: par.defer_input_quant,
+                bf16_matmul: par.bf16_matmul,
                 ..Default::default()
             },
         )?;
@@ -768,6 +785,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             stages_ms,
             bytes_moved_per_rank: m.bytes,
             comm_gbps: (m.bytes > 0).then_some(comm_gbps),
+            bf16_matmul: (!gpu && args.layer.dtype == DType::BF16 && par.quant == moeflow::quant::QuantConfig::None)
+                .then(|| if dot { "dot" } else { "widen" }.to_string()),
         });
     }
     if let Some(path) = &args.json {
@@ -919,6 +938,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             },
             bytes_moved_per_rank: 0,
             comm_gbps: None,
+            bf16_matmul: None,
         });
     }
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;

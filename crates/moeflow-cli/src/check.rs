@@ -31,13 +31,13 @@ pub struct CheckArgs {
     /// Quantization of dispatch (and weights): none, int8, fp8, fp8-block, mxfp8.
     #[arg(long, default_value = "none")]
     quant: moeflow::quant::QuantConfig,
+    /// How CPU experts multiply bf16 weights: auto, widen or dot (as for `demo`).
+    #[arg(long, default_value = "auto")]
+    bf16_matmul: moeflow::Bf16Matmul,
 }
 
 /// Tokens of DP group g: uneven, with empty groups.
 const BATCHES: [usize; 8] = [9, 0, 4, 13, 1, 0, 7, 5];
-/// Relative error bound against the f64 reference (f32 accumulation).
-const TOLERANCE: f64 = 2e-5;
-
 pub fn run(args: CheckArgs) -> Result<()> {
     let p = preset::preset(&args.preset)?;
     let mut config = p.config.clone();
@@ -58,11 +58,7 @@ pub fn run(args: CheckArgs) -> Result<()> {
     let original = preset::random_weights(&config, args.dtype, args.seed);
     let mut weights = original.clone();
     crate::common::quantize_weights(&mut weights, args.quant)?;
-    let tolerance = if args.quant == moeflow::quant::QuantConfig::None {
-        TOLERANCE
-    } else {
-        crate::common::quant_bound(args.quant)
-    };
+    let tolerance = crate::common::cpu_bound(args.quant, args.dtype, args.bf16_matmul);
     let h = config.hidden;
     let inputs: Vec<Tensor> = BATCHES
         .iter()
@@ -70,7 +66,11 @@ pub fn run(args: CheckArgs) -> Result<()> {
         .map(|(g, &t)| Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, args.seed + 1 + g as u64)))
         .collect::<Result<_>>()?;
     let bar0 = spinner("single rank and f64 reference".into());
-    let single = MoeLayer::new(&config, &weights, LayerOptions { quant: args.quant, ..LayerOptions::default() })?;
+    let single = MoeLayer::new(
+        &config,
+        &weights,
+        LayerOptions { quant: args.quant, bf16_matmul: args.bf16_matmul, ..LayerOptions::default() },
+    )?;
     let mut want = Vec::new();
     let mut worst = 0f64;
     for x in &inputs {
@@ -118,6 +118,7 @@ pub fn run(args: CheckArgs) -> Result<()> {
             par.dual_batch = dual;
             par.max_tokens_per_rank = 16;
             par.quant = args.quant;
+            par.bf16_matmul = args.bf16_matmul;
             let rank_inputs: Vec<Tensor> = (0..ep).map(|r| inputs[r / tp].clone()).collect();
             let cell = match forward_in_process(&config, &weights, &par, ExpertsKind::Cpu, chunk, &rank_inputs) {
                 Ok(outs) => {

@@ -3,7 +3,7 @@
 use indicatif::{ProgressBar, ProgressStyle};
 use moeflow::parallel::{ParallelConfig, PlacementKind, StrategyKind};
 use moeflow::quant::{QuantConfig, WeightQuant};
-use moeflow::{preset, DType, MoeConfig, MoeError, MoeWeights, Result};
+use moeflow::{preset, Bf16Matmul, DType, MoeConfig, MoeError, MoeWeights, Result};
 use std::time::Duration;
 
 /// Options that pick a layer: preset, weight dtype, expert count override, seed.
@@ -159,6 +159,11 @@ pub struct ParallelArgs {
     /// Send rows unquantized and let the experts quantize them on arrival.
     #[arg(long)]
     pub defer_input_quant: bool,
+    /// How CPU experts multiply bf16 weights: dot (activations rounded to bf16, bf16 products
+    /// summed in f32, as GPUs do: twice the f32 rate with AVX512-BF16), widen (activations in
+    /// f32, weights widened exactly), or auto (dot where the CPU has AVX512-BF16).
+    #[arg(long, default_value = "auto")]
+    pub bf16_matmul: Bf16Matmul,
     /// Deadline of every collective, seconds: a rank that does not answer in time fails the
     /// job with an error naming the operation.
     #[arg(long, default_value_t = 60.0)]
@@ -185,7 +190,25 @@ pub fn quantize_weights(weights: &mut MoeWeights, quant: QuantConfig) -> Result<
 /// Relative error bound of a quantized layer: twice the activation and weight half-steps (see
 /// tests/quant.rs), plus f32 rounding.
 pub fn quant_bound(quant: QuantConfig) -> f64 {
-    2.0 * (quant.step() + weight_quant(quant).map_or(0.0, |w| w.step())) + 2e-5
+    2.0 * (quant.step() + weight_quant(quant).map_or(0.0, |w| w.step())) + F32_TOLERANCE
+}
+
+/// Relative error bound against the f64 reference of a layer whose arithmetic is f32:
+/// accumulation over at most a few thousand terms.
+pub const F32_TOLERANCE: f64 = 2e-5;
+
+/// Relative error bound when activations and GEMM inputs are rounded to bf16 (2^-8) a few
+/// times: GPU layers, and CPU experts taking bf16 dot products.
+pub const BF16_TOLERANCE: f64 = 2.5e-2;
+
+/// The error bound of a CPU layer against the f64 reference: quantized, bf16 dot products
+/// (bf16 weights under `bf16`), or f32 arithmetic.
+pub fn cpu_bound(quant: QuantConfig, dtype: DType, bf16: Bf16Matmul) -> f64 {
+    match quant {
+        QuantConfig::None if dtype == DType::BF16 && bf16.uses_dot() => BF16_TOLERANCE,
+        QuantConfig::None => F32_TOLERANCE,
+        q => quant_bound(q),
+    }
 }
 
 impl ParallelArgs {
@@ -200,6 +223,7 @@ impl ParallelArgs {
             sequence_parallel: self.sequence_parallel,
             quant: self.quant,
             defer_input_quant: self.defer_input_quant,
+            bf16_matmul: self.bf16_matmul,
             timeout: std::time::Duration::try_from_secs_f64(self.timeout).ok().filter(|t| !t.is_zero()).ok_or_else(
                 || MoeError::Config(format!("--timeout {} is not a positive number of seconds", self.timeout)),
             )?,

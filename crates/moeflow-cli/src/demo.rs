@@ -4,7 +4,9 @@
 //! GPUs over NCCL (one thread each, or one process each under `moeflow launch`), where each
 //! rank's tokens are checked against the reference.
 
-use crate::common::{median, quant_bound, quantize_weights, spinner, split_tokens, Backend, LayerArgs, ParallelArgs};
+use crate::common::{
+    cpu_bound, median, quantize_weights, spinner, split_tokens, Backend, LayerArgs, ParallelArgs, BF16_TOLERANCE,
+};
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, RankHost};
 use moeflow::{preset, reference, LayerOptions, MoeError, MoeLayer, Result, Tensor};
@@ -28,12 +30,6 @@ pub struct DemoArgs {
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
 }
-
-/// Bound of the GPU check: activations and GEMM outputs rounded to bf16 (2^-8) a few times.
-const BF16_TOLERANCE: f64 = 2.5e-2;
-
-/// Relative error bound of the check: f32 accumulation over at most a few thousand terms.
-const TOLERANCE: f64 = 2e-5;
 
 pub fn run(args: DemoArgs) -> Result<()> {
     let (p, config) = args.layer.config()?;
@@ -73,6 +69,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
             chunk_size: args.layer.chunk_size,
             quant: par.quant,
             defer_input_quant: par.defer_input_quant,
+            bf16_matmul: par.bf16_matmul,
             ..LayerOptions::default()
         },
     )?;
@@ -82,13 +79,14 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let x = preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ 0x5eed);
     let input = Tensor::from_f32(&[t, config.hidden], x.clone())?;
     let topk = single.route(&input)?;
-    let tolerance = match (args.backend, par.quant) {
-        (Backend::Cuda, _) => BF16_TOLERANCE,
-        (_, moeflow::quant::QuantConfig::None) => TOLERANCE,
-        (_, q) => quant_bound(q),
+    let tolerance = match args.backend {
+        Backend::Cuda => BF16_TOLERANCE,
+        Backend::Cpu => cpu_bound(par.quant, args.layer.dtype, par.bf16_matmul),
     };
     if par.quant != moeflow::quant::QuantConfig::None {
         println!("  quantization    {} (activations and weights; error measured against unquantized f64)", par.quant);
+    } else if args.backend == Backend::Cpu && args.layer.dtype == moeflow::DType::BF16 {
+        println!("  bf16 matmul     {}", par.bf16_matmul.describe());
     }
     let gpu = args.backend == Backend::Cuda;
     if gpu && par.quant != moeflow::quant::QuantConfig::None {

@@ -76,6 +76,7 @@ pub fn run(args: RunArgs) -> Result<()> {
                 chunk_size: args.chunk_size,
                 quant: par.quant,
                 defer_input_quant: par.defer_input_quant,
+                bf16_matmul: par.bf16_matmul,
                 ..Default::default()
             },
         )?;

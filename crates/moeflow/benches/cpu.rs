@@ -8,6 +8,7 @@
 use divan::counter::ItemsCount;
 use divan::Bencher;
 use moeflow::backend::cpu::ceiling;
+use moeflow::backend::cpu::dot::{dot_grouped_gemm, PairPanels};
 use moeflow::backend::cpu::gemm::{grouped_gemm, Rows, Segment};
 use moeflow::backend::cpu::packed::PackedMatrices;
 use moeflow::{preset, DType, LayerOptions, MoeConfig, MoeLayer, Tensor};
@@ -41,21 +42,30 @@ fn up_weights_f32() -> &'static PackedMatrices<f32> {
     })
 }
 
+fn up_weights_bf16_source() -> Vec<half::bf16> {
+    let c = olmoe();
+    preset::uniform(c.num_experts * 2 * c.inter * c.hidden, 0.05, 1).into_iter().map(half::bf16::from_f32).collect()
+}
+
 fn up_weights_bf16() -> &'static PackedMatrices<half::bf16> {
     static W: OnceLock<PackedMatrices<half::bf16>> = OnceLock::new();
     W.get_or_init(|| {
         let c = olmoe();
-        let w: Vec<half::bf16> = preset::uniform(c.num_experts * 2 * c.inter * c.hidden, 0.05, 1)
-            .into_iter()
-            .map(half::bf16::from_f32)
-            .collect();
-        PackedMatrices::pack(&w, c.num_experts, 2 * c.inter, c.hidden)
+        PackedMatrices::pack(&up_weights_bf16_source(), c.num_experts, 2 * c.inter, c.hidden)
+    })
+}
+
+fn up_weights_bf16_pairs() -> &'static PairPanels {
+    static W: OnceLock<PairPanels> = OnceLock::new();
+    W.get_or_init(|| {
+        let c = olmoe();
+        PairPanels::pack(&up_weights_bf16_source(), c.num_experts, 2 * c.inter, c.hidden)
     })
 }
 
 /// The experts' grouped GEMM alone: the up projection of 256 tokens' 2048 slots, 32 rows for
 /// each of the 64 experts, `C [2048, 2I] = A · W[e]ᵀ`, weights streamed from memory.
-#[divan::bench(args = ["f32", "bf16"], sample_count = 10)]
+#[divan::bench(args = ["f32", "bf16", "bf16-dot"], sample_count = 10)]
 fn grouped_gemm_up_projection(bencher: Bencher, dtype: &str) {
     let c = olmoe();
     let (rows, n, k) = (c.num_experts * ROWS_PER_EXPERT, 2 * c.inter, c.hidden);
@@ -71,9 +81,13 @@ fn grouped_gemm_up_projection(bencher: Bencher, dtype: &str) {
             let w = up_weights_f32();
             bencher.bench_local(|| grouped_gemm(&a, Rows::strided(k), &segments, w, &mut out, Rows::strided(n)));
         }
-        _ => {
+        "bf16" => {
             let w = up_weights_bf16();
             bencher.bench_local(|| grouped_gemm(&a, Rows::strided(k), &segments, w, &mut out, Rows::strided(n)));
+        }
+        _ => {
+            let w = up_weights_bf16_pairs();
+            bencher.bench_local(|| dot_grouped_gemm(&a, Rows::strided(k), &segments, w, &mut out, Rows::strided(n)));
         }
     }
 }

@@ -1,5 +1,6 @@
 //! `MoeLayer`, the modular kernel: router → prepare → experts → finalize (+ shared experts).
 
+use crate::backend::cpu::dot::Bf16Matmul;
 use crate::backend::cpu::gemm::{Rows, Segment};
 use crate::backend::cpu::packed::PackedStack;
 use crate::config::{MoeConfig, MoeWeights};
@@ -43,6 +44,8 @@ pub struct LayerOptions {
     /// micro-batch 1, which then runs concurrently with micro-batch 0 so that one's
     /// communication overlaps the other's expert compute.
     pub dual_batch: Option<Box<dyn PrepareFinalize>>,
+    /// How the CPU experts multiply bf16 weights (f32 weights are unaffected).
+    pub bf16_matmul: Bf16Matmul,
 }
 
 impl Default for LayerOptions {
@@ -54,6 +57,7 @@ impl Default for LayerOptions {
             dual_batch: None,
             quant: crate::quant::QuantConfig::None,
             defer_input_quant: false,
+            bf16_matmul: Bf16Matmul::Auto,
         }
     }
 }
@@ -135,7 +139,7 @@ impl MoeLayer {
         };
         let experts: Box<dyn Experts> = match options.experts {
             ExpertsKind::Cpu => Box::new(
-                CpuExperts::new(&local, config.activation)?
+                CpuExperts::new(&local, config.activation, options.bf16_matmul)?
                     .with_input_quant(options.quant)
                     .deferring_input_quant(options.defer_input_quant),
             ),
@@ -164,12 +168,15 @@ impl MoeLayer {
         }
         let shared = match &weights.shared {
             None => None,
-            Some(s) => Some((CpuExperts::new(&s.mlp, config.activation)?, s.gate.as_ref().map(|g| g.to_f32_vec()))),
+            Some(s) => Some((
+                CpuExperts::new(&s.mlp, config.activation, options.bf16_matmul)?,
+                s.gate.as_ref().map(|g| g.to_f32_vec()),
+            )),
         };
         Ok(MoeLayer {
             config: config.clone(),
             router,
-            gate: PackedStack::from_tensor(&weights.gate.to_dtype(DType::F32), 1, e, h),
+            gate: PackedStack::from_tensor(&weights.gate.to_dtype(DType::F32), 1, e, h, Bf16Matmul::Widen),
             gate_bias: weights.gate_bias.as_ref().map(|b| b.to_f32_vec()),
             experts,
             strategy: options.strategy,

@@ -125,6 +125,8 @@ pub struct ParallelConfig {
     pub quant: crate::quant::QuantConfig,
     /// Rows travel unquantized and the experts quantize them on arrival.
     pub defer_input_quant: bool,
+    /// How the CPU experts multiply bf16 weights.
+    pub bf16_matmul: crate::Bf16Matmul,
 }
 
 impl Default for ParallelConfig {
@@ -143,6 +145,7 @@ impl Default for ParallelConfig {
             dual_batch: false,
             quant: crate::quant::QuantConfig::None,
             defer_input_quant: false,
+            bf16_matmul: crate::Bf16Matmul::Auto,
         }
     }
 }
@@ -252,6 +255,7 @@ impl ParallelConfig {
                 dual_batch,
                 quant: self.quant,
                 defer_input_quant: self.defer_input_quant,
+                bf16_matmul: self.bf16_matmul,
             },
         )
     }

@@ -5,7 +5,8 @@ mod common;
 use common::*;
 use moeflow::dispatch::Local;
 use moeflow::{
-    preset, Activation, DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, RouterConfig, SharedConfig, Tensor, TopK,
+    preset, Activation, Bf16Matmul, DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, RouterConfig, SharedConfig,
+    Tensor, TopK,
 };
 use proptest::prelude::*;
 
@@ -36,7 +37,7 @@ proptest! {
         k_frac in 0.0f64..1.0,
         router in 0usize..5,
         act in 0usize..4,
-        bf16 in any::<bool>(),
+        variant in 0usize..3,
         shared in 0usize..3,
         chunk in proptest::option::of(1usize..7),
         seed in any::<u64>(),
@@ -48,11 +49,11 @@ proptest! {
         let k = 1 + ((max_k - 1) as f64 * k_frac) as usize;
         let shared = match shared { 0 => None, 1 => Some(SharedConfig { inter: inter + 3, gated: false }), _ => Some(SharedConfig { inter: 5, gated: true }) };
         let config = small_config(hidden, inter, experts, k, router, ACTIVATIONS[act], shared);
-        let dtype = if bf16 { DType::BF16 } else { DType::F32 };
+        let (dtype, bf16_matmul) = WEIGHT_VARIANTS[variant];
         let weights = preset::random_weights(&config, dtype, seed);
-        let layer = MoeLayer::new(&config, &weights, LayerOptions { chunk_size: chunk, ..LayerOptions::default() }).unwrap();
+        let layer = MoeLayer::new(&config, &weights, LayerOptions { chunk_size: chunk, bf16_matmul, ..LayerOptions::default() }).unwrap();
         let (x, _) = hidden_input(tokens, hidden, seed ^ 1);
-        check_against_reference(&config, &weights, &layer, &x, F32_TOL);
+        check_against_reference(&config, &weights, &layer, &x, variant_tol(dtype, bf16_matmul));
     }
 }
 
@@ -63,9 +64,10 @@ fn hidden_input(tokens: usize, h: usize, seed: u64) -> (Vec<f32>, Tensor) {
 #[test]
 fn awkward_routings_match_reference() {
     let config = small_config(19, 11, 8, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
-    for dtype in WEIGHT_DTYPES {
+    for (dtype, bf16_matmul) in WEIGHT_VARIANTS {
         let weights = preset::random_weights(&config, dtype, 5);
-        let layer = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap();
+        let layer = MoeLayer::new(&config, &weights, LayerOptions { bf16_matmul, ..LayerOptions::default() }).unwrap();
+        let tol = variant_tol(dtype, bf16_matmul);
         let (x, xt) = hidden(9, 19, 6);
         // One hot expert in every slot position it can take, others never hit.
         let mut ids = vec![0i32; 27];
@@ -82,7 +84,7 @@ fn awkward_routings_match_reference() {
         let want = moeflow::reference::forward_with_routing(&config, &weights, &x, &ids64, &w64).unwrap();
         let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
         for (g, w) in got.iter().zip(&want) {
-            assert!((*g as f64 - w).abs() <= F32_TOL * scale, "{g} vs {w}");
+            assert!((*g as f64 - w).abs() <= tol * scale, "{g} vs {w} ({dtype}, {bf16_matmul:?})");
         }
     }
 }
@@ -105,11 +107,13 @@ fn router_bias_can_send_every_token_to_one_expert() {
     let mut bias = vec![0f32; 16];
     bias[9] = 100.0;
     weights.gate_bias = Some(Tensor::from_f32(&[16], bias).unwrap());
-    let layer = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap();
-    let (x, xt) = hidden(33, 24, 9);
-    let topk = layer.route(&xt).unwrap();
-    assert!(topk.ids.chunks(2).all(|c| c[0] == 9), "expert 9 is everyone's first choice");
-    check_against_reference(&config, &weights, &layer, &x, F32_TOL);
+    for bf16_matmul in [Bf16Matmul::Widen, Bf16Matmul::Dot] {
+        let layer = MoeLayer::new(&config, &weights, LayerOptions { bf16_matmul, ..LayerOptions::default() }).unwrap();
+        let (x, xt) = hidden(33, 24, 9);
+        let topk = layer.route(&xt).unwrap();
+        assert!(topk.ids.chunks(2).all(|c| c[0] == 9), "expert 9 is everyone's first choice");
+        check_against_reference(&config, &weights, &layer, &x, variant_tol(DType::BF16, bf16_matmul));
+    }
 }
 
 #[test]
@@ -161,17 +165,15 @@ fn chunked_equals_unchunked_bit_for_bit() {
         Activation::Silu,
         Some(SharedConfig { inter: 9, gated: false }),
     );
-    for dtype in WEIGHT_DTYPES {
+    for (dtype, bf16_matmul) in WEIGHT_VARIANTS {
         let weights = preset::random_weights(&config, dtype, 12);
         let (_, xt) = hidden(50, 37, 13);
-        let whole = MoeLayer::new(&config, &weights, LayerOptions::default()).unwrap().forward(&xt).unwrap();
+        let options = |chunk_size| LayerOptions { chunk_size, bf16_matmul, ..LayerOptions::default() };
+        let whole = MoeLayer::new(&config, &weights, options(None)).unwrap().forward(&xt).unwrap();
         for chunk in [1, 3, 7, 49, 50, 64] {
-            let layer =
-                MoeLayer::new(&config, &weights, LayerOptions { chunk_size: Some(chunk), ..LayerOptions::default() })
-                    .unwrap();
-            let got = layer.forward(&xt).unwrap();
+            let got = MoeLayer::new(&config, &weights, options(Some(chunk))).unwrap().forward(&xt).unwrap();
             let bits = |t: &Tensor| t.to_f32_vec().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&whole), "chunk {chunk}, {dtype}");
+            assert_eq!(bits(&got), bits(&whole), "chunk {chunk}, {dtype}, {bf16_matmul:?}");
         }
     }
 }

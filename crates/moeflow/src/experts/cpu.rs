@@ -1,9 +1,11 @@
-//! The fast CPU experts: two grouped GEMMs on packed weights (f32 or bf16) around the
+//! The fast CPU experts: two grouped GEMMs on packed weights (f32, bf16 widened to f32, or
+//! bf16 dot products with bf16-rounded activations) around the
 //! activation, over rows grouped by expert. The permutation is an index list, not a copy: the
 //! first GEMM reads each row from its token, the second writes it to its `[tokens, k, H]` slot
 //! (unweighted).
 
 use super::{Activation, ActivationFormat, BatchedInput, ExpertInput, ExpertWeights, Experts};
+use crate::backend::cpu::dot::Bf16Matmul;
 use crate::backend::cpu::gemm::{Rows, Segment};
 use crate::backend::cpu::packed::PackedStack;
 use crate::error::{MoeError, Result};
@@ -26,18 +28,19 @@ pub struct CpuExperts {
 }
 
 impl CpuExperts {
-    /// Packs `weights` (f32 stays f32, bf16 stays bf16, f16 becomes f32, quantized weights stay
-    /// quantized).
-    pub fn new(weights: &ExpertWeights, activation: Activation) -> Result<Self> {
+    /// Packs `weights` (f32 stays f32, bf16 stays bf16 for the kernel `bf16` picks, f16
+    /// becomes f32, quantized weights stay quantized).
+    pub fn new(weights: &ExpertWeights, activation: Activation, bf16: Bf16Matmul) -> Result<Self> {
         let (e, h, i) = weights.dims()?;
         let (w13, w2) = match weights.codes() {
             Some(q) => (
                 PackedStack::quantized(q.format, q.w13, q.w13_scales, e, 2 * i, h),
                 PackedStack::quantized(q.format, q.w2, q.w2_scales, e, h, i),
             ),
-            None => {
-                (PackedStack::from_tensor(&weights.w13, e, 2 * i, h), PackedStack::from_tensor(&weights.w2, e, h, i))
-            }
+            None => (
+                PackedStack::from_tensor(&weights.w13, e, 2 * i, h, bf16),
+                PackedStack::from_tensor(&weights.w2, e, h, i, bf16),
+            ),
         };
         Ok(CpuExperts {
             experts: e,

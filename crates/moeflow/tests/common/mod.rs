@@ -2,7 +2,8 @@
 #![allow(dead_code)]
 
 use moeflow::{
-    preset, reference, Activation, DType, MoeConfig, MoeLayer, MoeWeights, RouterConfig, SharedConfig, Tensor,
+    preset, reference, Activation, Bf16Matmul, DType, MoeConfig, MoeLayer, MoeWeights, RouterConfig, SharedConfig,
+    Tensor,
 };
 
 /// Relative bound for the f32 paths against the f64 reference: f32 rounding (2^-24 per op)
@@ -78,6 +79,24 @@ pub fn check_against_reference(config: &MoeConfig, weights: &MoeWeights, layer: 
 
 /// The weights' dtype variants the fast path supports.
 pub const WEIGHT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
+
+/// The fast path's arithmetic variants: f32 weights, bf16 weights widened to f32, and bf16
+/// weights taking bf16 dot products (the portable kernel where AVX512-BF16 is missing).
+pub const WEIGHT_VARIANTS: [(DType, Bf16Matmul); 3] =
+    [(DType::F32, Bf16Matmul::Widen), (DType::BF16, Bf16Matmul::Widen), (DType::BF16, Bf16Matmul::Dot)];
+
+/// Relative error bound of bf16 dot products against the f64 reference: activations rounded
+/// to bf16 (2^-9 relative) before each GEMM, amplified by cancellation in tiny random layers.
+pub const BF16_DOT_TOL: f64 = 5e-2;
+
+/// The error bound of a weight variant.
+pub fn variant_tol(dtype: DType, bf16: Bf16Matmul) -> f64 {
+    if dtype == DType::BF16 && bf16.uses_dot() {
+        BF16_DOT_TOL
+    } else {
+        F32_TOL
+    }
+}
 
 /// GPUs to use (2 or 4), or `None` after saying loudly that the test is skipped.
 #[cfg(feature = "cuda")]

@@ -56,7 +56,7 @@ impl<'a> Rows<'a> {
     }
 
     /// Checks that GEMM rows `range` lie in a buffer of `len` elements, `width` used per row.
-    fn check(&self, range: std::ops::Range<usize>, width: usize, len: usize, what: &str) {
+    pub(super) fn check(&self, range: std::ops::Range<usize>, width: usize, len: usize, what: &str) {
         if let Some(ix) = self.index {
             assert!(range.end <= ix.len(), "gemm {what} index length");
         }
@@ -69,7 +69,7 @@ impl<'a> Rows<'a> {
 /// A raw output pointer shared by tasks that write disjoint tiles.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
-// SAFETY: tasks built by `grouped_gemm` write disjoint (row, column range) tiles of C (every
+// SAFETY: tasks built by `for_each_tile` write disjoint (row, column range) tiles of C (every
 // GEMM row maps to its own buffer row, checked there), and the pointer outlives the parallel
 // scope that uses it.
 unsafe impl Send for OutPtr {}
@@ -97,13 +97,98 @@ pub fn grouped_gemm<T: PanelElem>(
     c: &mut [f32],
     c_rows: Rows,
 ) {
-    let (n, k) = (w.n, w.k);
+    run_segments(a, a_rows, segments, w, c, c_rows);
+}
+
+/// Packed weights and the micro-kernel that reads them: what the blocking loops of
+/// [`run_segments`] need to know.
+pub(super) trait PanelKernel: Sync {
+    /// Element of A the kernel reads: an f32, or a pair of bf16 reduction steps in a `u32`.
+    type A: Copy + Sync;
+    /// Element of a packed panel (`NR` of them per reduction step).
+    type B: Copy;
+    /// Reduction steps per cache block: one block of a panel stays in L1 across row blocks.
+    const KC: usize;
+    /// Rows per micro-kernel call at most.
+    const MR: usize;
+    /// Matrices, columns, reduction steps (in elements of A) and panels.
+    fn shape(&self) -> GemmShape;
+    /// Panel `p` of matrix `e`: `NR` elements per reduction step.
+    fn panel(&self, e: usize, p: usize) -> &[Self::B];
+    /// One micro-kernel call over `mr ≤ MR` rows.
+    ///
+    /// # Safety
+    /// The tile's pointers must be valid for `mr` rows as described on [`Tile`].
+    unsafe fn kernel(mr: usize, t: Tile<Self::A, Self::B>);
+}
+
+impl<T: PanelElem> PanelKernel for PackedMatrices<T> {
+    type A = f32;
+    type B = T;
+    const KC: usize = KC;
+    const MR: usize = MR;
+    fn shape(&self) -> GemmShape {
+        GemmShape { experts: self.count, n: self.n, k: self.k, panels: self.panels() }
+    }
+    fn panel(&self, e: usize, p: usize) -> &[T] {
+        PackedMatrices::panel(self, e, p)
+    }
+    unsafe fn kernel(mr: usize, t: Tile<f32, T>) {
+        dispatch_kernel(avx2_available(), mr, t)
+    }
+}
+
+/// The grouped GEMM over any packed weights: checks, then every segment's tiles in parallel.
+pub(super) fn run_segments<P: PanelKernel>(
+    a: &[P::A],
+    a_rows: Rows,
+    segments: &[Segment],
+    w: &P,
+    c: &mut [f32],
+    c_rows: Rows,
+) {
+    for_each_tile(a.len(), a_rows, segments, w.shape(), c, c_rows, |s, panels, c| {
+        // SAFETY: `for_each_tile` hands each call its own C rows and panel columns.
+        unsafe { segment_tile(a, a_rows, s, w, panels, c, c_rows) }
+    });
+}
+
+/// The dimensions of a stack of packed weight matrices, for [`for_each_tile`].
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GemmShape {
+    /// Matrices in the stack.
+    pub experts: usize,
+    /// Output columns.
+    pub n: usize,
+    /// Reduction length (A columns used per row).
+    pub k: usize,
+    /// Panels of `NR` columns per matrix.
+    pub panels: usize,
+}
+
+/// Checks the operands of a grouped GEMM, then runs `tile(segment, panels, c)` over every
+/// non-empty segment and group of `PANELS_PER_TASK` panels, in parallel. Each call may write
+/// the C rows of its segment's GEMM rows in its panels' columns and nothing else; no two
+/// calls share a (row, panel).
+///
+/// Panics (as slice indexing does) when an expert index is out of range, an indexed row lies
+/// outside its buffer, or two GEMM rows write the same C row.
+pub(super) fn for_each_tile(
+    a_len: usize,
+    a_rows: Rows,
+    segments: &[Segment],
+    shape: GemmShape,
+    c: &mut [f32],
+    c_rows: Rows,
+    tile: impl Fn(Segment, std::ops::Range<usize>, *mut f32) + Sync,
+) {
+    let GemmShape { experts, n, k, panels } = shape;
     assert!(a_rows.stride >= k && c_rows.stride >= n, "gemm strides");
     let mut written = vec![false; if n == 0 { 0 } else { c.len() / c_rows.stride.max(1) + 1 }];
     for s in segments {
-        assert!(s.expert < w.count, "gemm expert index");
+        assert!(s.expert < experts, "gemm expert index");
         let rows = s.row_start..s.row_start + s.rows;
-        a_rows.check(rows.clone(), k, a.len(), "A");
+        a_rows.check(rows.clone(), k, a_len, "A");
         c_rows.check(rows.clone(), n, c.len(), "C");
         if n > 0 {
             for j in rows {
@@ -111,7 +196,7 @@ pub fn grouped_gemm<T: PanelElem>(
             }
         }
     }
-    let groups = w.panels().div_ceil(PANELS_PER_TASK);
+    let groups = panels.div_ceil(PANELS_PER_TASK);
     let tasks: Vec<(usize, usize)> = segments
         .iter()
         .enumerate()
@@ -120,13 +205,8 @@ pub fn grouped_gemm<T: PanelElem>(
         .collect();
     let out = OutPtr(c.as_mut_ptr());
     let run = |&(si, g): &(usize, usize)| {
-        let s = segments[si];
         let p0 = g * PANELS_PER_TASK;
-        let p1 = (p0 + PANELS_PER_TASK).min(w.panels());
-        // SAFETY: this task writes only the C rows of GEMM rows `s.row_start..+s.rows` (each
-        // its own buffer row, checked above) in the columns of panels `p0..p1`; tasks differ in
-        // segment (disjoint rows) or panel group.
-        unsafe { segment_tile(a, a_rows, s, w, p0..p1, out.get(), c_rows) };
+        tile(segments[si], p0..(p0 + PANELS_PER_TASK).min(panels), out.get());
     };
     if tasks.len() > 1 {
         tasks.par_iter().for_each(run);
@@ -135,44 +215,48 @@ pub fn grouped_gemm<T: PanelElem>(
     }
 }
 
+/// Rows split into near-equal blocks of at most `mr`, so no block is starved of independent
+/// accumulators: `(blocks, base, extra)`, the first `extra` blocks having `base + 1` rows and
+/// the others `base`.
+pub(super) fn row_blocks(rows: usize, mr: usize) -> (usize, usize, usize) {
+    let blocks = rows.div_ceil(mr);
+    (blocks, rows / blocks.max(1), rows % blocks.max(1))
+}
+
 /// Computes one segment's rows for panels `panels` of its expert.
 ///
 /// # Safety
 /// `c` must be valid for writes of the C rows of the segment's GEMM rows (through `c_rows`)
 /// in the columns covered by `panels`, and no other thread may touch them meanwhile.
-unsafe fn segment_tile<T: PanelElem>(
-    a: &[f32],
+unsafe fn segment_tile<P: PanelKernel>(
+    a: &[P::A],
     a_rows: Rows,
     s: Segment,
-    w: &PackedMatrices<T>,
+    w: &P,
     panels: std::ops::Range<usize>,
     c: *mut f32,
     c_rows: Rows,
 ) {
-    let k = w.k;
+    let GemmShape { n, k, panels: all_panels, .. } = w.shape();
     if k == 0 {
         for r in 0..s.rows {
             let row = c.add(c_rows.of(s.row_start + r) * c_rows.stride);
             for p in panels.clone() {
-                for j in p * NR..((p + 1) * NR).min(w.n) {
+                for j in p * NR..((p + 1) * NR).min(n) {
                     *row.add(j) = 0.0;
                 }
             }
         }
         return;
     }
-    let use_avx2 = avx2_available();
     // Each row's start in A and in C, found once.
-    let a_row: Vec<*const f32> =
+    let a_row: Vec<*const P::A> =
         (0..s.rows).map(|r| a.as_ptr().add(a_rows.of(s.row_start + r) * a_rows.stride)).collect();
     let c_row: Vec<*mut f32> = (0..s.rows).map(|r| c.add(c_rows.of(s.row_start + r) * c_rows.stride)).collect();
-    // Rows split into near-equal blocks of at most MR, so no block is starved of independent
-    // accumulators: the first `extra` blocks have `base + 1` rows, the others `base`.
-    let blocks = s.rows.div_ceil(MR);
-    let (base, extra) = (s.rows / blocks, s.rows % blocks);
+    let (blocks, base, extra) = row_blocks(s.rows, P::MR);
     let mut k0 = 0;
     while k0 < k {
-        let kc = KC.min(k - k0);
+        let kc = P::KC.min(k - k0);
         for p in panels.clone() {
             let panel = w.panel(s.expert, p);
             // Every row block reuses this panel's k block from L1. Meanwhile the block read
@@ -183,14 +267,14 @@ unsafe fn segment_tile<T: PanelElem>(
             let next = if p + 1 < panels.end {
                 Some((w.panel(s.expert, p + 1).as_ptr().add(k0 * NR), kc))
             } else if k0 + kc < k {
-                Some((w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR), KC.min(k - k0 - kc)))
-            } else if panels.end < w.panels() {
-                Some((w.panel(s.expert, panels.end).as_ptr(), KC.min(k)))
+                Some((w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR), P::KC.min(k - k0 - kc)))
+            } else if panels.end < all_panels {
+                Some((w.panel(s.expert, panels.end).as_ptr(), P::KC.min(k)))
             } else {
                 None
             };
             let (next_ptr, next_bytes) =
-                next.map_or((std::ptr::null(), 0), |(ptr, steps)| (ptr as *const u8, steps * NR * size_of::<T>()));
+                next.map_or((std::ptr::null(), 0), |(ptr, steps)| (ptr as *const u8, steps * NR * size_of::<P::B>()));
             let share = next_bytes.div_ceil(blocks);
             let mut r = 0;
             for blk in 0..blocks {
@@ -203,11 +287,11 @@ unsafe fn segment_tile<T: PanelElem>(
                     kc,
                     c: c_row.as_ptr().add(r),
                     c_col: p * NR,
-                    cols: NR.min(w.n - p * NR),
+                    cols: NR.min(n - p * NR),
                     accumulate: k0 > 0,
                     prefetch: (next_ptr.wrapping_add(lo), (lo + share).min(next_bytes) - lo),
                 };
-                dispatch_kernel(use_avx2, mr, tile);
+                P::kernel(mr, tile);
                 r += mr;
             }
         }
@@ -215,20 +299,23 @@ unsafe fn segment_tile<T: PanelElem>(
     }
 }
 
-/// Operands of one micro-kernel call: `mr` rows × `cols` (≤ NR) columns over `kc` steps.
-struct Tile<T> {
+/// Operands of one micro-kernel call: `mr` rows × `cols` (≤ NR) columns over `kc` reduction
+/// steps (elements of `A`).
+pub(super) struct Tile<A, B> {
     /// The `mr` rows' starts in `A`; the tile's columns begin `a_col` elements in.
-    a: *const *const f32,
-    a_col: usize,
-    b: *const T,
-    kc: usize,
+    pub a: *const *const A,
+    pub a_col: usize,
+    /// The panel's block: `NR` elements per step.
+    pub b: *const B,
+    pub kc: usize,
     /// The `mr` rows' starts in `C`; the tile's columns begin `c_col` elements in.
-    c: *const *mut f32,
-    c_col: usize,
-    cols: usize,
-    accumulate: bool,
+    pub c: *const *mut f32,
+    pub c_col: usize,
+    pub cols: usize,
+    /// Add to C instead of overwriting it (every cache block but the first).
+    pub accumulate: bool,
     /// A block to pull into cache while computing: (start, bytes).
-    prefetch: (*const u8, usize),
+    pub prefetch: (*const u8, usize),
 }
 
 fn avx2_available() -> bool {
@@ -245,7 +332,7 @@ fn avx2_available() -> bool {
 /// # Safety
 /// The tile's pointers must be valid for `mr` rows as described on [`Tile`].
 #[inline]
-unsafe fn dispatch_kernel<T: PanelElem>(use_avx2: bool, mr: usize, t: Tile<T>) {
+unsafe fn dispatch_kernel<T: PanelElem>(use_avx2: bool, mr: usize, t: Tile<f32, T>) {
     #[cfg(target_arch = "x86_64")]
     if use_avx2 {
         match mr {
@@ -266,7 +353,7 @@ unsafe fn dispatch_kernel<T: PanelElem>(use_avx2: bool, mr: usize, t: Tile<T>) {
 ///
 /// # Safety
 /// As [`dispatch_kernel`].
-unsafe fn portable_kernel<T: PanelElem>(mr: usize, t: &Tile<T>) {
+unsafe fn portable_kernel<T: PanelElem>(mr: usize, t: &Tile<f32, T>) {
     for r in 0..mr {
         for j in 0..t.cols {
             let cp = (*t.c.add(r)).add(t.c_col + j);
@@ -305,7 +392,7 @@ mod avx2 {
     /// # Safety
     /// Requires AVX2 and FMA (checked by the caller) and valid tile pointers.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn kernel<T: PanelElem, const M: usize>(t: &Tile<T>) {
+    pub(super) unsafe fn kernel<T: PanelElem, const M: usize>(t: &Tile<f32, T>) {
         let rows: [*const f32; M] = std::array::from_fn(|r| (*t.a.add(r)).add(t.a_col));
         let out: [*mut f32; M] = std::array::from_fn(|r| (*t.c.add(r)).add(t.c_col));
         let mut acc = [[_mm256_setzero_ps(); 2]; M];

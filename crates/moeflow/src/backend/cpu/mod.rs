@@ -2,6 +2,7 @@
 //! run on.
 pub mod activation;
 pub mod ceiling;
+pub mod dot;
 pub mod gemm;
 pub mod mmap;
 pub mod packed;

@@ -159,6 +159,8 @@ pub enum PackedStack {
     F32(PackedMatrices<f32>),
     /// bf16 weights, widened in the kernel.
     BF16(PackedMatrices<bf16>),
+    /// bf16 weights multiplied with bf16-rounded activations (see [`super::dot`]).
+    Bf16Dot(super::dot::PairPanels),
     /// Quantized weights kept as codes and scales; each expert is dequantized into packed f32
     /// panels just before its GEMM, so only one expert at a time exists in f32.
     Quantized {
@@ -192,9 +194,13 @@ impl PackedStack {
         PackedStack::Quantized { format, count, n, k, codes, scales, scratch: Default::default() }
     }
 
-    /// Packs a `[count, n, k]` tensor: bf16 stays bf16, every other float type becomes f32.
-    pub fn from_tensor(t: &crate::Tensor, count: usize, n: usize, k: usize) -> Self {
+    /// Packs a `[count, n, k]` tensor: bf16 stays bf16 (for the kernel `bf16` picks), every
+    /// other float type becomes f32.
+    pub fn from_tensor(t: &crate::Tensor, count: usize, n: usize, k: usize, bf16: super::dot::Bf16Matmul) -> Self {
         match t.cpu() {
+            crate::tensor::CpuStorage::BF16(v) if bf16.uses_dot() => {
+                PackedStack::Bf16Dot(super::dot::PairPanels::pack(v, count, n, k))
+            }
             crate::tensor::CpuStorage::BF16(v) => PackedStack::BF16(PackedMatrices::pack(v, count, n, k)),
             _ => PackedStack::F32(PackedMatrices::pack(&t.to_f32_vec(), count, n, k)),
         }
@@ -205,6 +211,7 @@ impl PackedStack {
         match self {
             PackedStack::F32(w) => super::gemm::grouped_gemm(a, a_rows, segments, w, c, c_rows),
             PackedStack::BF16(w) => super::gemm::grouped_gemm(a, a_rows, segments, w, c, c_rows),
+            PackedStack::Bf16Dot(w) => super::dot::dot_grouped_gemm(a, a_rows, segments, w, c, c_rows),
             PackedStack::Quantized { format, n, k, codes, scales, scratch, .. } => {
                 let mut packed = scratch.lock().unwrap_or_else(|p| p.into_inner());
                 for s in segments.iter().filter(|s| s.rows > 0) {
@@ -222,6 +229,7 @@ impl PackedStack {
         match self {
             PackedStack::F32(w) => w.bytes(),
             PackedStack::BF16(w) => w.bytes(),
+            PackedStack::Bf16Dot(w) => w.bytes(),
             PackedStack::Quantized { codes, scales, .. } => codes.len() + 4 * scales.len(),
         }
     }

@@ -1,0 +1,470 @@
+//! The bf16 dot-product GEMM of the CPU experts: `C[rows_s, :] = bf16(A[rows_s, :]) · W[e_s]^T`,
+//! the rows of A rounded to bf16 and the weights kept in bf16, their products summed in f32
+//! two reduction steps at a time. This is what AVX512-BF16's `vdpbf16ps` computes, at twice
+//! the rate of f32 fused multiply-adds on the CPUs that have it (AMD Zen 4 and later, Intel
+//! Cooper Lake and Sapphire Rapids on), and what GPUs and PyTorch's bf16 layers compute.
+//!
+//! Each output element is accumulated pair by pair in increasing `k`: for the pair
+//! `(2q, 2q + 1)`, `acc = fma(a[2q + 1], w[2q + 1], acc)`, then `acc = fma(a[2q], w[2q], acc)`,
+//! and a result below f32's normal range becomes a zero of its sign (the instruction's
+//! flush-to-zero). Inputs below bf16's normal range are zeros too (flushed when rounding A and
+//! packing W). Products of two bf16 values are exact in f32, so this is the instruction's
+//! arithmetic bit for bit (`avx512_matches_the_portable_kernel` checks it on random operands);
+//! the portable kernel does the same, so a row's result depends only on the row and the
+//! weights, whichever kernel or thread computes it.
+
+use super::gemm::{run_segments, GemmShape, PanelKernel, Rows, Segment, Tile};
+use super::packed::NR;
+use half::bf16;
+use rayon::prelude::*;
+
+/// Reduction pairs per cache block: a panel's block (`KC_PAIRS · NR` words, 8 KiB) stays in L1
+/// across row blocks.
+const KC_PAIRS: usize = 128;
+/// Rows per micro-kernel call: one 16-lane accumulator each, enough independent chains to
+/// cover the instruction's latency.
+const MR: usize = 12;
+
+/// How the CPU experts multiply bf16 weights.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Bf16Matmul {
+    /// [`Bf16Matmul::Dot`] where this CPU has AVX512-BF16, [`Bf16Matmul::Widen`] elsewhere.
+    #[default]
+    Auto,
+    /// Weights widened to f32 exactly, activations kept in f32, f32 fused multiply-adds.
+    Widen,
+    /// Activations rounded to bf16, bf16 products summed in f32 by pairs (this module); the
+    /// portable kernel computes the same bits where AVX512-BF16 is missing, much more slowly.
+    Dot,
+}
+
+impl Bf16Matmul {
+    /// Whether bf16 weights take the dot-product kernel on this CPU.
+    pub fn uses_dot(self) -> bool {
+        match self {
+            Bf16Matmul::Auto => available(),
+            Bf16Matmul::Widen => false,
+            Bf16Matmul::Dot => true,
+        }
+    }
+
+    /// What bf16 weights get on this CPU, in words: `"bf16 dot products (AVX512-BF16)"` and
+    /// the like.
+    pub fn describe(self) -> &'static str {
+        match (self.uses_dot(), available()) {
+            (true, true) => "bf16 dot products (AVX512-BF16)",
+            (true, false) => "bf16 dot products (portable kernel: no AVX512-BF16 here)",
+            (false, _) => "widened to f32",
+        }
+    }
+}
+
+impl std::str::FromStr for Bf16Matmul {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Bf16Matmul::Auto),
+            "widen" => Ok(Bf16Matmul::Widen),
+            "dot" => Ok(Bf16Matmul::Dot),
+            other => Err(format!("bf16 matmul '{other}': expected auto, widen or dot")),
+        }
+    }
+}
+
+/// Whether this CPU runs the AVX512-BF16 kernel (otherwise the portable one computes the same
+/// bits, slowly).
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f") && std::arch::is_x86_feature_detected!("avx512bf16")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), as its bits: NaN stays NaN (quieted),
+/// overflow gives ±∞, and results below bf16's normal range become zeros of their sign.
+#[inline]
+pub fn round_to_bf16(x: f32) -> u16 {
+    let b = x.to_bits();
+    if x.is_nan() {
+        return ((b >> 16) | 0x0040) as u16;
+    }
+    flush_subnormal((b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16)
+}
+
+/// A bf16 below the normal range becomes a zero of its sign.
+#[inline]
+fn flush_subnormal(h: u16) -> u16 {
+    if h & 0x7f80 == 0 {
+        h & 0x8000
+    } else {
+        h
+    }
+}
+
+/// `count` bf16 matrices `[n, k]` packed for the dot-product kernel: panel `p` of matrix `e`
+/// holds, for each pair `q` of reduction steps and column `j < NR`, the word
+/// `w[p·NR + j, 2q] | w[p·NR + j, 2q + 1] << 16` at `q · NR + j` (zeros past `n` and `k`).
+#[derive(Clone, Debug)]
+pub struct PairPanels {
+    /// Number of stacked matrices (experts).
+    pub count: usize,
+    /// Output columns of each matrix.
+    pub n: usize,
+    /// Reduction length.
+    pub k: usize,
+    data: Vec<u32>,
+}
+
+impl PairPanels {
+    /// Packs `count` row-major matrices `[n, k]` stored back to back in `src`.
+    pub fn pack(src: &[bf16], count: usize, n: usize, k: usize) -> Self {
+        assert_eq!(src.len(), count * n * k, "packed source length");
+        let (panels, pairs) = (n.div_ceil(NR), k.div_ceil(2));
+        // Zeroed by the allocator, so the pages are first touched by the parallel packing.
+        let mut data: Vec<u32> = bytemuck::zeroed_vec(count * panels * pairs * NR);
+        if pairs > 0 {
+            data.par_chunks_mut(pairs * NR).enumerate().for_each(|(idx, panel)| {
+                let (e, p) = (idx / panels, idx % panels);
+                for j in 0..NR.min(n - p * NR) {
+                    let row = &src[(e * n + p * NR + j) * k..][..k];
+                    for (kk, v) in row.iter().enumerate() {
+                        panel[kk / 2 * NR + j] |= u32::from(flush_subnormal(v.to_bits())) << (16 * (kk % 2));
+                    }
+                }
+            });
+        }
+        PairPanels { count, n, k, data }
+    }
+
+    /// Pairs of reduction steps (`k` rounded up to even, halved).
+    pub fn pairs(&self) -> usize {
+        self.k.div_ceil(2)
+    }
+
+    /// Bytes held by the packed data.
+    pub fn bytes(&self) -> usize {
+        self.data.len() * 4
+    }
+}
+
+impl PanelKernel for PairPanels {
+    type A = u32;
+    type B = u32;
+    const KC: usize = KC_PAIRS;
+    const MR: usize = MR;
+    fn shape(&self) -> GemmShape {
+        GemmShape { experts: self.count, n: self.n, k: self.pairs(), panels: self.n.div_ceil(NR) }
+    }
+    fn panel(&self, e: usize, p: usize) -> &[u32] {
+        let len = NR * self.pairs();
+        &self.data[(e * self.n.div_ceil(NR) + p) * len..][..len]
+    }
+    unsafe fn kernel(mr: usize, t: Tile<u32, u32>) {
+        #[cfg(target_arch = "x86_64")]
+        if available() {
+            return avx512::kernel(mr, &t);
+        }
+        portable_kernel(mr, &t)
+    }
+}
+
+/// `C[r, n] = Σ_k bf16(A[r, k]) · W_e[n, k]` for the rows `r` of every segment, summed as the
+/// module describes; `A`'s and `C`'s rows found through `a_rows` and `c_rows`, as in
+/// [`super::gemm::grouped_gemm`] (the same checks, the same panics).
+pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairPanels, c: &mut [f32], c_rows: Rows) {
+    let (k, pairs) = (w.k, w.pairs());
+    assert!(a_rows.stride >= k, "gemm strides");
+    // Every buffer row the segments read, rounded once into rows of `pairs` words.
+    let mut read = Vec::new();
+    for s in segments {
+        a_rows.check(s.row_start..s.row_start + s.rows, k, a.len(), "A");
+        for j in s.row_start..s.row_start + s.rows {
+            let r = a_rows.of(j);
+            if read.len() <= r {
+                read.resize(r + 1, false);
+            }
+            read[r] = true;
+        }
+    }
+    let mut rounded: Vec<u32> = bytemuck::zeroed_vec(read.len() * pairs);
+    if pairs > 0 {
+        rounded.par_chunks_mut(pairs).zip(read.par_iter()).enumerate().with_min_len(8).for_each(|(r, (out, &used))| {
+            if used {
+                round_row(&a[r * a_rows.stride..][..k], out);
+            }
+        });
+    }
+    run_segments(&rounded, Rows { stride: pairs, index: a_rows.index }, segments, w, c, c_rows);
+}
+
+/// One row of f32 rounded to bf16 pairs (`out[q] = bf16(row[2q]) | bf16(row[2q + 1]) << 16`,
+/// zero past the row's end).
+fn round_row(row: &[f32], out: &mut [u32]) {
+    for (q, word) in out.iter_mut().enumerate() {
+        let lo = u32::from(round_to_bf16(row[2 * q]));
+        let hi = row.get(2 * q + 1).map_or(0, |&x| u32::from(round_to_bf16(x)));
+        *word = lo | hi << 16;
+    }
+}
+
+/// The reference micro-kernel: the pairs' fused multiply-adds in the instruction's order, each
+/// result flushed to zero below f32's normal range.
+///
+/// # Safety
+/// The tile's pointers must be valid for `mr` rows as described on [`Tile`].
+unsafe fn portable_kernel(mr: usize, t: &Tile<u32, u32>) {
+    let widen = |word: u32, high: bool| f32::from_bits(if high { word & 0xffff_0000 } else { word << 16 });
+    let flush = |x: f32| if x.is_subnormal() { 0f32.copysign(x) } else { x };
+    for r in 0..mr {
+        let a = (*t.a.add(r)).add(t.a_col);
+        let out = (*t.c.add(r)).add(t.c_col);
+        for j in 0..t.cols {
+            let mut acc = if t.accumulate { *out.add(j) } else { 0.0 };
+            for q in 0..t.kc {
+                let (x, w) = (*a.add(q), *t.b.add(q * NR + j));
+                acc = flush(widen(x, true).mul_add(widen(w, true), acc));
+                acc = flush(widen(x, false).mul_add(widen(w, false), acc));
+            }
+            *out.add(j) = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{Tile, MR, NR};
+    use std::arch::x86_64::*;
+
+    /// Dispatches `mr` rows to the kernel compiled for that many accumulators.
+    ///
+    /// # Safety
+    /// Requires AVX512F and AVX512-BF16 (checked by the caller) and valid tile pointers.
+    pub(super) unsafe fn kernel(mr: usize, t: &Tile<u32, u32>) {
+        match mr {
+            1 => rows::<1>(t),
+            2 => rows::<2>(t),
+            3 => rows::<3>(t),
+            4 => rows::<4>(t),
+            5 => rows::<5>(t),
+            6 => rows::<6>(t),
+            7 => rows::<7>(t),
+            8 => rows::<8>(t),
+            9 => rows::<9>(t),
+            10 => rows::<10>(t),
+            11 => rows::<11>(t),
+            _ => rows::<MR>(t),
+        }
+    }
+
+    /// `M` rows × 16 columns: per pair of reduction steps, one panel row of 16 weight pairs
+    /// and, for each row, its activation pair broadcast into one `vdpbf16ps`.
+    ///
+    /// # Safety
+    /// As [`kernel`].
+    #[target_feature(enable = "avx512f,avx512bf16")]
+    unsafe fn rows<const M: usize>(t: &Tile<u32, u32>) {
+        let a: [*const u32; M] = std::array::from_fn(|r| (*t.a.add(r)).add(t.a_col));
+        let out: [*mut f32; M] = std::array::from_fn(|r| (*t.c.add(r)).add(t.c_col));
+        let mask: __mmask16 = if t.cols >= NR { !0 } else { (1u16 << t.cols) - 1 };
+        let mut acc = [_mm512_setzero_ps(); M];
+        if t.accumulate {
+            for (v, &p) in acc.iter_mut().zip(&out) {
+                *v = _mm512_maskz_loadu_ps(mask, p);
+            }
+        }
+        // The next block's cache lines, spread evenly over the pairs.
+        let (pf, pf_len) = t.prefetch;
+        let per_step = pf_len.div_ceil(t.kc.max(1));
+        let (mut due, mut sent) = (0, 0);
+        for q in 0..t.kc {
+            due = (due + per_step).min(pf_len);
+            while sent < due {
+                _mm_prefetch(pf.add(sent) as *const i8, _MM_HINT_T0);
+                sent += 64;
+            }
+            let w: __m512bh = std::mem::transmute(_mm512_loadu_si512(t.b.add(q * NR) as *const _));
+            for (v, p) in acc.iter_mut().zip(&a) {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*p.add(q) as i32));
+                *v = _mm512_dpbf16_ps(*v, x, w);
+            }
+        }
+        for (v, &p) in acc.iter().zip(&out) {
+            _mm512_mask_storeu_ps(p, mask, *v);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, SeedableRng};
+
+    /// The module's arithmetic, written out: bf16-rounded A, exact products, pairs summed odd
+    /// step first, flush to zero after each step.
+    fn naive(a: &[f32], w: &[bf16], m: usize, n: usize, k: usize) -> Vec<f32> {
+        naive_flushing(a, w, m, n, k, true)
+    }
+
+    /// As [`naive`], flushing subnormal sums to zero or not.
+    fn naive_flushing(a: &[f32], w: &[bf16], m: usize, n: usize, k: usize, ftz: bool) -> Vec<f32> {
+        let flush = |x: f32| if ftz && x.is_subnormal() { 0f32.copysign(x) } else { x };
+        let bf = |bits: u16| f32::from_bits(u32::from(flush_subnormal(bits)) << 16);
+        let mut c = vec![0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut acc = 0f32;
+                for q in 0..k.div_ceil(2) {
+                    for kk in [2 * q + 1, 2 * q] {
+                        if kk < k {
+                            let x = bf(round_to_bf16(a[i * k + kk]));
+                            acc = flush(x.mul_add(bf(w[j * k + kk].to_bits()), acc));
+                        } else {
+                            acc = flush(0f32.mul_add(0.0, acc));
+                        }
+                    }
+                }
+                c[i * n + j] = acc;
+            }
+        }
+        c
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    #[test]
+    fn rounding_matches_half_and_flushes_subnormals() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        for _ in 0..100_000 {
+            let x = f32::from_bits(rng.gen());
+            let got = round_to_bf16(x);
+            let want = bf16::from_f32(x);
+            if x.is_nan() {
+                assert!(bf16::from_bits(got).is_nan());
+            } else if want.to_bits() & 0x7f80 == 0 {
+                assert_eq!(got, want.to_bits() & 0x8000, "{x:e}");
+            } else {
+                assert_eq!(got, want.to_bits(), "{x:e}");
+            }
+        }
+        assert_eq!(round_to_bf16(f32::MAX), bf16::INFINITY.to_bits());
+        assert_eq!(round_to_bf16(-1e-39), 0x8000);
+    }
+
+    #[test]
+    fn matches_the_written_out_arithmetic_bit_for_bit() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        // Odd and even K, over two cache blocks, N past a panel, row counts past MR.
+        for &(m, n, k) in &[(1, 1, 1), (7, 17, 3), (13, 33, 300), (12, 16, 256), (2, 5, 0), (25, 40, 2 * KC_PAIRS + 5)]
+        {
+            let a: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+            let w: Vec<bf16> = (0..n * k).map(|_| bf16::from_f32(rng.gen_range(-1.0..1.0))).collect();
+            let packed = PairPanels::pack(&w, 1, n, k);
+            let mut c = vec![f32::NAN; m * n];
+            let seg = [Segment { expert: 0, row_start: 0, rows: m }];
+            dot_grouped_gemm(&a, Rows::strided(k), &seg, &packed, &mut c, Rows::strided(n));
+            assert_eq!(bits(&c), bits(&naive(&a, &w, m, n, k)), "m {m} n {n} k {k}");
+        }
+    }
+
+    /// The packed weights, always through the portable kernel.
+    struct Portable<'a>(&'a PairPanels);
+
+    impl PanelKernel for Portable<'_> {
+        type A = u32;
+        type B = u32;
+        const KC: usize = KC_PAIRS;
+        const MR: usize = MR;
+        fn shape(&self) -> GemmShape {
+            self.0.shape()
+        }
+        fn panel(&self, e: usize, p: usize) -> &[u32] {
+            PanelKernel::panel(self.0, e, p)
+        }
+        unsafe fn kernel(mr: usize, t: Tile<u32, u32>) {
+            portable_kernel(mr, &t)
+        }
+    }
+
+    /// Operands of ordinary size, and tiny ones whose products and sums pass through f32's
+    /// subnormal range: the AVX512-BF16 kernel, the portable one and the written-out
+    /// arithmetic must agree on every bit.
+    #[test]
+    fn avx512_matches_the_portable_kernel() {
+        if !available() {
+            eprintln!("SKIPPED avx512_matches_the_portable_kernel: this CPU has no AVX512-BF16");
+            return;
+        }
+        let mut rng = rand::rngs::StdRng::seed_from_u64(11);
+        let (m, n, k) = (MR + 5, 2 * NR + 3, 2 * KC_PAIRS + 7);
+        for tiny in [false, true] {
+            let value = |rng: &mut rand::rngs::StdRng| {
+                let e: u32 = if tiny { rng.gen_range(58..66) } else { rng.gen_range(100..140) };
+                f32::from_bits(rng.gen::<u32>() & 0x807f_ffff | e << 23)
+            };
+            let a: Vec<f32> = (0..m * k).map(|_| value(&mut rng)).collect();
+            let w: Vec<bf16> = (0..n * k).map(|_| bf16::from_f32(value(&mut rng))).collect();
+            let packed = PairPanels::pack(&w, 1, n, k);
+            let seg = [Segment { expert: 0, row_start: 0, rows: m }];
+            let mut fast = vec![f32::NAN; m * n];
+            dot_grouped_gemm(&a, Rows::strided(k), &seg, &packed, &mut fast, Rows::strided(n));
+            let mut rounded = vec![0u32; m * k.div_ceil(2)];
+            for (row, out) in a.chunks(k).zip(rounded.chunks_mut(k.div_ceil(2))) {
+                round_row(row, out);
+            }
+            let mut slow = vec![f32::NAN; m * n];
+            run_segments(&rounded, Rows::strided(k.div_ceil(2)), &seg, &Portable(&packed), &mut slow, Rows::strided(n));
+            let want = naive(&a, &w, m, n, k);
+            let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
+            for (i, ((f, s), n)) in fast.iter().zip(&slow).zip(&want).enumerate() {
+                assert!(same(*f, *s) && same(*s, *n), "element {i}: {f:e} (avx512), {s:e} (portable), {n:e}");
+            }
+            if tiny {
+                // Some sums did pass through the subnormal range, so the flush was exercised.
+                assert_ne!(bits(&want), bits(&naive_flushing(&a, &w, m, n, k, false)));
+            }
+        }
+    }
+
+    #[test]
+    fn segments_and_indexed_rows() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(9);
+        let (e, n, k, tokens) = (3, 20, 37, 9);
+        let x: Vec<f32> = (0..tokens * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
+        let w: Vec<bf16> = (0..e * n * k).map(|_| bf16::from_f32(rng.gen_range(-1.0..1.0))).collect();
+        let packed = PairPanels::pack(&w, e, n, k);
+        // 14 GEMM rows reading tokens (some twice), written to scattered rows of C.
+        let token_of_row: Vec<u32> = (0..14).map(|j| (j * 5 % tokens) as u32).collect();
+        let c_of_row: Vec<u32> = (0..14).map(|j| ((j * 3) % 14) as u32).collect();
+        let segs = [
+            Segment { expert: 2, row_start: 0, rows: 4 },
+            Segment { expert: 0, row_start: 4, rows: 0 },
+            Segment { expert: 1, row_start: 4, rows: 10 },
+        ];
+        let mut c = vec![f32::NAN; 14 * n];
+        dot_grouped_gemm(&x, Rows::indexed(k, &token_of_row), &segs, &packed, &mut c, Rows::indexed(n, &c_of_row));
+        for s in segs {
+            let we = &w[s.expert * n * k..(s.expert + 1) * n * k];
+            for j in s.row_start..s.row_start + s.rows {
+                let t = token_of_row[j] as usize;
+                let want = naive(&x[t * k..(t + 1) * k], we, 1, n, k);
+                let row = c_of_row[j] as usize;
+                assert_eq!(bits(&c[row * n..(row + 1) * n]), bits(&want), "row {j}");
+            }
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "gemm A bounds")]
+    fn rows_outside_a_are_refused() {
+        let packed = PairPanels::pack(&[bf16::ONE; 4], 1, 2, 2);
+        let mut c = vec![0f32; 4];
+        let seg = [Segment { expert: 0, row_start: 0, rows: 2 }];
+        dot_grouped_gemm(&[1.0; 2], Rows::indexed(2, &[0, 1]), &seg, &packed, &mut c, Rows::strided(2));
+    }
+}
