@@ -13,14 +13,14 @@
 //! the portable kernel does the same, so a row's result depends only on the row and the
 //! weights, whichever kernel or thread computes it.
 
-use super::gemm::{run_segments, GemmShape, PanelKernel, Rows, Segment, Tile};
+use super::gemm::{row_blocks, run_segments, GemmShape, PanelKernel, Rows, Segment, Tile};
 use super::packed::NR;
 use half::bf16;
 use rayon::prelude::*;
 
-/// Reduction pairs per cache block: a panel's block (`KC_PAIRS · NR` words, 8 KiB) stays in L1
+/// Reduction pairs per cache block: a panel's block (`KC_PAIRS · NR` words, 16 KiB) stays in L1
 /// across row blocks.
-const KC_PAIRS: usize = 128;
+const KC_PAIRS: usize = 256;
 /// Rows per micro-kernel call: one 16-lane accumulator each, enough independent chains to
 /// cover the instruction's latency.
 const MR: usize = 12;
@@ -176,39 +176,62 @@ impl PanelKernel for PairPanels {
 /// module describes; `A`'s and `C`'s rows found through `a_rows` and `c_rows`, as in
 /// [`super::gemm::grouped_gemm`] (the same checks, the same panics).
 pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairPanels, c: &mut [f32], c_rows: Rows) {
-    let (k, pairs) = (w.k, w.pairs());
-    assert!(a_rows.stride >= k, "gemm strides");
-    // Every buffer row the segments read, rounded once into rows of `pairs` words.
-    let mut read = Vec::new();
+    assert!(a_rows.stride >= w.k, "gemm strides");
     for s in segments {
-        a_rows.check(s.row_start..s.row_start + s.rows, k, a.len(), "A");
-        for j in s.row_start..s.row_start + s.rows {
-            let r = a_rows.of(j);
-            if read.len() <= r {
-                read.resize(r + 1, false);
-            }
-            read[r] = true;
-        }
+        a_rows.check(s.row_start..s.row_start + s.rows, w.k, a.len(), "A");
     }
-    let mut rounded: Vec<u32> = bytemuck::zeroed_vec(read.len() * pairs);
-    if pairs > 0 {
-        rounded.par_chunks_mut(pairs).zip(read.par_iter()).enumerate().with_min_len(8).for_each(|(r, (out, &used))| {
-            if used {
-                round_row(&a[r * a_rows.stride..][..k], out);
-            }
-        });
-    }
-    run_segments(&rounded, Rows { stride: pairs, index: a_rows.index }, segments, w, c, c_rows);
+    let (packed, offsets) = interleave_rows(a, a_rows, segments, w.k, MR);
+    // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
+    // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
+    // words from its first row's offset.
+    unsafe { run_segments(&packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) }
 }
 
-/// One row of f32 rounded to bf16 pairs (`out[q] = bf16(row[2q]) | bf16(row[2q + 1]) << 16`,
-/// zero past the row's end).
-fn round_row(row: &[f32], out: &mut [u32]) {
-    for (q, word) in out.iter_mut().enumerate() {
-        let lo = u32::from(round_to_bf16(row[2 * q]));
-        let hi = row.get(2 * q + 1).map_or(0, |&x| u32::from(round_to_bf16(x)));
-        *word = lo | hi << 16;
+/// The rows of A that the segments read, rounded to bf16 pairs and laid out as the kernel
+/// reads them: each segment's rows split into the blocks `segment_tile` gives one kernel call
+/// ([`row_blocks`] of at most `max_mr`, the kernel's `MR`), and a block of `mr` rows holding pair `q` of its row `r`
+/// at `q · mr + r`, so the kernel reads every row through one pointer. Returns the buffer
+/// and, for each GEMM row, where its block starts plus its place in the block (the kernel
+/// takes the block's start from its first row; a row that no segment reads gets 0).
+fn interleave_rows(a: &[f32], a_rows: Rows, segments: &[Segment], k: usize, max_mr: usize) -> (Vec<u32>, Vec<u32>) {
+    let pairs = k.div_ceil(2);
+    let gemm_rows = segments.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0);
+    let mut offsets = vec![0u32; gemm_rows];
+    // (first GEMM row, rows) of every block, in buffer order.
+    let mut blocks = Vec::new();
+    let mut len = 0usize;
+    for s in segments.iter().filter(|s| s.rows > 0) {
+        let (count, base, extra) = row_blocks(s.rows, max_mr);
+        let mut first = s.row_start;
+        for b in 0..count {
+            let mr = base + usize::from(b < extra);
+            for r in 0..mr {
+                offsets[first + r] = u32::try_from(len + r).expect("GEMM input over 2^32 words");
+            }
+            blocks.push((first, mr));
+            first += mr;
+            len += mr * pairs;
+        }
     }
+    let mut packed: Vec<u32> = bytemuck::zeroed_vec(len);
+    let mut rest = packed.as_mut_slice();
+    let mut work = Vec::with_capacity(blocks.len());
+    for &(first, mr) in &blocks {
+        let (block, tail) = rest.split_at_mut(mr * pairs);
+        work.push((first, mr, block));
+        rest = tail;
+    }
+    work.into_par_iter().with_min_len(4).for_each(|(first, mr, block)| {
+        for r in 0..mr {
+            let row = &a[a_rows.of(first + r) * a_rows.stride..][..k];
+            for q in 0..pairs {
+                let lo = u32::from(round_to_bf16(row[2 * q]));
+                let hi = row.get(2 * q + 1).map_or(0, |&x| u32::from(round_to_bf16(x)));
+                block[q * mr + r] = lo | hi << 16;
+            }
+        }
+    });
+    (packed, offsets)
 }
 
 /// The reference micro-kernel: the pairs' fused multiply-adds in the instruction's order, each
@@ -219,13 +242,13 @@ fn round_row(row: &[f32], out: &mut [u32]) {
 unsafe fn portable_kernel(mr: usize, t: &Tile<u32, u32>) {
     let widen = |word: u32, high: bool| f32::from_bits(if high { word & 0xffff_0000 } else { word << 16 });
     let flush = |x: f32| if x.is_subnormal() { 0f32.copysign(x) } else { x };
+    let block = (*t.a).add(t.a_col * mr);
     for r in 0..mr {
-        let a = (*t.a.add(r)).add(t.a_col);
         let out = (*t.c.add(r)).add(t.c_col);
         for j in 0..t.cols {
             let mut acc = if t.accumulate { *out.add(j) } else { 0.0 };
             for q in 0..t.kc {
-                let (x, w) = (*a.add(q), *t.b.add(q * NR + j));
+                let (x, w) = (*block.add(q * mr + r), *t.b.add(q * NR + j));
                 acc = flush(widen(x, true).mul_add(widen(w, true), acc));
                 acc = flush(widen(x, false).mul_add(widen(w, false), acc));
             }
@@ -267,7 +290,7 @@ mod avx512 {
     /// As [`kernel`].
     #[target_feature(enable = "avx512f,avx512bf16")]
     unsafe fn rows<const M: usize>(t: &Tile<u32, u32>) {
-        let a: [*const u32; M] = std::array::from_fn(|r| (*t.a.add(r)).add(t.a_col));
+        let block = (*t.a).add(t.a_col * M);
         let out: [*mut f32; M] = std::array::from_fn(|r| (*t.c.add(r)).add(t.c_col));
         let mask: __mmask16 = if t.cols >= NR { !0 } else { (1u16 << t.cols) - 1 };
         let mut acc = [_mm512_setzero_ps(); M];
@@ -287,9 +310,12 @@ mod avx512 {
                 sent += 64;
             }
             let w: __m512bh = std::mem::transmute(_mm512_loadu_si512(t.b.add(q * NR) as *const _));
-            for (v, p) in acc.iter_mut().zip(&a) {
-                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*p.add(q) as i32));
-                *v = _mm512_dpbf16_ps(*v, x, w);
+            let pair = block.add(q * M);
+            for (r, v) in acc.iter_mut().enumerate() {
+                let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*pair.add(r) as i32));
+                // The broadcast pair as the memory operand folds into the instruction ({1to16}); a
+                // separate broadcast costs a vector pipe slot (Zen 4: 72 % of the peak instead of 100).
+                *v = _mm512_dpbf16_ps(*v, w, x);
             }
         }
         for (v, &p) in acc.iter().zip(&out) {
@@ -413,12 +439,19 @@ mod tests {
             let seg = [Segment { expert: 0, row_start: 0, rows: m }];
             let mut fast = vec![f32::NAN; m * n];
             dot_grouped_gemm(&a, Rows::strided(k), &seg, &packed, &mut fast, Rows::strided(n));
-            let mut rounded = vec![0u32; m * k.div_ceil(2)];
-            for (row, out) in a.chunks(k).zip(rounded.chunks_mut(k.div_ceil(2))) {
-                round_row(row, out);
-            }
+            let (rounded, offsets) = interleave_rows(&a, Rows::strided(k), &seg, k, MR);
             let mut slow = vec![f32::NAN; m * n];
-            run_segments(&rounded, Rows::strided(k.div_ceil(2)), &seg, &Portable(&packed), &mut slow, Rows::strided(n));
+            // SAFETY: the blocks were laid out for this kernel's MR.
+            unsafe {
+                run_segments(
+                    &rounded,
+                    Rows::indexed(1, &offsets),
+                    &seg,
+                    &Portable(&packed),
+                    &mut slow,
+                    Rows::strided(n),
+                )
+            };
             let want = naive(&a, &w, m, n, k);
             let same = |x: f32, y: f32| x.to_bits() == y.to_bits() || (x.is_nan() && y.is_nan());
             for (i, ((f, s), n)) in fast.iter().zip(&slow).zip(&want).enumerate() {

@@ -69,7 +69,7 @@ impl<'a> Rows<'a> {
 /// A raw output pointer shared by tasks that write disjoint tiles.
 #[derive(Clone, Copy)]
 struct OutPtr(*mut f32);
-// SAFETY: tasks built by `for_each_tile` write disjoint (row, column range) tiles of C (every
+// SAFETY: tasks built by `run_segments` write disjoint (row, column range) tiles of C (every
 // GEMM row maps to its own buffer row, checked there), and the pointer outlives the parallel
 // scope that uses it.
 unsafe impl Send for OutPtr {}
@@ -97,7 +97,12 @@ pub fn grouped_gemm<T: PanelElem>(
     c: &mut [f32],
     c_rows: Rows,
 ) {
-    run_segments(a, a_rows, segments, w, c, c_rows);
+    assert!(a_rows.stride >= w.k, "gemm strides");
+    for s in segments {
+        a_rows.check(s.row_start..s.row_start + s.rows, w.k, a.len(), "A");
+    }
+    // SAFETY: every GEMM row's `k` elements lie in `a` (checked above), as the kernels read them.
+    unsafe { run_segments(a, a_rows, segments, w, c, c_rows) }
 }
 
 /// Packed weights and the micro-kernel that reads them: what the blocking loops of
@@ -138,8 +143,18 @@ impl<T: PanelElem> PanelKernel for PackedMatrices<T> {
     }
 }
 
-/// The grouped GEMM over any packed weights: checks, then every segment's tiles in parallel.
-pub(super) fn run_segments<P: PanelKernel>(
+/// The grouped GEMM over any packed weights: checks C and the segments, then computes every
+/// non-empty segment's rows, one parallel task per group of `PANELS_PER_TASK` panels (tasks
+/// write disjoint (row, panel) tiles of C).
+///
+/// Panics (as slice indexing does) when an expert index is out of range, a C row lies outside
+/// its buffer, or two GEMM rows write the same C row.
+///
+/// # Safety
+/// Every GEMM row of the segments must be readable in `a` through `a_rows` the way `P::kernel`
+/// reads it (for f32 A, `k` elements from `a_rows.of(j) · stride`; see
+/// [`PanelKernel::kernel`]). The callers check or construct this.
+pub(super) unsafe fn run_segments<P: PanelKernel>(
     a: &[P::A],
     a_rows: Rows,
     segments: &[Segment],
@@ -147,48 +162,12 @@ pub(super) fn run_segments<P: PanelKernel>(
     c: &mut [f32],
     c_rows: Rows,
 ) {
-    for_each_tile(a.len(), a_rows, segments, w.shape(), c, c_rows, |s, panels, c| {
-        // SAFETY: `for_each_tile` hands each call its own C rows and panel columns.
-        unsafe { segment_tile(a, a_rows, s, w, panels, c, c_rows) }
-    });
-}
-
-/// The dimensions of a stack of packed weight matrices, for [`for_each_tile`].
-#[derive(Clone, Copy, Debug)]
-pub(super) struct GemmShape {
-    /// Matrices in the stack.
-    pub experts: usize,
-    /// Output columns.
-    pub n: usize,
-    /// Reduction length (A columns used per row).
-    pub k: usize,
-    /// Panels of `NR` columns per matrix.
-    pub panels: usize,
-}
-
-/// Checks the operands of a grouped GEMM, then runs `tile(segment, panels, c)` over every
-/// non-empty segment and group of `PANELS_PER_TASK` panels, in parallel. Each call may write
-/// the C rows of its segment's GEMM rows in its panels' columns and nothing else; no two
-/// calls share a (row, panel).
-///
-/// Panics (as slice indexing does) when an expert index is out of range, an indexed row lies
-/// outside its buffer, or two GEMM rows write the same C row.
-pub(super) fn for_each_tile(
-    a_len: usize,
-    a_rows: Rows,
-    segments: &[Segment],
-    shape: GemmShape,
-    c: &mut [f32],
-    c_rows: Rows,
-    tile: impl Fn(Segment, std::ops::Range<usize>, *mut f32) + Sync,
-) {
-    let GemmShape { experts, n, k, panels } = shape;
-    assert!(a_rows.stride >= k && c_rows.stride >= n, "gemm strides");
+    let GemmShape { experts, n, panels, .. } = w.shape();
+    assert!(c_rows.stride >= n, "gemm strides");
     let mut written = vec![false; if n == 0 { 0 } else { c.len() / c_rows.stride.max(1) + 1 }];
     for s in segments {
         assert!(s.expert < experts, "gemm expert index");
         let rows = s.row_start..s.row_start + s.rows;
-        a_rows.check(rows.clone(), k, a_len, "A");
         c_rows.check(rows.clone(), n, c.len(), "C");
         if n > 0 {
             for j in rows {
@@ -206,13 +185,29 @@ pub(super) fn for_each_tile(
     let out = OutPtr(c.as_mut_ptr());
     let run = |&(si, g): &(usize, usize)| {
         let p0 = g * PANELS_PER_TASK;
-        tile(segments[si], p0..(p0 + PANELS_PER_TASK).min(panels), out.get());
+        // SAFETY: this task writes only the C rows of its segment's GEMM rows (each its own
+        // buffer row, checked above) in the columns of its panels; tasks differ in segment
+        // (disjoint rows) or panel group. A is readable as the caller vouches.
+        unsafe { segment_tile(a, a_rows, segments[si], w, p0..(p0 + PANELS_PER_TASK).min(panels), out.get(), c_rows) };
     };
     if tasks.len() > 1 {
         tasks.par_iter().for_each(run);
     } else {
         tasks.iter().for_each(run);
     }
+}
+
+/// The dimensions of a stack of packed weight matrices.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct GemmShape {
+    /// Matrices in the stack.
+    pub experts: usize,
+    /// Output columns.
+    pub n: usize,
+    /// Reduction steps (elements of A per row).
+    pub k: usize,
+    /// Panels of `NR` columns per matrix.
+    pub panels: usize,
 }
 
 /// Rows split into near-equal blocks of at most `mr`, so no block is starved of independent
