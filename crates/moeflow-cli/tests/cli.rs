@@ -127,6 +127,20 @@ fn demo_check_bench_inspect() {
     assert!(res.status.success() && text(&res).contains("check           OK"), "{}", text(&res));
     let res = moeflow(&["demo", "--experts", "8", "--tokens", "6", "--ep", "4", "--strategy", "multicast"]);
     assert!(text(&res).contains("bit-for-bit identical"), "{}", text(&res));
+    // Both ways of multiplying bf16 weights, each checked against its own bound (bf16 dot
+    // products run the portable kernel where the CPU lacks AVX512-BF16).
+    for (mode, says, bound) in
+        [("widen", "widened to f32", "bound 2.0e-5"), ("dot", "bf16 dot products", "bound 2.5e-2")]
+    {
+        let res = moeflow(&["demo", "--experts", "8", "--tokens", "2", "--bf16-matmul", mode]);
+        let t = text(&res);
+        assert!(
+            res.status.success() && t.contains(says) && t.contains(bound) && t.contains("check           OK"),
+            "{t}"
+        );
+    }
+    let res = moeflow(&["demo", "--bf16-matmul", "fast"]);
+    assert!(!res.status.success() && text(&res).contains("expected auto, widen or dot"), "{}", text(&res));
     let res = moeflow(&["check", "--ep", "1,2,3"]);
     assert!(res.status.success() && text(&res).contains("all layouts bit-for-bit identical"), "{}", text(&res));
     let json = tmp("bench.json");
@@ -141,6 +155,7 @@ fn demo_check_bench_inspect() {
         assert!(records[1].get(key).is_some(), "record lacks {key}");
     }
     assert_eq!(records[1]["tokens"], 3);
+    assert!(["dot", "widen"].contains(&records[1]["bf16_matmul"].as_str().unwrap()), "{}", records[1]);
     std::fs::remove_file(json).ok();
     let res = moeflow(&["inspect", "--model", &fixture("qwen2_moe").display().to_string()]);
     assert!(

@@ -8,8 +8,8 @@ use moeflow::comm::{run_ranks, Communicator};
 use moeflow::dispatch::{DispatchInput, Extra, TpPadding};
 use moeflow::parallel::{forward_in_process, ParallelConfig, PlacementKind, StrategyKind};
 use moeflow::{
-    preset, Activation, DType, ExpertsKind, LayerOptions, MoeConfig, MoeLayer, MoeWeights, RouterConfig, SharedConfig,
-    Tensor,
+    preset, Activation, Bf16Matmul, DType, ExpertsKind, LayerOptions, MoeConfig, MoeLayer, MoeWeights, RouterConfig,
+    SharedConfig, Tensor,
 };
 use std::sync::Arc;
 
@@ -29,10 +29,16 @@ fn bits(t: &Tensor) -> Vec<u32> {
 }
 
 /// Runs every strategy × EP × TP × chunking × `layouts` and compares with one rank.
-fn check_matrix(config: &MoeConfig, weights: &MoeWeights, layouts: &[(PlacementKind, Vec<usize>)], seed: u64) {
+fn check_matrix(
+    config: &MoeConfig,
+    weights: &MoeWeights,
+    layouts: &[(PlacementKind, Vec<usize>)],
+    seed: u64,
+    bf16_matmul: Bf16Matmul,
+) {
     let h = config.hidden;
     let inputs: Vec<Tensor> = BATCHES.iter().enumerate().map(|(d, &t)| hidden(t, h, seed + d as u64).1).collect();
-    let single = MoeLayer::new(config, weights, LayerOptions::default()).unwrap();
+    let single = MoeLayer::new(config, weights, LayerOptions { bf16_matmul, ..LayerOptions::default() }).unwrap();
     let want: Vec<Vec<u32>> = inputs.iter().map(|x| bits(&single.forward(x).unwrap())).collect();
     let mut runs = 0;
     for strategy in STRATEGIES {
@@ -49,6 +55,7 @@ fn check_matrix(config: &MoeConfig, weights: &MoeWeights, layouts: &[(PlacementK
                         p.placement = placement.clone();
                         p.redundant = redundant.clone();
                         p.max_tokens_per_rank = 16;
+                        p.bf16_matmul = bf16_matmul;
                         let rank_inputs: Vec<Tensor> = (0..ep).map(|r| inputs[r / tp].clone()).collect();
                         let outs = forward_in_process(config, weights, &p, ExpertsKind::Cpu, chunk, &rank_inputs)
                             .unwrap_or_else(|e| panic!("{strategy} EP {ep} TP {tp}: {e}"));
@@ -56,7 +63,7 @@ fn check_matrix(config: &MoeConfig, weights: &MoeWeights, layouts: &[(PlacementK
                             assert_eq!(
                                 bits(out),
                                 want[r / tp],
-                                "{strategy} EP {ep} TP {tp} chunk {chunk:?} dbo {dual_batch} {placement:?} rank {r}"
+                                "{strategy} EP {ep} TP {tp} chunk {chunk:?} dbo {dual_batch} {placement:?} {bf16_matmul:?} rank {r}"
                             );
                         }
                         runs += 1;
@@ -73,7 +80,7 @@ fn every_strategy_matches_one_rank_bit_for_bit() {
     // 6 experts: not divisible by 4 or 8 (ranks with no experts at EP 8).
     let config = small_config(12, 6, 6, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
     let weights = preset::random_weights(&config, DType::F32, 21);
-    check_matrix(&config, &weights, &[(PlacementKind::Contiguous, vec![])], 1);
+    check_matrix(&config, &weights, &[(PlacementKind::Contiguous, vec![])], 1, Bf16Matmul::Widen);
 }
 
 #[test]
@@ -88,12 +95,17 @@ fn grouped_router_shared_expert_bf16_round_robin_and_replicas() {
         Some(SharedConfig { inter: 5, gated: true }),
     );
     let weights = preset::random_weights(&config, DType::BF16, 22);
-    check_matrix(
-        &config,
-        &weights,
-        &[(PlacementKind::RoundRobin, vec![0, 5]), (PlacementKind::Contiguous, vec![3])],
-        2,
-    );
+    // Both ways of multiplying bf16 weights (dot products through the portable kernel where
+    // the CPU lacks AVX512-BF16).
+    for bf16_matmul in [Bf16Matmul::Widen, Bf16Matmul::Dot] {
+        check_matrix(
+            &config,
+            &weights,
+            &[(PlacementKind::RoundRobin, vec![0, 5]), (PlacementKind::Contiguous, vec![3])],
+            2,
+            bf16_matmul,
+        );
+    }
 }
 
 #[test]
@@ -101,7 +113,7 @@ fn one_hot_expert_receives_every_token() {
     let config = small_config(9, 4, 5, 2, RouterConfig::TopKSoftmax, Activation::GPT_OSS, None);
     let mut weights = preset::random_weights(&config, DType::F32, 23);
     weights.gate_bias = Some(Tensor::from_f32(&[5], vec![0.0, 50.0, 0.0, 0.0, 0.0]).unwrap());
-    check_matrix(&config, &weights, &[(PlacementKind::Contiguous, vec![])], 3);
+    check_matrix(&config, &weights, &[(PlacementKind::Contiguous, vec![])], 3, Bf16Matmul::Widen);
 }
 
 #[test]
@@ -109,7 +121,7 @@ fn weights_on_input_top_1() {
     let mut config = small_config(8, 5, 7, 1, RouterConfig::Softmax { renormalize: false }, Activation::GeluErf, None);
     config.apply_router_weight_on_input = true;
     let weights = preset::random_weights(&config, DType::F32, 24);
-    check_matrix(&config, &weights, &[(PlacementKind::Contiguous, vec![])], 4);
+    check_matrix(&config, &weights, &[(PlacementKind::Contiguous, vec![])], 4, Bf16Matmul::Widen);
 }
 
 #[test]
