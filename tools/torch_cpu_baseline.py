@@ -6,8 +6,12 @@ rows gathered, `x @ w13[e].T`, SiLU and multiply, `@ w2[e].T`, weighted and `ind
 into the output, plus a shared expert on every token when `--shared-inter` is not 0. (The
 routing and activation are OLMoE's whatever the preset; they are a small part of the time.)
 Weights are bf16 or f32 (`--dtype`); with bf16 the matmuls run either on the rows cast to f32
-against weights widened once (`--compute f32`, the default: PyTorch's fastest here, at twice
-the weight memory) or in bf16 (`--compute bf16`, PyTorch's own bf16 kernels). Prints one JSON
+against weights widened once (`--compute f32`, the default, at twice the weight memory) or in
+bf16 (`--compute bf16`, PyTorch's own bf16 kernels: the faster on CPUs with AVX512-BF16, 167
+against 62 GFLOP/s at 256 tokens on the Zen 4 development VM with PyTorch 2.15).
+`moeflow bench --torch-baseline` passes `--compute bf16` when its CPU experts take bf16 dot
+products and `--compute f32` when they widen the weights, so both sides do the same
+arithmetic. Prints one JSON
 line: per token count the median over `--runs` timed forwards after two warm-ups, and GFLOP/s
 of the routed experts' matmuls (as moeflow counts them).
 """

@@ -434,7 +434,7 @@ fn torch_baseline(
 
 /// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside
 /// `ours` (tokens, layer ms): tools/torch_gpu_baseline.py on this GPU with `gpu`, else
-/// tools/torch_cpu_baseline.py with the run's weight dtype on this machine.
+/// tools/torch_cpu_baseline.py with the run's weight dtype and matmul precision on this machine.
 fn torch_single_baseline(
     args: &BenchArgs,
     config: &moeflow::MoeConfig,
@@ -445,9 +445,11 @@ fn torch_single_baseline(
     let v = if gpu {
         run_baseline(TORCH_GPU_BASELINE, &[], &script_args, "running the PyTorch baseline on this GPU".into())?
     } else {
-        // bf16 or f32 (checked before the run).
-        let dtype = if args.layer.dtype == DType::BF16 { "bf16" } else { "f32" };
-        script_args.extend(["--dtype".to_string(), dtype.to_string()]);
+        // bf16 or f32 (checked before the run). bf16 weights are multiplied as moeflow does:
+        // bf16 matmuls beside its dot products, f32 matmuls on widened weights beside `widen`.
+        let bf16 = args.layer.dtype == DType::BF16;
+        let compute = if bf16 && args.parallel.bf16_matmul.uses_dot() { "bf16" } else { "f32" };
+        script_args.extend(["--dtype", if bf16 { "bf16" } else { "f32" }, "--compute", compute].map(String::from));
         run_baseline(TORCH_CPU_BASELINE, &[], &script_args, "running the PyTorch CPU baseline".into())?
     };
     let torch = v["torch"].as_str().unwrap_or("?");
