@@ -160,8 +160,9 @@ pub struct ParallelArgs {
     #[arg(long)]
     pub defer_input_quant: bool,
     /// How CPU experts multiply bf16 weights: dot (activations rounded to bf16, bf16 products
-    /// summed in f32, as GPUs do: twice the f32 rate with AVX512-BF16), widen (activations in
-    /// f32, weights widened exactly), or auto (dot where the CPU has AVX512-BF16).
+    /// summed in f32, as GPUs do; twice the f32 rate on AMD Zen 4), widen (activations in
+    /// f32, weights widened exactly), or auto (dot on AMD CPUs with AVX512-BF16, where it is
+    /// twice as fast).
     #[arg(long, default_value = "auto")]
     pub bf16_matmul: Bf16Matmul,
     /// Deadline of every collective, seconds: a rank that does not answer in time fails the
