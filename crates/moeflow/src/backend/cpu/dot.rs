@@ -115,6 +115,12 @@ pub fn round_to_bf16(x: f32) -> u16 {
     flush_subnormal((b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16)
 }
 
+/// Two values rounded to bf16 as one word: `lo` in the low half.
+#[inline]
+fn round_pair(lo: f32, hi: f32) -> u32 {
+    u32::from(round_to_bf16(lo)) | u32::from(round_to_bf16(hi)) << 16
+}
+
 /// A bf16 below the normal range becomes a zero of its sign.
 #[inline]
 fn flush_subnormal(h: u16) -> u16 {
@@ -200,20 +206,34 @@ pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairP
     for s in segments {
         a_rows.check(s.row_start..s.row_start + s.rows, w.k, a.len(), "A");
     }
-    let (packed, offsets) = interleave_rows(a, a_rows, segments, w.k, MR);
-    // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
-    // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
-    // words from its first row's offset.
-    unsafe { run_segments(&packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) }
+    thread_local! {
+        // The interleaved copy of A, kept between calls (one per calling thread, as large as
+        // the largest GEMM input seen) so its pages are faulted in once, not every call.
+        static PACKED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    PACKED.with_borrow_mut(|packed| {
+        let offsets = interleave_rows(a, a_rows, segments, w.k, MR, packed);
+        // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
+        // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
+        // words from its first row's offset.
+        unsafe { run_segments(packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) }
+    })
 }
 
-/// The rows of A that the segments read, rounded to bf16 pairs and laid out as the kernel
-/// reads them: each segment's rows split into the blocks `segment_tile` gives one kernel call
+/// The rows of A that the segments read, rounded to bf16 pairs into `packed` and laid out as
+/// the kernel reads them: each segment's rows split into the blocks `segment_tile` gives one kernel call
 /// ([`row_blocks`] of at most `max_mr`, the kernel's `MR`), and a block of `mr` rows holding pair `q` of its row `r`
-/// at `q · mr + r`, so the kernel reads every row through one pointer. Returns the buffer
-/// and, for each GEMM row, where its block starts plus its place in the block (the kernel
+/// at `q · mr + r`, so the kernel reads every row through one pointer. Returns, for each
+/// GEMM row, where its block starts plus its place in the block (the kernel
 /// takes the block's start from its first row; a row that no segment reads gets 0).
-fn interleave_rows(a: &[f32], a_rows: Rows, segments: &[Segment], k: usize, max_mr: usize) -> (Vec<u32>, Vec<u32>) {
+fn interleave_rows(
+    a: &[f32],
+    a_rows: Rows,
+    segments: &[Segment],
+    k: usize,
+    max_mr: usize,
+    packed: &mut Vec<u32>,
+) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let gemm_rows = segments.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0);
     let mut offsets = vec![0u32; gemm_rows];
@@ -233,7 +253,9 @@ fn interleave_rows(a: &[f32], a_rows: Rows, segments: &[Segment], k: usize, max_
             len += mr * pairs;
         }
     }
-    let mut packed: Vec<u32> = bytemuck::zeroed_vec(len);
+    // Every word is written below; the fill only sizes the buffer.
+    packed.clear();
+    packed.resize(len, 0);
     let mut rest = packed.as_mut_slice();
     let mut work = Vec::with_capacity(blocks.len());
     for &(first, mr) in &blocks {
@@ -244,14 +266,16 @@ fn interleave_rows(a: &[f32], a_rows: Rows, segments: &[Segment], k: usize, max_
     work.into_par_iter().with_min_len(4).for_each(|(first, mr, block)| {
         for r in 0..mr {
             let row = &a[a_rows.of(first + r) * a_rows.stride..][..k];
-            for q in 0..pairs {
-                let lo = u32::from(round_to_bf16(row[2 * q]));
-                let hi = row.get(2 * q + 1).map_or(0, |&x| u32::from(round_to_bf16(x)));
-                block[q * mr + r] = lo | hi << 16;
+            let (whole, tail) = row.split_at(k & !1);
+            for (q, x) in whole.chunks_exact(2).enumerate() {
+                block[q * mr + r] = round_pair(x[0], x[1]);
+            }
+            if let [last] = tail {
+                block[(pairs - 1) * mr + r] = round_pair(*last, 0.0);
             }
         }
     });
-    (packed, offsets)
+    offsets
 }
 
 /// The reference micro-kernel: the pairs' fused multiply-adds in the instruction's order, each
@@ -459,7 +483,8 @@ mod tests {
             let seg = [Segment { expert: 0, row_start: 0, rows: m }];
             let mut fast = vec![f32::NAN; m * n];
             dot_grouped_gemm(&a, Rows::strided(k), &seg, &packed, &mut fast, Rows::strided(n));
-            let (rounded, offsets) = interleave_rows(&a, Rows::strided(k), &seg, k, MR);
+            let mut rounded = Vec::new();
+            let offsets = interleave_rows(&a, Rows::strided(k), &seg, k, MR, &mut rounded);
             let mut slow = vec![f32::NAN; m * n];
             // SAFETY: the blocks were laid out for this kernel's MR.
             unsafe {
