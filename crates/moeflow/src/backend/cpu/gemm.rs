@@ -297,15 +297,20 @@ unsafe fn segment_tile<P: PanelKernel>(
 /// Operands of one micro-kernel call: `mr` rows × `cols` (≤ NR) columns over `kc` reduction
 /// steps (elements of `A`).
 pub(super) struct Tile<A, B> {
-    /// The `mr` rows' starts in `A`; the tile's columns begin `a_col` elements in.
+    /// The `mr` rows' starts in `A` (the dot-product kernel reads its whole row block,
+    /// interleaved, from the first; see `dot`).
     pub a: *const *const A,
+    /// The reduction step the tile starts at.
     pub a_col: usize,
     /// The panel's block: `NR` elements per step.
     pub b: *const B,
+    /// Reduction steps.
     pub kc: usize,
-    /// The `mr` rows' starts in `C`; the tile's columns begin `c_col` elements in.
+    /// The `mr` rows' starts in `C`.
     pub c: *const *mut f32,
+    /// The tile's first column in C.
     pub c_col: usize,
+    /// Columns written (`NR`, fewer in the last panel).
     pub cols: usize,
     /// Add to C instead of overwriting it (every cache block but the first).
     pub accumulate: bool,
