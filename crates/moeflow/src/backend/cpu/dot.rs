@@ -109,10 +109,14 @@ pub fn available() -> bool {
 #[inline]
 pub fn round_to_bf16(x: f32) -> u16 {
     let b = x.to_bits();
+    // Both outcomes computed and one selected, so loops over rows vectorize.
+    let rounded = flush_subnormal((b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16);
+    let quiet_nan = ((b >> 16) | 0x0040) as u16;
     if x.is_nan() {
-        return ((b >> 16) | 0x0040) as u16;
+        quiet_nan
+    } else {
+        rounded
     }
-    flush_subnormal((b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16)
 }
 
 /// Two values rounded to bf16 as one word: `lo` in the low half.
@@ -264,14 +268,27 @@ fn interleave_rows(
         rest = tail;
     }
     work.into_par_iter().with_min_len(4).for_each(|(first, mr, block)| {
-        for r in 0..mr {
-            let row = &a[a_rows.of(first + r) * a_rows.stride..][..k];
-            let (whole, tail) = row.split_at(k & !1);
-            for (q, x) in whole.chunks_exact(2).enumerate() {
-                block[q * mr + r] = round_pair(x[0], x[1]);
+        let rows: Vec<&[f32]> = (0..mr).map(|r| &a[a_rows.of(first + r) * a_rows.stride..][..k]).collect();
+        // CHUNK pairs of every row rounded at once (contiguous, so it vectorizes), then
+        // written out pair-major.
+        const CHUNK: usize = 32;
+        let mut tmp = [[0u32; CHUNK]; MR];
+        for q0 in (0..pairs).step_by(CHUNK) {
+            let n = CHUNK.min(pairs - q0);
+            for (row, t) in rows.iter().zip(tmp.iter_mut()) {
+                let part = &row[2 * q0..(2 * (q0 + n)).min(k)];
+                let (whole, tail) = part.split_at(part.len() & !1);
+                for (w, x) in t.iter_mut().zip(whole.chunks_exact(2)) {
+                    *w = round_pair(x[0], x[1]);
+                }
+                if let [last] = tail {
+                    t[n - 1] = round_pair(*last, 0.0);
+                }
             }
-            if let [last] = tail {
-                block[(pairs - 1) * mr + r] = round_pair(*last, 0.0);
+            for (q, out) in block[q0 * mr..(q0 + n) * mr].chunks_exact_mut(mr).enumerate() {
+                for (w, t) in out.iter_mut().zip(&tmp) {
+                    *w = t[q];
+                }
             }
         }
     });
