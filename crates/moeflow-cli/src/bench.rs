@@ -600,10 +600,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     // The compute floor uses the cores' peak for the instructions the experts run where it was
     // measured (no GEMM beats it): the bf16 dot-product peak when bf16 weights take dot
     // products, else the FMA peak; else the matmul rate.
-    let dot = !gpu
-        && args.layer.dtype == DType::BF16
-        && par.quant == moeflow::quant::QuantConfig::None
-        && par.bf16_matmul.uses_dot();
+    let bf16_cpu = !gpu && args.layer.dtype == DType::BF16 && par.quant == moeflow::quant::QuantConfig::None;
+    let dot = bf16_cpu && par.bf16_matmul.uses_dot();
     let (matmul_gflops, copy_gbps, ceiling_name, fma_peak, dot_peak) = if gpu {
         let c = moeflow::backend::cuda::measure_ceilings(device)?;
         (c.gemm_tflops * 1e3, c.copy_gbps, "cuBLAS bf16 8192³", None, None)
@@ -626,11 +624,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 RankHost::Launched { env, gpu: false } => format!("{} processes (TCP)", env.world_size),
             },
             args.layer.dtype,
-            if !gpu && args.layer.dtype == DType::BF16 && par.quant == moeflow::quant::QuantConfig::None {
-                format!(" ({})", par.bf16_matmul.describe())
-            } else {
-                String::new()
-            },
+            if bf16_cpu { format!(" ({})", par.bf16_matmul.describe()) } else { String::new() },
             par.ep,
             par.tp,
             par.strategy,
@@ -787,8 +781,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             stages_ms,
             bytes_moved_per_rank: m.bytes,
             comm_gbps: (m.bytes > 0).then_some(comm_gbps),
-            bf16_matmul: (!gpu && args.layer.dtype == DType::BF16 && par.quant == moeflow::quant::QuantConfig::None)
-                .then(|| if dot { "dot" } else { "widen" }.to_string()),
+            bf16_matmul: bf16_cpu.then(|| if dot { "dot" } else { "widen" }.to_string()),
         });
     }
     if let Some(path) = &args.json {

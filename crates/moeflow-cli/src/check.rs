@@ -38,6 +38,7 @@ pub struct CheckArgs {
 
 /// Tokens of DP group g: uneven, with empty groups.
 const BATCHES: [usize; 8] = [9, 0, 4, 13, 1, 0, 7, 5];
+
 pub fn run(args: CheckArgs) -> Result<()> {
     let p = preset::preset(&args.preset)?;
     let mut config = p.config.clone();
