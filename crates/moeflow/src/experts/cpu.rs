@@ -1,8 +1,7 @@
 //! The fast CPU experts: two grouped GEMMs on packed weights (f32, bf16 widened to f32, or
-//! bf16 dot products with bf16-rounded activations) around the
-//! activation, over rows grouped by expert. The permutation is an index list, not a copy: the
-//! first GEMM reads each row from its token, the second writes it to its `[tokens, k, H]` slot
-//! (unweighted).
+//! bf16 dot products with bf16-rounded activations) around the activation, over rows grouped
+//! by expert. The permutation is an index list, not a copy: the first GEMM reads each row from
+//! its token, the second writes it to its `[tokens, k, H]` slot (unweighted).
 
 use super::{Activation, ActivationFormat, BatchedInput, ExpertInput, ExpertWeights, Experts};
 use crate::backend::cpu::dot::Bf16Matmul;
