@@ -550,6 +550,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         return Err(MoeError::Config("--tokens needs at least one count".into()));
     }
     let gpu = args.backend == Backend::Cuda;
+    args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
     let host = RankHost::detect(gpu)?;
     if args.torch_baseline {
         check_torch_baseline(&args, gpu, &host)?;

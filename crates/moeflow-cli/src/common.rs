@@ -213,6 +213,26 @@ pub fn cpu_bound(quant: QuantConfig, dtype: DType, bf16: Bf16Matmul) -> f64 {
 }
 
 impl ParallelArgs {
+    /// Refuses an explicit `--bf16-matmul` that cannot apply to this run: GPU layers (they
+    /// always take bf16 products), weights that are not bf16, or quantized weights.
+    pub fn check_bf16_matmul(&self, dtype: DType, gpu: bool) -> Result<()> {
+        let why = if self.bf16_matmul == Bf16Matmul::Auto {
+            return Ok(());
+        } else if gpu {
+            "GPU layers always multiply in bf16".to_string()
+        } else if dtype != DType::BF16 {
+            format!("these weights are {dtype}")
+        } else if self.quant != QuantConfig::None {
+            format!("--quant {} quantizes the weights", self.quant)
+        } else {
+            return Ok(());
+        };
+        Err(MoeError::Config(format!(
+            "--bf16-matmul {} applies to CPU experts with bf16 weights; {why}",
+            self.bf16_matmul
+        )))
+    }
+
     /// The layout; `largest_batch` sizes the low-latency capacity unless given.
     pub fn config(&self, largest_batch: usize) -> Result<ParallelConfig> {
         let strategy = self.strategy.unwrap_or(if self.ep == 1 { StrategyKind::Local } else { StrategyKind::All2AllV });

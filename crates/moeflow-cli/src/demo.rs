@@ -34,6 +34,7 @@ pub struct DemoArgs {
 pub fn run(args: DemoArgs) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.div_ceil((args.parallel.ep / args.parallel.tp.max(1)).max(1)))?;
+    args.parallel.check_bf16_matmul(args.layer.dtype, args.backend == Backend::Cuda)?;
     println!(
         "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, {}, EP {} TP {} {}{}",
         p.name,

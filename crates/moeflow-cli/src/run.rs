@@ -39,6 +39,7 @@ pub struct RunArgs {
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
+    args.parallel.check_bf16_matmul(args.dtype, args.backend == Backend::Cuda)?;
     let ckpt = Checkpoint::open(&args.model)?;
     let x = io::read_hidden_states(&args.input, "hidden_states")?;
     // With a quantization asked for, quantized checkpoint weights stay as stored (DeepSeek fp8

@@ -141,6 +141,15 @@ fn demo_check_bench_inspect() {
     }
     let res = moeflow(&["demo", "--bf16-matmul", "fast"]);
     assert!(!res.status.success() && text(&res).contains("expected auto, widen or dot"), "{}", text(&res));
+    // An explicit choice that cannot apply is refused before anything runs.
+    for (args, needle) in [
+        (&["demo", "--dtype", "f32", "--bf16-matmul", "dot"][..], "these weights are f32"),
+        (&["bench", "--backend", "cuda", "--bf16-matmul", "widen"][..], "GPU layers always multiply in bf16"),
+        (&["check", "--dtype", "f32", "--bf16-matmul", "widen"][..], "applies to bf16 weights"),
+    ] {
+        let res = moeflow(args);
+        assert!(!res.status.success() && text(&res).contains(needle), "{args:?}: {}", text(&res));
+    }
     let res = moeflow(&["check", "--ep", "1,2,3"]);
     assert!(res.status.success() && text(&res).contains("all layouts bit-for-bit identical"), "{}", text(&res));
     let json = tmp("bench.json");

@@ -63,6 +63,16 @@ impl Bf16Matmul {
     }
 }
 
+impl std::fmt::Display for Bf16Matmul {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Bf16Matmul::Auto => "auto",
+            Bf16Matmul::Widen => "widen",
+            Bf16Matmul::Dot => "dot",
+        })
+    }
+}
+
 impl std::str::FromStr for Bf16Matmul {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
