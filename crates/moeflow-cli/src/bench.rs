@@ -395,10 +395,7 @@ fn torch_baseline(
     ep: usize,
     ours: &[(usize, f64, f64, f64)],
 ) -> Result<()> {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?;
+    let port = moeflow::comm::free_port().map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?;
     let launcher: Vec<String> = ["-m", "torch.distributed.run", "--nproc-per-node", &ep.to_string(), "--master-port"]
         .iter()
         .map(|s| s.to_string())

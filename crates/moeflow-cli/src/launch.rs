@@ -32,10 +32,9 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     let exe = std::env::current_exe().map_err(|e| MoeError::Io { context: "finding moeflow".into(), source: e })?;
     let port = match args.port {
         Some(p) => p,
-        None => std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .map(|a| a.port())
-            .map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?,
+        None => {
+            moeflow::comm::free_port().map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?
+        }
     };
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..args.gpus {

@@ -289,7 +289,7 @@ fn ranks_over_tcp_match_one_rank_bit_for_bit() {
         for (tp, dual_batch) in [(1, false), (2, false), (1, true)] {
             let par = ParallelConfig { dual_batch, max_tokens_per_rank: 16, ..ParallelConfig::new(ep, tp, strategy) };
             let placement = Arc::new(par.placement(config.num_experts).unwrap());
-            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let port = moeflow::comm::free_port().unwrap();
             let outs: Vec<Vec<u32>> = std::thread::scope(|s| {
                 let handles: Vec<_> = (0..ep)
                     .map(|rank| {

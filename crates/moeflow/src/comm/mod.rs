@@ -10,7 +10,7 @@ mod rendezvous;
 mod tcp;
 mod threads;
 
-pub use rendezvous::{LaunchEnv, Rendezvous};
+pub use rendezvous::{free_port, LaunchEnv, Rendezvous};
 pub use tcp::TcpComm;
 pub use threads::{run_ranks, ThreadComm, ThreadGroup};
 

@@ -392,6 +392,26 @@ fn read_blob(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
     Ok(v)
 }
 
+/// A TCP port that nothing listens on now, for a job's `MASTER_PORT`. It is taken from
+/// 20000–32767, below Linux's ephemeral range (32768–60999), so the kernel does not hand it to
+/// some other socket between this call and the job binding it (a port the kernel picked, freed
+/// and picked again was a race: a test failed on it with "Address already in use"). Successive
+/// calls in one process return different ports.
+pub fn free_port() -> std::io::Result<u16> {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const FIRST: u32 = 20000;
+    const COUNT: u32 = 32768 - FIRST;
+    let start = std::process::id().wrapping_mul(7919);
+    for _ in 0..COUNT {
+        let port = (FIRST + start.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed)) % COUNT) as u16;
+        if TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return Ok(port);
+        }
+    }
+    Err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "no free port in 20000-32767"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -401,7 +421,15 @@ mod tests {
     }
 
     fn free_port() -> u16 {
-        TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+        super::free_port().unwrap()
+    }
+
+    #[test]
+    fn free_ports_lie_below_the_ephemeral_range_and_differ() {
+        let (a, b) = (free_port(), free_port());
+        assert!(a != b && (20000..32768).contains(&a) && (20000..32768).contains(&b), "{a} {b}");
+        // Free for the job to bind, as rendezvous does.
+        drop(TcpListener::bind(("0.0.0.0", a)).expect("the port is free"));
     }
 
     #[test]

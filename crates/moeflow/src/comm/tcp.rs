@@ -314,7 +314,7 @@ mod tests {
     /// Runs `f` on `world` ranks joined over localhost TCP (threads standing in for
     /// processes) and returns their results by rank.
     fn on_tcp<T: Send>(world: usize, timeout: Duration, f: impl Fn(TcpComm) -> T + Sync) -> Vec<T> {
-        let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+        let port = crate::comm::free_port().unwrap();
         std::thread::scope(|s| {
             let handles: Vec<_> = (0..world)
                 .map(|rank| {
