@@ -2,8 +2,9 @@
 //!
 //! Throughput is in FLOPs ("items" per second), to read against this machine's ceilings,
 //! which the bench measures and prints first: the dense f32 matmul rate of an independent
-//! tuned kernel (the `gemm` crate) and the AVX2 FMA peak. Shapes are OLMoE-1B-7B's (hidden
-//! 2048, expert width 1024, 64 experts, top-8), the CPU target of the project.
+//! tuned kernel (the `gemm` crate), the AVX2 FMA peak and the AVX512-BF16 dot-product peak.
+//! Shapes are OLMoE-1B-7B's (hidden 2048, expert width 1024, 64 experts, top-8), the CPU target
+//! of the project.
 
 use divan::counter::ItemsCount;
 use divan::Bencher;
@@ -16,10 +17,13 @@ use std::sync::OnceLock;
 
 fn main() {
     let c = ceiling::measure();
-    let fma = c.fma_peak_gflops.map_or("n/a".to_string(), |g| format!("{g:.1} GFLOP/s"));
+    let rate = |g: Option<f64>| g.map_or("n/a".to_string(), |g| format!("{g:.1} GFLOP/s"));
     println!(
-        "this machine: f32 matmul {:.1} GFLOP/s (gemm crate, the floor's rate), FMA peak {fma}, copy {:.1} GB/s",
-        c.matmul_gflops, c.copy_gbps
+        "this machine: f32 matmul {:.1} GFLOP/s (gemm crate, the floor's rate), FMA peak {}, bf16 dot peak {} (the bf16-dot GEMM's ceiling), copy {:.1} GB/s",
+        c.matmul_gflops,
+        rate(c.fma_peak_gflops),
+        rate(c.bf16_dot_peak_gflops),
+        c.copy_gbps
     );
     println!("items/s below are FLOP/s (tokens/s for the routers): divide by the matmul rate for the fraction of the floor\n");
     divan::main();
