@@ -226,7 +226,7 @@ pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairP
         static PACKED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
     PACKED.with_borrow_mut(|packed| {
-        let offsets = interleave_rows(a, a_rows, segments, w.k, MR, packed);
+        let offsets = interleave_rows(a, a_rows, segments, w.k, packed);
         // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
         // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
         // words from its first row's offset.
@@ -236,18 +236,11 @@ pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairP
 
 /// The rows of A that the segments read, rounded to bf16 pairs into `packed` and laid out as
 /// the kernel reads them: each segment's rows split into the blocks `segment_tile` gives one
-/// kernel call ([`row_blocks`] of at most `max_mr`, the kernel's `MR`), a block of `mr` rows
+/// kernel call ([`row_blocks`] of at most `MR`), a block of `mr` rows
 /// holding pair `q` of its row `r` at `q · mr + r`, so the kernel reads every row through one
 /// pointer. Returns, for each GEMM row, where its block starts plus its place in the block
 /// (the kernel takes the block's start from its first row; a row no segment reads gets 0).
-fn interleave_rows(
-    a: &[f32],
-    a_rows: Rows,
-    segments: &[Segment],
-    k: usize,
-    max_mr: usize,
-    packed: &mut Vec<u32>,
-) -> Vec<u32> {
+fn interleave_rows(a: &[f32], a_rows: Rows, segments: &[Segment], k: usize, packed: &mut Vec<u32>) -> Vec<u32> {
     let pairs = k.div_ceil(2);
     let gemm_rows = segments.iter().map(|s| s.row_start + s.rows).max().unwrap_or(0);
     let mut offsets = vec![0u32; gemm_rows];
@@ -255,7 +248,7 @@ fn interleave_rows(
     let mut blocks = Vec::new();
     let mut len = 0usize;
     for s in segments.iter().filter(|s| s.rows > 0) {
-        let (count, base, extra) = row_blocks(s.rows, max_mr);
+        let (count, base, extra) = row_blocks(s.rows, MR);
         let mut first = s.row_start;
         for b in 0..count {
             let mr = base + usize::from(b < extra);
@@ -511,7 +504,7 @@ mod tests {
             let mut fast = vec![f32::NAN; m * n];
             dot_grouped_gemm(&a, Rows::strided(k), &seg, &packed, &mut fast, Rows::strided(n));
             let mut rounded = Vec::new();
-            let offsets = interleave_rows(&a, Rows::strided(k), &seg, k, MR, &mut rounded);
+            let offsets = interleave_rows(&a, Rows::strided(k), &seg, k, &mut rounded);
             let mut slow = vec![f32::NAN; m * n];
             // SAFETY: the blocks were laid out for this kernel's MR.
             unsafe {
