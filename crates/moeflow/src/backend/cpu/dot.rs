@@ -225,13 +225,19 @@ pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairP
         // the largest GEMM input seen) so its pages are faulted in once, not every call.
         static PACKED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    PACKED.with_borrow_mut(|packed| {
-        let offsets = interleave_rows(a, a_rows, segments, w.k, packed);
-        // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
-        // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
-        // words from its first row's offset.
-        unsafe { run_segments(packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) }
-    })
+    // Taken out for the call rather than borrowed across it: a caller on a rayon worker may run
+    // another GEMM on this thread while it waits for its own tasks.
+    let mut packed = PACKED.with_borrow_mut(std::mem::take);
+    let offsets = interleave_rows(a, a_rows, segments, w.k, &mut packed);
+    // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
+    // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
+    // words from its first row's offset.
+    unsafe { run_segments(&packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) };
+    PACKED.with_borrow_mut(|kept| {
+        if kept.capacity() < packed.capacity() {
+            *kept = packed;
+        }
+    });
 }
 
 /// The rows of A that the segments read, rounded to bf16 pairs into `packed` and laid out as
@@ -555,6 +561,26 @@ mod tests {
                 assert_eq!(bits(&c[row * n..(row + 1) * n]), bits(&want), "row {j}");
             }
         }
+    }
+
+    /// GEMMs run from many rayon tasks at once (on worker threads, which may run another of
+    /// them while waiting for their own) give each caller its own result, bit for bit as alone.
+    #[test]
+    fn nested_in_rayon_tasks() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let (m, n, k) = (40, 16 * NR, 300);
+        let w: Vec<bf16> = (0..n * k).map(|_| bf16::from_f32(rng.gen_range(-1.0..1.0))).collect();
+        let packed = PairPanels::pack(&w, 1, n, k);
+        let seg = [Segment { expert: 0, row_start: 0, rows: m }];
+        let inputs: Vec<Vec<f32>> = (0..16).map(|_| (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect()).collect();
+        let gemm = |a: &[f32]| {
+            let mut c = vec![f32::NAN; m * n];
+            dot_grouped_gemm(a, Rows::strided(k), &seg, &packed, &mut c, Rows::strided(n));
+            bits(&c)
+        };
+        let alone: Vec<Vec<u32>> = inputs.iter().map(|a| gemm(a)).collect();
+        let nested: Vec<Vec<u32>> = inputs.par_iter().map(|a| gemm(a)).collect();
+        assert!(alone == nested);
     }
 
     #[test]
