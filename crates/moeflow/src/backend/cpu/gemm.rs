@@ -249,48 +249,55 @@ unsafe fn segment_tile<P: PanelKernel>(
         (0..s.rows).map(|r| a.as_ptr().add(a_rows.of(s.row_start + r) * a_rows.stride)).collect();
     let c_row: Vec<*mut f32> = (0..s.rows).map(|r| c.add(c_rows.of(s.row_start + r) * c_rows.stride)).collect();
     let (blocks, base, extra) = row_blocks(s.rows, P::MR);
-    let mut k0 = 0;
-    while k0 < k {
+    // The (k block, panel) steps of this task, in the order they run. With several row blocks,
+    // k blocks outer: every panel's block reuses the rows' k slice from L1. With one row block
+    // (decode-sized batches, where streaming the weights is all the time there is), panels
+    // outer: each panel is read start to end, one sequential stream for the prefetchers.
+    let k_blocks = k.div_ceil(P::KC);
+    let n_panels = panels.len();
+    let step = |i: usize| -> (usize, usize) {
+        let (kb, p) = if blocks > 1 { (i / n_panels, i % n_panels) } else { (i % k_blocks, i / k_blocks) };
+        (kb * P::KC, panels.start + p)
+    };
+    let steps = k_blocks * n_panels;
+    for i in 0..steps {
+        let (k0, p) = step(i);
         let kc = P::KC.min(k - k0);
-        for p in panels.clone() {
-            let panel = w.panel(s.expert, p);
-            // Every row block reuses this panel's k block from L1. Meanwhile the block read
-            // next (the next panel's, the first panel's of the next k block, or at the end
-            // the first block of the panel after this task's, which the task after it in
-            // order reads) comes in from memory, a share per row block, so memory traffic is
-            // spread over the whole computation instead of stalling the first row block.
-            let next = if p + 1 < panels.end {
-                Some((w.panel(s.expert, p + 1).as_ptr().add(k0 * NR), kc))
-            } else if k0 + kc < k {
-                Some((w.panel(s.expert, panels.start).as_ptr().add((k0 + kc) * NR), P::KC.min(k - k0 - kc)))
-            } else if panels.end < all_panels {
-                Some((w.panel(s.expert, panels.end).as_ptr(), P::KC.min(k)))
-            } else {
-                None
+        let panel = w.panel(s.expert, p);
+        // Every row block reuses this panel's k block from L1. Meanwhile the block read next
+        // (the next step's, or at the end the first block of the panel after this task's,
+        // which the task after it in order reads) comes in from memory, a share per row block,
+        // so memory traffic is spread over the whole computation instead of stalling the
+        // first row block.
+        let next = if i + 1 < steps {
+            let (k1, p1) = step(i + 1);
+            Some((w.panel(s.expert, p1).as_ptr().add(k1 * NR), P::KC.min(k - k1)))
+        } else if panels.end < all_panels {
+            Some((w.panel(s.expert, panels.end).as_ptr(), P::KC.min(k)))
+        } else {
+            None
+        };
+        let (next_ptr, next_bytes) =
+            next.map_or((std::ptr::null(), 0), |(ptr, steps)| (ptr as *const u8, steps * NR * size_of::<P::B>()));
+        let share = next_bytes.div_ceil(blocks);
+        let mut r = 0;
+        for blk in 0..blocks {
+            let mr = base + usize::from(blk < extra);
+            let lo = (blk * share).min(next_bytes);
+            let tile = Tile {
+                a: a_row.as_ptr().add(r),
+                a_col: k0,
+                b: panel.as_ptr().add(k0 * NR),
+                kc,
+                c: c_row.as_ptr().add(r),
+                c_col: p * NR,
+                cols: NR.min(n - p * NR),
+                accumulate: k0 > 0,
+                prefetch: (next_ptr.wrapping_add(lo), (lo + share).min(next_bytes) - lo),
             };
-            let (next_ptr, next_bytes) =
-                next.map_or((std::ptr::null(), 0), |(ptr, steps)| (ptr as *const u8, steps * NR * size_of::<P::B>()));
-            let share = next_bytes.div_ceil(blocks);
-            let mut r = 0;
-            for blk in 0..blocks {
-                let mr = base + usize::from(blk < extra);
-                let lo = (blk * share).min(next_bytes);
-                let tile = Tile {
-                    a: a_row.as_ptr().add(r),
-                    a_col: k0,
-                    b: panel.as_ptr().add(k0 * NR),
-                    kc,
-                    c: c_row.as_ptr().add(r),
-                    c_col: p * NR,
-                    cols: NR.min(n - p * NR),
-                    accumulate: k0 > 0,
-                    prefetch: (next_ptr.wrapping_add(lo), (lo + share).min(next_bytes) - lo),
-                };
-                P::kernel(mr, tile);
-                r += mr;
-            }
+            P::kernel(mr, tile);
+            r += mr;
         }
-        k0 += kc;
     }
 }
 
