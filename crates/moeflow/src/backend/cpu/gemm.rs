@@ -278,7 +278,7 @@ unsafe fn segment_tile<P: PanelKernel>(
             None
         };
         let (next_ptr, next_bytes) =
-            next.map_or((std::ptr::null(), 0), |(ptr, steps)| (ptr as *const u8, steps * NR * size_of::<P::B>()));
+            next.map_or((std::ptr::null(), 0), |(ptr, kc_next)| (ptr as *const u8, kc_next * NR * size_of::<P::B>()));
         let share = next_bytes.div_ceil(blocks);
         let mut r = 0;
         for blk in 0..blocks {
