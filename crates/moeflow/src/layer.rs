@@ -44,7 +44,7 @@ pub struct LayerOptions {
     /// micro-batch 1, which then runs concurrently with micro-batch 0 so that one's
     /// communication overlaps the other's expert compute.
     pub dual_batch: Option<Box<dyn PrepareFinalize>>,
-    /// How the CPU experts multiply bf16 weights (f32 weights are unaffected).
+    /// How the CPU experts multiply bf16 weights (default: `Auto`; f32 weights are unaffected).
     pub bf16_matmul: Bf16Matmul,
 }
 

@@ -21,8 +21,8 @@
 //! let out = layer.forward(&Tensor::from_f32(&[tokens, config.hidden], x.clone())?)?;
 //! assert_eq!(out.shape(), &[tokens, config.hidden]);
 //!
-//! // The f64 reference agrees: to bf16 rounding where the CPU takes bf16 dot products
-//! // (AVX512-BF16, `Bf16Matmul::Auto`), to f32 rounding with `Bf16Matmul::Widen`.
+//! // The f64 reference agrees: to bf16 rounding where the CPU takes bf16 dot products (under
+//! // `Bf16Matmul::Auto`, AMD CPUs with AVX512-BF16), to f32 rounding where it widens them.
 //! let want = reference::forward(&config, &weights, &x)?.out;
 //! let got = out.to_f32_vec();
 //! let max = want.iter().fold(0f64, |m, v| m.max(v.abs()));
