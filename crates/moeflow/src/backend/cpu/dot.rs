@@ -220,24 +220,32 @@ pub fn dot_grouped_gemm(a: &[f32], a_rows: Rows, segments: &[Segment], w: &PairP
     for s in segments {
         a_rows.check(s.row_start..s.row_start + s.rows, w.k, a.len(), "A");
     }
+    with_scratch(|packed| {
+        let offsets = interleave_rows(a, a_rows, segments, w.k, packed);
+        // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as
+        // `segment_tile` splits them for this kernel (`row_blocks` with the same `MR`), each
+        // block `mr · pairs` words from its first row's offset.
+        unsafe { run_segments(packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) }
+    })
+}
+
+/// Runs `f` on this thread's buffer for the interleaved copy of A, kept between calls (as
+/// large as the largest GEMM input seen) so its pages are faulted in once, not every call.
+/// The buffer is taken out for the call rather than borrowed across it: a caller on a rayon
+/// worker may run another GEMM on this thread while it waits for its own tasks, and that one
+/// then gets a fresh buffer instead of a borrow panic.
+fn with_scratch<R>(f: impl FnOnce(&mut Vec<u32>) -> R) -> R {
     thread_local! {
-        // The interleaved copy of A, kept between calls (one per calling thread, as large as
-        // the largest GEMM input seen) so its pages are faulted in once, not every call.
-        static PACKED: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
+        static SCRATCH: std::cell::RefCell<Vec<u32>> = const { std::cell::RefCell::new(Vec::new()) };
     }
-    // Taken out for the call rather than borrowed across it: a caller on a rayon worker may run
-    // another GEMM on this thread while it waits for its own tasks.
-    let mut packed = PACKED.with_borrow_mut(std::mem::take);
-    let offsets = interleave_rows(a, a_rows, segments, w.k, &mut packed);
-    // SAFETY: `interleave_rows` lays out every segment's row blocks exactly as `segment_tile`
-    // splits them for this kernel (`row_blocks` with the same `MR`), each block `mr · pairs`
-    // words from its first row's offset.
-    unsafe { run_segments(&packed, Rows::indexed(1, &offsets), segments, w, c, c_rows) };
-    PACKED.with_borrow_mut(|kept| {
-        if kept.capacity() < packed.capacity() {
-            *kept = packed;
+    let mut buffer = SCRATCH.with_borrow_mut(std::mem::take);
+    let result = f(&mut buffer);
+    SCRATCH.with_borrow_mut(|kept| {
+        if kept.capacity() < buffer.capacity() {
+            *kept = buffer;
         }
     });
+    result
 }
 
 /// The rows of A that the segments read, rounded to bf16 pairs into `packed` and laid out as
@@ -581,6 +589,23 @@ mod tests {
         let alone: Vec<Vec<u32>> = inputs.iter().map(|a| gemm(a)).collect();
         let nested: Vec<Vec<u32>> = inputs.par_iter().map(|a| gemm(a)).collect();
         assert!(alone == nested);
+    }
+
+    /// A GEMM started while this thread's scratch is in use (as a rayon worker does when it
+    /// runs another task while waiting) gets a buffer of its own, and the larger one is kept.
+    #[test]
+    fn scratch_can_be_taken_again_while_in_use() {
+        let inner_len = with_scratch(|outer| {
+            outer.resize(100, 7);
+            let inner = with_scratch(|inner| {
+                inner.resize(10, 1);
+                inner.len()
+            });
+            assert_eq!(outer, &vec![7; 100], "the outer call's buffer is untouched");
+            inner
+        });
+        assert_eq!(inner_len, 10);
+        with_scratch(|kept| assert!(kept.capacity() >= 100, "the larger buffer is kept"));
     }
 
     #[test]
