@@ -40,14 +40,7 @@ pub struct CheckArgs {
 const BATCHES: [usize; 8] = [9, 0, 4, 13, 1, 0, 7, 5];
 
 pub fn run(args: CheckArgs) -> Result<()> {
-    if args.bf16_matmul != moeflow::Bf16Matmul::Auto
-        && (args.dtype != DType::BF16 || args.quant != moeflow::quant::QuantConfig::None)
-    {
-        return Err(MoeError::Config(format!(
-            "--bf16-matmul {} applies to bf16 weights that are not quantized (--dtype {}, --quant {})",
-            args.bf16_matmul, args.dtype, args.quant
-        )));
-    }
+    crate::common::check_bf16_matmul(args.bf16_matmul, args.dtype, args.quant, false)?;
     let p = preset::preset(&args.preset)?;
     let mut config = p.config.clone();
     // 16 experts (4 groups for grouped routers) keep every router kind valid; at EP 3 the

@@ -188,6 +188,23 @@ pub fn quantize_weights(weights: &mut MoeWeights, quant: QuantConfig) -> Result<
     Ok(())
 }
 
+/// Refuses an explicit `--bf16-matmul` (not `auto`) that cannot apply: GPU layers (they always
+/// take bf16 products), weights that are not bf16, or quantized weights.
+pub fn check_bf16_matmul(mode: Bf16Matmul, dtype: DType, quant: QuantConfig, gpu: bool) -> Result<()> {
+    let why = if mode == Bf16Matmul::Auto {
+        return Ok(());
+    } else if gpu {
+        "GPU layers always multiply in bf16".to_string()
+    } else if dtype != DType::BF16 {
+        format!("these weights are {dtype}")
+    } else if quant != QuantConfig::None {
+        format!("--quant {quant} quantizes the weights")
+    } else {
+        return Ok(());
+    };
+    Err(MoeError::Config(format!("--bf16-matmul {mode} applies to bf16 weights of CPU experts; {why}")))
+}
+
 /// Relative error bound of a quantized layer: twice the activation and weight half-steps (see
 /// tests/quant.rs), plus f32 rounding.
 pub fn quant_bound(quant: QuantConfig) -> f64 {
@@ -213,24 +230,10 @@ pub fn cpu_bound(quant: QuantConfig, dtype: DType, bf16: Bf16Matmul) -> f64 {
 }
 
 impl ParallelArgs {
-    /// Refuses an explicit `--bf16-matmul` that cannot apply to this run: GPU layers (they
-    /// always take bf16 products), weights that are not bf16, or quantized weights.
+    /// Refuses an explicit `--bf16-matmul` that cannot apply to this run (see
+    /// [`check_bf16_matmul`]).
     pub fn check_bf16_matmul(&self, dtype: DType, gpu: bool) -> Result<()> {
-        let why = if self.bf16_matmul == Bf16Matmul::Auto {
-            return Ok(());
-        } else if gpu {
-            "GPU layers always multiply in bf16".to_string()
-        } else if dtype != DType::BF16 {
-            format!("these weights are {dtype}")
-        } else if self.quant != QuantConfig::None {
-            format!("--quant {} quantizes the weights", self.quant)
-        } else {
-            return Ok(());
-        };
-        Err(MoeError::Config(format!(
-            "--bf16-matmul {} applies to CPU experts with bf16 weights; {why}",
-            self.bf16_matmul
-        )))
+        check_bf16_matmul(self.bf16_matmul, dtype, self.quant, gpu)
     }
 
     /// The layout; `largest_batch` sizes the low-latency capacity unless given.
