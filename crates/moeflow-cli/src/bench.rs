@@ -779,7 +779,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             stages_ms,
             bytes_moved_per_rank: m.bytes,
             comm_gbps: (m.bytes > 0).then_some(comm_gbps),
-            bf16_matmul: bf16_cpu.then(|| if dot { "dot" } else { "widen" }.to_string()),
+            bf16_matmul: bf16_cpu
+                .then(|| if dot { moeflow::Bf16Matmul::Dot } else { moeflow::Bf16Matmul::Widen }.to_string()),
         });
     }
     if let Some(path) = &args.json {
