@@ -885,7 +885,9 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             |f: fn(&moeflow::backend::cuda::GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
         let ms = med(|s| s.total);
         let flops = config.expert_flops(t);
-        let experts_read = config.num_experts.min(t * config.top_k);
+        // The experts the runs' routings reached (fewer than t · k when tokens share experts).
+        let used = med(|s| s.experts_used as f64);
+        let experts_read = if used > 0.0 { used.round() as usize } else { config.num_experts.min(t * config.top_k) };
         let bytes = experts_read * per_expert
             + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2)
             + t * config.hidden * 8;

@@ -76,6 +76,19 @@ fn every_router_and_activation_matches_reference() {
     }
 }
 
+/// The timed forward counts the experts that received rows (the bench's weight-read floor):
+/// one token reaches exactly its top-k experts, 300 tokens all 16.
+#[test]
+fn timed_forward_counts_the_experts_used() {
+    let config = small_config(64, 32, 16, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 3);
+    let Some(gpu) = layer(&config, &weights) else { return };
+    for seed in 0..4 {
+        assert_eq!(gpu.forward_timed(1, seed).unwrap().experts_used, 4, "one token, seed {seed}");
+    }
+    assert_eq!(gpu.forward_timed(300, 1).unwrap().experts_used, 16);
+}
+
 #[test]
 fn one_hot_expert_and_unused_experts() {
     let config = small_config(64, 32, 10, 2, RouterConfig::TopKSoftmax, Activation::GPT_OSS, None);

@@ -28,6 +28,8 @@ pub struct GpuStageTimes {
     /// Expert-parallel: bytes of rows this rank sent to other ranks in the dispatch (the
     /// combine sends as many back).
     pub dispatch_bytes: usize,
+    /// One GPU: the experts that received rows, whose weights the layer read (0: not counted).
+    pub experts_used: usize,
 }
 
 /// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds

@@ -82,7 +82,7 @@ impl CudaDualBatch {
 
     /// Runs `tokens` tokens of uniform random input split over the two halves; the total is
     /// from the earlier half's start to the later half's end, the stages are micro-batch 0's,
-    /// the dispatched bytes both halves'.
+    /// the dispatched bytes both halves' (the experts used are not counted).
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         let parts = split(tokens);
         let [(a, sa), (b, sb)] =
@@ -91,7 +91,8 @@ impl CudaDualBatch {
             (Some(sa), Some(sb)) => whole(&sa, &sb)?,
             _ => a.total.max(b.total),
         };
-        Ok(GpuStageTimes { total, dispatch_bytes: a.dispatch_bytes + b.dispatch_bytes, ..a })
+        // Which experts the two halves reached together is not counted.
+        Ok(GpuStageTimes { total, dispatch_bytes: a.dispatch_bytes + b.dispatch_bytes, experts_used: 0, ..a })
     }
 
     /// `f(half, j, hook)` for both halves at once, each on a host thread of its own, with the

@@ -13,6 +13,10 @@ use std::sync::Mutex;
 /// Most experts one launch takes (the kernel keeps three ints per expert in shared memory).
 const MAX_EXPERTS: usize = 1024;
 
+/// Experts from which a one-GPU layer with a shared expert takes the Hopper GEMM below 2 rows
+/// an expert too (see [`CudaMoeLayer::hopper_for`]).
+const MANY_EXPERTS: usize = 256;
+
 /// Rows of an output tile (`GG_BM` in the kernel): the boxes TMA reads from `A`.
 const TILE_ROWS: u32 = 128;
 /// Columns of an output tile (`GG_BN`): two boxes of half as many rows read from `W`.
@@ -181,7 +185,8 @@ impl HopperGemm {
 
 impl CudaMoeLayer {
     /// The Hopper grouped GEMM for `rows` rows over `experts` experts, when the GPU and shapes
-    /// take it and it is the better choice: from 2 to 1024 rows an expert on average, or
+    /// take it and it is the better choice: from 2 to 1024 rows an expert on average; below 2
+    /// on one GPU without a shared expert, or with one and at least [`MANY_EXPERTS`] experts;
     /// always with `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
     /// experts, the layer with its shared expert, two runs each (ms, this kernel against
     /// cuBLAS): 16 rows an expert 1.55, 1.46 against 1.56, 1.62; 64 rows 1.68, 1.58 against
@@ -191,15 +196,24 @@ impl CudaMoeLayer {
     /// rows 11.08, 11.10 against 11.09, 12.61 (the same fast cases, and none of cuBLAS's slow
     /// ones); 2048 rows 22.38, 22.64 against 21.87, 21.85, where cuBLAS's per-expert GEMMs
     /// leave room that the shared expert fills. On H100 alike: 512 rows 6.03, 6.07 against
-    /// 5.98, 6.89; 1024 rows 11.18, 11.41 against 11.59, 14.67. Below 8 rows (session 17,
-    /// routed experts only, three rounds): 1 row 0.976–0.979 against cuBLAS's 0.963–0.968,
-    /// 2 rows 1.208–1.213 against 1.242–1.271, 4 rows 1.372–1.388 against 1.405–1.411.
+    /// 5.98, 6.89; 1024 rows 11.18, 11.41 against 11.59, 14.67.
+    ///
+    /// Below 2 rows an expert (session 21, H200, 1 / 2 / 4 / 8 tokens, alternating rounds),
+    /// where cuBLAS's GEMM shapes wait for the expert counts on the host: without a shared
+    /// expert, 64 experts, 0.259–0.274 / 0.409–0.426 / 0.649–0.674 / 1.004–1.033 against
+    /// 0.278–0.320 / 0.486–0.499 / 0.733–0.751 / 1.022–1.088 ms; with the shared expert and 256
+    /// experts 0.300–0.326 / 0.471–0.508 / 0.759–0.792 / 1.344–1.395 against 0.359–0.365 /
+    /// 0.529–0.565 / 0.841–0.919 / 1.443–1.450. With the shared expert and 64 experts cuBLAS's
+    /// small GEMMs leave SMs to the shared expert beside them, and win: 0.285–0.288 / 0.445–0.446
+    /// / 0.655–0.662 / 0.974–0.989 against 0.304–0.307 / 0.452–0.456 / 0.711–0.712 /
+    /// 1.008–1.017. Expert-parallel ranks keep cuBLAS there (not measured).
     pub(super) fn hopper_for(&self, rows: usize, experts: usize) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
+        let few_rows_here = self.ep.is_none() && (self.config.shared.is_none() || experts >= MANY_EXPERTS);
         let wanted = match super::gemm_mode() {
             super::GemmMode::Hopper => true,
-            _ => (2..=1024).contains(&per_expert),
+            _ => per_expert <= 1024 && (per_expert >= 2 || few_rows_here),
         };
         self.k.hopper.as_ref().filter(|_| wanted && h % 8 == 0 && i % 8 == 0)
     }

@@ -636,6 +636,13 @@ impl CudaMoeLayer {
             shared: ms(8, 9)?,
             total: ms(0, 9)?,
             dispatch_bytes: sent,
+            experts_used: match &self.ep {
+                None if t > 0 => {
+                    let counts = g.stream.clone_dtoh(&b.counts).map_err(|e| err("reading expert counts", e))?;
+                    counts.iter().filter(|&&c| c > 0).count()
+                }
+                _ => 0,
+            },
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
