@@ -206,7 +206,8 @@ impl CudaMoeLayer {
     /// 0.529–0.565 / 0.841–0.919 / 1.443–1.450. With the shared expert and 64 experts cuBLAS's
     /// small GEMMs leave SMs to the shared expert beside them, and win: 0.285–0.288 / 0.445–0.446
     /// / 0.655–0.662 / 0.974–0.989 against 0.304–0.307 / 0.452–0.456 / 0.711–0.712 /
-    /// 1.008–1.017. Expert-parallel ranks keep cuBLAS there (not measured).
+    /// 1.008–1.017. On one H100 without a shared expert the two are level (docs/bench).
+    /// Expert-parallel ranks keep cuBLAS there (not measured).
     pub(super) fn hopper_for(&self, rows: usize, experts: usize) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
