@@ -881,9 +881,13 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         let runs = args.min_runs.max(20);
         let samples: Vec<_> =
             (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
-        let med =
-            |f: fn(&moeflow::backend::cuda::GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
-        let ms = med(|s| s.total);
+        // The stages from runs with events between them (a small batch otherwise replays its
+        // CUDA graph, timed as a whole).
+        let staged: Vec<_> =
+            (0..runs).map(|r| gpu.forward_timed_stages(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
+        type Times = moeflow::backend::cuda::GpuStageTimes;
+        let med = |f: fn(&Times) -> f64| median(&staged.iter().map(f).collect::<Vec<_>>());
+        let ms = median(&samples.iter().map(|s| s.total).collect::<Vec<_>>());
         let flops = config.expert_flops(t);
         // The experts the runs' routings reached (fewer than t · k when tokens share experts).
         let used = med(|s| s.experts_used as f64);

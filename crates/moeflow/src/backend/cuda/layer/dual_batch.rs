@@ -74,7 +74,7 @@ impl CudaDualBatch {
         let [t0, t1] = split(s[0]);
         let parts =
             [Tensor::from_f32(&[t0, h], x[..t0 * h].to_vec())?, Tensor::from_f32(&[t1, h], x[t0 * h..].to_vec())?];
-        let outs = self.on_both(|layer, j, hook| layer.forward_hooked(&parts[j], hook))?;
+        let outs = self.on_both(|layer, j, hook| layer.forward_hooked(&parts[j], hook, false))?;
         let mut out = outs[0].to_f32_vec();
         out.extend(outs[1].to_f32_vec());
         Tensor::from_f32(&[s[0], h], out)

@@ -11,23 +11,12 @@
 //! grouped GEMM (`kernels/masked_gemm.cu`) runs each expert over its counted rows only, and the
 //! weighted sum per message row goes back as one bf16 row, summed at home in rank order.
 
+use super::graph::{blas_workspaces, LayerGraph};
 use super::hopper_gemm::Epilogue;
 use super::masked_gemm::Projection;
 use super::{dptr, err, rows, CudaMoeLayer, EpLink, GpuStageTimes};
 use crate::error::{MoeError, Result};
-use cudarc::cublas::sys as cb;
-use cudarc::driver::{sys as drv, CudaGraph, CudaSlice, LaunchConfig, PushKernelArg};
-
-/// cuBLAS workspace per handle, set before capture so no GEMM allocates inside the graph.
-const BLAS_WORKSPACE: usize = 32 << 20;
-
-/// The captured layer. CUDA graphs are not synchronised internally; this one is only touched
-/// under the layer's buffer lock.
-struct LayerGraph(CudaGraph);
-
-// SAFETY: the graph is used from one thread at a time (under the layer's buffer mutex), which
-// is all CUDA asks of graph objects.
-unsafe impl Send for LayerGraph {}
+use cudarc::driver::{sys as drv, CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Low-latency buffers, all sized by the capacity, and the captured layer.
 pub(super) struct LlBuffers {
@@ -97,13 +86,7 @@ impl CudaMoeLayer {
         let z16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z8 = |n: usize| s.alloc_zeros::<u8>(n.max(1)).map_err(|e| err("allocating workspace", e));
-        let workspaces = vec![z8(BLAS_WORKSPACE)?, z8(BLAS_WORKSPACE)?];
-        for (ws, blas) in workspaces.iter().zip([&self.blas, &self.side[0].1]) {
-            // SAFETY: the workspace is device memory of BLAS_WORKSPACE bytes held by these
-            // buffers; the layer drops its cuBLAS handles (fields `side`, `blas`) before them.
-            let st = unsafe { cb::cublasSetWorkspace_v2(*blas.handle(), dptr(ws, &self.gpu) as _, BLAS_WORKSPACE) };
-            super::check(st, "cuBLAS workspace")?;
-        }
+        let workspaces = blas_workspaces(self, &[&self.blas, &self.side[0].1])?;
         Ok(LlBuffers {
             tokens: z32(1)?,
             send: z8(msg * row_stride(h, k))?,

@@ -24,6 +24,7 @@ mod dual_batch;
 mod hopper_gemm;
 pub use dual_batch::CudaDualBatch;
 mod fp8_weights;
+mod graph;
 mod low_latency;
 mod masked_gemm;
 
@@ -106,6 +107,8 @@ struct Buffers {
     exchange: Option<CudaSlice<i32>>,
     /// Low-latency buffers and the captured layer (see [`low_latency`]).
     ll: Option<low_latency::LlBuffers>,
+    /// One GPU: small batches' graphs and their cuBLAS workspaces (see [`graph`]).
+    graphs: graph::LocalGraphs,
 }
 
 /// Expert-parallel buffers. At home: the token rows sent (one per token and destination
@@ -446,13 +449,17 @@ impl CudaMoeLayer {
         self.gpu.ctx.name().unwrap_or_else(|_| "unknown GPU".into())
     }
 
-    /// `hidden_states [T, H]` → `[T, H]` f32 (copies in and out included).
+    /// `hidden_states [T, H]` → `[T, H]` f32 (copies in and out included). A small batch on
+    /// one GPU replays the layer's CUDA graph for its size (captured at its first call; see
+    /// [`graph`]).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.forward_hooked(hidden, &no_hook)
+        self.forward_hooked(hidden, &no_hook, true)
     }
 
     /// [`CudaMoeLayer::forward`], calling `hook(stage, stream)` at every stage boundary.
-    fn forward_hooked(&self, hidden: &Tensor, hook: &StageHook<'_>) -> Result<Tensor> {
+    /// With `graph`, a small batch on one GPU replays its graph (see [`graph`]) and `hook` is
+    /// not called.
+    fn forward_hooked(&self, hidden: &Tensor, hook: &StageHook<'_>, graph: bool) -> Result<Tensor> {
         let s = hidden.shape();
         if s.len() != 2 || s[1] != self.config.hidden {
             return Err(MoeError::shape("hidden_states", format!("[T, {}]", self.config.hidden), s));
@@ -470,6 +477,7 @@ impl CudaMoeLayer {
             .map_err(|e| err("copy in", e))?;
         match capacity {
             Some(_) => self.ll_run(b, t, false)?,
+            None if graph && self.takes_graph(t) => self.graph_run(b, t, false)?,
             None => self.run_marks(b, t, false, hook)?.0,
         };
         let mut out = vec![0f32; t * self.config.hidden];
@@ -481,8 +489,9 @@ impl CudaMoeLayer {
     }
 
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
-    /// per-stage event times (for benchmarks). A low-latency layer replays its graph and times
-    /// only the whole; [`CudaMoeLayer::forward_timed_stages`] times its stages.
+    /// per-stage event times (for benchmarks). A low-latency layer, and a small batch on one
+    /// GPU (see [`graph`]), replays its graph and times only the whole;
+    /// [`CudaMoeLayer::forward_timed_stages`] times the stages.
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         self.timed(tokens, seed, true)
     }
@@ -523,13 +532,14 @@ impl CudaMoeLayer {
                 self.run_marks(b, m, true, hook)
             }
             Some(_) => Ok((self.ll_run(b, tokens, true)?, None)),
+            None if graph && self.takes_graph(tokens) => Ok((self.graph_run(b, tokens, true)?, None)),
             None => self.run_marks(b, tokens, true, hook),
         }
     }
 
     fn buffers<'a>(&self, guard: &'a mut Option<Buffers>, tokens: usize) -> Result<&'a mut Buffers> {
         if guard.as_ref().is_none_or(|b| b.tokens < tokens) {
-            *guard = None;
+            let graphs = guard.take().map(|b| b.graphs.carried_over()).unwrap_or_default();
             let c = &self.config;
             let (t, h, e, i, k) = (tokens.max(1), c.hidden, c.num_experts, c.inter, c.top_k);
             let wide = i.max(c.shared.map_or(0, |s| s.inter));
@@ -565,6 +575,7 @@ impl CudaMoeLayer {
                 ep: None,
                 exchange: None,
                 ll: None,
+                graphs,
             });
         }
         Ok(guard.as_mut().expect("allocated above"))
@@ -636,17 +647,20 @@ impl CudaMoeLayer {
             shared: ms(8, 9)?,
             total: ms(0, 9)?,
             dispatch_bytes: sent,
-            experts_used: match &self.ep {
-                None if t > 0 => {
-                    let counts = g.stream.clone_dtoh(&b.counts).map_err(|e| err("reading expert counts", e))?;
-                    counts.iter().filter(|&&c| c > 0).count()
-                }
-                _ => 0,
-            },
+            experts_used: self.experts_used(b)?,
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
         Ok((times, Some(Span { first: marks.swap_remove(0), last })))
+    }
+
+    /// One GPU: the experts that received rows in the last run on `b` (0 elsewhere).
+    fn experts_used(&self, b: &Buffers) -> Result<usize> {
+        if self.ep.is_some() {
+            return Ok(0);
+        }
+        let counts = self.gpu.stream.clone_dtoh(&b.counts).map_err(|e| err("reading expert counts", e))?;
+        Ok(counts.iter().filter(|&&c| c > 0).count())
     }
 
     /// Enqueues the whole layer on the `t` tokens in `b.x` (into `b.out`) on the layer's

@@ -1,0 +1,177 @@
+//! CUDA graphs of the layer: the low-latency layer's (see [`super::low_latency`]) and, on one
+//! GPU, small batches replayed from a graph per batch size, so the dozen small kernels of
+//! routing, permute and combine start back to back instead of one host launch apart.
+//!
+//! A one-GPU batch takes a graph when the whole layer runs on the device without a host wait:
+//! at most [`GRAPH_TOKENS`] tokens, expert GEMMs on the Hopper GEMM (which reads the expert
+//! counts on the device), bf16 experts. `MOEFLOW_CUDA_GRAPHS=0` turns it off.
+
+use super::{dptr, err, Buffers, CudaMoeLayer, GpuStageTimes};
+use crate::error::Result;
+use cudarc::cublas::{sys as cb, CudaBlas};
+use cudarc::driver::{sys as drv, CudaGraph, CudaSlice};
+
+/// cuBLAS workspace per handle, set before capture so no GEMM allocates inside a graph.
+pub(super) const BLAS_WORKSPACE: usize = 32 << 20;
+
+/// Most tokens of a one-GPU batch replayed from a graph.
+pub(super) const GRAPH_TOKENS: usize = 256;
+
+/// Graphs kept per layer (one per batch size; the oldest goes first).
+const GRAPHS_KEPT: usize = 16;
+
+/// A captured layer. CUDA graphs are not synchronised internally; these are only touched
+/// under the layer's buffer lock.
+pub(super) struct LayerGraph(pub(super) CudaGraph);
+
+// SAFETY: a graph is used from one thread at a time (under the layer's buffer mutex), which
+// is all CUDA asks of graph objects.
+unsafe impl Send for LayerGraph {}
+
+/// Workspaces of `BLAS_WORKSPACE` bytes for `handles`, set on them. The caller keeps them
+/// alive as long as the handles run GEMMs.
+pub(super) fn blas_workspaces(layer: &CudaMoeLayer, handles: &[&CudaBlas]) -> Result<Vec<CudaSlice<u8>>> {
+    let s = &layer.gpu.stream;
+    let mut out = Vec::new();
+    for blas in handles {
+        let ws = s.alloc_zeros::<u8>(BLAS_WORKSPACE).map_err(|e| err("allocating workspace", e))?;
+        // SAFETY: the workspace is device memory of BLAS_WORKSPACE bytes, which the caller
+        // keeps as long as the handle runs GEMMs (the layer drops its handles, fields `side`
+        // and `blas`, before its buffers).
+        let st = unsafe { cb::cublasSetWorkspace_v2(*blas.handle(), dptr(&ws, &layer.gpu) as _, BLAS_WORKSPACE) };
+        super::check(st, "cuBLAS workspace")?;
+        out.push(ws);
+    }
+    Ok(out)
+}
+
+/// A one-GPU layer's graphs: one per batch size, and the cuBLAS workspaces they need.
+#[derive(Default)]
+pub(super) struct LocalGraphs {
+    graphs: Vec<(usize, LayerGraph)>,
+    workspaces: Vec<CudaSlice<u8>>,
+}
+
+impl LocalGraphs {
+    /// The workspaces, kept when the buffers are replaced (the handles still point at them);
+    /// the graphs, which point into the old buffers, are dropped.
+    pub(super) fn carried_over(self) -> Self {
+        LocalGraphs { graphs: Vec::new(), workspaces: self.workspaces }
+    }
+}
+
+/// Whether graphs are allowed (`MOEFLOW_CUDA_GRAPHS` is not `0`).
+fn graphs_allowed() -> bool {
+    std::env::var("MOEFLOW_CUDA_GRAPHS").map_or(true, |v| v != "0")
+}
+
+impl CudaMoeLayer {
+    /// Whether a batch of `t` tokens on this layer is replayed from a graph (see the module).
+    pub(super) fn takes_graph(&self, t: usize) -> bool {
+        let (e, k) = (self.config.num_experts, self.config.top_k);
+        self.ep.is_none()
+            && (1..=GRAPH_TOKENS).contains(&t)
+            && self.w.fp8.is_none()
+            && !self.w8a8
+            && self.hopper_for(t * k, e).is_some()
+            && graphs_allowed()
+    }
+
+    /// Runs the layer on the `t` tokens in `b.x` (into `b.out`) from its graph for `t` tokens,
+    /// capturing it first (after one direct run, which loads the modules and lets cuBLAS pick
+    /// its kernels), and waits. With `timed`, only the total is measured (events around the
+    /// replay), with the experts used.
+    pub(super) fn graph_run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
+        let s = &self.gpu.stream;
+        if !b.graphs.graphs.iter().any(|(n, _)| *n == t) {
+            if b.graphs.workspaces.is_empty() {
+                b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side[0].1])?;
+            }
+            self.run(b, t, false)?;
+            s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+                .map_err(|e| err("begin capture", e))?;
+            let enqueued = self.enqueue(b, t, &|_| Ok(()));
+            let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
+            enqueued?;
+            let graph =
+                captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
+            if b.graphs.graphs.len() == GRAPHS_KEPT {
+                b.graphs.graphs.remove(0);
+            }
+            b.graphs.graphs.push((t, LayerGraph(graph)));
+        }
+        let graph = &b.graphs.graphs.iter().find(|(n, _)| *n == t).expect("captured above").1 .0;
+        let events = if timed {
+            let ev = || self.gpu.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
+            Some((ev()?, ev()?))
+        } else {
+            None
+        };
+        if let Some((start, _)) = &events {
+            start.record(s).map_err(|e| err("event", e))?;
+        }
+        graph.launch().map_err(|e| err("graph launch", e))?;
+        if let Some((_, stop)) = &events {
+            stop.record(s).map_err(|e| err("event", e))?;
+        }
+        s.synchronize().map_err(|e| err("synchronize", e))?;
+        let Some((start, stop)) = events else { return Ok(GpuStageTimes::default()) };
+        let total = start.elapsed_ms(&stop).map_err(|e| err("event time", e))? as f64;
+        Ok(GpuStageTimes { total, experts_used: self.experts_used(b)?, ..GpuStageTimes::default() })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{no_hook, CudaMoeLayer};
+    use crate::config::{MoeConfig, SharedConfig};
+    use crate::experts::Activation;
+    use crate::router::RouterConfig;
+    use crate::tensor::Tensor;
+    use crate::{preset, DType};
+
+    /// Small batches replayed from their graphs give the bits of the same batches run launch by
+    /// launch, batch sizes interleaved (each its own graph), with and without a shared expert
+    /// (captured on its side stream). Needs a Hopper GPU; says loudly when it skips.
+    #[test]
+    fn replays_match_direct_runs_bit_for_bit() {
+        let name = "replays_match_direct_runs_bit_for_bit";
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let shared = Some(SharedConfig { inter: 48, gated: true });
+        // (experts, top-k, shared expert, batch sizes)
+        let cases = [(16, 4, None, vec![1, 3, 1, 40, 3]), (8, 2, shared, vec![16, 9, 16])];
+        for (e, k, shared, sizes) in cases {
+            let config = MoeConfig {
+                hidden: 128,
+                inter: 64,
+                num_experts: e,
+                top_k: k,
+                router: RouterConfig::Softmax { renormalize: true },
+                activation: Activation::Silu,
+                apply_router_weight_on_input: false,
+                shared,
+            };
+            let weights = preset::random_weights(&config, DType::BF16, 21);
+            let layer = CudaMoeLayer::new(&config, &weights).unwrap();
+            if !sizes.iter().all(|&t| layer.takes_graph(t)) {
+                eprintln!(
+                    "SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)"
+                );
+                return;
+            }
+            for (i, &t) in sizes.iter().enumerate() {
+                let x = Tensor::from_f32(&[t, 128], preset::uniform(t * 128, 1.0, 30 + i as u64)).unwrap();
+                let direct = layer.forward_hooked(&x, &no_hook, false).unwrap().to_f32_vec();
+                let replayed = layer.forward(&x).unwrap().to_f32_vec();
+                let again = layer.forward(&x).unwrap().to_f32_vec();
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&replayed), bits(&direct), "{e} experts, batch {t} (call {i}): replay against direct");
+                assert_eq!(bits(&again), bits(&direct), "{e} experts, batch {t} (call {i}): second replay");
+            }
+            eprintln!("graph replays match direct runs: {e} experts, shared expert {}", shared.is_some());
+        }
+    }
+}
