@@ -20,6 +20,12 @@ pub(super) const GRAPH_TOKENS: usize = 256;
 /// Graphs kept per layer (one per batch size; the oldest goes first).
 const GRAPHS_KEPT: usize = 16;
 
+/// Captures a layer tries per batch size before that size runs directly for good.
+const CAPTURE_TRIES: usize = 3;
+
+/// Held while a layer captures, so captures in one process do not overlap.
+static CAPTURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A captured layer. CUDA graphs are not synchronised internally; these are only touched
 /// under the layer's buffer lock.
 pub(super) struct LayerGraph(pub(super) CudaGraph);
@@ -49,6 +55,8 @@ pub(super) fn blas_workspaces(layer: &CudaMoeLayer, handles: &[&CudaBlas]) -> Re
 #[derive(Default)]
 pub(super) struct LocalGraphs {
     graphs: Vec<(usize, LayerGraph)>,
+    /// Failed captures per batch size.
+    failures: Vec<(usize, usize)>,
     workspaces: Vec<CudaSlice<u8>>,
 }
 
@@ -56,7 +64,7 @@ impl LocalGraphs {
     /// The workspaces, kept when the buffers are replaced (the handles still point at them);
     /// the graphs, which point into the old buffers, are dropped.
     pub(super) fn carried_over(self) -> Self {
-        LocalGraphs { graphs: Vec::new(), workspaces: self.workspaces }
+        LocalGraphs { graphs: Vec::new(), failures: Vec::new(), workspaces: self.workspaces }
     }
 }
 
@@ -81,26 +89,17 @@ impl CudaMoeLayer {
     /// capturing it first (after one direct run, which loads the modules and lets cuBLAS pick
     /// its kernels), and waits. With `timed`, only the total is measured (events around the
     /// replay), with the experts used.
+    ///
+    /// A capture can fail through no fault of the layer: another thread's CUDA work (a module
+    /// loaded on first use, an allocation that synchronises) invalidates captures under way.
+    /// Then this call runs the layer directly, and a later call of the same size tries again,
+    /// up to [`CAPTURE_TRIES`] times. Captures are serialised within the process.
     pub(super) fn graph_run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
-        let s = &self.gpu.stream;
-        if !b.graphs.graphs.iter().any(|(n, _)| *n == t) {
-            if b.graphs.workspaces.is_empty() {
-                b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side[0].1])?;
-            }
-            self.run(b, t, false)?;
-            s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| err("begin capture", e))?;
-            let enqueued = self.enqueue(b, t, &|_| Ok(()));
-            let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
-            enqueued?;
-            let graph =
-                captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
-            if b.graphs.graphs.len() == GRAPHS_KEPT {
-                b.graphs.graphs.remove(0);
-            }
-            b.graphs.graphs.push((t, LayerGraph(graph)));
+        if !b.graphs.graphs.iter().any(|(n, _)| *n == t) && !self.capture(b, t)? {
+            return self.run(b, t, timed);
         }
-        let graph = &b.graphs.graphs.iter().find(|(n, _)| *n == t).expect("captured above").1 .0;
+        let s = &self.gpu.stream;
+        let graph = &b.graphs.graphs.iter().find(|(n, _)| *n == t).expect("captured").1 .0;
         let events = if timed {
             let ev = || self.gpu.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
             Some((ev()?, ev()?))
@@ -119,6 +118,41 @@ impl CudaMoeLayer {
         let total = start.elapsed_ms(&stop).map_err(|e| err("event time", e))? as f64;
         Ok(GpuStageTimes { total, experts_used: self.experts_used(b)?, ..GpuStageTimes::default() })
     }
+
+    /// Captures the layer for `t` tokens into `b`'s graphs; `false` when the capture failed
+    /// (see [`CudaMoeLayer::graph_run`]) or has failed too often for this size.
+    fn capture(&self, b: &mut Buffers, t: usize) -> Result<bool> {
+        let failed = b.graphs.failures.iter().find(|(n, _)| *n == t).map_or(0, |&(_, f)| f);
+        if failed >= CAPTURE_TRIES {
+            return Ok(false);
+        }
+        if b.graphs.workspaces.is_empty() {
+            b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side[0].1])?;
+        }
+        self.run(b, t, false)?;
+        let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
+        let s = &self.gpu.stream;
+        s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| err("begin capture", e))?;
+        let enqueued = self.enqueue(b, t, &|_| Ok(()));
+        let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
+        match (enqueued, captured) {
+            (Ok(_), Ok(Some(graph))) => {
+                if b.graphs.graphs.len() == GRAPHS_KEPT {
+                    b.graphs.graphs.remove(0);
+                }
+                b.graphs.graphs.push((t, LayerGraph(graph)));
+                Ok(true)
+            }
+            _ => {
+                // Whatever the capture left behind, the stream must be usable again.
+                s.synchronize().map_err(|e| err("synchronize after a failed capture", e))?;
+                b.graphs.failures.retain(|(n, _)| *n != t);
+                b.graphs.failures.push((t, failed + 1));
+                Ok(false)
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -129,6 +163,60 @@ mod tests {
     use crate::router::RouterConfig;
     use crate::tensor::Tensor;
     use crate::{preset, DType};
+
+    /// Layers capturing and replaying on several threads at once (another thread's CUDA work
+    /// can invalidate a capture, and the call then runs directly) give every batch the bits it
+    /// gets alone, and no call fails. Needs a Hopper GPU; says loudly when it skips.
+    #[test]
+    fn concurrent_layers_match_their_runs_alone() {
+        let name = "concurrent_layers_match_their_runs_alone";
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let config = MoeConfig {
+            hidden: 256,
+            inter: 64,
+            num_experts: 16,
+            top_k: 4,
+            router: RouterConfig::Softmax { renormalize: true },
+            activation: Activation::Silu,
+            apply_router_weight_on_input: false,
+            shared: None,
+        };
+        let weights = preset::random_weights(&config, DType::BF16, 40);
+        let sizes = [1usize, 5, 1, 9, 5, 2];
+        let inputs: Vec<Tensor> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &t)| Tensor::from_f32(&[t, 256], preset::uniform(t * 256, 1.0, 50 + i as u64)).unwrap())
+            .collect();
+        let alone = CudaMoeLayer::new(&config, &weights).unwrap();
+        if !sizes.iter().all(|&t| alone.takes_graph(t)) {
+            eprintln!("SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)");
+            return;
+        }
+        let want: Vec<Vec<f32>> =
+            inputs.iter().map(|x| alone.forward_hooked(x, &no_hook, false).unwrap().to_f32_vec()).collect();
+        std::thread::scope(|scope| {
+            for thread in 0..4 {
+                let (config, weights, inputs, want) = (&config, &weights, &inputs, &want);
+                scope.spawn(move || {
+                    let layer = CudaMoeLayer::new(config, weights).unwrap();
+                    for round in 0..3 {
+                        for (i, x) in inputs.iter().enumerate() {
+                            let got = layer.forward(x).unwrap().to_f32_vec();
+                            assert!(
+                                got.iter().zip(&want[i]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                "thread {thread} round {round} batch {i}: differs from the run alone"
+                            );
+                        }
+                    }
+                });
+            }
+        });
+        eprintln!("concurrent layers match their runs alone");
+    }
 
     /// Small batches replayed from their graphs give the bits of the same batches run launch by
     /// launch, batch sizes interleaved (each its own graph), with and without a shared expert
