@@ -9,7 +9,7 @@
 use super::{dptr, err, Buffers, CudaMoeLayer, GpuStageTimes};
 use crate::error::Result;
 use cudarc::cublas::{sys as cb, CudaBlas};
-use cudarc::driver::{sys as drv, CudaGraph, CudaSlice};
+use cudarc::driver::{sys as drv, CudaEvent, CudaGraph, CudaSlice};
 
 /// cuBLAS workspace per handle, set before capture so no GEMM allocates inside a graph.
 pub(super) const BLAS_WORKSPACE: usize = 32 << 20;
@@ -33,6 +33,33 @@ pub(super) struct LayerGraph(pub(super) CudaGraph);
 // SAFETY: a graph is used from one thread at a time (under the layer's buffer mutex), which
 // is all CUDA asks of graph objects.
 unsafe impl Send for LayerGraph {}
+
+impl LayerGraph {
+    /// Launches the graph on `gpu`'s stream; with `timed`, between two events recorded there,
+    /// returned for [`elapsed_ms`] once the stream has passed them.
+    pub(super) fn launch(&self, gpu: &super::Gpu, timed: bool) -> Result<Option<(CudaEvent, CudaEvent)>> {
+        let s = &gpu.stream;
+        let events = if timed {
+            let ev = || gpu.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
+            Some((ev()?, ev()?))
+        } else {
+            None
+        };
+        if let Some((start, _)) = &events {
+            start.record(s).map_err(|e| err("event", e))?;
+        }
+        self.0.launch().map_err(|e| err("graph launch", e))?;
+        if let Some((_, stop)) = &events {
+            stop.record(s).map_err(|e| err("event", e))?;
+        }
+        Ok(events)
+    }
+}
+
+/// Milliseconds between the two events of a timed [`LayerGraph::launch`].
+pub(super) fn elapsed_ms((start, stop): &(CudaEvent, CudaEvent)) -> Result<f64> {
+    Ok(start.elapsed_ms(stop).map_err(|e| err("event time", e))? as f64)
+}
 
 /// Workspaces of `BLAS_WORKSPACE` bytes for `handles`, set on them. The caller keeps them
 /// alive as long as the handles run GEMMs.
@@ -98,25 +125,15 @@ impl CudaMoeLayer {
         if !b.graphs.graphs.iter().any(|(n, _)| *n == t) && !self.capture(b, t)? {
             return self.run(b, t, timed);
         }
-        let s = &self.gpu.stream;
-        let graph = &b.graphs.graphs.iter().find(|(n, _)| *n == t).expect("captured").1 .0;
-        let events = if timed {
-            let ev = || self.gpu.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
-            Some((ev()?, ev()?))
-        } else {
-            None
-        };
-        if let Some((start, _)) = &events {
-            start.record(s).map_err(|e| err("event", e))?;
-        }
-        graph.launch().map_err(|e| err("graph launch", e))?;
-        if let Some((_, stop)) = &events {
-            stop.record(s).map_err(|e| err("event", e))?;
-        }
-        s.synchronize().map_err(|e| err("synchronize", e))?;
-        let Some((start, stop)) = events else { return Ok(GpuStageTimes::default()) };
-        let total = start.elapsed_ms(&stop).map_err(|e| err("event time", e))? as f64;
-        Ok(GpuStageTimes { total, experts_used: self.experts_used(b)?, ..GpuStageTimes::default() })
+        let graph = &b.graphs.graphs.iter().find(|(n, _)| *n == t).expect("captured").1;
+        let events = graph.launch(&self.gpu, timed)?;
+        self.gpu.stream.synchronize().map_err(|e| err("synchronize", e))?;
+        let Some(events) = events else { return Ok(GpuStageTimes::default()) };
+        Ok(GpuStageTimes {
+            total: elapsed_ms(&events)?,
+            experts_used: self.experts_used(b)?,
+            ..GpuStageTimes::default()
+        })
     }
 
     /// Captures the layer for `t` tokens into `b`'s graphs; `false` when the capture failed

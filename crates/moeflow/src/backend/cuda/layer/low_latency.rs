@@ -11,7 +11,7 @@
 //! grouped GEMM (`kernels/masked_gemm.cu`) runs each expert over its counted rows only, and the
 //! weighted sum per message row goes back as one bf16 row, summed at home in rank order.
 
-use super::graph::{blas_workspaces, LayerGraph};
+use super::graph::{blas_workspaces, elapsed_ms, LayerGraph};
 use super::hopper_gemm::Epilogue;
 use super::masked_gemm::Projection;
 use super::{dptr, err, rows, CudaMoeLayer, EpLink, GpuStageTimes};
@@ -130,24 +130,15 @@ impl CudaMoeLayer {
                 captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
             b.ll.as_mut().expect("allocated").graph = Some(LayerGraph(graph));
         }
-        let graph = &b.ll.as_ref().expect("allocated").graph.as_ref().expect("captured above").0;
-        let events = if timed {
-            let ev = || self.gpu.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
-            Some((ev()?, ev()?))
-        } else {
-            None
-        };
-        if let Some((start, _)) = &events {
-            start.record(s).map_err(|e| err("event", e))?;
-        }
-        graph.launch().map_err(|e| err("graph launch", e))?;
-        if let Some((_, stop)) = &events {
-            stop.record(s).map_err(|e| err("event", e))?;
-        }
+        let graph = b.ll.as_ref().expect("allocated").graph.as_ref().expect("captured above");
+        let events = graph.launch(&self.gpu, timed)?;
         link.comm.wait("moe layer", s)?;
-        let Some((start, stop)) = events else { return Ok(GpuStageTimes::default()) };
-        let total = start.elapsed_ms(&stop).map_err(|e| err("event time", e))? as f64;
-        Ok(GpuStageTimes { total, dispatch_bytes: self.ll_sent_bytes(), ..GpuStageTimes::default() })
+        let Some(events) = events else { return Ok(GpuStageTimes::default()) };
+        Ok(GpuStageTimes {
+            total: elapsed_ms(&events)?,
+            dispatch_bytes: self.ll_sent_bytes(),
+            ..GpuStageTimes::default()
+        })
     }
 
     /// A clear error when `t` tokens exceed the low-latency capacity (checked before any
