@@ -96,7 +96,7 @@ impl LocalGraphs {
 }
 
 /// Whether graphs are allowed (`MOEFLOW_CUDA_GRAPHS` is not `0`).
-fn graphs_allowed() -> bool {
+pub(super) fn graphs_allowed() -> bool {
     std::env::var("MOEFLOW_CUDA_GRAPHS").map_or(true, |v| v != "0")
 }
 

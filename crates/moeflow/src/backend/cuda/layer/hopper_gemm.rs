@@ -186,8 +186,9 @@ impl HopperGemm {
 impl CudaMoeLayer {
     /// The Hopper grouped GEMM for `rows` rows over `experts` experts, when the GPU and shapes
     /// take it and it is the better choice: from 2 to 1024 rows an expert on average; below 2
-    /// on one GPU without a shared expert, or with one and at least [`MANY_EXPERTS`] experts;
-    /// always with `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
+    /// on one GPU when the batch replays a CUDA graph (see [`super::graph`]), or without a
+    /// shared expert, or with one and at least [`MANY_EXPERTS`] experts; always with
+    /// `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
     /// experts, the layer with its shared expert, two runs each (ms, this kernel against
     /// cuBLAS): 16 rows an expert 1.55, 1.46 against 1.56, 1.62; 64 rows 1.68, 1.58 against
     /// 1.72, 1.89; 128 rows 2.05, 2.07 against 2.02, 2.10; 256 rows 3.43, 3.47 against 3.80,
@@ -206,12 +207,19 @@ impl CudaMoeLayer {
     /// 0.529–0.565 / 0.841–0.919 / 1.443–1.450. With the shared expert and 64 experts cuBLAS's
     /// small GEMMs leave SMs to the shared expert beside them, and win: 0.285–0.288 / 0.445–0.446
     /// / 0.655–0.662 / 0.974–0.989 against 0.304–0.307 / 0.452–0.456 / 0.711–0.712 /
-    /// 1.008–1.017. On one H100 without a shared expert the two are level (docs/bench).
-    /// Expert-parallel ranks keep cuBLAS there (not measured).
+    /// 1.008–1.017. On one H100 without a shared expert the two are level (docs/bench). With
+    /// the batch replayed from its CUDA graph, which only the Hopper GEMM allows, it wins with
+    /// the shared expert too (H200, two rounds): 64 experts 0.246–0.248 / 0.404 / 0.664–0.666 /
+    /// 0.955 against cuBLAS's 0.286–0.288 / 0.433–0.437 / 0.662–0.670 / 0.967–0.976; 128
+    /// experts 0.251 / 0.419–0.421 / 0.700–0.701 / 1.149–1.150 against 0.289–0.290 /
+    /// 0.446–0.454 / 0.724–0.725 / 1.143–1.148. Expert-parallel ranks keep cuBLAS there (not
+    /// measured).
     pub(super) fn hopper_for(&self, rows: usize, experts: usize) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
-        let few_rows_here = self.ep.is_none() && (self.config.shared.is_none() || experts >= MANY_EXPERTS);
+        let tokens = rows / self.config.top_k.max(1);
+        let graphed = super::graph::graphs_allowed() && tokens <= super::graph::GRAPH_TOKENS;
+        let few_rows_here = self.ep.is_none() && (graphed || self.config.shared.is_none() || experts >= MANY_EXPERTS);
         let wanted = match super::gemm_mode() {
             super::GemmMode::Hopper => true,
             _ => per_expert <= 1024 && (per_expert >= 2 || few_rows_here),
