@@ -121,6 +121,14 @@ impl Timed {
             Timed::Dual(d) => d.forward_timed(tokens, seed),
         }
     }
+
+    /// Whether `forward_timed` replays a one-GPU graph for `tokens` tokens (timing only the whole).
+    fn replays_graph(&self, tokens: usize) -> bool {
+        match self {
+            Timed::Whole(l) => l.replays_graph(tokens),
+            Timed::Dual(_) => false,
+        }
+    }
 }
 
 /// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
@@ -881,10 +889,13 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
         let runs = args.min_runs.max(20);
         let samples: Vec<_> =
             (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
-        // The stages from runs with events between them (a small batch otherwise replays its
-        // CUDA graph, timed as a whole).
-        let staged: Vec<_> =
-            (0..runs).map(|r| gpu.forward_timed_stages(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
+        // A batch that replays its CUDA graph is timed as a whole: its stages come from runs with
+        // events between them.
+        let staged: Vec<_> = if gpu.replays_graph(t) {
+            (0..runs).map(|r| gpu.forward_timed_stages(t, args.layer.seed + r as u64)).collect::<Result<_>>()?
+        } else {
+            samples.clone()
+        };
         type Times = moeflow::backend::cuda::GpuStageTimes;
         let med = |f: fn(&Times) -> f64| median(&staged.iter().map(f).collect::<Vec<_>>());
         let ms = median(&samples.iter().map(|s| s.total).collect::<Vec<_>>());

@@ -126,6 +126,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn replays_graph(&self, _tokens: usize) -> bool {
+            false
+        }
+        /// Unreachable without the feature.
         pub fn low_latency(self, _max_tokens_per_rank: usize) -> Result<Self> {
             Err(missing())
         }

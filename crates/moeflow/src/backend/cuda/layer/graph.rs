@@ -95,12 +95,19 @@ impl LocalGraphs {
     }
 }
 
-/// Whether graphs are allowed (`MOEFLOW_CUDA_GRAPHS` is not `0`).
+/// Whether graphs are allowed (`MOEFLOW_CUDA_GRAPHS` is not `0`), read once per process.
 pub(super) fn graphs_allowed() -> bool {
-    std::env::var("MOEFLOW_CUDA_GRAPHS").map_or(true, |v| v != "0")
+    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ALLOWED.get_or_init(|| std::env::var("MOEFLOW_CUDA_GRAPHS").map_or(true, |v| v != "0"))
 }
 
 impl CudaMoeLayer {
+    /// Whether a batch of `t` tokens on this one-GPU layer is replayed from a CUDA graph (see
+    /// the module); then [`CudaMoeLayer::forward_timed`] times only the whole.
+    pub fn replays_graph(&self, t: usize) -> bool {
+        self.takes_graph(t)
+    }
+
     /// Whether a batch of `t` tokens on this layer is replayed from a graph (see the module).
     pub(super) fn takes_graph(&self, t: usize) -> bool {
         let (e, k) = (self.config.num_experts, self.config.top_k);
@@ -136,6 +143,18 @@ impl CudaMoeLayer {
         })
     }
 
+    /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph.
+    pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize) -> Result<LayerGraph> {
+        let s = &self.gpu.stream;
+        s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
+            .map_err(|e| err("begin capture", e))?;
+        let enqueued = self.enqueue(b, rows, &|_| Ok(()));
+        let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
+        enqueued?;
+        let graph = captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
+        Ok(LayerGraph(graph))
+    }
+
     /// Captures the layer for `t` tokens into `b`'s graphs; `false` when the capture failed
     /// (see [`CudaMoeLayer::graph_run`]) or has failed too often for this size.
     fn capture(&self, b: &mut Buffers, t: usize) -> Result<bool> {
@@ -148,21 +167,17 @@ impl CudaMoeLayer {
         }
         self.run(b, t, false)?;
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
-        let s = &self.gpu.stream;
-        s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-            .map_err(|e| err("begin capture", e))?;
-        let enqueued = self.enqueue(b, t, &|_| Ok(()));
-        let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
-        match (enqueued, captured) {
-            (Ok(_), Ok(Some(graph))) => {
+        match self.capture_layer(b, t) {
+            Ok(graph) => {
                 if b.graphs.graphs.len() == GRAPHS_KEPT {
                     b.graphs.graphs.remove(0);
                 }
-                b.graphs.graphs.push((t, LayerGraph(graph)));
+                b.graphs.graphs.push((t, graph));
                 Ok(true)
             }
-            _ => {
+            Err(_) => {
                 // Whatever the capture left behind, the stream must be usable again.
+                let s = &self.gpu.stream;
                 s.synchronize().map_err(|e| err("synchronize after a failed capture", e))?;
                 b.graphs.failures.retain(|(n, _)| *n != t);
                 b.graphs.failures.push((t, failed + 1));
@@ -181,6 +196,26 @@ mod tests {
     use crate::tensor::Tensor;
     use crate::{preset, DType};
 
+    /// A small layer: softmax router, SiLU experts.
+    fn small_layer(
+        hidden: usize,
+        inter: usize,
+        experts: usize,
+        top_k: usize,
+        shared: Option<SharedConfig>,
+    ) -> MoeConfig {
+        MoeConfig {
+            hidden,
+            inter,
+            num_experts: experts,
+            top_k,
+            router: RouterConfig::Softmax { renormalize: true },
+            activation: Activation::Silu,
+            apply_router_weight_on_input: false,
+            shared,
+        }
+    }
+
     /// Layers capturing and replaying on several threads at once (another thread's CUDA work
     /// can invalidate a capture, and the call then runs directly) give every batch the bits it
     /// gets alone, and no call fails. Needs a Hopper GPU; says loudly when it skips.
@@ -191,16 +226,7 @@ mod tests {
             eprintln!("SKIPPED {name}: no CUDA device");
             return;
         }
-        let config = MoeConfig {
-            hidden: 256,
-            inter: 64,
-            num_experts: 16,
-            top_k: 4,
-            router: RouterConfig::Softmax { renormalize: true },
-            activation: Activation::Silu,
-            apply_router_weight_on_input: false,
-            shared: None,
-        };
+        let config = small_layer(256, 64, 16, 4, None);
         let weights = preset::random_weights(&config, DType::BF16, 40);
         let sizes = [1usize, 5, 1, 9, 5, 2];
         let inputs: Vec<Tensor> = sizes
@@ -249,16 +275,7 @@ mod tests {
         // (experts, top-k, shared expert, batch sizes)
         let cases = [(16, 4, None, vec![1, 3, 1, 40, 3]), (8, 2, shared, vec![16, 9, 16])];
         for (e, k, shared, sizes) in cases {
-            let config = MoeConfig {
-                hidden: 128,
-                inter: 64,
-                num_experts: e,
-                top_k: k,
-                router: RouterConfig::Softmax { renormalize: true },
-                activation: Activation::Silu,
-                apply_router_weight_on_input: false,
-                shared,
-            };
+            let config = small_layer(128, 64, e, k, shared);
             let weights = preset::random_weights(&config, DType::BF16, 21);
             let layer = CudaMoeLayer::new(&config, &weights).unwrap();
             if !sizes.iter().all(|&t| layer.takes_graph(t)) {

@@ -16,7 +16,7 @@ use super::hopper_gemm::Epilogue;
 use super::masked_gemm::Projection;
 use super::{dptr, err, rows, CudaMoeLayer, EpLink, GpuStageTimes};
 use crate::error::{MoeError, Result};
-use cudarc::driver::{sys as drv, CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Low-latency buffers, all sized by the capacity, and the captured layer.
 pub(super) struct LlBuffers {
@@ -121,14 +121,8 @@ impl CudaMoeLayer {
             // A direct run first: NCCL connects its peers, cuBLAS picks its kernels, the
             // modules load, none of which may happen inside a capture.
             self.run(b, m, false)?;
-            s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
-                .map_err(|e| err("begin capture", e))?;
-            let enqueued = self.enqueue(b, m, &|_| Ok(()));
-            let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
-            enqueued?;
-            let graph =
-                captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
-            b.ll.as_mut().expect("allocated").graph = Some(LayerGraph(graph));
+            let graph = self.capture_layer(b, m)?;
+            b.ll.as_mut().expect("allocated").graph = Some(graph);
         }
         let graph = b.ll.as_ref().expect("allocated").graph.as_ref().expect("captured above");
         let events = graph.launch(&self.gpu, timed)?;
