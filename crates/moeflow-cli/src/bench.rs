@@ -129,6 +129,14 @@ impl Timed {
             Timed::Dual(_) => false,
         }
     }
+
+    /// Captures of one-GPU graphs that failed so far (those calls ran launch by launch).
+    fn failed_graph_captures(&self) -> usize {
+        match self {
+            Timed::Whole(l) => l.failed_graph_captures(),
+            Timed::Dual(_) => 0,
+        }
+    }
 }
 
 /// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
@@ -883,6 +891,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     let mut records = Vec::new();
     let mut floor_inputs = Vec::new();
     for &t in &args.tokens {
+        let failed_before = gpu.failed_graph_captures();
         for _ in 0..3 {
             gpu.forward_timed(t, args.layer.seed)?;
         }
@@ -924,6 +933,14 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             med(|s| s.combine),
             med(|s| s.shared)
         );
+        let failed = gpu.failed_graph_captures();
+        if failed > failed_before {
+            println!(
+                "{:>7} note: {} CUDA graph capture(s) failed; those runs went launch by launch",
+                "",
+                failed - failed_before
+            );
+        }
         records.push(Record {
             preset: p.name.to_string(),
             backend: "cuda".into(),

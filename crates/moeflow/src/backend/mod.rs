@@ -130,6 +130,10 @@ pub mod cuda {
             false
         }
         /// Unreachable without the feature.
+        pub fn failed_graph_captures(&self) -> usize {
+            0
+        }
+        /// Unreachable without the feature.
         pub fn low_latency(self, _max_tokens_per_rank: usize) -> Result<Self> {
             Err(missing())
         }

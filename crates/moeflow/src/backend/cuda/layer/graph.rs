@@ -84,14 +84,31 @@ pub(super) struct LocalGraphs {
     graphs: Vec<(usize, LayerGraph)>,
     /// Failed captures per batch size.
     failures: Vec<(usize, usize)>,
+    /// Failed captures in all, over the layer's life.
+    failed: usize,
     workspaces: Vec<CudaSlice<u8>>,
+    /// Captures still to spoil on purpose (tests of the fallback).
+    #[cfg(test)]
+    spoil: usize,
 }
 
 impl LocalGraphs {
-    /// The workspaces, kept when the buffers are replaced (the handles still point at them);
-    /// the graphs, which point into the old buffers, are dropped.
+    /// The workspaces and the count of failed captures, kept when the buffers are replaced
+    /// (the handles still point at the workspaces); the graphs, which point into the old
+    /// buffers, are dropped.
     pub(super) fn carried_over(self) -> Self {
-        LocalGraphs { graphs: Vec::new(), failures: Vec::new(), workspaces: self.workspaces }
+        LocalGraphs { failed: self.failed, workspaces: self.workspaces, ..Self::default() }
+    }
+
+    /// Whether the capture about to start is to be spoilt on purpose (tests of the fallback
+    /// only); counts such captures down.
+    fn spoils_this_capture(&mut self) -> bool {
+        #[cfg(test)]
+        if self.spoil > 0 {
+            self.spoil -= 1;
+            return true;
+        }
+        false
     }
 }
 
@@ -106,6 +123,13 @@ impl CudaMoeLayer {
     /// the module); then [`CudaMoeLayer::forward_timed`] times only the whole.
     pub fn replays_graph(&self, t: usize) -> bool {
         self.takes_graph(t)
+    }
+
+    /// How many captures of this one-GPU layer's graphs have failed, so far; each such call ran
+    /// the layer launch by launch instead (see [`CudaMoeLayer::forward`]).
+    pub fn failed_graph_captures(&self) -> usize {
+        let guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        guard.as_ref().map_or(0, |b| b.graphs.failed)
     }
 
     /// Whether a batch of `t` tokens on this layer is replayed from a graph (see the module).
@@ -146,9 +170,17 @@ impl CudaMoeLayer {
     /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph.
     pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize) -> Result<LayerGraph> {
         let s = &self.gpu.stream;
+        let spoil = b.graphs.spoils_this_capture();
         s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| err("begin capture", e))?;
-        let enqueued = self.enqueue(b, rows, &|_| Ok(()));
+        // A spoilt capture synchronises its stream after the up projection, with the shared
+        // expert's side stream forked: CUDA forbids that during a capture and invalidates it.
+        let enqueued = self.enqueue(b, rows, &|stage| {
+            if spoil && stage == 4 {
+                let _ = s.synchronize();
+            }
+            Ok(())
+        });
         let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
         enqueued?;
         let graph = captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
@@ -181,6 +213,7 @@ impl CudaMoeLayer {
                 s.synchronize().map_err(|e| err("synchronize after a failed capture", e))?;
                 b.graphs.failures.retain(|(n, _)| *n != t);
                 b.graphs.failures.push((t, failed + 1));
+                b.graphs.failed += 1;
                 Ok(false)
             }
         }
@@ -259,6 +292,48 @@ mod tests {
             }
         });
         eprintln!("concurrent layers match their runs alone");
+    }
+
+    /// A capture that fails (spoilt on purpose by a stream synchronisation in the middle of
+    /// it, once the shared expert's side stream has forked into it) leaves that call to run
+    /// launch by launch with the same bits and every stream usable, and is counted; the next
+    /// call of that size captures again and replays. Needs a Hopper GPU; says loudly when it
+    /// skips.
+    #[test]
+    fn a_failed_capture_runs_directly_and_is_tried_again() {
+        let name = "a_failed_capture_runs_directly_and_is_tried_again";
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let config = small_layer(128, 64, 8, 2, Some(SharedConfig { inter: 48, gated: true }));
+        let weights = preset::random_weights(&config, DType::BF16, 22);
+        let layer = CudaMoeLayer::new(&config, &weights).unwrap();
+        let t = 16;
+        if !layer.takes_graph(t) {
+            eprintln!("SKIPPED {name}: this batch takes no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)");
+            return;
+        }
+        let x = Tensor::from_f32(&[t, 128], preset::uniform(t * 128, 1.0, 31)).unwrap();
+        let bits = |v: Tensor| v.to_f32_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let direct = bits(layer.forward_hooked(&x, &no_hook, false).unwrap());
+        {
+            let mut guard = layer.bufs.lock().unwrap();
+            guard.as_mut().expect("buffers after a run").graphs.spoil = 1;
+        }
+        let graphed = |layer: &CudaMoeLayer| {
+            let guard = layer.bufs.lock().unwrap();
+            guard.as_ref().is_some_and(|b| b.graphs.graphs.iter().any(|(n, _)| *n == t))
+        };
+        assert_eq!(bits(layer.forward(&x).unwrap()), direct, "the call whose capture failed");
+        assert_eq!(layer.failed_graph_captures(), 1, "the failed capture is counted");
+        assert!(!graphed(&layer), "no graph kept from the failed capture");
+        assert_eq!(bits(layer.forward_hooked(&x, &no_hook, false).unwrap()), direct, "a direct run after it");
+        assert_eq!(bits(layer.forward(&x).unwrap()), direct, "the call that captures again");
+        assert!(graphed(&layer), "the second capture is kept");
+        assert_eq!(bits(layer.forward(&x).unwrap()), direct, "a replay");
+        assert_eq!(layer.failed_graph_captures(), 1, "one failure in all");
+        eprintln!("a failed capture runs directly and is tried again");
     }
 
     /// Small batches replayed from their graphs give the bits of the same batches run launch by
