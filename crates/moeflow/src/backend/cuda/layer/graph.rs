@@ -184,6 +184,13 @@ impl CudaMoeLayer {
             }
             Ok(())
         });
+        if enqueued.is_err() {
+            // A launch that failed (an invalidated capture) left the side streams forked into
+            // the capture: joined back, they leave it when it ends.
+            for (side, _) in &self.side {
+                let _ = s.join(side);
+            }
+        }
         let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
         enqueued?;
         let graph = captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
