@@ -259,16 +259,36 @@ mod tests {
         }
     }
 
+    /// The layer of `config` on GPU 0 when it replays a graph for every batch size in `sizes`;
+    /// `None`, saying loudly that test `name` skipped, without a GPU or where they take none.
+    fn layer_taking_graphs(
+        name: &str,
+        config: &MoeConfig,
+        weights: &crate::MoeWeights,
+        sizes: &[usize],
+    ) -> Option<CudaMoeLayer> {
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return None;
+        }
+        let layer = CudaMoeLayer::new(config, weights).unwrap();
+        if !sizes.iter().all(|&t| layer.takes_graph(t)) {
+            eprintln!("SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)");
+            return None;
+        }
+        Some(layer)
+    }
+
+    /// The bits of an output's values, for exact comparisons.
+    fn bits(out: Tensor) -> Vec<u32> {
+        out.to_f32_vec().iter().map(|x| x.to_bits()).collect()
+    }
+
     /// Layers capturing and replaying on several threads at once (another thread's CUDA work
     /// can invalidate a capture, and the call then runs directly) give every batch the bits it
     /// gets alone, and no call fails. Needs a Hopper GPU; says loudly when it skips.
     #[test]
     fn concurrent_layers_match_their_runs_alone() {
-        let name = "concurrent_layers_match_their_runs_alone";
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
-            return;
-        }
         let config = small_layer(256, 64, 16, 4, None);
         let weights = preset::random_weights(&config, DType::BF16, 40);
         let sizes = [1usize, 5, 1, 9, 5, 2];
@@ -277,13 +297,10 @@ mod tests {
             .enumerate()
             .map(|(i, &t)| Tensor::from_f32(&[t, 256], preset::uniform(t * 256, 1.0, 50 + i as u64)).unwrap())
             .collect();
-        let alone = CudaMoeLayer::new(&config, &weights).unwrap();
-        if !sizes.iter().all(|&t| alone.takes_graph(t)) {
-            eprintln!("SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)");
-            return;
-        }
-        let want: Vec<Vec<f32>> =
-            inputs.iter().map(|x| alone.forward_hooked(x, &no_hook, false).unwrap().to_f32_vec()).collect();
+        let name = "concurrent_layers_match_their_runs_alone";
+        let Some(alone) = layer_taking_graphs(name, &config, &weights, &sizes) else { return };
+        let want: Vec<Vec<u32>> =
+            inputs.iter().map(|x| bits(alone.forward_hooked(x, &no_hook, false).unwrap())).collect();
         std::thread::scope(|scope| {
             for thread in 0..4 {
                 let (config, weights, inputs, want) = (&config, &weights, &inputs, &want);
@@ -291,9 +308,8 @@ mod tests {
                     let layer = CudaMoeLayer::new(config, weights).unwrap();
                     for round in 0..3 {
                         for (i, x) in inputs.iter().enumerate() {
-                            let got = layer.forward(x).unwrap().to_f32_vec();
                             assert!(
-                                got.iter().zip(&want[i]).all(|(a, b)| a.to_bits() == b.to_bits()),
+                                bits(layer.forward(x).unwrap()) == want[i],
                                 "thread {thread} round {round} batch {i}: differs from the run alone"
                             );
                         }
@@ -312,20 +328,11 @@ mod tests {
     #[test]
     fn a_failed_capture_runs_directly_and_is_tried_again() {
         let name = "a_failed_capture_runs_directly_and_is_tried_again";
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
-            return;
-        }
         let config = small_layer(128, 64, 8, 2, Some(SharedConfig { inter: 48, gated: true }));
         let weights = preset::random_weights(&config, DType::BF16, 22);
-        let layer = CudaMoeLayer::new(&config, &weights).unwrap();
         let t = 16;
-        if !layer.takes_graph(t) {
-            eprintln!("SKIPPED {name}: this batch takes no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)");
-            return;
-        }
+        let Some(layer) = layer_taking_graphs(name, &config, &weights, &[t]) else { return };
         let x = Tensor::from_f32(&[t, 128], preset::uniform(t * 128, 1.0, 31)).unwrap();
-        let bits = |v: Tensor| v.to_f32_vec().iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let direct = bits(layer.forward_hooked(&x, &no_hook, false).unwrap());
         {
             let mut guard = layer.bufs.lock().unwrap();
@@ -352,31 +359,20 @@ mod tests {
     #[test]
     fn replays_match_direct_runs_bit_for_bit() {
         let name = "replays_match_direct_runs_bit_for_bit";
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
-            return;
-        }
         let shared = Some(SharedConfig { inter: 48, gated: true });
         // (experts, top-k, shared expert, batch sizes)
         let cases = [(16, 4, None, vec![1, 3, 1, 40, 3, 500]), (8, 2, shared, vec![16, 9, 16, 300])];
         for (e, k, shared, sizes) in cases {
             let config = small_layer(128, 64, e, k, shared);
             let weights = preset::random_weights(&config, DType::BF16, 21);
-            let layer = CudaMoeLayer::new(&config, &weights).unwrap();
-            if !sizes.iter().all(|&t| layer.takes_graph(t)) {
-                eprintln!(
-                    "SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)"
-                );
-                return;
-            }
+            let Some(layer) = layer_taking_graphs(name, &config, &weights, &sizes) else { return };
             for (i, &t) in sizes.iter().enumerate() {
                 let x = Tensor::from_f32(&[t, 128], preset::uniform(t * 128, 1.0, 30 + i as u64)).unwrap();
-                let direct = layer.forward_hooked(&x, &no_hook, false).unwrap().to_f32_vec();
-                let replayed = layer.forward(&x).unwrap().to_f32_vec();
-                let again = layer.forward(&x).unwrap().to_f32_vec();
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&replayed), bits(&direct), "{e} experts, batch {t} (call {i}): replay against direct");
-                assert_eq!(bits(&again), bits(&direct), "{e} experts, batch {t} (call {i}): second replay");
+                let direct = bits(layer.forward_hooked(&x, &no_hook, false).unwrap());
+                let replayed = bits(layer.forward(&x).unwrap());
+                let again = bits(layer.forward(&x).unwrap());
+                assert_eq!(replayed, direct, "{e} experts, batch {t} (call {i}): replay against direct");
+                assert_eq!(again, direct, "{e} experts, batch {t} (call {i}): second replay");
             }
             eprintln!("graph replays match direct runs: {e} experts, shared expert {}", shared.is_some());
         }
