@@ -187,9 +187,7 @@ impl CudaMoeLayer {
         if enqueued.is_err() {
             // A launch that failed (an invalidated capture) left the side streams forked into
             // the capture: joined back, they leave it when it ends.
-            for (side, _) in &self.side {
-                let _ = s.join(side);
-            }
+            let _ = self.side.join(s, self.side.all());
         }
         let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
         enqueued?;
@@ -205,7 +203,7 @@ impl CudaMoeLayer {
             return Ok(false);
         }
         if b.graphs.workspaces.is_empty() {
-            b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side[0].1])?;
+            b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
         }
         self.run(b, t, false)?;
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());

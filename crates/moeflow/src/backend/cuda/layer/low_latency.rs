@@ -86,7 +86,7 @@ impl CudaMoeLayer {
         let z16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z8 = |n: usize| s.alloc_zeros::<u8>(n.max(1)).map_err(|e| err("allocating workspace", e));
-        let workspaces = blas_workspaces(self, &[&self.blas, &self.side[0].1])?;
+        let workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
         Ok(LlBuffers {
             tokens: z32(1)?,
             send: z8(msg * row_stride(h, k))?,

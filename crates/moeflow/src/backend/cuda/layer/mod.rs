@@ -27,6 +27,8 @@ mod fp8_weights;
 mod graph;
 mod low_latency;
 mod masked_gemm;
+mod side_streams;
+use side_streams::SideStreams;
 
 struct Kernels {
     to_bf16: CudaFunction,
@@ -199,9 +201,8 @@ struct Grouping {
 /// One MoE layer resident on a GPU.
 pub struct CudaMoeLayer {
     gpu: Gpu,
-    /// Side streams, each with its own cuBLAS handle: the first runs the shared expert, the
-    /// others per-expert GEMMs (each too small to fill the GPU) concurrently.
-    side: Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>,
+    /// Side streams, each with its own cuBLAS handle.
+    side: SideStreams,
     /// One grouped cuBLAS call per GEMM instead of one call per expert.
     grouped: bool,
     /// Whether the masked GEMM takes this layer's shapes (see [`masked_gemm::masked_gemm_fits`]).
@@ -300,7 +301,7 @@ impl CudaMoeLayer {
         ep: Option<EpLink>,
     ) -> Result<Self> {
         Ok(CudaMoeLayer {
-            side: side_streams(&gpu)?,
+            side: SideStreams::new(&gpu)?,
             gpu,
             grouped: gemm_mode() == GemmMode::Grouped,
             masked: masked_gemm::masked_gemm_fits(config),
@@ -700,7 +701,7 @@ impl CudaMoeLayer {
         mark(8)?;
         // One GPU adds the shared output in its combine; expert-parallel ranks add it here.
         if let (Some(sh), true, true) = (&self.w.shared, t > 0, self.ep.is_some()) {
-            s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
+            self.side.join(s, [self.side.shared()])?;
             let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
             // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
             // shared output was computed on the side stream joined above.
@@ -728,7 +729,7 @@ impl CudaMoeLayer {
         let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ys, xp, gp) = match &self.w.shared {
             Some(sh) => {
-                s.join(&self.side[0].0).map_err(|e| err("stream join", e))?;
+                self.side.join(s, [self.side.shared()])?;
                 (dptr(&b.sy, g), dptr(&b.x, g), opt(&sh.gate))
             }
             None => (0, 0, 0),
@@ -775,9 +776,9 @@ impl CudaMoeLayer {
         // against 0.205 ms at 4096 tokens, 0.114–0.143 against 0.161–0.168 at 2048; at 512 and
         // below the fork and join cost more than they hide (0.067 against 0.062 ms).
         let overlap = t * h >= 1 << 23;
-        let side = if overlap { &self.side[0].0 } else { s };
+        let side = if overlap { &self.side.shared().stream } else { s };
         if overlap {
-            side.join(s).map_err(|e| err("stream fork", e))?;
+            self.side.fork(s, [self.side.shared()])?;
         }
         // SAFETY: every launch below passes device pointers to buffers sized for `t` tokens
         // (see `buffers`) with the scalar types the kernel in moe.cu declares.
@@ -798,7 +799,7 @@ impl CudaMoeLayer {
         }
         self.top_k(dptr(&b.logits, g), t, dptr(&b.ids, g), dptr(&b.weights, g))?;
         if overlap {
-            s.join(side).map_err(|e| err("stream join", e))?;
+            self.side.join(s, [self.side.shared()])?;
         }
         Ok(())
     }
@@ -1499,13 +1500,11 @@ impl CudaMoeLayer {
             // One cuBLAS GEMM per expert, spread over the side streams: each picks its best
             // tensor-core kernel for its size, and together they fill the GPU.
             let main = &self.gpu.stream;
-            let streams = &self.side[1..];
-            for (st, _) in streams {
-                st.join(main).map_err(|e| err("stream fork", e))?;
-            }
+            let streams = self.side.gemm();
+            self.side.fork(main, streams)?;
             let wbase = dptr(w, &self.gpu);
             for (q, &(x, off, r)) in groups.iter().enumerate() {
-                let blas = &streams[q % streams.len()].1;
+                let blas = &streams[q % streams.len()].blas;
                 gemm_bf16(
                     blas,
                     wbase + 2 * (x * n * kdim) as u64,
@@ -1516,9 +1515,7 @@ impl CudaMoeLayer {
                     r,
                 )?;
             }
-            for (st, _) in streams {
-                main.join(st).map_err(|e| err("stream join", e))?;
-            }
+            self.side.join(main, streams)?;
             return Ok(());
         }
         let g = &self.gpu;
@@ -1573,8 +1570,8 @@ impl CudaMoeLayer {
     fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
         let Some(sh) = &self.w.shared else { return Ok(()) };
         let (h, si) = (self.config.hidden, sh.inter);
-        let (stream, blas) = (&self.side[0].0, &self.side[0].1);
-        stream.join(&self.gpu.stream).map_err(|e| err("stream fork", e))?;
+        let (stream, blas) = (&self.side.shared().stream, &self.side.shared().blas);
+        self.side.fork(&self.gpu.stream, [self.side.shared()])?;
         let g = &self.gpu;
         gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, dptr(&b.x_bf, g), dptr(&b.sh13, g), t)?;
         // Null bias and expert map: the shared MLP is one expert without biases.
@@ -1713,28 +1710,6 @@ pub(super) fn act_and_mul(
     }
     .map(|_| ())
     .map_err(|e| err("act_and_mul", e))
-}
-
-/// Side streams: one for the shared expert, then those of the concurrent per-expert GEMMs
-/// (`MOEFLOW_GEMM_STREAMS`, default 4). Their cuBLAS handles size their kernels for half the
-/// GPU's SMs (`MOEFLOW_GEMM_SM_TARGET`, 0 = the whole GPU), since they run side by side: on H200
-/// at 2048 and 4096 tokens this removed the runs whose GEMMs came out 25–60 % slow (6 runs of
-/// 6 fast against 4 of 6), and 2048 tokens went from 3.3–4.0 to 3.0–3.2 ms.
-fn side_streams(gpu: &Gpu) -> Result<Vec<(std::sync::Arc<cudarc::driver::CudaStream>, CudaBlas)>> {
-    let n = std::env::var("MOEFLOW_GEMM_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
-    let sms = gpu.ctx.attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(0);
-    let sm_target: i32 = std::env::var("MOEFLOW_GEMM_SM_TARGET").ok().and_then(|v| v.parse().ok()).unwrap_or(sms / 2);
-    (0..=n)
-        .map(|_| {
-            let st = gpu.ctx.new_stream().map_err(|e| err("creating stream", e))?;
-            let blas = CudaBlas::new(st.clone()).map_err(|e| err("cuBLAS handle", e))?;
-            if sm_target > 0 {
-                // SAFETY: sets an attribute of the handle just created.
-                check(unsafe { cb::cublasSetSmCountTarget(*blas.handle(), sm_target) }, "SM count target")?;
-            }
-            Ok((st, blas))
-        })
-        .collect()
 }
 
 /// How the expert GEMMs run (`MOEFLOW_EXPERT_GEMM`).
