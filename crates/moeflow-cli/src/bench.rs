@@ -130,11 +130,12 @@ impl Timed {
         }
     }
 
-    /// Captures of one-GPU graphs that failed so far (those calls ran launch by launch).
-    fn failed_graph_captures(&self) -> usize {
+    /// Captures of one-GPU graphs that failed so far (those calls ran launch by launch), and
+    /// why the latest failed.
+    fn failed_graph_captures(&self) -> (usize, Option<String>) {
         match self {
-            Timed::Whole(l) => l.failed_graph_captures(),
-            Timed::Dual(_) => 0,
+            Timed::Whole(l) => (l.failed_graph_captures(), l.last_graph_capture_failure()),
+            Timed::Dual(_) => (0, None),
         }
     }
 }
@@ -891,7 +892,7 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
     let mut records = Vec::new();
     let mut floor_inputs = Vec::new();
     for &t in &args.tokens {
-        let failed_before = gpu.failed_graph_captures();
+        let (failed_before, _) = gpu.failed_graph_captures();
         for _ in 0..3 {
             gpu.forward_timed(t, args.layer.seed)?;
         }
@@ -933,12 +934,13 @@ fn run_cuda(args: &BenchArgs) -> Result<()> {
             med(|s| s.combine),
             med(|s| s.shared)
         );
-        let failed = gpu.failed_graph_captures();
+        let (failed, why) = gpu.failed_graph_captures();
         if failed > failed_before {
             println!(
-                "{:>7} note: {} CUDA graph capture(s) failed; those runs went launch by launch",
+                "{:>7} note: {} CUDA graph capture(s) failed; those runs went launch by launch (the latest: {})",
                 "",
-                failed - failed_before
+                failed - failed_before,
+                why.as_deref().unwrap_or("no reason kept")
             );
         }
         records.push(Record {

@@ -134,6 +134,10 @@ pub mod cuda {
             0
         }
         /// Unreachable without the feature.
+        pub fn last_graph_capture_failure(&self) -> Option<String> {
+            None
+        }
+        /// Unreachable without the feature.
         pub fn low_latency(self, _max_tokens_per_rank: usize) -> Result<Self> {
             Err(missing())
         }

@@ -89,6 +89,8 @@ pub(super) struct LocalGraphs {
     failures: Vec<(usize, usize)>,
     /// Failed captures in all, over the layer's life.
     failed: usize,
+    /// Why the latest failed capture failed.
+    last_failure: Option<String>,
     workspaces: Vec<CudaSlice<u8>>,
     /// Captures still to spoil on purpose (tests of the fallback).
     #[cfg(test)]
@@ -100,7 +102,12 @@ impl LocalGraphs {
     /// (the handles still point at the workspaces); the graphs, which point into the old
     /// buffers, are dropped.
     pub(super) fn carried_over(self) -> Self {
-        LocalGraphs { failed: self.failed, workspaces: self.workspaces, ..Self::default() }
+        LocalGraphs {
+            failed: self.failed,
+            last_failure: self.last_failure,
+            workspaces: self.workspaces,
+            ..Self::default()
+        }
     }
 
     /// Whether the capture about to start is to be spoilt on purpose (tests of the fallback
@@ -133,6 +140,12 @@ impl CudaMoeLayer {
     pub fn failed_graph_captures(&self) -> usize {
         let guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         guard.as_ref().map_or(0, |b| b.graphs.failed)
+    }
+
+    /// Why the latest failed capture of this layer's graphs failed, if one has.
+    pub fn last_graph_capture_failure(&self) -> Option<String> {
+        let guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        guard.as_ref().and_then(|b| b.graphs.last_failure.clone())
     }
 
     /// Whether a batch of `t` tokens on this layer is replayed from a graph (see the module).
@@ -215,7 +228,8 @@ impl CudaMoeLayer {
                 b.graphs.graphs.push((t, graph));
                 Ok(true)
             }
-            Err(_) => {
+            Err(why) => {
+                b.graphs.last_failure = Some(why.to_string());
                 // Whatever the capture left behind, the stream must be usable again.
                 let s = &self.gpu.stream;
                 s.synchronize().map_err(|e| err("synchronize after a failed capture", e))?;
@@ -321,8 +335,8 @@ mod tests {
     /// A capture that fails (spoilt on purpose by a stream synchronisation in the middle of
     /// it, once the shared expert's side stream has forked into it) leaves that call to run
     /// launch by launch with the same bits and every stream usable, and is counted; the next
-    /// call of that size captures again and replays. Needs a Hopper GPU; says loudly when it
-    /// skips.
+    /// call of that size captures again and replays, and so do other sizes after it. Needs a
+    /// Hopper GPU; says loudly when it skips.
     #[test]
     fn a_failed_capture_runs_directly_and_is_tried_again() {
         let name = "a_failed_capture_runs_directly_and_is_tried_again";
@@ -347,7 +361,15 @@ mod tests {
         assert_eq!(bits(layer.forward(&x).unwrap()), direct, "the call that captures again");
         assert!(graphed(&layer), "the second capture is kept");
         assert_eq!(bits(layer.forward(&x).unwrap()), direct, "a replay");
-        assert_eq!(layer.failed_graph_captures(), 1, "one failure in all");
+        for (i, u) in [3usize, 40, 9].into_iter().enumerate() {
+            let x = Tensor::from_f32(&[u, 128], preset::uniform(u * 128, 1.0, 32 + i as u64)).unwrap();
+            let direct = bits(layer.forward_hooked(&x, &no_hook, false).unwrap());
+            assert_eq!(bits(layer.forward(&x).unwrap()), direct, "batch {u}: the call that captures");
+            assert_eq!(bits(layer.forward(&x).unwrap()), direct, "batch {u}: a replay");
+        }
+        let why = layer.last_graph_capture_failure();
+        assert_eq!(layer.failed_graph_captures(), 1, "one failure in all; the latest: {why:?}");
+        assert!(why.is_some(), "the spoilt capture's failure is kept");
         eprintln!("a failed capture runs directly and is tried again");
     }
 
