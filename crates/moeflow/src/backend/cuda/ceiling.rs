@@ -1,6 +1,7 @@
 //! The GPU's own ceilings, measured where the benchmark runs: dense bf16 GEMM rate (on a cool
 //! GPU, and under sustained load) and device-to-device copy bandwidth.
 
+use super::blas_handle::BlasHandle;
 use super::layer::gemm_bf16;
 use super::{err, Gpu, GpuCeilings};
 use crate::error::Result;
@@ -17,7 +18,7 @@ const N: usize = 8192;
 /// The cool ceilings of GPU `device` (see [`GpuCeilings`]).
 pub fn measure_ceilings(device: usize) -> Result<GpuCeilings> {
     let gpu = Gpu::new(device)?;
-    let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
+    let blas = BlasHandle::new(gpu.stream.clone())?;
     measure(&gpu, &blas)
 }
 
@@ -25,7 +26,7 @@ pub fn measure_ceilings(device: usize) -> Result<GpuCeilings> {
 /// [`measure_sustained`]).
 pub fn measure_sustained_gemm(device: usize) -> Result<f64> {
     let gpu = Gpu::new(device)?;
-    let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
+    let blas = BlasHandle::new(gpu.stream.clone())?;
     measure_sustained(&gpu, &blas)
 }
 

@@ -9,7 +9,6 @@ use super::{err, Gpu};
 use crate::error::{MoeError, Result};
 use crate::experts::{Activation, ActivationFormat, BatchedInput, ExpertInput, ExpertWeights, Experts};
 use crate::reduce::{WeightAndReduce, WeightedSum};
-use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr};
 use std::sync::Mutex;
 
@@ -26,7 +25,7 @@ struct Rows {
 /// Expert weights resident on one GPU (bf16), with their activation and biases.
 pub struct CudaExperts {
     gpu: Gpu,
-    blas: CudaBlas,
+    blas: super::blas_handle::BlasHandle,
     act_kernel: CudaFunction,
     experts: usize,
     hidden: usize,
@@ -56,7 +55,7 @@ impl CudaExperts {
             Some(b) => Some(s.clone_htod(&b.to_f32_vec()).map_err(|x| err("upload", x))?),
             None => None,
         };
-        let blas = CudaBlas::new(s.clone()).map_err(|x| err("cuBLAS handle", x))?;
+        let blas = super::blas_handle::BlasHandle::new(s.clone())?;
         let act_kernel = gpu.function("act_and_mul")?;
         Ok(CudaExperts {
             blas,

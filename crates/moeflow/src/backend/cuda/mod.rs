@@ -2,6 +2,7 @@
 //! by NVRTC for the device's architecture (cached per process), bf16 cuBLAS expert GEMMs, and
 //! NCCL communicators for expert parallelism across GPUs and processes.
 
+mod blas_handle;
 mod ceiling;
 mod experts;
 mod layer;

@@ -26,9 +26,6 @@ const GRAPHS_KEPT: usize = 16;
 /// Captures a layer tries per batch size before that size runs directly for good.
 const CAPTURE_TRIES: usize = 3;
 
-/// Held while a layer captures, so captures in one process do not overlap.
-static CAPTURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// A captured layer. CUDA graphs are not synchronised internally; these are only touched
 /// under the layer's buffer lock.
 pub(super) struct LayerGraph(pub(super) CudaGraph);
@@ -219,7 +216,7 @@ impl CudaMoeLayer {
             b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
         }
         self.run(b, t, false)?;
-        let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
+        let _one_at_a_time = super::super::blas_handle::capture_lock();
         match self.capture_layer(b, t) {
             Ok(graph) => {
                 if b.graphs.graphs.len() == GRAPHS_KEPT {

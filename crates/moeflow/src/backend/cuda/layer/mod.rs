@@ -7,6 +7,7 @@
 //! (all-gather, all-gather of logits, multicast), [`low_latency`] its fixed-capacity form,
 //! captured in a CUDA graph, and [`fp8_weights`] its fp8 experts.
 
+use super::blas_handle::BlasHandle;
 use super::{err, Gpu};
 pub use crate::backend::GpuStageTimes;
 use crate::config::{MoeConfig, MoeWeights};
@@ -211,7 +212,7 @@ pub struct CudaMoeLayer {
     w8a8: bool,
     /// Their rows' fp8 codes and scales.
     fp8_rows: Mutex<Option<masked_gemm::Fp8Rows>>,
-    blas: CudaBlas,
+    blas: BlasHandle,
     config: MoeConfig,
     k: Kernels,
     /// The weights (shared by the two halves of a dual-batch layer).
@@ -241,7 +242,7 @@ fn rows(n: usize, threads: u32) -> LaunchConfig {
 }
 
 impl CudaMoeLayer {
-    fn open(config: &MoeConfig, device: usize) -> Result<(Gpu, CudaBlas, Kernels)> {
+    fn open(config: &MoeConfig, device: usize) -> Result<(Gpu, BlasHandle, Kernels)> {
         config.validate()?;
         if config.apply_router_weight_on_input {
             return Err(MoeError::Unsupported("apply_router_weight_on_input on the CUDA backend".into()));
@@ -257,7 +258,7 @@ impl CudaMoeLayer {
         }
         let gpu = Gpu::new(device)?;
         gpu.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
-        let blas = CudaBlas::new(gpu.stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
+        let blas = BlasHandle::new(gpu.stream.clone())?;
         let f = |n: &str| gpu.function(n);
         let k = Kernels {
             to_bf16: f("f32_to_bf16_kernel")?,
@@ -296,7 +297,7 @@ impl CudaMoeLayer {
     /// A layer over `w` on the opened GPU, with its side streams, empty buffers and bf16 rows.
     fn assemble(
         config: &MoeConfig,
-        (gpu, blas, k): (Gpu, CudaBlas, Kernels),
+        (gpu, blas, k): (Gpu, BlasHandle, Kernels),
         w: std::sync::Arc<DeviceWeights>,
         ep: Option<EpLink>,
     ) -> Result<Self> {

@@ -1,19 +1,19 @@
 //! A layer's side streams and how they are ordered against its main stream. Each order is an
-//! event recorded on one stream and waited on by another, with events made once per stream:
-//! none is created or destroyed while the layer is captured into a CUDA graph. (cudarc's
-//! `CudaStream::join` makes and drops an event per call; with it the GPU tests crashed about
-//! once in 15 to 100 runs inside the driver's `cuEventDestroy`, under a graph capture.)
+//! event recorded on one stream and waited on by another, with events made once per stream, so
+//! none is created or destroyed while the layer is captured into a CUDA graph (cudarc's
+//! `CudaStream::join` makes and drops an event per call).
 
+use super::super::blas_handle::BlasHandle;
 use super::{check, err, Gpu};
 use crate::error::Result;
-use cudarc::cublas::{sys as cb, CudaBlas};
+use cudarc::cublas::sys as cb;
 use cudarc::driver::{sys as drv, CudaEvent, CudaStream};
 use std::sync::Arc;
 
 /// A side stream with its cuBLAS handle.
 pub(super) struct SideStream {
     pub(super) stream: Arc<CudaStream>,
-    pub(super) blas: CudaBlas,
+    pub(super) blas: BlasHandle,
     /// Recorded on `stream` where another stream waits for it.
     done: CudaEvent,
 }
@@ -41,7 +41,7 @@ impl SideStreams {
         let streams = (0..=n)
             .map(|_| {
                 let stream = gpu.ctx.new_stream().map_err(|e| err("creating stream", e))?;
-                let blas = CudaBlas::new(stream.clone()).map_err(|e| err("cuBLAS handle", e))?;
+                let blas = BlasHandle::new(stream.clone())?;
                 if sm_target > 0 {
                     // SAFETY: sets an attribute of the handle just created.
                     check(unsafe { cb::cublasSetSmCountTarget(*blas.handle(), sm_target) }, "SM count target")?;
