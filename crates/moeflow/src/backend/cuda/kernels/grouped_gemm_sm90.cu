@@ -21,19 +21,16 @@
 // tile's rows and weights (two boxes of 128 weight rows) into a 4-stage shared-memory ring
 // with TMA (128-byte swizzle, zero fill past the tensor's edges); two consumer warpgroups
 // multiply them with wgmma.m64n256k16 (64 rows each) straight from shared memory, and hand
-// each stage back through an mbarrier once the tensor cores are done with it. The epilogue rounds to bf16
-// and stores only the expert's own rows, so rows read past its end (the next expert's, or
-// zeros) are computed and dropped. On other architectures the kernel body is empty and the
-// host never launches it.
+// each stage back through an mbarrier once the tensor cores are done with it. The epilogue
+// rounds to bf16 and stores only the expert's own rows, so rows read past its end (the next
+// expert's, or zeros) are computed and dropped. A second entry point takes tiles of 64 rows
+// with one consumer warpgroup and a 5-stage ring, for batches of a few rows an expert. On
+// other architectures the kernel bodies are empty and the host never launches them.
 // (Compiled after moe.cu, whose typedefs it uses.)
 
-#define GG_BM 128                                  // rows of a tile (two warpgroups of 64)
 #define GG_BN 256                                  // output columns of a tile
 #define GG_BK 64                                   // depth of a stage: 128 bytes, one swizzle row
-#define GG_STAGES 4
-#define GG_A_BYTES (GG_BM * GG_BK * 2)             // 16 KiB
 #define GG_B_BYTES (GG_BN * GG_BK * 2)             // 32 KiB
-#define GG_RING_BYTES (GG_STAGES * (GG_A_BYTES + GG_B_BYTES))
 
 // A CUtensorMap, passed by value (the host encodes it with cuTensorMapEncodeTiled).
 struct __align__(64) gg_tensor_map {
@@ -165,6 +162,7 @@ __device__ __forceinline__ void gg_act(float* d, const float* bias, int col0, in
 struct gg_tile {
     int expert, row0, rows_end, col0;
 };
+template <int BM>
 __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, int experts, const int* counts,
                                              const int* offsets, int col_blocks, int tile_cols) {
     int lo = 0, hi = experts - 1;  // the last expert whose first tile is at or before `tile`
@@ -173,12 +171,12 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
         if (first_tile[mid] <= tile) lo = mid; else hi = mid - 1;
     }
     int local = tile - first_tile[lo];
-    int blocks = (counts[lo] + GG_BM - 1) / GG_BM;
+    int blocks = (counts[lo] + BM - 1) / BM;
     int group = local / (GG_GROUP * col_blocks), in_group = local % (GG_GROUP * col_blocks);
     int rows = min(GG_GROUP, blocks - group * GG_GROUP);  // row blocks in this group
     gg_tile t;
     t.expert = lo;
-    t.row0 = offsets[lo] + (group * GG_GROUP + in_group % rows) * GG_BM;
+    t.row0 = offsets[lo] + (group * GG_GROUP + in_group % rows) * BM;
     t.rows_end = offsets[lo] + counts[lo];
     t.col0 = (in_group / rows) * tile_cols;
     return t;
@@ -186,24 +184,25 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
 
 #endif
 
-// C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0), or its activation, C [rows, N / 2], with
-// the kinds, alpha and limit of act_mul and the f32 bias b13 [experts, N] (null: none); W is
-// read in boxes of 128 rows; next_tile is zeroed by the host before each launch. With
-// gather_x, row r of A is row slot_of_row[r] / gather_k of gather_x [·, K] (the permute's
-// gather done by the producer warpgroup's cp.async copies), and a_map is not read.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    grouped_gemm_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
-                      bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,
-                      int act_kind, float alpha, float limit, const float* b13, const bf16_t* gather_x,
-                      const int* slot_of_row, int gather_k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The kernel for tiles of 64·WGS rows (WGS consumer warpgroups after the producer one) over a
+// ring of STAGES stages; see the entry points below for the arguments.
+template <int WGS, int STAGES>
+__device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
+                                          const int* counts, const int* offsets, int experts, int N, int K,
+                                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                                          const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
+    constexpr int BM = 64 * WGS;                  // rows of a tile
+    constexpr int A_BYTES = BM * GG_BK * 2;       // 8 KiB a warpgroup
+    constexpr int RING_BYTES = STAGES * (A_BYTES + GG_B_BYTES);
+    constexpr int ROWS_PER_THREAD = BM / 16;      // gathering: eight threads a row
     extern __shared__ unsigned char gg_raw[];
     // The ring starts 1024-aligned (the swizzle pattern repeats every 1024 bytes).
     unsigned char* ring = gg_raw + ((1024 - (gg_smem(gg_raw) & 1023)) & 1023);
-    u64* full = (u64*)(ring + GG_RING_BYTES);
-    u64* empty = full + GG_STAGES;
-    int* stage_tile = (int*)(empty + GG_STAGES);  // the tile each stage belongs to, -1: no more
-    int* first_tile = stage_tile + GG_STAGES;     // experts + 1 entries
+    u64* full = (u64*)(ring + RING_BYTES);
+    u64* empty = full + STAGES;
+    int* stage_tile = (int*)(empty + STAGES);  // the tile each stage belongs to, -1: no more
+    int* first_tile = stage_tile + STAGES;     // experts + 1 entries
     int* rows_of = first_tile + experts + 1;      // counts, then offsets, copied: experts each
     int* start_of = rows_of + experts;
     int* claimed = start_of + experts;  // gather: the tile the producer warpgroup works on
@@ -214,9 +213,9 @@ extern "C" __global__ void __launch_bounds__(384, 1)
     const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + GG_BK - 1) / GG_BK;
 
     if (threadIdx.x == 0) {
-        for (int s = 0; s < GG_STAGES; s++) {
+        for (int s = 0; s < STAGES; s++) {
             gg_bar_init(&full[s], gather ? 1 + 128 : 1);  // gather: and every producer thread's copies
-            gg_bar_init(&empty[s], 2 * 128);
+            gg_bar_init(&empty[s], WGS * 128);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
     }
@@ -228,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         int acc = 0;
         for (int base = 0; base < experts; base += 32) {
             int e = base + threadIdx.x;
-            int n = e < experts ? (counts[e] + GG_BM - 1) / GG_BM * col_blocks : 0;
+            int n = e < experts ? (counts[e] + BM - 1) / BM * col_blocks : 0;
             for (int o = 1; o < 32; o <<= 1) {
                 int v = __shfl_up_sync(0xffffffffu, n, o);
                 if ((int)threadIdx.x >= o) n += v;
@@ -270,27 +269,27 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                 if (gather && me == 0) gg_bar_arrive(&full[stage]);
                 return;
             }
-            gg_tile t = gg_locate(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
+            gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
             // W rows of the tile's two halves: the next 128 rows, or the up rows of its gate rows.
             const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : GG_BN / 2);
             // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
             // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from
             // the rows' tokens (null: past the expert's rows, left as they are and dropped).
             const int chunk = me % 8;
-            const bf16_t* src[8];
+            const bf16_t* src[ROWS_PER_THREAD];
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
+            for (int j = 0; j < ROWS_PER_THREAD; j++) {
                 const int row = t.row0 + me / 8 + 16 * j;
                 src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
             }
             for (int kb = 0; kb < kblocks; kb++) {
                 gg_bar_wait(&empty[stage], phase ^ 1);
-                unsigned char* a = ring + stage * GG_A_BYTES;
+                unsigned char* a = ring + stage * A_BYTES;
                 if (me == 0) {
                     stage_tile[stage] = tile;
-                    gg_bar_expect(&full[stage], (gather ? 0 : GG_A_BYTES) + GG_B_BYTES);
+                    gg_bar_expect(&full[stage], (gather ? 0 : A_BYTES) + GG_B_BYTES);
                     if (!gather) gg_tma_load(a, &a_map, &full[stage], kb * GG_BK, t.row0);
-                    unsigned char* b = ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES;
+                    unsigned char* b = ring + STAGES * A_BYTES + stage * GG_B_BYTES;
                     gg_tma_load(b, &w_map, &full[stage], kb * GG_BK, wrow);
                     gg_tma_load(b + GG_B_BYTES / 2, &w_map, &full[stage], kb * GG_BK, wrow2);
                 }
@@ -299,13 +298,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                     const int col = kb * GG_BK + 8 * chunk;
                     const unsigned bytes = col < K ? 16 : 0;
 #pragma unroll
-                    for (int j = 0; j < 8; j++) {
+                    for (int j = 0; j < ROWS_PER_THREAD; j++) {
                         const int r = me / 8 + 16 * j;
                         if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
                     }
                     gg_copies_arrive(&full[stage]);
                 }
-                if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
         }
     }
@@ -321,13 +320,13 @@ extern "C" __global__ void __launch_bounds__(384, 1)
         gg_bar_wait(&full[stage], phase);
         const int tile = stage_tile[stage];
         if (tile < 0) return;
-        gg_tile t = gg_locate(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
+        gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
         // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
         if (t.row0 + wg * 64 >= t.rows_end) {
             for (int kb = 0; kb < kblocks; kb++) {
                 if (kb > 0) gg_bar_wait(&full[stage], phase);
                 gg_bar_arrive(&empty[stage]);
-                if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
             continue;
         }
@@ -336,8 +335,8 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             // Rows gathered by cp.async were written through the generic proxy; wgmma reads
             // through the async one.
             if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            u64 da = gg_desc(ring + stage * GG_A_BYTES + wg * 64 * 128);
-            u64 db = gg_desc(ring + GG_STAGES * GG_A_BYTES + stage * GG_B_BYTES);
+            u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
+            u64 db = gg_desc(ring + STAGES * A_BYTES + stage * GG_B_BYTES);
             gg_fence();
 #pragma unroll
             for (int kk = 0; kk < GG_BK / 16; kk++) gg_mma(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
@@ -348,7 +347,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                 gg_bar_arrive(&empty[last]);
             }
             last = stage;
-            if (++stage == GG_STAGES) { stage = 0; phase ^= 1; }
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
         gg_wait<0>();
         gg_pin(d);
@@ -402,5 +401,36 @@ extern "C" __global__ void __launch_bounds__(384, 1)
             }
         }
     }
+}
+#endif
+
+// C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0), or its activation, C [rows, N / 2], with
+// the kinds, alpha and limit of act_mul and the f32 bias b13 [experts, N] (null: none), in
+// tiles of 128 rows over a 4-stage ring, 384 threads; A and W are read in boxes of 128 rows;
+// next_tile is zeroed by the host before each launch. With gather_x, row r of A is row
+// slot_of_row[r] / gather_k of gather_x [·, K] (the permute's gather done by the producer
+// warpgroup's cp.async copies), and a_map is not read.
+extern "C" __global__ void __launch_bounds__(384, 1)
+    grouped_gemm_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
+                      bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,
+                      int act_kind, float alpha, float limit, const float* b13, const bf16_t* gather_x,
+                      const int* slot_of_row, int gather_k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gg_kernel<2, 4>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
+                    gather_x, slot_of_row, gather_k);
+#endif
+}
+
+// The same in tiles of 64 rows (A read in boxes of 64 rows), one consumer warpgroup and a
+// 5-stage ring: for batches of a few rows an expert, whose tiles only stream weights, more of
+// them in flight. 256 threads.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    grouped_gemm_sm90_short(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
+                            bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
+                            int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                            const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gg_kernel<1, 5>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
+                    gather_x, slot_of_row, gather_k);
 #endif
 }

@@ -17,10 +17,34 @@ const MAX_EXPERTS: usize = 1024;
 /// an expert too (see [`CudaMoeLayer::hopper_for`]).
 const MANY_EXPERTS: usize = 256;
 
-/// Rows of an output tile (`GG_BM` in the kernel): the boxes TMA reads from `A`.
-const TILE_ROWS: u32 = 128;
 /// Columns of an output tile (`GG_BN`): two boxes of half as many rows read from `W`.
 const TILE_COLS: u32 = 256;
+
+/// Most shared memory a block may take on Hopper (227 KiB).
+const MAX_SMEM: u32 = 227 * 1024;
+
+/// Rows an expert on average up to which a product takes the short kernel's 64-row tiles
+/// (see [`HopperGemm::short_for`]). Measured on one H200, DeepSeek-V3 shapes, 64 experts
+/// without the shared expert, three alternating rounds (ms, 64-row against 128-row tiles): 1
+/// token 0.219–0.221 against 0.230–0.231, 8 tokens 0.888–0.893 against 0.939–0.942, 32 tokens
+/// 1.326–1.327 against 1.343–1.349, 256 tokens (32 rows an expert) 1.396–1.399 against
+/// 1.407–1.410; two rounds at 384 tokens (48 rows) 1.462–1.467 against 1.430–1.432, where
+/// experts past 64 rows stream their weights twice.
+const SHORT_TO_ROWS: usize = 32;
+
+/// One of the kernel's two entry points: its tile rows (the boxes TMA reads from `A`), ring
+/// stages and threads.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Variant {
+    rows: u32,
+    stages: u32,
+    threads: u32,
+}
+
+/// `grouped_gemm_sm90`: 128-row tiles, two consumer warpgroups.
+const TILES_128: Variant = Variant { rows: 128, stages: 4, threads: 384 };
+/// `grouped_gemm_sm90_short`: 64-row tiles, one consumer warpgroup, a deeper ring.
+const TILES_64: Variant = Variant { rows: 64, stages: 5, threads: 256 };
 
 /// What the Hopper GEMM writes.
 #[derive(Clone, Copy, Debug)]
@@ -42,11 +66,23 @@ pub(super) struct Gather {
     pub k: usize,
 }
 
-/// Dynamic shared memory for `experts` experts: the 4-stage ring of row and weight tiles 64
-/// deep (bf16), 1 KiB to align it, 8 mbarriers, 4 stage tags, `experts + 1` tile offsets,
-/// a copy of the counts and row offsets, and the tile a gathering producer works on.
-fn smem_bytes(experts: usize) -> u32 {
-    4 * (TILE_ROWS + TILE_COLS) * 64 * 2 + 1024 + 64 + 16 + 4 * (3 * experts as u32 + 2)
+/// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
+/// tiles 64 deep (bf16), 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1`
+/// tile offsets, a copy of the counts and row offsets, and the tile a gathering producer
+/// works on.
+fn smem_bytes(v: Variant, experts: usize) -> u32 {
+    v.stages * ((v.rows + TILE_COLS) * 64 * 2 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+}
+
+/// The tile height `MOEFLOW_GEMM_TILE_ROWS` asks for (64 or 128; anything else: the choice of
+/// [`HopperGemm::short_for`]), read once.
+fn tile_rows_asked() -> Option<u32> {
+    static ASKED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| match std::env::var("MOEFLOW_GEMM_TILE_ROWS").as_deref() {
+        Ok("64") => Some(64),
+        Ok("128") => Some(128),
+        _ => None,
+    })
 }
 
 /// A TMA descriptor, which the kernel takes by value.
@@ -94,6 +130,8 @@ fn tensor_map(ptr: u64, rows: usize, cols: usize, box_rows: u32) -> Result<Tenso
 /// on the stream before each launch).
 pub(super) struct HopperGemm {
     f: CudaFunction,
+    /// The same in 64-row tiles (`grouped_gemm_sm90_short`).
+    short: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
 }
@@ -106,18 +144,32 @@ impl HopperGemm {
         if cc != (9, 0) || !super::gemm_mode().allows_hopper() {
             return Ok(None);
         }
-        let f = gpu.function("grouped_gemm_sm90")?;
-        f.set_attribute(
-            drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes(MAX_EXPERTS) as i32,
-        )
-        .map_err(|e| err("grouped_gemm_sm90 shared memory", e))?;
+        let load = |name: &str, v: Variant| -> Result<CudaFunction> {
+            let f = gpu.function(name)?;
+            f.set_attribute(
+                drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes(v, MAX_EXPERTS).min(MAX_SMEM) as i32,
+            )
+            .map_err(|e| err("grouped GEMM shared memory", e))?;
+            Ok(f)
+        };
+        let (f, short) = (load("grouped_gemm_sm90", TILES_128)?, load("grouped_gemm_sm90_short", TILES_64)?);
         let sms = gpu
             .ctx
             .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("SM count", e))?;
         let next_tile = gpu.stream.alloc_zeros::<i32>(1).map_err(|e| err("allocating the tile counter", e))?;
-        Ok(Some(HopperGemm { f, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+        Ok(Some(HopperGemm { f, short, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+    }
+
+    /// Whether a product over `rows` rows of `experts` experts takes 64-row tiles: up to
+    /// [`SHORT_TO_ROWS`] rows an expert on average, where tiles mostly stream weights and the
+    /// short kernel's deeper ring keeps more of them in flight.
+    fn short_for(&self, rows: usize, experts: usize) -> bool {
+        match tile_rows_asked() {
+            Some(r) => r == TILES_64.rows,
+            None => rows <= SHORT_TO_ROWS * experts.max(1),
+        }
     }
 
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
@@ -125,9 +177,28 @@ impl HopperGemm {
     /// `a`, `C` is `[rows, n]` at `c` and `W` is `[experts, n, kdim]` at `w`; bf16, f32
     /// accumulation. `kdim` and `n` must be multiples of 8 (16 with an activation, whose `C`
     /// is `[rows, n / 2]`: see [`Epilogue`]). With `gather` the rows of `A` are read from
-    /// where it says instead of from `a` (see [`Gather`]).
+    /// where it says instead of from `a` (see [`Gather`]). In 64-row tiles where
+    /// [`HopperGemm::short_for`] says so, else in 128-row tiles.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        w: u64,
+        shape: [usize; 2],
+        ac: [u64; 2],
+        rows: usize,
+        counts_offsets: [u64; 2],
+        experts: usize,
+        epilogue: Epilogue,
+        gather: Option<Gather>,
+    ) -> Result<()> {
+        let v = if self.short_for(rows, experts) { TILES_64 } else { TILES_128 };
+        self.launch(stream, w, shape, ac, rows, counts_offsets, experts, epilogue, gather, v)
+    }
+
+    /// [`HopperGemm::run`] with the kernel variant `v`.
+    #[allow(clippy::too_many_arguments)]
+    fn launch(
         &self,
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
         w: u64,
@@ -138,6 +209,7 @@ impl HopperGemm {
         experts: usize,
         epilogue: Epilogue,
         gather: Option<Gather>,
+        v: Variant,
     ) -> Result<()> {
         let (kind, alpha, limit, bias) = match epilogue {
             Epilogue::Product => (-1, 0.0, 0.0, 0u64),
@@ -156,22 +228,27 @@ impl HopperGemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let a_map = tensor_map(a, rows, kdim, TILE_ROWS)?;
+        let a_map = tensor_map(a, rows, kdim, v.rows)?;
         let w_map = tensor_map(w, experts * n, kdim, TILE_COLS / 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
         let mut counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         stream.memset_zeros(&mut *counter).map_err(|e| err("zeroing the tile counter", e))?;
         let (next, _guard) = counter.device_ptr(stream);
-        let cfg =
-            LaunchConfig { grid_dim: (self.sms, 1, 1), block_dim: (384, 1, 1), shared_mem_bytes: smem_bytes(experts) };
-        // SAFETY: grouped_gemm_sm90(map, map, bf16*, int*, int*, int, int, int, int*, int, float,
-        // float, float*, bf16*, int*, int): the maps describe A ([rows, kdim]) and W ([experts ·
+        let cfg = LaunchConfig {
+            grid_dim: (self.sms, 1, 1),
+            block_dim: (v.threads, 1, 1),
+            shared_mem_bytes: smem_bytes(v, experts),
+        };
+        // SAFETY: grouped_gemm_sm90 and grouped_gemm_sm90_short(map, map, bf16*, int*, int*, int,
+        // int, int, int*, int, float, float, float*, bf16*, int*, int), launched with their
+        // threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
+        // variant's tile rows) and W ([experts ·
         // n, kdim]); C holds `rows` rows of n (n / 2 with an activation); counts and offsets hold
         // `experts` ints that place rows inside A's `rows`; the counter is one int, zeroed above
         // in stream order; the bias, when given, holds `experts · n` floats; a gather's map
         // holds `rows` slots whose tokens are rows of its x.
         unsafe {
-            let mut l = stream.launch_builder(&self.f);
+            let mut l = stream.launch_builder(if v == TILES_64 { &self.short } else { &self.f });
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             let (gx, gs, gk) = gather.map_or((0u64, 0u64, 1i32), |g| (g.x, g.slot_of_row, g.k as i32));
@@ -259,8 +336,8 @@ mod tests {
     /// widths that are not tile multiples (and depths that are not multiples of 64), grouped
     /// and padded layouts, experts spanning more than one group of row blocks; then the same
     /// with every activation in the epilogue (gate and up halves of `n`, with and without a
-    /// bias), and with the rows gathered by the GEMM from a shuffled copy (three slots a
-    /// token). The second of two launches is checked. Needs a Hopper GPU; says loudly when it
+    /// bias), with the rows gathered by the GEMM from a shuffled copy (three slots a token),
+    /// all in 128-row and in 64-row tiles. The second of two launches is checked. Needs a Hopper GPU; says loudly when it
     /// skips.
     #[test]
     fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
@@ -286,9 +363,13 @@ mod tests {
             cases.push(([32, 272, 512, 272][x], 136 + 8 * x, x % 2 == 1, Some((act, x < 2))));
             cases.push((512, 64, false, Some((act, x >= 2))));
         }
-        // Every case also with its rows gathered.
-        let cases: Vec<(Case, bool)> = cases.iter().flat_map(|&c| [(c, false), (c, true)]).collect();
-        for ((n, k, padded, act), gathered) in cases {
+        // Every case also with its rows gathered, and both again in 64-row tiles.
+        let cases: Vec<(Case, bool, super::Variant)> = cases
+            .iter()
+            .flat_map(|&c| [super::TILES_128, super::TILES_64].map(|v| [(c, false, v), (c, true, v)]))
+            .flatten()
+            .collect();
+        for ((n, k, padded, act), gathered, variant) in cases {
             // 2100 rows: 17 row blocks, more than one group of 16.
             let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 2100];
             let e = counts.len();
@@ -326,11 +407,12 @@ mod tests {
             for _ in 0..2 {
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
                 let ac = [dptr(&ad, &gpu), dptr(&cd, &gpu)];
-                gemm.run(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue, gather).unwrap();
+                gemm.launch(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue, gather, variant).unwrap();
             }
             let got = s.clone_dtoh(&cd).unwrap();
             let mut owned = vec![false; rows];
-            let what = format!("n {n} k {k} padded {padded} activation {act:?} gathered {gathered}");
+            let what =
+                format!("n {n} k {k} padded {padded} activation {act:?} gathered {gathered} rows {}", variant.rows);
             for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
                 let dot = |r: usize, j: usize| (0..k).map(|q| v(a[r * k + q]) * v(w[(x * n + j) * k + q])).sum::<f64>();
                 for r in off as usize..(off + cnt) as usize {
