@@ -242,11 +242,11 @@ impl HopperGemm {
         // SAFETY: grouped_gemm_sm90 and grouped_gemm_sm90_short(map, map, bf16*, int*, int*, int,
         // int, int, int*, int, float, float, float*, bf16*, int*, int), launched with their
         // threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
-        // variant's tile rows) and W ([experts ·
-        // n, kdim]); C holds `rows` rows of n (n / 2 with an activation); counts and offsets hold
-        // `experts` ints that place rows inside A's `rows`; the counter is one int, zeroed above
-        // in stream order; the bias, when given, holds `experts · n` floats; a gather's map
-        // holds `rows` slots whose tokens are rows of its x.
+        // variant's tile rows) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
+        // with an activation); counts and offsets hold `experts` ints that place rows inside
+        // A's `rows`; the counter is one int, zeroed above in stream order; the bias, when
+        // given, holds `experts · n` floats; a gather's map holds `rows` slots whose tokens are
+        // rows of its x.
         unsafe {
             let mut l = stream.launch_builder(if v == TILES_64 { &self.short } else { &self.f });
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
@@ -337,8 +337,8 @@ mod tests {
     /// and padded layouts, experts spanning more than one group of row blocks; then the same
     /// with every activation in the epilogue (gate and up halves of `n`, with and without a
     /// bias), with the rows gathered by the GEMM from a shuffled copy (three slots a token),
-    /// all in 128-row and in 64-row tiles. The second of two launches is checked. Needs a Hopper GPU; says loudly when it
-    /// skips.
+    /// all in 128-row and in 64-row tiles. The second of two launches is checked. Needs a
+    /// Hopper GPU; says loudly when it skips.
     #[test]
     fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
         if super::super::super::device_count() == 0 {
@@ -370,7 +370,7 @@ mod tests {
             .flatten()
             .collect();
         for ((n, k, padded, act), gathered, variant) in cases {
-            // 2100 rows: 17 row blocks, more than one group of 16.
+            // 2100 rows: 17 row blocks of 128 (33 of 64), more than one group of 16.
             let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 2100];
             let e = counts.len();
             let cap = 2100;
