@@ -1,32 +1,34 @@
 //! cuBLAS handles that are never made or destroyed while a stream of the process is captured
-//! into a CUDA graph. `cublasDestroy` synchronises the whole context; in session 23 the GPU
-//! tests crashed inside that synchronisation (a null dereference in the driver under
-//! `cuCtxSynchronize`) about once in 15 to 100 runs, when a layer was dropped on one thread while
-//! another thread captured its layer. Captures and handle changes take one lock instead.
+//! into a CUDA graph. `cublasDestroy` synchronises the whole context; the GPU tests crashed
+//! inside that synchronisation (a null dereference in the driver under `cuCtxSynchronize`) in
+//! about 1 run in 15 to 100, when a layer was dropped on one thread while another thread
+//! captured, and captures failed (cuBLAS internal errors) beside handles being made or destroyed.
+//! Captures hold a shared lock, the making and destroying of handles an exclusive one.
 
 use super::err;
 use crate::error::Result;
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::CudaStream;
 use std::mem::ManuallyDrop;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, RwLock, RwLockReadGuard};
 
-/// Held by a graph capture, and by the creation and destruction of cuBLAS handles.
-static CAPTURE_LOCK: Mutex<()> = Mutex::new(());
+/// Shared by graph captures; exclusive to the making and destroying of cuBLAS handles.
+static CAPTURES: RwLock<()> = RwLock::new(());
 
-/// The lock that keeps graph captures apart from each other and from cuBLAS handles being made
-/// or destroyed; hold it for the whole of a capture.
-pub(crate) fn capture_lock() -> MutexGuard<'static, ()> {
-    CAPTURE_LOCK.lock().unwrap_or_else(|p| p.into_inner())
+/// Keeps cuBLAS handles from being made or destroyed while held: hold it for the whole of a
+/// graph capture. Captures on several threads (the ranks of one process) hold it together.
+pub(crate) fn capture_lock() -> RwLockReadGuard<'static, ()> {
+    CAPTURES.read().unwrap_or_else(|p| p.into_inner())
 }
 
-/// A cuBLAS handle on one stream, made and destroyed under [`capture_lock`].
+/// A cuBLAS handle on one stream, made and destroyed while no graph capture holds
+/// [`capture_lock`].
 pub(crate) struct BlasHandle(ManuallyDrop<CudaBlas>);
 
 impl BlasHandle {
     /// A handle whose work goes to `stream`.
     pub(crate) fn new(stream: Arc<CudaStream>) -> Result<Self> {
-        let _no_capture = capture_lock();
+        let _no_capture = CAPTURES.write().unwrap_or_else(|p| p.into_inner());
         Ok(BlasHandle(ManuallyDrop::new(CudaBlas::new(stream).map_err(|e| err("cuBLAS handle", e))?)))
     }
 }
@@ -40,7 +42,7 @@ impl std::ops::Deref for BlasHandle {
 
 impl Drop for BlasHandle {
     fn drop(&mut self) {
-        let _no_capture = capture_lock();
+        let _no_capture = CAPTURES.write().unwrap_or_else(|p| p.into_inner());
         // SAFETY: the handle is dropped once, here, and not used after.
         unsafe { ManuallyDrop::drop(&mut self.0) };
     }

@@ -26,6 +26,9 @@ const GRAPHS_KEPT: usize = 16;
 /// Captures a layer tries per batch size before that size runs directly for good.
 const CAPTURE_TRIES: usize = 3;
 
+/// Held while a one-GPU layer captures, so those captures in one process do not overlap.
+static CAPTURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// A captured layer. CUDA graphs are not synchronised internally; these are only touched
 /// under the layer's buffer lock.
 pub(super) struct LayerGraph(pub(super) CudaGraph);
@@ -183,6 +186,7 @@ impl CudaMoeLayer {
     /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph.
     pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize) -> Result<LayerGraph> {
         let s = &self.gpu.stream;
+        let _no_blas_handle_changes = super::super::blas_handle::capture_lock();
         let spoil = b.graphs.spoils_this_capture();
         s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| err("begin capture", e))?;
@@ -216,7 +220,7 @@ impl CudaMoeLayer {
             b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
         }
         self.run(b, t, false)?;
-        let _one_at_a_time = super::super::blas_handle::capture_lock();
+        let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
         match self.capture_layer(b, t) {
             Ok(graph) => {
                 if b.graphs.graphs.len() == GRAPHS_KEPT {
