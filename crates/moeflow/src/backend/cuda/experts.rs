@@ -4,6 +4,7 @@
 //! GEMMs with f32 accumulation around the activation kernel, and come back as unweighted slot
 //! rows (`-0.0` where the slot's expert lives elsewhere), exactly like the CPU experts.
 
+use super::blas_handle::BlasHandle;
 use super::layer::{act_and_mul, gemm_bf16};
 use super::{err, Gpu};
 use crate::error::{MoeError, Result};
@@ -25,7 +26,7 @@ struct Rows {
 /// Expert weights resident on one GPU (bf16), with their activation and biases.
 pub struct CudaExperts {
     gpu: Gpu,
-    blas: super::blas_handle::BlasHandle,
+    blas: BlasHandle,
     act_kernel: CudaFunction,
     experts: usize,
     hidden: usize,
@@ -55,7 +56,7 @@ impl CudaExperts {
             Some(b) => Some(s.clone_htod(&b.to_f32_vec()).map_err(|x| err("upload", x))?),
             None => None,
         };
-        let blas = super::blas_handle::BlasHandle::new(s.clone())?;
+        let blas = BlasHandle::new(s.clone())?;
         let act_kernel = gpu.function("act_and_mul")?;
         Ok(CudaExperts {
             blas,
