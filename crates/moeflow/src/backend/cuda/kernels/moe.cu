@@ -216,31 +216,37 @@ __global__ void count_slots(const int* ids, int slots, int E, int* counts) {
     }
 }
 
-// offsets[e] = sum of counts before e (cap = 0), or e * cap (padded: every expert owns cap
-// rows); offsets[E] = total rows. One thread (E is at most a few hundred).
-__global__ void exclusive_scan(const int* counts, int E, int cap, int* offsets) {
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-        int acc = 0;
-        for (int e = 0; e < E; e++) { offsets[e] = cap > 0 ? e * cap : acc; acc += counts[e]; }
-        offsets[E] = cap > 0 ? E * cap : acc;
-    }
-}
-
-// Rows of expert e in slot order, with both maps; one block of 32 warps per expert. Slots of
-// expert `skip` (an expert-parallel rank's "held elsewhere" bucket) get row -1 and no row.
-__global__ void scatter_slots(const int* ids, int slots, int E, const int* offsets, int skip, int* row_of_slot,
-                              int* slot_of_row, int* expert_of_row) {
-    __shared__ int part[SCAN_WARPS];
+// Rows of expert e in slot order, with both maps, and the expert's offset: offsets[e] = the
+// sum of counts[0 .. e) (cap = 0), or e · cap (padded: every expert owns cap rows), and
+// offsets[E] = the total rows, written by the last expert's block. One block of 32 warps per
+// expert, each summing the counts before its own (E is at most 1024), so no separate scan runs
+// (one launch fewer: about 5 µs at one token on H200). Slots of expert `skip` (an
+// expert-parallel rank's "held elsewhere" bucket) get row -1 and no row.
+__global__ void scatter_slots(const int* ids, int slots, int E, const int* counts, int cap, int skip, int* offsets,
+                              int* row_of_slot, int* slot_of_row, int* expert_of_row) {
+    __shared__ int before[SCAN_WARPS], part[SCAN_WARPS];
     int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
+    int b = 0;
+    for (int j = threadIdx.x; j < e; j += blockDim.x) b += counts[j];
+    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
     int lo, hi = chunk_of(slots, w, &lo);
     int c = 0;
     for (int base = lo; base < hi; base += 32) {
         int s = base + lane;
         c += __popc(__ballot_sync(0xffffffffu, s < hi && ids[s] == e));
     }
-    if (lane == 0) part[w] = c;
+    if (lane == 0) {
+        before[w] = b;
+        part[w] = c;
+    }
     __syncthreads();
-    int pos = offsets[e];
+    int first = 0;
+    for (int i = 0; i < SCAN_WARPS; i++) first += before[i];
+    if (threadIdx.x == 0) {
+        offsets[e] = cap > 0 ? e * cap : first;
+        if (e == E - 1) offsets[E] = cap > 0 ? E * cap : first + counts[e];
+    }
+    int pos = cap > 0 ? e * cap : first;
     for (int i = 0; i < w; i++) pos += part[i];
     for (int base = lo; base < hi; base += 32) {
         int s = base + lane;
@@ -409,8 +415,10 @@ __global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expe
 }
 
 // out[t, h] = sum_j w[t, j] * (y[row_of_slot[t k + j], h] + b2[ids[t k + j], h]), in slot order,
-// then + g_t * ys[t, h] when the shared output `ys` is given (g_t as in add_shared). One block
-// per token (grid-stride); eight columns per thread with 16-byte loads when H % 8 == 0.
+// then + g_t * ys[t, h] when the shared output `ys` is given (g_t as in add_shared). Blocks
+// (x, y) take tokens x, x + gridDim.x, ... and the y-th of gridDim.y interleaved shares of their
+// columns (small batches spread a token over several blocks: on H200 one token's combine took
+// 11 µs in one block); eight columns per thread with 16-byte loads when H % 8 == 0.
 __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const float* w, const int* row_of_slot, int T,
                         int k, int H, int weights_applied, const bf16_t* ys, const float* x, const float* gate,
                         float* out) {
@@ -420,7 +428,7 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
         const int *rs = row_of_slot + t * k, *id = ids + t * k;
         const float* wt = weights_applied ? 0 : w + t * k;
         if (H % 8 == 0) {
-            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+            for (int c = threadIdx.x + blockIdx.y * blockDim.x; c < H / 8; c += blockDim.x * gridDim.y) {
                 float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
                 sum_rows8(y, b2, rs, id, wt, k, H, c, acc);
                 if (ys) {
@@ -433,7 +441,7 @@ __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const 
                 o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
             }
         } else {
-            for (int h = threadIdx.x; h < H; h += blockDim.x) {
+            for (int h = threadIdx.x + blockIdx.y * blockDim.x; h < H; h += blockDim.x * gridDim.y) {
                 float acc = sum_rows1(y, b2, rs, id, wt, k, H, h);
                 if (ys) acc += g * bf16_to_f32(ys[t * H + h]);
                 out[t * H + h] = acc;

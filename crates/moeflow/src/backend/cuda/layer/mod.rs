@@ -36,7 +36,6 @@ struct Kernels {
     add_bias: CudaFunction,
     route: CudaFunction,
     count: CudaFunction,
-    scan: CudaFunction,
     scatter: CudaFunction,
     gather: CudaFunction,
     take: CudaFunction,
@@ -241,6 +240,15 @@ fn rows(n: usize, threads: u32) -> LaunchConfig {
     LaunchConfig { grid_dim: (n.max(1) as u32, 1, 1), block_dim: (threads, 1, 1), shared_mem_bytes: 0 }
 }
 
+/// 256-thread blocks over `t` tokens of `h` columns for `combine`: one block per token, and
+/// below about four blocks per SM that way, each token's columns shared out over up to as many
+/// blocks as give every thread one 8-column chunk.
+fn per_token(t: usize, h: usize) -> LaunchConfig {
+    let chunks = if h.is_multiple_of(8) { h / 8 } else { h };
+    let split = 528usize.div_ceil(t.max(1)).clamp(1, chunks.div_ceil(256));
+    LaunchConfig { grid_dim: (t.max(1) as u32, split as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
 impl CudaMoeLayer {
     fn open(config: &MoeConfig, device: usize) -> Result<(Gpu, BlasHandle, Kernels)> {
         config.validate()?;
@@ -265,7 +273,6 @@ impl CudaMoeLayer {
             add_bias: f("add_row_bias")?,
             route: f("route")?,
             count: f("count_slots")?,
-            scan: f("exclusive_scan")?,
             scatter: f("scatter_slots")?,
             gather: f("gather_rows")?,
             take: f("take_rows")?,
@@ -756,7 +763,7 @@ impl CudaMoeLayer {
                 .arg(&xp)
                 .arg(&gp)
                 .arg(&outp)
-                .launch(rows(t, 256))
+                .launch(per_token(t, c.hidden))
         }
         .map(|_| ())
         .map_err(|e| err("combine", e))
@@ -886,24 +893,19 @@ impl CudaMoeLayer {
         let [rs, sr, er] = maps;
         let warps = LaunchConfig { grid_dim: (p.experts as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
         let (hi, ki) = (self.config.hidden as i32, k as i32);
-        // SAFETY: exclusive_scan(int*, int, int, int*), scatter_slots(int*, int, int, int*, int,
-        // int*, int*, int*) and gather_rows(bf16*, int, int*, int, int, bf16*) over buffers the
-        // caller sized for `slots` slots and the rows the counts give (e · cap <= 2 slots when
-        // padded).
+        // SAFETY: scatter_slots(int*, int, int, int*, int, int, int*, int*, int*, int*) and
+        // gather_rows(bf16*, int, int*, int, int, bf16*) over buffers the caller sized for `slots`
+        // slots, `experts` counts, `experts + 1` offsets and the rows the counts give (e · cap <= 2
+        // slots when padded).
         unsafe {
-            s.launch_builder(&self.k.scan)
-                .arg(&counts)
-                .arg(&ei)
-                .arg(&capi)
-                .arg(&offsets)
-                .launch(rows(1, 32))
-                .map_err(|e| err("scan", e))?;
             s.launch_builder(&self.k.scatter)
                 .arg(&p.ids)
                 .arg(&slots)
                 .arg(&ei)
-                .arg(&offsets)
+                .arg(&counts)
+                .arg(&capi)
                 .arg(&skip)
+                .arg(&offsets)
                 .arg(&rs)
                 .arg(&sr)
                 .arg(&er)
