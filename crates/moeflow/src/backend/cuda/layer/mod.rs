@@ -30,6 +30,8 @@ mod low_latency;
 mod masked_gemm;
 mod side_streams;
 use side_streams::SideStreams;
+#[cfg(test)]
+mod top_k_tests;
 
 struct Kernels {
     to_bf16: CudaFunction,
