@@ -24,13 +24,12 @@
 // each stage back through an mbarrier once the tensor cores are done with it. The epilogue
 // rounds to bf16 and stores only the expert's own rows, so rows read past its end (the next
 // expert's, or zeros) are computed and dropped. A second entry point takes tiles of 64 rows
-// with one consumer warpgroup and a 5-stage ring, for batches of a few rows an expert. On
+// with one consumer warpgroup and a 5-stage ring, for batches of a few rows an expert, and a
+// third the same in tiles 224 columns wide (products only), for better balanced waves. On
 // other architectures the kernel bodies are empty and the host never launches them.
 // (Compiled after moe.cu, whose typedefs it uses.)
 
-#define GG_BN 256                                  // output columns of a tile
 #define GG_BK 64                                   // depth of a stage: 128 bytes, one swizzle row
-#define GG_B_BYTES (GG_BN * GG_BK * 2)             // 32 KiB
 
 // A CUtensorMap, passed by value (the host encodes it with cuTensorMapEncodeTiled).
 struct __align__(64) gg_tensor_map {
@@ -95,9 +94,10 @@ __device__ __forceinline__ void gg_wait() {
 }
 // Pins the accumulators in place: reads of d after this stay after the wait before it (the
 // compiler cannot see that wgmma writes d asynchronously).
+template <int N>
 __device__ __forceinline__ void gg_pin(float* d) {
 #pragma unroll
-    for (int j = 0; j < 128; j++) asm volatile("" : "+f"(d[j])::"memory");
+    for (int j = 0; j < N; j++) asm volatile("" : "+f"(d[j])::"memory");
 }
 
 #define GG_D8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
@@ -119,6 +119,23 @@ __device__ __forceinline__ void gg_mma(float* d, u64 a, u64 b, int accumulate) {
         "}, %128, %129, acc, 1, 1, 0, 0;\n}\n"
         : GG_D8(0), GG_D8(8), GG_D8(16), GG_D8(24), GG_D8(32), GG_D8(40), GG_D8(48), GG_D8(56), GG_D8(64),
           GG_D8(72), GG_D8(80), GG_D8(88), GG_D8(96), GG_D8(104), GG_D8(112), GG_D8(120)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The same over 224 columns: d[64 × 224 fragment], B[224 × 16].
+__device__ __forceinline__ void gg_mma224(float* d, u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %114, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n224k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, "
+        "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, "
+        "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, "
+        "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111"
+        "}, %112, %113, acc, 1, 1, 0, 0;\n}\n"
+        : GG_D8(0), GG_D8(8), GG_D8(16), GG_D8(24), GG_D8(32), GG_D8(40), GG_D8(48), GG_D8(56), GG_D8(64), GG_D8(72), GG_D8(80), GG_D8(88), GG_D8(96), GG_D8(104)
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
@@ -187,14 +204,15 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // The kernel for tiles of 64·WGS rows (WGS consumer warpgroups after the producer one) over a
 // ring of STAGES stages; see the entry points below for the arguments.
-template <int WGS, int STAGES>
+template <int WGS, int STAGES, int BN>
 __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
                                           int* next_tile, int act_kind, float alpha, float limit, const float* b13,
                                           const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
     constexpr int BM = 64 * WGS;                  // rows of a tile
     constexpr int A_BYTES = BM * GG_BK * 2;       // 8 KiB a warpgroup
-    constexpr int RING_BYTES = STAGES * (A_BYTES + GG_B_BYTES);
+    constexpr int B_BYTES = BN * GG_BK * 2;       // 32 KiB at 256 columns
+    constexpr int RING_BYTES = STAGES * (A_BYTES + B_BYTES);
     constexpr int ROWS_PER_THREAD = BM / 16;      // gathering: eight threads a row
     extern __shared__ unsigned char gg_raw[];
     // The ring starts 1024-aligned (the swizzle pattern repeats every 1024 bytes).
@@ -207,9 +225,9 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
     int* start_of = rows_of + experts;
     int* claimed = start_of + experts;  // gather: the tile the producer warpgroup works on
     const bool gather = gather_x != 0;
-    // An activation tile covers GG_BN / 2 output columns: its gate rows and their up rows.
+    // An activation tile covers BN / 2 output columns: its gate rows and their up rows.
     const bool act = act_kind >= 0;
-    const int width = act ? N / 2 : N, tile_cols = act ? GG_BN / 2 : GG_BN;
+    const int width = act ? N / 2 : N, tile_cols = act ? BN / 2 : BN;
     const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + GG_BK - 1) / GG_BK;
 
     if (threadIdx.x == 0) {
@@ -271,7 +289,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
             }
             gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
             // W rows of the tile's two halves: the next 128 rows, or the up rows of its gate rows.
-            const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : GG_BN / 2);
+            const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : BN / 2);
             // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
             // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from
             // the rows' tokens (null: past the expert's rows, left as they are and dropped).
@@ -287,11 +305,11 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
                 unsigned char* a = ring + stage * A_BYTES;
                 if (me == 0) {
                     stage_tile[stage] = tile;
-                    gg_bar_expect(&full[stage], (gather ? 0 : A_BYTES) + GG_B_BYTES);
+                    gg_bar_expect(&full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
                     if (!gather) gg_tma_load(a, &a_map, &full[stage], kb * GG_BK, t.row0);
-                    unsigned char* b = ring + STAGES * A_BYTES + stage * GG_B_BYTES;
+                    unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
                     gg_tma_load(b, &w_map, &full[stage], kb * GG_BK, wrow);
-                    gg_tma_load(b + GG_B_BYTES / 2, &w_map, &full[stage], kb * GG_BK, wrow2);
+                    gg_tma_load(b + B_BYTES / 2, &w_map, &full[stage], kb * GG_BK, wrow2);
                 }
                 if (gather) {
                     // The 128-byte swizzle TMA would apply: 16-byte chunk c of row r at c ^ (r % 8).
@@ -311,9 +329,9 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
 
     // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
     const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    float d[128];
+    float d[BN / 2];
 #pragma unroll
-    for (int j = 0; j < 128; j++) d[j] = 0.0f;
+    for (int j = 0; j < BN / 2; j++) d[j] = 0.0f;
     int stage = 0, last = 0;
     unsigned phase = 0;
     for (;;) {
@@ -336,10 +354,13 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
             // through the async one.
             if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
             u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
-            u64 db = gg_desc(ring + STAGES * A_BYTES + stage * GG_B_BYTES);
+            u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
             gg_fence();
 #pragma unroll
-            for (int kk = 0; kk < GG_BK / 16; kk++) gg_mma(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+            for (int kk = 0; kk < GG_BK / 16; kk++) {
+                if constexpr (BN == 256) gg_mma(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+                else gg_mma224(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+            }
             gg_commit();
             // The previous stage's products are done once at most this one is in flight.
             if (kb > 0) {
@@ -350,15 +371,18 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
             if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
         gg_wait<0>();
-        gg_pin(d);
+        gg_pin<BN / 2>(d);
         gg_bar_arrive(&empty[last]);
-        if (act) {
-            const float* bias = b13 ? b13 + (long)t.expert * N : 0;
-            switch (act_kind) {
-                case 0: gg_act<0>(d, bias, t.col0, width, alpha, limit); break;
-                case 1: gg_act<1>(d, bias, t.col0, width, alpha, limit); break;
-                case 2: gg_act<2>(d, bias, t.col0, width, alpha, limit); break;
-                default: gg_act<3>(d, bias, t.col0, width, alpha, limit); break;
+        // Activations run in 256-column tiles only (the host sees to it).
+        if constexpr (BN == 256) {
+            if (act) {
+                const float* bias = b13 ? b13 + (long)t.expert * N : 0;
+                switch (act_kind) {
+                    case 0: gg_act<0>(d, bias, t.col0, width, alpha, limit); break;
+                    case 1: gg_act<1>(d, bias, t.col0, width, alpha, limit); break;
+                    case 2: gg_act<2>(d, bias, t.col0, width, alpha, limit); break;
+                    default: gg_act<3>(d, bias, t.col0, width, alpha, limit); break;
+                }
             }
         }
         // Fragment layout: d[4j + {0,1}] is row 16·warp + lane/4, columns 8j + 2·(lane%4) + {0,1};
@@ -371,7 +395,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
         const int q = lane % 4;
         const bool hi = q & 2, odd = q & 1;
 #pragma unroll
-        for (int i = 0; i < 8; i++) {
+        for (int i = 0; i < BN / 32; i++) {
             if (act && i >= 4) break;  // an activation tile's 128 columns are d[0 .. 63]
 #pragma unroll
             for (int h = 0; h < 2; h++) {
@@ -416,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                       int act_kind, float alpha, float limit, const float* b13, const bf16_t* gather_x,
                       const int* slot_of_row, int gather_k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gg_kernel<2, 4>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
+    gg_kernel<2, 4, 256>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
                     gather_x, slot_of_row, gather_k);
 #endif
 }
@@ -430,7 +454,21 @@ extern "C" __global__ void __launch_bounds__(256, 1)
                             int* next_tile, int act_kind, float alpha, float limit, const float* b13,
                             const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gg_kernel<1, 5>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
+    gg_kernel<1, 5, 256>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
                     gather_x, slot_of_row, gather_k);
+#endif
+}
+
+// The same in 64-row tiles of 224 columns (W read in boxes of 112 rows), products only: a
+// projection 7168 wide over the 8 experts of one token makes 256 such tiles, two for nearly
+// every one of 132 SMs, where 256-column tiles make 224 (1.7 a SM).
+extern "C" __global__ void __launch_bounds__(256, 1)
+    grouped_gemm_sm90_short224(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
+                               bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
+                               int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                               const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    gg_kernel<1, 5, 224>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
+                         gather_x, slot_of_row, gather_k);
 #endif
 }

@@ -17,9 +17,6 @@ const MAX_EXPERTS: usize = 1024;
 /// an expert too (see [`CudaMoeLayer::hopper_for`]).
 const MANY_EXPERTS: usize = 256;
 
-/// Columns of an output tile (`GG_BN`): two boxes of half as many rows read from `W`.
-const TILE_COLS: u32 = 256;
-
 /// Most shared memory a block may take on Hopper (227 KiB).
 const MAX_SMEM: u32 = 227 * 1024;
 
@@ -32,19 +29,23 @@ const MAX_SMEM: u32 = 227 * 1024;
 /// experts past 64 rows stream their weights twice.
 const SHORT_TO_ROWS: usize = 32;
 
-/// One of the kernel's two entry points: its tile rows (the boxes TMA reads from `A`), ring
-/// stages and threads.
+/// One of the kernel's entry points: its tile rows (the boxes TMA reads from `A`), tile
+/// columns (two boxes of half as many rows read from `W`), ring stages and threads.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Variant {
     rows: u32,
+    cols: u32,
     stages: u32,
     threads: u32,
 }
 
-/// `grouped_gemm_sm90`: 128-row tiles, two consumer warpgroups.
-const TILES_128: Variant = Variant { rows: 128, stages: 4, threads: 384 };
-/// `grouped_gemm_sm90_short`: 64-row tiles, one consumer warpgroup, a deeper ring.
-const TILES_64: Variant = Variant { rows: 64, stages: 5, threads: 256 };
+/// `grouped_gemm_sm90`: 128 × 256 tiles, two consumer warpgroups.
+const TILES_128: Variant = Variant { rows: 128, cols: 256, stages: 4, threads: 384 };
+/// `grouped_gemm_sm90_short`: 64 × 256 tiles, one consumer warpgroup, a deeper ring.
+const TILES_64: Variant = Variant { rows: 64, cols: 256, stages: 5, threads: 256 };
+/// `grouped_gemm_sm90_short224`: 64 × 224 tiles, products only (see
+/// [`HopperGemm::narrow_for`]).
+const TILES_64_NARROW: Variant = Variant { rows: 64, cols: 224, stages: 5, threads: 256 };
 
 /// What the Hopper GEMM writes.
 #[derive(Clone, Copy, Debug)]
@@ -71,7 +72,7 @@ pub(super) struct Gather {
 /// tile offsets, a copy of the counts and row offsets, and the tile a gathering producer
 /// works on.
 fn smem_bytes(v: Variant, experts: usize) -> u32 {
-    v.stages * ((v.rows + TILE_COLS) * 64 * 2 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+    v.stages * ((v.rows + v.cols) * 64 * 2 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
 /// The tile height `MOEFLOW_GEMM_TILE_ROWS` asks for (64 or 128; anything else: the choice of
@@ -81,6 +82,17 @@ fn tile_rows_asked() -> Option<u32> {
     *ASKED.get_or_init(|| match std::env::var("MOEFLOW_GEMM_TILE_ROWS").as_deref() {
         Ok("64") => Some(64),
         Ok("128") => Some(128),
+        _ => None,
+    })
+}
+
+/// The tile width `MOEFLOW_GEMM_TILE_COLS` asks for products in 64-row tiles (224 or 256;
+/// anything else: the choice of [`HopperGemm::narrow_for`]), read once.
+fn tile_cols_asked() -> Option<u32> {
+    static ASKED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    *ASKED.get_or_init(|| match std::env::var("MOEFLOW_GEMM_TILE_COLS").as_deref() {
+        Ok("224") => Some(224),
+        Ok("256") => Some(256),
         _ => None,
     })
 }
@@ -132,6 +144,8 @@ pub(super) struct HopperGemm {
     f: CudaFunction,
     /// The same in 64-row tiles (`grouped_gemm_sm90_short`).
     short: CudaFunction,
+    /// The same in 64 × 224 tiles (`grouped_gemm_sm90_short224`).
+    narrow: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
 }
@@ -154,12 +168,13 @@ impl HopperGemm {
             Ok(f)
         };
         let (f, short) = (load("grouped_gemm_sm90", TILES_128)?, load("grouped_gemm_sm90_short", TILES_64)?);
+        let narrow = load("grouped_gemm_sm90_short224", TILES_64_NARROW)?;
         let sms = gpu
             .ctx
             .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("SM count", e))?;
         let next_tile = gpu.stream.alloc_zeros::<i32>(1).map_err(|e| err("allocating the tile counter", e))?;
-        Ok(Some(HopperGemm { f, short, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+        Ok(Some(HopperGemm { f, short, narrow, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
     }
 
     /// Whether a product over `rows` rows of `experts` experts takes 64-row tiles: up to
@@ -172,13 +187,34 @@ impl HopperGemm {
         }
     }
 
+    /// Whether a product `n` wide over `rows` rows of `experts` experts, in 64-row tiles,
+    /// takes them 224 columns wide: when that fills the SMs' last wave better than 256
+    /// columns, counting the experts that random routing reaches, `experts · (1 − (1 −
+    /// 1/experts)^rows)`. One token of DeepSeek-V3's down projection (7168 wide, 8 experts)
+    /// makes 224 tiles of 256 columns on 132 SMs (1.7 a SM) or 256 of 224 (1.9 a SM). The tile
+    /// width does not change any sum (each output's products are added in the same order).
+    fn narrow_for(&self, rows: usize, experts: usize, n: usize) -> bool {
+        if let Some(cols) = tile_cols_asked() {
+            return cols == TILES_64_NARROW.cols;
+        }
+        let e = experts.max(1) as f64;
+        let reached = e * (1.0 - (1.0 - 1.0 / e).powi(rows.min(1 << 20) as i32));
+        let sms = self.sms as f64;
+        let fill = |cols: usize| {
+            let tiles = reached * n.div_ceil(cols) as f64;
+            tiles / ((tiles / sms).ceil().max(1.0) * sms)
+        };
+        fill(TILES_64_NARROW.cols as usize) > fill(TILES_64.cols as usize)
+    }
+
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
     /// `offsets[x] .. offsets[x] + counts[x]` (device ints), where `A` is `[rows, kdim]` at
     /// `a`, `C` is `[rows, n]` at `c` and `W` is `[experts, n, kdim]` at `w`; bf16, f32
     /// accumulation. `kdim` and `n` must be multiples of 8 (16 with an activation, whose `C`
     /// is `[rows, n / 2]`: see [`Epilogue`]). With `gather` the rows of `A` are read from
     /// where it says instead of from `a` (see [`Gather`]). In 64-row tiles where
-    /// [`HopperGemm::short_for`] says so, else in 128-row tiles.
+    /// [`HopperGemm::short_for`] says so (a product 224 columns wide where
+    /// [`HopperGemm::narrow_for`] says so), else in 128-row tiles.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -192,7 +228,12 @@ impl HopperGemm {
         epilogue: Epilogue,
         gather: Option<Gather>,
     ) -> Result<()> {
-        let v = if self.short_for(rows, experts) { TILES_64 } else { TILES_128 };
+        let product = matches!(epilogue, Epilogue::Product);
+        let v = match self.short_for(rows, experts) {
+            true if product && self.narrow_for(rows, experts, shape[0]) => TILES_64_NARROW,
+            true => TILES_64,
+            false => TILES_128,
+        };
         self.launch(stream, w, shape, ac, rows, counts_offsets, experts, epilogue, gather, v)
     }
 
@@ -229,7 +270,12 @@ impl HopperGemm {
             return Ok(());
         }
         let a_map = tensor_map(a, rows, kdim, v.rows)?;
-        let w_map = tensor_map(w, experts * n, kdim, TILE_COLS / 2)?;
+        if v.cols != 256 && !matches!(epilogue, Epilogue::Product) {
+            return Err(MoeError::Unsupported(
+                "the Hopper grouped GEMM's activation in tiles other than 256 wide".into(),
+            ));
+        }
+        let w_map = tensor_map(w, experts * n, kdim, v.cols / 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
         let mut counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         stream.memset_zeros(&mut *counter).map_err(|e| err("zeroing the tile counter", e))?;
@@ -239,7 +285,7 @@ impl HopperGemm {
             block_dim: (v.threads, 1, 1),
             shared_mem_bytes: smem_bytes(v, experts),
         };
-        // SAFETY: grouped_gemm_sm90 and grouped_gemm_sm90_short(map, map, bf16*, int*, int*, int,
+        // SAFETY: grouped_gemm_sm90, _short and _short224(map, map, bf16*, int*, int*, int,
         // int, int, int*, int, float, float, float*, bf16*, int*, int), launched with their
         // threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
         // variant's tile rows) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
@@ -248,7 +294,12 @@ impl HopperGemm {
         // given, holds `experts · n` floats; a gather's map holds `rows` slots whose tokens are
         // rows of its x.
         unsafe {
-            let mut l = stream.launch_builder(if v == TILES_64 { &self.short } else { &self.f });
+            let f = match v {
+                TILES_64 => &self.short,
+                TILES_64_NARROW => &self.narrow,
+                _ => &self.f,
+            };
+            let mut l = stream.launch_builder(f);
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             let (gx, gs, gk) = gather.map_or((0u64, 0u64, 1i32), |g| (g.x, g.slot_of_row, g.k as i32));
@@ -337,7 +388,8 @@ mod tests {
     /// and padded layouts, experts spanning more than one group of row blocks; then the same
     /// with every activation in the epilogue (gate and up halves of `n`, with and without a
     /// bias), with the rows gathered by the GEMM from a shuffled copy (three slots a token),
-    /// all in 128-row and in 64-row tiles. The second of two launches is checked. Needs a
+    /// all in 128-row and in 64-row tiles (products also 224 columns wide, bit for bit as 256).
+    /// The second of two launches is checked. Needs a
     /// Hopper GPU; says loudly when it skips.
     #[test]
     fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
@@ -363,11 +415,15 @@ mod tests {
             cases.push(([32, 272, 512, 272][x], 136 + 8 * x, x % 2 == 1, Some((act, x < 2))));
             cases.push((512, 64, false, Some((act, x >= 2))));
         }
-        // Every case also with its rows gathered, and both again in 64-row tiles.
+        // Every case also with its rows gathered, and both again in 64-row tiles, products in
+        // 64 × 224 tiles too.
         let cases: Vec<(Case, bool, super::Variant)> = cases
             .iter()
-            .flat_map(|&c| [super::TILES_128, super::TILES_64].map(|v| [(c, false, v), (c, true, v)]))
-            .flatten()
+            .flat_map(|&c| {
+                let narrow = c.3.is_none().then_some(super::TILES_64_NARROW);
+                [Some(super::TILES_128), Some(super::TILES_64), narrow].into_iter().flatten().map(move |v| (c, v))
+            })
+            .flat_map(|(c, v)| [(c, false, v), (c, true, v)])
             .collect();
         for ((n, k, padded, act), gathered, variant) in cases {
             // 2100 rows: 17 row blocks of 128 (33 of 64), more than one group of 16.
@@ -411,8 +467,16 @@ mod tests {
             }
             let got = s.clone_dtoh(&cd).unwrap();
             let mut owned = vec![false; rows];
-            let what =
-                format!("n {n} k {k} padded {padded} activation {act:?} gathered {gathered} rows {}", variant.rows);
+            let what = format!(
+                "n {n} k {k} padded {padded} activation {act:?} gathered {gathered} tiles {} × {}",
+                variant.rows, variant.cols
+            );
+            if variant == super::TILES_64_NARROW {
+                // Narrower tiles add each output's products in the same order: the same bits.
+                let ac = [dptr(&ad, &gpu), dptr(&cd, &gpu)];
+                gemm.launch(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue, gather, super::TILES_64).unwrap();
+                assert!(s.clone_dtoh(&cd).unwrap() == got, "{what}: bits differ from 64 × 256 tiles");
+            }
             for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
                 let dot = |r: usize, j: usize| (0..k).map(|q| v(a[r * k + q]) * v(w[(x * n + j) * k + q])).sum::<f64>();
                 for r in off as usize..(off + cnt) as usize {
