@@ -17,7 +17,7 @@
 //
 // Built for sm_90a (wgmma and TMA exist only there): each block owns an SM and takes the
 // 128 × 256 output tiles of every expert, in order, from a counter the blocks share (the
-// host zeroes it before each launch). One producer thread streams 64-deep slices of the
+// last block done claiming zeroes it for the next launch). One producer thread streams 64-deep slices of the
 // tile's rows and weights (two boxes of 128 weight rows) into a 4-stage shared-memory ring
 // with TMA (128-byte swizzle, zero fill past the tensor's edges); two consumer warpgroups
 // multiply them with wgmma.m64n256k16 (64 rows each) straight from shared memory, and hand
@@ -281,6 +281,15 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
                 tile = atomicAdd(next_tile, 1);
             }
             if (tile >= tiles) {
+                // The last block done claiming zeroes the counters for the next launch (every
+                // block has made its last claim by then), so the host sets no memset before it.
+                if (me == 0) {
+                    __threadfence();
+                    if (atomicAdd(next_tile + 1, 1) == (int)gridDim.x - 1) {
+                        next_tile[0] = 0;
+                        next_tile[1] = 0;
+                    }
+                }
                 gg_bar_wait(&empty[stage], phase ^ 1);
                 if (me == 0) stage_tile[stage] = -1;
                 gg_bar_arrive(&full[stage]);  // gathering, every thread arrives (1 + 128 with thread 0's)
@@ -431,7 +440,8 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
 // C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0), or its activation, C [rows, N / 2], with
 // the kinds, alpha and limit of act_mul and the f32 bias b13 [experts, N] (null: none), in
 // tiles of 128 rows over a 4-stage ring, 384 threads; A and W are read in boxes of 128 rows;
-// next_tile is zeroed by the host before each launch. With gather_x, row r of A is row
+// next_tile is two ints, zero at the launch (the tile counter and the blocks done claiming),
+// which the kernel leaves zero. With gather_x, row r of A is row
 // slot_of_row[r] / gather_k of gather_x [·, K] (the permute's gather done by the producer
 // warpgroup's cp.async copies), and a_map is not read.
 extern "C" __global__ void __launch_bounds__(384, 1)

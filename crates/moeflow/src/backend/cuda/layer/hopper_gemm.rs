@@ -138,8 +138,8 @@ fn tensor_map(ptr: u64, rows: usize, cols: usize, box_rows: u32) -> Result<Tenso
     Ok(TensorMap(unsafe { map.assume_init() }))
 }
 
-/// The kernel, the SMs its persistent blocks fill, and the tile counter they share (zeroed
-/// on the stream before each launch).
+/// The kernel, the SMs its persistent blocks fill, and the tile counter they share with the
+/// count of blocks done claiming (zero at every launch: the last block done zeroes both).
 pub(super) struct HopperGemm {
     f: CudaFunction,
     /// The same in 64-row tiles (`grouped_gemm_sm90_short`).
@@ -173,7 +173,8 @@ impl HopperGemm {
             .ctx
             .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("SM count", e))?;
-        let next_tile = gpu.stream.alloc_zeros::<i32>(1).map_err(|e| err("allocating the tile counter", e))?;
+        let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
+        gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
         Ok(Some(HopperGemm { f, short, narrow, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
     }
 
@@ -277,8 +278,8 @@ impl HopperGemm {
         }
         let w_map = tensor_map(w, experts * n, kdim, v.cols / 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
-        let mut counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
-        stream.memset_zeros(&mut *counter).map_err(|e| err("zeroing the tile counter", e))?;
+        // Launches through this lock run one after another on the device (one stream a layer).
+        let counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         let (next, _guard) = counter.device_ptr(stream);
         let cfg = LaunchConfig {
             grid_dim: (self.sms, 1, 1),
@@ -290,7 +291,7 @@ impl HopperGemm {
         // threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
         // variant's tile rows) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
         // with an activation); counts and offsets hold `experts` ints that place rows inside
-        // A's `rows`; the counter is one int, zeroed above in stream order; the bias, when
+        // A's `rows`; the counter is two ints, zero at every launch (see `HopperGemm`); the bias, when
         // given, holds `experts · n` floats; a gather's map holds `rows` slots whose tokens are
         // rows of its x.
         unsafe {
