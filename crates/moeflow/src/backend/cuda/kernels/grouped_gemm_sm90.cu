@@ -437,48 +437,38 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
 }
 #endif
 
-// C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0), or its activation, C [rows, N / 2], with
-// the kinds, alpha and limit of act_mul and the f32 bias b13 [experts, N] (null: none), in
-// tiles of 128 rows over a 4-stage ring, 384 threads; A and W are read in boxes of 128 rows;
-// next_tile is two ints, zero at the launch (the tile counter and the blocks done claiming),
-// which the kernel leaves zero. With gather_x, row r of A is row
+// The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
+// gg_kernel<WGS, STAGES, BN>. Each computes C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0),
+// or its activation, C [rows, N / 2], with the kinds, alpha and limit of act_mul and the f32
+// bias b13 [experts, N] (null: none); A is read in boxes of the tile's rows, W in boxes of
+// half its columns; next_tile is two ints, zero at the launch (the tile counter and the blocks
+// done claiming), which the kernel leaves zero. With gather_x, row r of A is row
 // slot_of_row[r] / gather_k of gather_x [·, K] (the permute's gather done by the producer
 // warpgroup's cp.async copies), and a_map is not read.
-extern "C" __global__ void __launch_bounds__(384, 1)
-    grouped_gemm_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
-                      bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,
-                      int act_kind, float alpha, float limit, const float* b13, const bf16_t* gather_x,
-                      const int* slot_of_row, int gather_k) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gg_kernel<2, 4, 256>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
-                    gather_x, slot_of_row, gather_k);
+#define GG_BODY(WGS, STAGES, BN)                                                                                   \
+    gg_kernel<WGS, STAGES, BN>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
+                               b13, gather_x, slot_of_row, gather_k);
+#else
+#define GG_BODY(WGS, STAGES, BN)
 #endif
-}
+#define GG_ENTRY(name, threads, WGS, STAGES, BN)                                                                   \
+    extern "C" __global__ void __launch_bounds__(threads, 1)                                                       \
+        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C,  \
+             const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,      \
+             float alpha, float limit, const float* b13, const bf16_t* gather_x, const int* slot_of_row,          \
+             int gather_k) {                                                                                      \
+        GG_BODY(WGS, STAGES, BN)                                                                                   \
+    }
 
-// The same in tiles of 64 rows (A read in boxes of 64 rows), one consumer warpgroup and a
-// 5-stage ring: for batches of a few rows an expert, whose tiles only stream weights, more of
-// them in flight. 256 threads.
-extern "C" __global__ void __launch_bounds__(256, 1)
-    grouped_gemm_sm90_short(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
-                            bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
-                            int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                            const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gg_kernel<1, 5, 256>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
-                    gather_x, slot_of_row, gather_k);
-#endif
-}
+// 128 × 256 tiles over a 4-stage ring, two consumer warpgroups.
+GG_ENTRY(grouped_gemm_sm90, 384, 2, 4, 256)
 
-// The same in 64-row tiles of 224 columns (W read in boxes of 112 rows), products only: a
-// projection 7168 wide over the 8 experts of one token makes 256 such tiles, two for nearly
-// every one of 132 SMs, where 256-column tiles make 224 (1.7 a SM).
-extern "C" __global__ void __launch_bounds__(256, 1)
-    grouped_gemm_sm90_short224(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
-                               bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
-                               int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                               const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    gg_kernel<1, 5, 224>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,
-                         gather_x, slot_of_row, gather_k);
-#endif
-}
+// 64 × 256 tiles, one consumer warpgroup and a 5-stage ring: for batches of a few rows an
+// expert, whose tiles only stream weights, more of them in flight.
+GG_ENTRY(grouped_gemm_sm90_short, 256, 1, 5, 256)
+
+// 64 × 224 tiles, products only: a projection 7168 wide over the 8 experts of one token makes
+// 256 such tiles, two for nearly every one of 132 SMs, where 256-column tiles make 224 (1.7 a
+// SM).
+GG_ENTRY(grouped_gemm_sm90_short224, 256, 1, 5, 224)
