@@ -20,7 +20,9 @@ pub struct Preset {
     pub config: MoeConfig,
 }
 
-fn cfg(
+/// A layer of the given shape and semantics, the router's weights not applied on the input
+/// (every preset's, and the tests' small layers).
+pub fn config(
     hidden: usize,
     inter: usize,
     num_experts: usize,
@@ -39,27 +41,27 @@ pub fn presets() -> Vec<Preset> {
         Preset {
             name: "olmoe-1b-7b",
             model: "allenai/OLMoE-1B-7B-0924",
-            config: cfg(2048, 1024, 64, 8, soft(false), Activation::Silu, None),
+            config: config(2048, 1024, 64, 8, soft(false), Activation::Silu, None),
         },
         Preset {
             name: "qwen3-30b-a3b",
             model: "Qwen/Qwen3-30B-A3B",
-            config: cfg(2048, 768, 128, 8, soft(true), Activation::Silu, None),
+            config: config(2048, 768, 128, 8, soft(true), Activation::Silu, None),
         },
         Preset {
             name: "mixtral-8x7b",
             model: "mistralai/Mixtral-8x7B-v0.1",
-            config: cfg(4096, 14336, 8, 2, soft(true), Activation::Silu, None),
+            config: config(4096, 14336, 8, 2, soft(true), Activation::Silu, None),
         },
         Preset {
             name: "gpt-oss-120b",
             model: "openai/gpt-oss-120b",
-            config: cfg(2880, 2880, 128, 4, RouterConfig::TopKSoftmax, Activation::GPT_OSS, None),
+            config: config(2880, 2880, 128, 4, RouterConfig::TopKSoftmax, Activation::GPT_OSS, None),
         },
         Preset {
             name: "deepseek-v3",
             model: "deepseek-ai/DeepSeek-V3",
-            config: cfg(
+            config: config(
                 7168,
                 2048,
                 256,

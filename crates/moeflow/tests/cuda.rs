@@ -78,6 +78,27 @@ fn every_router_and_activation_matches_reference() {
 
 /// The timed forward counts the experts that received rows (the bench's weight-read floor):
 /// one token reaches exactly its top-k experts, 300 tokens all 16.
+/// Hidden sizes wide enough that a small batch's combine spreads each token over several
+/// blocks (more than 256 chunks of 8 columns, or of single columns when H % 8 != 0), with a
+/// shared expert, against the reference; a batch past the spread too.
+#[test]
+fn wide_tokens_of_small_batches_match_reference() {
+    let shared = Some(SharedConfig { inter: 32, gated: true });
+    for h in [4104, 2050] {
+        let config = small_config(h, 48, 8, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, shared);
+        let weights = preset::random_weights(&config, DType::BF16, 12);
+        let Some(gpu) = layer(&config, &weights) else { return };
+        for tokens in [1, 3, 600] {
+            let (x, xt) = hidden(tokens, h, tokens as u64 + 40);
+            let got = gpu.forward(&xt).unwrap().to_f32_vec();
+            let want = reference::forward(&config, &weights, &x).unwrap().out;
+            let err = rel(&got, &want);
+            println!("H {h} T {tokens}: relative error {err:.2e}");
+            assert!(err <= BF16_TOL, "H {h} T {tokens}: {err:e}");
+        }
+    }
+}
+
 #[test]
 fn timed_forward_counts_the_experts_used() {
     let config = small_config(64, 32, 16, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);

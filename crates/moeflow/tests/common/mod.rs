@@ -11,7 +11,6 @@ use moeflow::{
 pub const F32_TOL: f64 = 2e-5;
 
 /// A small layer of the given shape and semantics.
-#[allow(clippy::too_many_arguments)]
 pub fn small_config(
     hidden: usize,
     inter: usize,
@@ -21,16 +20,7 @@ pub fn small_config(
     activation: Activation,
     shared: Option<SharedConfig>,
 ) -> MoeConfig {
-    MoeConfig {
-        hidden,
-        inter,
-        num_experts: experts,
-        top_k,
-        router,
-        activation,
-        apply_router_weight_on_input: false,
-        shared,
-    }
+    preset::config(hidden, inter, experts, top_k, router, activation, shared)
 }
 
 /// Inputs uniform in [-1, 1].

@@ -260,16 +260,15 @@ mod tests {
         top_k: usize,
         shared: Option<SharedConfig>,
     ) -> MoeConfig {
-        MoeConfig {
+        preset::config(
             hidden,
             inter,
-            num_experts: experts,
+            experts,
             top_k,
-            router: RouterConfig::Softmax { renormalize: true },
-            activation: Activation::Silu,
-            apply_router_weight_on_input: false,
+            RouterConfig::Softmax { renormalize: true },
+            Activation::Silu,
             shared,
-        }
+        )
     }
 
     /// The layer of `config` on GPU 0 when it replays a graph for every batch size in `sizes`;

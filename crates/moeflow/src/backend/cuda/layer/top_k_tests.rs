@@ -4,7 +4,6 @@
 //! lanes, group-limited choices and the 1024-expert limit are all covered.
 
 use super::{dptr, CudaMoeLayer};
-use crate::config::MoeConfig;
 use crate::experts::Activation;
 use crate::router::RouterConfig;
 use crate::{preset, DType};
@@ -35,16 +34,7 @@ fn device_top_k_matches_the_cpu_routers_ties_included() {
     }
     let t = 37;
     for (router, e, k) in cases() {
-        let config = MoeConfig {
-            hidden: 32,
-            inter: 16,
-            num_experts: e,
-            top_k: k,
-            router: router.clone(),
-            activation: Activation::Silu,
-            apply_router_weight_on_input: false,
-            shared: None,
-        };
+        let config = preset::config(32, 16, e, k, router.clone(), Activation::Silu, None);
         let weights = preset::random_weights(&config, DType::BF16, 3);
         let layer = CudaMoeLayer::new(&config, &weights).unwrap();
         let bias = weights.correction_bias.as_ref().map(|b| b.to_f32_vec());
