@@ -1,0 +1,87 @@
+//! The layer's scratch memory on the device, one set per layer, grown to the largest batch
+//! a call has brought so far.
+
+use super::{err, graph, low_latency, CudaMoeLayer, EpBuffers};
+use crate::error::Result;
+use cudarc::driver::CudaSlice;
+
+/// Scratch buffers for up to `tokens` tokens.
+pub(super) struct Buffers {
+    pub(super) tokens: usize,
+    pub(super) x: CudaSlice<f32>,
+    pub(super) x_bf: CudaSlice<u16>,
+    pub(super) logits: CudaSlice<f32>,
+    pub(super) ids: CudaSlice<i32>,
+    pub(super) weights: CudaSlice<f32>,
+    pub(super) counts: CudaSlice<i32>,
+    pub(super) offsets: CudaSlice<i32>,
+    pub(super) row_of_slot: CudaSlice<i32>,
+    pub(super) slot_of_row: CudaSlice<i32>,
+    pub(super) expert_of_row: CudaSlice<i32>,
+    pub(super) a: CudaSlice<u16>,
+    pub(super) h13: CudaSlice<u16>,
+    pub(super) act: CudaSlice<u16>,
+    pub(super) y: CudaSlice<u16>,
+    pub(super) out: CudaSlice<f32>,
+    pub(super) ptrs: CudaSlice<u64>,
+    /// Shared experts' intermediate, activation and output (they run on a side stream).
+    pub(super) sh13: CudaSlice<u16>,
+    pub(super) sact: CudaSlice<u16>,
+    pub(super) sy: CudaSlice<u16>,
+    /// Expert-parallel buffers, grown to the rows this rank sends and receives.
+    pub(super) ep: Option<EpBuffers>,
+    /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
+    pub(super) exchange: Option<CudaSlice<i32>>,
+    /// Low-latency buffers and the captured layer (see [`low_latency`]).
+    pub(super) ll: Option<low_latency::LlBuffers>,
+    /// One GPU: small batches' graphs and their cuBLAS workspaces (see [`graph`]).
+    pub(super) graphs: graph::LocalGraphs,
+}
+
+impl CudaMoeLayer {
+    /// The buffers in `guard`, allocated anew (the small batches' graphs carried over) when
+    /// there are none yet or they hold fewer than `tokens` tokens.
+    pub(super) fn buffers<'a>(&self, guard: &'a mut Option<Buffers>, tokens: usize) -> Result<&'a mut Buffers> {
+        if guard.as_ref().is_none_or(|b| b.tokens < tokens) {
+            let graphs = guard.take().map(|b| b.graphs.carried_over()).unwrap_or_default();
+            let c = &self.config;
+            let (t, h, e, i, k) = (tokens.max(1), c.hidden, c.num_experts, c.inter, c.top_k);
+            let wide = i.max(c.shared.map_or(0, |s| s.inter));
+            let s = &self.gpu.stream;
+            // Row buffers hold up to 2 t k rows (the padded layout's limit).
+            let r = 2 * t * k;
+            macro_rules! z {
+                ($ty:ty, $n:expr) => {
+                    s.alloc_zeros::<$ty>($n).map_err(|e| err("allocating workspace", e))?
+                };
+            }
+            *guard = Some(Buffers {
+                tokens: t,
+                x: z!(f32, t * h),
+                x_bf: z!(u16, t * h),
+                logits: z!(f32, t * e),
+                ids: z!(i32, t * k),
+                weights: z!(f32, t * k),
+                counts: z!(i32, e),
+                offsets: z!(i32, e + 1),
+                row_of_slot: z!(i32, t * k),
+                slot_of_row: z!(i32, r),
+                expert_of_row: z!(i32, r),
+                a: z!(u16, r * h),
+                h13: z!(u16, r.max(t) * 2 * wide),
+                act: z!(u16, r.max(t) * wide),
+                y: z!(u16, r.max(t) * h),
+                out: z!(f32, t * h),
+                ptrs: z!(u64, 3 * e.max(1)),
+                sh13: z!(u16, (t * 2 * c.shared.map_or(0, |s| s.inter)).max(1)),
+                sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
+                sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
+                ep: None,
+                exchange: None,
+                ll: None,
+                graphs,
+            });
+        }
+        Ok(guard.as_mut().expect("allocated above"))
+    }
+}

@@ -1,0 +1,82 @@
+//! Stage 4, the combine: each token's expert rows weighted and summed in slot order (one GPU),
+//! or the partial sums that came back from each rank summed in rank order (expert-parallel).
+
+use super::{dptr, err, rows, Buffers, CudaMoeLayer};
+use crate::error::Result;
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// 256-thread blocks over `t` tokens of `h` columns for `combine`: one block per token, and
+/// below about four blocks per SM that way, each token's columns shared out over up to as many
+/// blocks as give every thread one 8-column chunk.
+pub(super) fn per_token(t: usize, h: usize) -> LaunchConfig {
+    let chunks = if h.is_multiple_of(8) { h / 8 } else { h };
+    let split = 528usize.div_ceil(t.max(1)).clamp(1, chunks.div_ceil(256));
+    LaunchConfig { grid_dim: (t.max(1) as u32, split as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+}
+
+impl CudaMoeLayer {
+    /// The single-GPU combine: `b.out [t, H]` = the weighted sum of each token's expert rows
+    /// in slot order, plus the (gated) shared expert's output once its side stream is joined.
+    pub(super) fn combine_local(&self, b: &Buffers, t: usize) -> Result<()> {
+        let (g, c) = (&self.gpu, &self.config);
+        let s = &g.stream;
+        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (ys, xp, gp) = match &self.w.shared {
+            Some(sh) => {
+                self.side.join(s, [self.side.shared()])?;
+                (dptr(&b.sy, g), dptr(&b.x, g), opt(&sh.gate))
+            }
+            None => (0, 0, 0),
+        };
+        let (yp, b2, wp, outp) = (dptr(&b.y, g), opt(&self.w.b2), dptr(&b.weights, g), dptr(&b.out, g));
+        let (rs, ip) = (dptr(&b.row_of_slot, g), dptr(&b.ids, g));
+        let (ti, ki, hi, applied) = (t as i32, c.top_k as i32, c.hidden as i32, 0i32);
+        // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, bf16*, float*,
+        // float*, float*) over the `t` tokens' slots, whose rows `b.y` holds; the shared output
+        // (or null) was computed on the side stream joined above.
+        unsafe {
+            s.launch_builder(&self.k.combine)
+                .arg(&yp)
+                .arg(&b2)
+                .arg(&ip)
+                .arg(&wp)
+                .arg(&rs)
+                .arg(&ti)
+                .arg(&ki)
+                .arg(&hi)
+                .arg(&applied)
+                .arg(&ys)
+                .arg(&xp)
+                .arg(&gp)
+                .arg(&outp)
+                .launch(per_token(t, c.hidden))
+        }
+        .map(|_| ())
+        .map_err(|e| err("combine", e))
+    }
+
+    /// `out [t, H]` (f32) = for each home token, the sum in order of the `n` bf16 rows of
+    /// `back` that `home_rows` (`t · n` ints, -1: none) names for it.
+    pub(super) fn sum_home(&self, back: u64, home_rows: u64, t: usize, n: usize, out: u64) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let (ti, ni, hi) = (t as i32, n as i32, self.config.hidden as i32);
+        // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
+        // entries, each -1 or a row of `back`; `out` holds t rows of H.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&self.k.sum_partials)
+                .arg(&back)
+                .arg(&home_rows)
+                .arg(&ti)
+                .arg(&ni)
+                .arg(&hi)
+                .arg(&out)
+                .launch(rows(t, 256))
+        }
+        .map(|_| ())
+        .map_err(|e| err("sum_partials", e))
+    }
+}

@@ -1,0 +1,440 @@
+//! One rank of an expert-parallel layer with the all-to-all-v dispatch as DeepEP does it: the
+//! counts all-gathered on the device, each token sent once to every rank holding one of its
+//! experts, served there, and its partial sum sent back.
+
+use super::super::NcclComm;
+use super::hopper_gemm::Gather;
+use super::permute::Grouping;
+use super::{all_gather, dptr, err, grid, rows, Buffers, CudaMoeLayer};
+use crate::config::MoeConfig;
+use crate::error::{MoeError, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// Expert-parallel buffers. At home: the token rows sent (one per token and destination
+/// rank, grouped by destination) with their ids and weights, and the partial outputs that come
+/// back. Where the experts are: the token rows received (grouped by source), their slots
+/// regrouped by local expert for the GEMMs (`a`, `h13`, `act`, `y`), and the partial sums per
+/// received token. Capacities grow to the largest call seen.
+pub(super) struct EpBuffers {
+    /// Capacities: rows sent, rows received, expert rows (padded), home tokens.
+    pub(super) cap: [usize; 4],
+    pub(super) send_idx: CudaSlice<i32>,
+    pub(super) send_rows: CudaSlice<u16>,
+    pub(super) send_ids: CudaSlice<i32>,
+    pub(super) send_w: CudaSlice<f32>,
+    pub(super) home_rows: CudaSlice<i32>,
+    pub(super) back: CudaSlice<u16>,
+    pub(super) recv_rows: CudaSlice<u16>,
+    pub(super) recv_ids: CudaSlice<i32>,
+    pub(super) recv_w: CudaSlice<f32>,
+    pub(super) local_ids: CudaSlice<i32>,
+    pub(super) counts: CudaSlice<i32>,
+    pub(super) offsets: CudaSlice<i32>,
+    pub(super) row_of_slot: CudaSlice<i32>,
+    pub(super) slot_of_row: CudaSlice<i32>,
+    pub(super) expert_of_row: CudaSlice<i32>,
+    pub(super) a: CudaSlice<u16>,
+    pub(super) h13: CudaSlice<u16>,
+    pub(super) act: CudaSlice<u16>,
+    pub(super) y: CudaSlice<u16>,
+    pub(super) part: CudaSlice<u16>,
+    /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
+    pub(super) send_logits: CudaSlice<f32>,
+    pub(super) recv_logits: CudaSlice<f32>,
+}
+
+/// The expert-parallel side of a layer: its communicator, the experts this rank holds
+/// (contiguous ranges, `local` experts from global id `first`), and the low-latency capacity
+/// in tokens per rank when the layer dispatches that way.
+pub(super) struct EpLink {
+    pub(super) comm: NcclComm,
+    pub(super) first: usize,
+    pub(super) local: usize,
+    pub(super) capacity: Option<usize>,
+    /// How a gathering layer moves tokens ([`all_gather`]); `None`: all-to-all-v (or the
+    /// low-latency form).
+    pub(super) gathering: Option<all_gather::Gathering>,
+}
+
+/// How this rank's experts take the slots they received (see `CudaMoeLayer::local_plan`).
+pub(super) struct LocalPlan {
+    /// Slots of this rank's experts.
+    pub(super) slots: usize,
+    /// Rows per expert in the padded layout, 0 for the grouped one.
+    pub(super) cap: usize,
+    /// Rows of the expert GEMMs.
+    pub(super) rows: usize,
+    /// (local expert, first row, rows) of each expert with rows.
+    pub(super) groups: Vec<(usize, usize, usize)>,
+}
+
+impl CudaMoeLayer {
+    /// The expert-parallel side of a layer over `comm`: this rank holds a contiguous `E / ranks`
+    /// of the experts (an error when they do not divide evenly).
+    pub(super) fn link(config: &MoeConfig, comm: NcclComm) -> Result<EpLink> {
+        use crate::comm::Communicator;
+        let (e, n) = (config.num_experts, comm.size());
+        if !e.is_multiple_of(n) {
+            return Err(MoeError::Unsupported(format!(
+                "the device-resident expert-parallel layer splits experts evenly: {e} experts on {n} ranks"
+            )));
+        }
+        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None, gathering: None })
+    }
+
+    /// The expert-parallel layer after routing, with token dispatch as DeepEP does it: each
+    /// token goes once to every rank holding one of its experts, with its ids and weights (the
+    /// counts are all-gathered first, on the device); there its slots are regrouped by local
+    /// expert for the GEMMs, and the weighted sum over the local slots comes back as one bf16
+    /// row per (token, rank), summed at home in rank order into `b.out`. Returns the bytes this
+    /// rank sent to other ranks in the dispatch.
+    pub(super) fn ep_experts(
+        &self,
+        b: &mut Buffers,
+        t: usize,
+        link: &EpLink,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<usize> {
+        use crate::comm::Communicator;
+        let c = &self.config;
+        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
+        let g = &self.gpu;
+        let s = &g.stream;
+        // Home: slots per expert, and the ranks each token goes to, in token order per
+        // destination (the one host read of the routing).
+        let (ids, counts) = self.read_routing(b, t)?;
+        // The GPU waits for this loop. Up to 64 ranks, each token's destinations are a bit
+        // mask, without a division or an unpredictable branch per slot (4096 tokens, top-8,
+        // EP 2: 45–75 µs against 105 µs for a branch per slot on a 2-core dev VM; the
+        // branchy loop with divisions took 0.21–0.26 ms on the H200 host).
+        let mut lists: Vec<Vec<usize>> = (0..n).map(|_| Vec::with_capacity(t)).collect();
+        if n <= 64 {
+            let bit_of: Vec<u64> = (0..e).map(|x| 1 << (x / el)).collect();
+            for (tok, row) in ids.chunks_exact(k).enumerate() {
+                let mut mask = row.iter().fold(0u64, |m, &id| m | bit_of[id as usize]);
+                while mask != 0 {
+                    lists[mask.trailing_zeros() as usize].push(tok);
+                    mask &= mask - 1;
+                }
+            }
+        } else {
+            for (tok, row) in ids.chunks_exact(k).enumerate() {
+                for &id in row {
+                    let list = &mut lists[id as usize / el];
+                    if list.last() != Some(&tok) {
+                        list.push(tok);
+                    }
+                }
+            }
+        }
+        let send_tok: Vec<usize> = lists.iter().map(Vec::len).collect();
+        let sent: usize = send_tok.iter().sum();
+        let (mut send_idx, mut home_rows) = (Vec::with_capacity(sent), vec![-1i32; t * n]);
+        for (d, list) in lists.iter().enumerate() {
+            for &tok in list {
+                home_rows[tok * n + d] = send_idx.len() as i32;
+                send_idx.push(tok as i32);
+            }
+        }
+        // Every rank's slot counts per expert and token counts per destination.
+        let m = e + n;
+        let mine: Vec<i32> = counts.iter().copied().chain(send_tok.iter().map(|&x| x as i32)).collect();
+        let all = self.gather_counts(b, link, &mine)?;
+        let recv_tok: Vec<usize> = (0..n).map(|src| all[src * m + e + rank] as usize).collect();
+        let received: usize = recv_tok.iter().sum();
+        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| all[src * m + first + j] as usize).sum()).collect();
+        let plan = self.local_plan(&local);
+        let need = [sent, received, plan.rows, t];
+        self.grow_ep_buffers(b, need, n)?;
+        let ep = b.ep.as_mut().expect("allocated");
+        let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
+        if sent > 0 {
+            up("upload", s.memcpy_htod(&send_idx, &mut ep.send_idx.slice_mut(0..sent)))?;
+        }
+        if t > 0 {
+            up("upload", s.memcpy_htod(&home_rows, &mut ep.home_rows.slice_mut(0..t * n)))?;
+        }
+        let (pi, pf, pb) =
+            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        let (xbp, send_rows, send_idx_p) = (pb(&b.x_bf), pb(&ep.send_rows), pi(&ep.send_idx));
+        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
+        let (part, back) = (pb(&ep.part), pb(&ep.back));
+        let (home_rows_p, send_ids_p, send_w_p) = (pi(&ep.home_rows), pi(&ep.send_ids), pf(&ep.send_w));
+        let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
+        // The token rows, and their ids and weights (k 4-byte values = 2k 16-bit words a row).
+        for (src, width, dst) in
+            [(xbp, hi, send_rows), (pi(&b.ids), k2, send_ids_p), (dptr(&b.weights, g), k2, send_w_p)]
+        {
+            // SAFETY: take_rows(bf16*, int*, int, int, bf16*): dst[j] = src[send_idx[j]] for j <
+            // sent, rows of `width` 16-bit words; every index is a token of this batch.
+            unsafe {
+                s.launch_builder(&self.k.take)
+                    .arg(&src)
+                    .arg(&send_idx_p)
+                    .arg(&sent_i)
+                    .arg(&width)
+                    .arg(&dst)
+                    .launch(rows(sent, 128))
+            }
+            .map_err(|e| err("take_rows", e))?;
+        }
+        mark(2)?;
+        self.exchange_rows(
+            link,
+            "moe dispatch",
+            &[(send_rows, 2 * h), (send_ids_p, 4 * k), (send_w_p, 4 * k)],
+            &send_tok,
+            &[(recv_rows, 2 * h), (recv_ids, 4 * k), (recv_w, 4 * k)],
+            &recv_tok,
+        )?;
+        self.serve_received(b, received, &plan, mark)?;
+        self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
+        mark(7)?;
+        self.sum_home(back, home_rows_p, t, n, dptr(&b.out, g))?;
+        let row = 2 * h + 8 * k;
+        Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+    }
+
+    /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
+    pub(super) fn read_routing(&self, b: &Buffers, t: usize) -> Result<(Vec<i32>, Vec<i32>)> {
+        let k = self.config.top_k;
+        let mut ids = vec![0i32; t * k];
+        if t > 0 {
+            self.gpu.stream.memcpy_dtoh(&b.ids.slice(0..t * k), &mut ids).map_err(|e| err("reading ids", e))?;
+        }
+        let mut counts = vec![0i32; self.config.num_experts];
+        for &id in &ids {
+            counts[id as usize] += 1;
+        }
+        Ok((ids, counts))
+    }
+
+    /// Every rank's `mine` (the same length on every rank), rank after rank, through an NCCL
+    /// all-gather on the device and a host read.
+    pub(super) fn gather_counts(&self, b: &mut Buffers, link: &EpLink, mine: &[i32]) -> Result<Vec<i32>> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let (n, m, s) = (link.comm.size(), mine.len(), &self.gpu.stream);
+        if b.exchange.as_ref().is_none_or(|x| x.len() < m * (n + 1)) {
+            b.exchange = Some(s.alloc_zeros::<i32>(m * (n + 1)).map_err(|e| err("allocating workspace", e))?);
+        }
+        let ex = b.exchange.as_mut().expect("allocated");
+        s.memcpy_htod(mine, &mut ex.slice_mut(0..m)).map_err(|e| err("upload", e))?;
+        let exp = dptr(ex, &self.gpu);
+        link.comm.enqueue("moe counts", s, |comm, cs| {
+            // SAFETY: all-gather of m ints per rank into the n · m ints after this rank's own.
+            unsafe {
+                nc::ncclAllGather(exp as _, (exp + 4 * m as u64) as _, m, nc::ncclDataType_t::ncclInt32, comm, cs)
+            }
+        })?;
+        link.comm.wait("moe counts", s)?;
+        let mut all = vec![0i32; n * m];
+        s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(m..m * (n + 1)), &mut all)
+            .map_err(|e| err("reading counts", e))?;
+        Ok(all)
+    }
+
+    /// How this rank's experts take `local[j]` slots each: padded to a capacity (`cap` > 0)
+    /// or grouped, the rows of the grouped GEMMs, and (expert, first row, rows) per expert hit.
+    pub(super) fn local_plan(&self, local: &[usize]) -> LocalPlan {
+        let el = local.len();
+        let slots: usize = local.iter().sum();
+        let cap = self.padding(el, slots, local.iter().copied());
+        let mut groups = Vec::new();
+        let mut off = 0;
+        for (j, &cnt) in local.iter().enumerate() {
+            if cnt > 0 {
+                groups.push((j, if cap > 0 { j * cap } else { off }, cnt));
+            }
+            off += cnt;
+        }
+        LocalPlan { slots, cap, rows: if cap > 0 { el * cap } else { slots }, groups }
+    }
+
+    /// Where the experts are: the `received` tokens in `b.ep` (rows, ids, weights) through
+    /// this rank's experts, as planned, into `part` (one bf16 row per received token: the
+    /// weighted sum of its slots held here, in slot order; zeros where none is).
+    pub(super) fn serve_received(
+        &self,
+        b: &mut Buffers,
+        received: usize,
+        plan: &LocalPlan,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
+        let link = self.ep.as_ref().expect("an expert-parallel layer");
+        let (h, k, el, first) = (self.config.hidden, self.config.top_k, link.local, link.first);
+        let (g, cap) = (&self.gpu, plan.cap);
+        let s = &g.stream;
+        let ep = b.ep.as_ref().expect("allocated by the caller");
+        let (pi, pf, pb) =
+            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        let (recv_rows, recv_ids, recv_w, local_ids) =
+            (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w), pi(&ep.local_ids));
+        let (ecounts, eoffsets, part) = (pi(&ep.counts), pi(&ep.offsets), pb(&ep.part));
+        let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
+        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
+        let hi = h as i32;
+        // Where the experts are: the received slots regrouped by local expert.
+        let (rk, first_i, el_i, buckets) = ((received * k) as i32, first as i32, el as i32, (el + 1) as i32);
+        // SAFETY: localize_ids(int*, int, int, int, int*) and count_slots(int*, int, int, int*)
+        // over the received * k ids; the counts buffer holds el + 1 buckets.
+        unsafe {
+            s.launch_builder(&self.k.localize)
+                .arg(&recv_ids)
+                .arg(&rk)
+                .arg(&first_i)
+                .arg(&el_i)
+                .arg(&local_ids)
+                .launch(grid(received * k))
+                .map_err(|e| err("localize_ids", e))?;
+            let warps = LaunchConfig { grid_dim: (el as u32 + 1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            s.launch_builder(&self.k.count)
+                .arg(&local_ids)
+                .arg(&rk)
+                .arg(&buckets)
+                .arg(&ecounts)
+                .launch(warps)
+                .map_err(|e| err("count", e))?;
+        }
+        // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
+        let gather =
+            self.hopper_gathers(plan.slots, el, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
+        let copy_rows = gather.is_none();
+        let grouping =
+            Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
+        self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
+        mark(3)?;
+        self.mlp(b, bufs, el, cap, (&plan.groups, [ecounts, eoffsets]), plan.slots, gather, mark)?;
+        let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (ri, ki) = (received as i32, k as i32);
+        // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
+        // the received tokens; rows come from the grouping above.
+        unsafe {
+            s.launch_builder(&self.k.combine_partial)
+                .arg(&bufs[3])
+                .arg(&b2)
+                .arg(&local_ids)
+                .arg(&recv_w)
+                .arg(&maps[0])
+                .arg(&ri)
+                .arg(&ki)
+                .arg(&hi)
+                .arg(&part)
+                .launch(rows(received, 256))
+        }
+        .map_err(|e| err("combine_partial", e))?;
+        Ok(())
+    }
+
+    /// Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` (rows grouped by
+    /// peer) to every peer and receives `into[peer]` rows into the matching buffers of `dst`, in
+    /// one NCCL group on the layer's stream; the rows a rank keeps are a device copy.
+    pub(super) fn exchange_rows(
+        &self,
+        link: &EpLink,
+        op: &str,
+        src: &[(u64, usize)],
+        from: &[usize],
+        dst: &[(u64, usize)],
+        into: &[usize],
+    ) -> Result<()> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let (n, rank) = (link.comm.size(), link.comm.rank());
+        let s = &self.gpu.stream;
+        let (so, ro) = (from[..rank].iter().sum::<usize>(), into[..rank].iter().sum::<usize>());
+        for (&(sb, sw), &(db, _)) in src.iter().zip(dst) {
+            if from[rank] > 0 {
+                // SAFETY: both ranges lie inside buffers sized for these counts; the copy is
+                // ordered on the layer's stream.
+                unsafe {
+                    cudarc::driver::result::memcpy_dtod_async(
+                        db + (ro * sw) as u64,
+                        sb + (so * sw) as u64,
+                        from[rank] * sw,
+                        s.cu_stream(),
+                    )
+                }
+                .map_err(|e| err("local copy", e))?;
+            }
+        }
+        link.comm.enqueue(op, s, |comm, cs| {
+            let (mut so, mut ro) = (0usize, 0usize);
+            for peer in 0..n {
+                for (&(sb, sw), &(db, dw)) in src.iter().zip(dst) {
+                    let (sn, rn) = if peer == rank { (0, 0) } else { (from[peer] * sw, into[peer] * dw) };
+                    // SAFETY: offsets stay inside the buffers, sized for these counts; every
+                    // peer posts the matching calls, in the same order, from the same counts.
+                    let r = unsafe {
+                        let u8t = nc::ncclDataType_t::ncclUint8;
+                        let mut r = nc::ncclResult_t::ncclSuccess;
+                        if sn > 0 {
+                            r = nc::ncclSend((sb + (so * sw) as u64) as _, sn, u8t, peer as i32, comm, cs);
+                        }
+                        if rn > 0 && r == nc::ncclResult_t::ncclSuccess {
+                            r = nc::ncclRecv((db + (ro * dw) as u64) as _, rn, u8t, peer as i32, comm, cs);
+                        }
+                        r
+                    };
+                    if r != nc::ncclResult_t::ncclSuccess {
+                        return r;
+                    }
+                }
+                so += from[peer];
+                ro += into[peer];
+            }
+            nc::ncclResult_t::ncclSuccess
+        })
+    }
+
+    /// `b.ep` grown, where needed, to `need` = [rows sent, rows received, expert rows, home
+    /// tokens] on `ranks` ranks (each capacity keeps its largest so far).
+    pub(super) fn grow_ep_buffers(&self, b: &mut Buffers, need: [usize; 4], ranks: usize) -> Result<()> {
+        if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
+            let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
+            b.ep = None;
+            b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), ranks)?);
+        }
+        Ok(())
+    }
+
+    /// Expert-parallel buffers for `cap` = [rows sent, rows received, expert rows, home tokens]
+    /// (each rounded up to a power of two) on `ranks` ranks.
+    pub(super) fn ep_buffers(&self, cap: [usize; 4], ranks: usize) -> Result<EpBuffers> {
+        let c = &self.config;
+        let (h, i, k, e) = (c.hidden, c.inter, c.top_k, c.num_experts);
+        let el = self.ep.as_ref().map_or(e, |l| l.local);
+        let cap = cap.map(|x| x.max(1).next_power_of_two());
+        let [sent, recv, rows2, t] = cap;
+        let s = &self.gpu.stream;
+        let z16 = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| err("allocating workspace", e));
+        let z32 = |n: usize| s.alloc_zeros::<i32>(n).map_err(|e| err("allocating workspace", e));
+        let zf = |n: usize| s.alloc_zeros::<f32>(n).map_err(|e| err("allocating workspace", e));
+        Ok(EpBuffers {
+            cap,
+            send_idx: z32(sent)?,
+            send_rows: z16(sent * h)?,
+            send_ids: z32(sent * k)?,
+            send_w: zf(sent * k)?,
+            home_rows: z32(t * ranks)?,
+            back: z16(sent * h)?,
+            recv_rows: z16(recv * h)?,
+            recv_ids: z32(recv * k)?,
+            recv_w: zf(recv * k)?,
+            local_ids: z32(recv * k)?,
+            counts: z32(el + 1)?,
+            offsets: z32(el + 2)?,
+            row_of_slot: z32(recv * k)?,
+            slot_of_row: z32(rows2)?,
+            expert_of_row: z32(rows2)?,
+            a: z16(rows2 * h)?,
+            h13: z16(rows2 * 2 * i)?,
+            act: z16(rows2 * i)?,
+            y: z16(rows2 * h)?,
+            part: z16(recv * h)?,
+            send_logits: zf(sent * e)?,
+            recv_logits: zf(recv * e)?,
+        })
+    }
+}
