@@ -1,0 +1,483 @@
+//! `bench --backend cuda`: the device-resident layer on one GPU or one GPU per rank, timed
+//! with CUDA events, against the GPU's measured GEMM rate and copy bandwidth.
+
+use super::torch::{torch_baseline, torch_single_baseline};
+use super::{write_records, BenchArgs, Record};
+use crate::common::{median, spinner};
+use moeflow::comm::CommExt;
+use moeflow::parallel::{on_ranks, RankHost};
+use moeflow::{DType, MoeError, Result, StageTimes};
+
+/// Whether `--dtype` asks for fp8 routed experts on GPUs (bf16 otherwise); `runs_fp8` says
+/// whether this layout streams fp8 codes (one GPU, or the low-latency layer), and a refusal
+/// names where they do run.
+pub(super) fn gpu_fp8_experts(dtype: DType, runs_fp8: bool) -> Result<bool> {
+    match dtype {
+        DType::BF16 => Ok(false),
+        DType::F8E4M3 if runs_fp8 => Ok(true),
+        DType::F8E4M3 => Err(MoeError::Unsupported(
+            "--dtype f8e4m3 with --ep N runs in the low-latency layer (--strategy lowlatency)".into(),
+        )),
+        other => Err(MoeError::Unsupported(format!(
+            "--dtype {other} on GPUs: use bf16, or f8e4m3 (one GPU, or --strategy lowlatency)"
+        ))),
+    }
+}
+
+/// Whether `--quant` asks for fp8 GEMM rows on GPUs (W8A8: `fp8-block` with fp8 experts); any
+/// other quantization there is refused with a message naming what does run.
+pub(super) fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool) -> Result<bool> {
+    use moeflow::quant::QuantConfig;
+    match quant {
+        QuantConfig::None => Ok(false),
+        QuantConfig::Fp8Block if fp8_experts => Ok(true),
+        other => Err(MoeError::Unsupported(format!(
+            "--quant {other} on GPUs: the GPU layer quantizes GEMM rows only as fp8-block with --dtype f8e4m3 \
+             (W8A8: one GPU, or --strategy lowlatency)"
+        ))),
+    }
+}
+
+/// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap).
+enum Timed {
+    Whole(Box<moeflow::backend::cuda::CudaMoeLayer>),
+    Dual(Box<moeflow::backend::cuda::CudaDualBatch>),
+}
+
+impl Timed {
+    /// `layer`, split for dual-batch overlap when `dual` (expert-parallel layers over `comm`,
+    /// a second communicator over the same ranks).
+    fn new(
+        layer: moeflow::backend::cuda::CudaMoeLayer,
+        dual: bool,
+        comm: Option<moeflow::backend::cuda::NcclComm>,
+    ) -> Result<Self> {
+        Ok(if dual { Timed::Dual(Box::new(layer.dual_batch(comm)?)) } else { Timed::Whole(Box::new(layer)) })
+    }
+
+    /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`).
+    fn forward_timed(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
+        match self {
+            Timed::Whole(l) => l.forward_timed(tokens, seed),
+            Timed::Dual(d) => d.forward_timed(tokens, seed),
+        }
+    }
+
+    /// A run with every stage timed (a low-latency layer's stages run outside its graph).
+    fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
+        match self {
+            Timed::Whole(l) => l.forward_timed_stages(tokens, seed),
+            Timed::Dual(d) => d.forward_timed(tokens, seed),
+        }
+    }
+
+    /// Whether `forward_timed` replays a one-GPU graph for `tokens` tokens (timing only the whole).
+    fn replays_graph(&self, tokens: usize) -> bool {
+        match self {
+            Timed::Whole(l) => l.replays_graph(tokens),
+            Timed::Dual(_) => false,
+        }
+    }
+
+    /// Captures of one-GPU graphs that failed so far (those calls ran launch by launch), and
+    /// why the latest failed.
+    fn failed_graph_captures(&self) -> (usize, Option<String>) {
+        match self {
+            Timed::Whole(l) => (l.failed_graph_captures(), l.last_graph_capture_failure()),
+            Timed::Dual(_) => (0, None),
+        }
+    }
+}
+
+/// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
+/// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
+/// The low-latency layer's time is its graph's replay; its stages are timed in direct runs.
+pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
+    use moeflow::backend::cuda::{measure_ceilings, CudaMoeLayer, GpuStageTimes, NcclComm};
+    let (p, config) = args.layer.config()?;
+    let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
+    let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
+    // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
+    // codes; elsewhere the bf16 values would run instead, so that is refused.
+    let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some())?;
+    let rows8 = gpu_fp8_rows(par.quant, fp8)?;
+    let dtype = match (fp8, rows8) {
+        (true, true) => "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8",
+        (true, false) => "fp8 e4m3 experts (128×128 block scales)",
+        _ => "bf16",
+    };
+    use moeflow::parallel::StrategyKind;
+    let exchange = match par.strategy {
+        StrategyKind::AllGather => "all-gather / reduce-scatter",
+        StrategyKind::AllGatherLogits => "all-gather of router logits / reduce-scatter",
+        StrategyKind::Multicast => "multicast / all-reduce",
+        _ => "all-to-all-v",
+    };
+    let kind = match capacity {
+        Some(m) => format!("low-latency capacity {m} per rank in a CUDA graph"),
+        None if par.dual_batch => format!("{exchange}, dual-batch overlap"),
+        None => exchange.into(),
+    };
+    let (rank0, device) = match host {
+        RankHost::Launched { env, .. } => (env.rank == 0, env.local_rank),
+        _ => (true, 0),
+    };
+    let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
+    let ceilings = measure_ceilings(device)?;
+    let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
+    bar0.finish_and_clear();
+    if rank0 {
+        println!(
+            "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, {dtype}; \
+             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
+            p.name,
+            par.ep,
+            config.num_experts,
+            config.num_experts / par.ep,
+            config.top_k,
+            gemm_tflops,
+            copy_gbps
+        );
+    }
+    let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
+    let results = on_ranks(host, par.ep, par.timeout, |comm, _| {
+        let nccl = comm
+            .as_any()
+            .downcast_ref::<NcclComm>()
+            .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
+        let mut layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
+        if fp8 {
+            layer = layer.fp8_experts()?;
+        }
+        if rows8 {
+            layer = layer.fp8_activations()?;
+        }
+        if let Some(m) = capacity {
+            layer = layer.low_latency(m)?;
+        }
+        match par.strategy {
+            StrategyKind::AllGather => layer = layer.all_gather()?,
+            StrategyKind::AllGatherLogits => layer = layer.all_gather_logits()?,
+            StrategyKind::Multicast => layer = layer.multicast()?,
+            _ => {}
+        }
+        let layer = Timed::new(layer, par.dual_batch, par.dual_batch.then(|| nccl.duplicate()).transpose()?)?;
+        let mut per_t = Vec::new();
+        for &t in &args.tokens {
+            let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
+            for w in 0..3 {
+                layer.forward_timed(t, seed + w)?;
+            }
+            let runs = args.min_runs.max(20);
+            let mut samples: Vec<GpuStageTimes> = Vec::with_capacity(runs);
+            for r in 0..runs {
+                comm.barrier()?;
+                samples.push(layer.forward_timed(t, seed + 100 + r as u64)?);
+            }
+            let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
+            let all = comm.all_gather_vec("bench.times", &totals)?;
+            let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
+            if capacity.is_some() {
+                // The graph times only the whole; the stages come from direct runs.
+                let mut stages = Vec::with_capacity(runs);
+                for r in 0..runs {
+                    comm.barrier()?;
+                    stages.push(layer.forward_timed_stages(t, seed + 200 + r as u64)?);
+                }
+                samples = stages;
+            }
+            per_t.push((slowest, samples));
+        }
+        Ok(per_t)
+    });
+    bar0.finish_and_clear();
+    let mut mine = None;
+    for (_, r) in results {
+        let r = r?;
+        mine.get_or_insert(r);
+    }
+    let measured = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+    if !rank0 {
+        return Ok(());
+    }
+    println!(
+        "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}",
+        "tokens",
+        "ms",
+        "floor ms",
+        "floor%",
+        "TFLOP/s",
+        "route",
+        "permute",
+        "dispatch",
+        "gemm1",
+        "act",
+        "gemm2",
+        "collect",
+        "combine",
+        "shared",
+        "disp GB/s",
+        "comb GB/s"
+    );
+    let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
+    let mut records = Vec::new();
+    let mut floor_inputs = Vec::new();
+    let mut ours = Vec::new();
+    let mut direct = Vec::new();
+    for (&t, (slowest, samples)) in args.tokens.iter().zip(measured) {
+        let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+        let ms = median(&slowest);
+        // Per GPU: its tokens' expert FLOPs, its experts' weights read once.
+        let flops = config.expert_flops(t);
+        let local = config.num_experts / par.ep;
+        let bytes = local.min(t * par.ep * config.top_k) * per_expert
+            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
+        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        floor_inputs.push((flops, bytes));
+        let sent = med(|s| s.dispatch_bytes as f64);
+        let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
+        let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
+        ours.push((t, ms, dispatch, collect));
+        direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
+        println!(
+            "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}",
+            t,
+            ms,
+            floor,
+            100.0 * floor / ms,
+            flops / ms / 1e9,
+            med(|s| s.route),
+            med(|s| s.permute),
+            dispatch,
+            med(|s| s.gemm1),
+            med(|s| s.act),
+            med(|s| s.gemm2),
+            collect,
+            med(|s| s.combine),
+            med(|s| s.shared),
+            gbps(dispatch),
+            gbps(collect)
+        );
+        records.push(Record {
+            preset: p.name.to_string(),
+            backend: "cuda".into(),
+            dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
+            quant: if rows8 { "fp8-block" } else { "none" }.into(),
+            tokens: t,
+            ep: par.ep,
+            tp: 1,
+            strategy: match (capacity, par.dual_batch) {
+                (Some(_), _) => "lowlatency (device, graph)".to_string(),
+                (None, dual) => format!("{} (device{})", par.strategy, if dual { ", dual-batch" } else { "" }),
+            },
+            rel_error: None,
+            ms,
+            gflops: flops / ms / 1e6,
+            matmul_fraction: flops / ms / 1e9 / gemm_tflops,
+            floor_ms: floor,
+            floor_sustained_ms: None,
+            runs: slowest.len(),
+            stages_ms: StageTimes {
+                route: med(|s| s.route),
+                prepare: med(|s| s.permute + s.dispatch),
+                experts: med(|s| s.gemm1 + s.act + s.gemm2),
+                finalize: med(|s| s.collect + s.combine),
+                shared: med(|s| s.shared),
+            },
+            bytes_moved_per_rank: 2 * sent as usize,
+            comm_gbps: Some(gbps(dispatch + collect) * 2.0),
+            bf16_matmul: None,
+        });
+    }
+    if capacity.is_some() {
+        println!(
+            "stages from direct runs (no graph, all {} rows of the capacity); their layer ms per rank (median): {}",
+            par.max_tokens_per_rank,
+            direct.join(", ")
+        );
+    }
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
+        moeflow::backend::cuda::measure_sustained_gemm(device)
+    })?;
+    if let Some(path) = &args.json {
+        write_records(path, &records)?;
+    }
+    if args.torch_baseline {
+        torch_baseline(args, &config, par.ep, &ours)?;
+    }
+    Ok(())
+}
+
+/// `bench --backend cuda`: CUDA-event stage times (medians), TFLOP/s, HBM GB/s, and the
+/// fraction of the floor (FLOPs at the measured GEMM rate, bytes at the measured copy rate).
+pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
+    let (p, config) = args.layer.config()?;
+    if args.parallel.ep != 1 {
+        return Err(MoeError::Unsupported("--backend cuda runs one GPU (EP 1) in this build".into()));
+    }
+    let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
+    let rows8 = gpu_fp8_rows(args.parallel.quant, fp8)?;
+    let bar0 = spinner("generating weights on the GPU".into());
+    let mut gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
+    if fp8 {
+        gpu = gpu.fp8_experts()?;
+    }
+    if rows8 {
+        gpu = gpu.fp8_activations()?;
+    }
+    bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
+    let ceilings = gpu.measure_ceilings()?;
+    let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
+    let device = gpu.device_name();
+    let gpu = Timed::new(gpu, args.parallel.dual_batch, None)?;
+    bar0.finish_and_clear();
+    println!(
+        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
+        p.name,
+        device,
+        config.num_experts,
+        config.top_k,
+        match (fp8, rows8) {
+            (true, true) => "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8 masked GEMM",
+            (true, false) => "fp8 e4m3 experts (128×128 block scales), masked GEMM",
+            _ => "bf16",
+        },
+        if args.parallel.dual_batch { ", dual-batch overlap" } else { "" },
+        gemm_tflops,
+        copy_gbps
+    );
+    println!(
+        "{:>7} {:>9} {:>8} {:>8} {:>9} {:>7}   {:>6} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6}",
+        "tokens",
+        "ms",
+        "TFLOP/s",
+        "GB/s",
+        "floor ms",
+        "floor%",
+        "route",
+        "permute",
+        "gemm1",
+        "act",
+        "gemm2",
+        "combine",
+        "shared"
+    );
+    let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
+    let mut records = Vec::new();
+    let mut floor_inputs = Vec::new();
+    for &t in &args.tokens {
+        let (failed_before, _) = gpu.failed_graph_captures();
+        for _ in 0..3 {
+            gpu.forward_timed(t, args.layer.seed)?;
+        }
+        let runs = args.min_runs.max(20);
+        let samples: Vec<_> =
+            (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
+        // A batch that replays its CUDA graph is timed as a whole: its stages come from runs with
+        // events between them.
+        let staged: Vec<_> = if gpu.replays_graph(t) {
+            (0..runs).map(|r| gpu.forward_timed_stages(t, args.layer.seed + r as u64)).collect::<Result<_>>()?
+        } else {
+            samples.clone()
+        };
+        type Times = moeflow::backend::cuda::GpuStageTimes;
+        let med = |f: fn(&Times) -> f64| median(&staged.iter().map(f).collect::<Vec<_>>());
+        let ms = median(&samples.iter().map(|s| s.total).collect::<Vec<_>>());
+        let flops = config.expert_flops(t);
+        // The experts the runs' routings reached (fewer than t · k when tokens share experts).
+        let used = med(|s| s.experts_used as f64);
+        let experts_read = if used > 0.0 { used.round() as usize } else { config.num_experts.min(t * config.top_k) };
+        let bytes = experts_read * per_expert
+            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2)
+            + t * config.hidden * 8;
+        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        floor_inputs.push((flops, bytes));
+        println!(
+            "{:>7} {:>9.3} {:>8.1} {:>8.0} {:>9.3} {:>6.0}%   {:>6.3} {:>7.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>6.3}",
+            t,
+            ms,
+            flops / ms / 1e9,
+            bytes as f64 / ms / 1e6,
+            floor,
+            100.0 * floor / ms,
+            med(|s| s.route),
+            med(|s| s.permute),
+            med(|s| s.gemm1),
+            med(|s| s.act),
+            med(|s| s.gemm2),
+            med(|s| s.combine),
+            med(|s| s.shared)
+        );
+        let (failed, why) = gpu.failed_graph_captures();
+        if failed > failed_before {
+            println!(
+                "{:>7} note: {} CUDA graph capture(s) failed; those runs went launch by launch (the latest: {})",
+                "",
+                failed - failed_before,
+                why.as_deref().unwrap_or("no reason kept")
+            );
+        }
+        records.push(Record {
+            preset: p.name.to_string(),
+            backend: "cuda".into(),
+            dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
+            quant: if rows8 { "fp8-block" } else { "none" }.into(),
+            tokens: t,
+            ep: 1,
+            tp: 1,
+            strategy: if args.parallel.dual_batch { "local (dual-batch)" } else { "local" }.into(),
+            rel_error: None,
+            ms,
+            gflops: flops / ms / 1e6,
+            matmul_fraction: flops / ms / 1e9 / gemm_tflops,
+            floor_ms: floor,
+            floor_sustained_ms: None,
+            runs,
+            stages_ms: StageTimes {
+                route: med(|s| s.route),
+                prepare: med(|s| s.permute),
+                experts: med(|s| s.gemm1 + s.act + s.gemm2),
+                finalize: med(|s| s.combine),
+                shared: med(|s| s.shared),
+            },
+            bytes_moved_per_rank: 0,
+            comm_gbps: None,
+            bf16_matmul: None,
+        });
+    }
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
+    if let Some(path) = &args.json {
+        write_records(path, &records)?;
+    }
+    if args.torch_baseline {
+        let ours: Vec<(usize, f64)> = records.iter().map(|r| (r.tokens, r.ms)).collect();
+        torch_single_baseline(args, &config, true, &ours)?;
+    }
+    Ok(())
+}
+
+/// After a GPU benchmark's runs (it leaves the GPU throttled for a while): measures the GEMM
+/// rate the GPU holds under sustained load, prints it with each record's floor at that rate,
+/// and sets the records' `floor_sustained_ms` from their (FLOPs, bytes).
+fn sustained_floors(
+    records: &mut [Record],
+    floor_inputs: &[(f64, usize)],
+    copy_gbps: f64,
+    measure: impl FnOnce() -> Result<f64>,
+) -> Result<()> {
+    let bar = spinner("measuring the GEMM rate under sustained load".into());
+    let tflops = measure()?;
+    bar.finish_and_clear();
+    let mut floors = Vec::new();
+    for (r, &(flops, bytes)) in records.iter_mut().zip(floor_inputs) {
+        let floor = (flops / (tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+        r.floor_sustained_ms = Some(floor);
+        floors.push(format!("T {} {:.3} ms ({:.0}%)", r.tokens, floor, 100.0 * floor / r.ms));
+    }
+    println!(
+        "sustained: the same GEMM runs at {tflops:.0} TFLOP/s after a second of load (power-capped clocks); \
+         floors at that rate: {}",
+        floors.join(", ")
+    );
+    Ok(())
+}

@@ -1,0 +1,165 @@
+//! `bench --torch-baseline`: the same shapes through a PyTorch layer (one CPU rank, one GPU, or
+//! PyTorch + NCCL on several GPUs), printed beside moeflow's times.
+
+use super::BenchArgs;
+use crate::common::spinner;
+use moeflow::parallel::RankHost;
+use moeflow::{DType, MoeError, Result};
+
+/// The PyTorch + NCCL baseline layer, run by `--torch-baseline` on GPUs.
+const TORCH_BASELINE: &str = include_str!("../../../../tools/torch_ep_baseline.py");
+/// The PyTorch CPU baseline layer, run by `--torch-baseline` on one CPU rank.
+const TORCH_CPU_BASELINE: &str = include_str!("../../../../tools/torch_cpu_baseline.py");
+/// The one-GPU PyTorch baseline layer, run by `--torch-baseline` on one GPU.
+const TORCH_GPU_BASELINE: &str = include_str!("../../../../tools/torch_gpu_baseline.py");
+
+/// Runs the Python baseline `source` (written to a temporary file) as
+/// `python3 <launcher...> <script> <args...>` under a spinner saying `what`, and returns its
+/// JSON line (the one holding `"baseline"`), or an error with the tail of its stderr.
+fn run_baseline(source: &str, launcher: &[String], args: &[String], what: String) -> Result<serde_json::Value> {
+    let io = |context: &str, e: std::io::Error| MoeError::Io { context: context.into(), source: e };
+    let script = std::env::temp_dir().join(format!("moeflow_torch_baseline_{}.py", std::process::id()));
+    std::fs::write(&script, source).map_err(|e| io("writing the baseline script", e))?;
+    let bar = spinner(what);
+    let out = std::process::Command::new("python3")
+        .args(launcher)
+        .arg(&script)
+        .args(args)
+        .output()
+        .map_err(|e| io("starting python3", e));
+    bar.finish_and_clear();
+    let _ = std::fs::remove_file(&script);
+    let out = out?;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().find(|l| l.contains("\"baseline\"")).ok_or_else(|| {
+        MoeError::Config(format!(
+            "the PyTorch baseline failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).lines().rev().take(5).collect::<Vec<_>>().join(" | ")
+        ))
+    })?;
+    serde_json::from_str(line).map_err(|e| MoeError::Json { context: "baseline output".into(), source: e })
+}
+
+/// The shape arguments both baseline scripts take, from `config`.
+fn baseline_shape_args(config: &moeflow::MoeConfig, tokens: &[usize], runs: usize) -> Vec<String> {
+    let tokens: Vec<String> = tokens.iter().map(|t| t.to_string()).collect();
+    [
+        ("--hidden", config.hidden.to_string()),
+        ("--inter", config.inter.to_string()),
+        ("--experts", config.num_experts.to_string()),
+        ("--top-k", config.top_k.to_string()),
+        ("--shared-inter", config.shared.map_or(0, |s| s.inter).to_string()),
+        ("--tokens", tokens.join(",")),
+        ("--runs", runs.to_string()),
+    ]
+    .into_iter()
+    .flat_map(|(flag, value)| [flag.to_string(), value])
+    .collect()
+}
+
+/// Runs tools/torch_ep_baseline.py on `ep` GPUs with the preset's shapes and prints its times
+/// beside `ours` (tokens, layer ms, dispatch ms, combine ms).
+pub(super) fn torch_baseline(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    ep: usize,
+    ours: &[(usize, f64, f64, f64)],
+) -> Result<()> {
+    let port = moeflow::comm::free_port().map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?;
+    let launcher: Vec<String> = ["-m", "torch.distributed.run", "--nproc-per-node", &ep.to_string(), "--master-port"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain([port.to_string()])
+        .collect();
+    let v = run_baseline(
+        TORCH_BASELINE,
+        &launcher,
+        &baseline_shape_args(config, &args.tokens, args.min_runs.max(20)),
+        format!("running the PyTorch + NCCL baseline on {ep} GPUs"),
+    )?;
+    println!("PyTorch {} + NCCL baseline, same shapes, same GPUs:", v["torch"].as_str().unwrap_or("?"));
+    println!(
+        "{:>7} {:>10} {:>10} {:>8}   {:>12} {:>12}",
+        "tokens", "torch ms", "moeflow ms", "speedup", "torch disp", "torch comb"
+    );
+    for rec in v["records"].as_array().into_iter().flatten() {
+        let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
+        let ms = rec["ms"].as_f64().unwrap_or(f64::NAN);
+        let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
+        println!(
+            "{:>7} {:>10.3} {:>10.3} {:>7.2}x   {:>12.3} {:>12.3}",
+            t,
+            ms,
+            mine,
+            ms / mine,
+            rec["dispatch_ms"].as_f64().unwrap_or(f64::NAN),
+            rec["combine_ms"].as_f64().unwrap_or(f64::NAN)
+        );
+    }
+    Ok(())
+}
+
+/// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside
+/// `ours` (tokens, layer ms): tools/torch_gpu_baseline.py on this GPU with `gpu`, else
+/// tools/torch_cpu_baseline.py with the run's weight dtype and matmul precision on this machine.
+pub(super) fn torch_single_baseline(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    gpu: bool,
+    ours: &[(usize, f64)],
+) -> Result<()> {
+    let mut script_args = baseline_shape_args(config, &args.tokens, args.min_runs.max(if gpu { 20 } else { 5 }));
+    let v = if gpu {
+        run_baseline(TORCH_GPU_BASELINE, &[], &script_args, "running the PyTorch baseline on this GPU".into())?
+    } else {
+        // bf16 or f32 (checked before the run). bf16 weights are multiplied as moeflow does:
+        // bf16 matmuls beside its dot products, f32 matmuls on widened weights beside `widen`.
+        let bf16 = args.layer.dtype == DType::BF16;
+        let compute = if bf16 && args.parallel.bf16_matmul.uses_dot() { "bf16" } else { "f32" };
+        script_args.extend(["--dtype", if bf16 { "bf16" } else { "f32" }, "--compute", compute].map(String::from));
+        run_baseline(TORCH_CPU_BASELINE, &[], &script_args, "running the PyTorch CPU baseline".into())?
+    };
+    let torch = v["torch"].as_str().unwrap_or("?");
+    if gpu {
+        println!("PyTorch {torch} baseline on this GPU (argsort, torch._grouped_mm, bf16), same shapes:");
+    } else {
+        println!(
+            "PyTorch {torch} baseline on this machine ({} threads, {} weights, {} matmuls), same shapes:",
+            v["threads"].as_u64().unwrap_or(0),
+            v["dtype"].as_str().unwrap_or("?"),
+            v["compute"].as_str().unwrap_or("?")
+        );
+    }
+    println!("{:>7} {:>10} {:>10} {:>8}", "tokens", "torch ms", "moeflow ms", "speedup");
+    for rec in v["records"].as_array().into_iter().flatten() {
+        let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
+        let ms = rec["ms"].as_f64().unwrap_or(f64::NAN);
+        let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
+        println!("{:>7} {:>10.3} {:>10.3} {:>7.2}x", t, ms, mine, ms / mine);
+    }
+    Ok(())
+}
+
+/// Refuses `--torch-baseline` where no baseline runs beside the layer, before any work: it
+/// compares one CPU rank (bf16 or f32 weights), one GPU, or the device-resident multi-GPU
+/// layer, started without a launcher.
+pub(super) fn check_torch_baseline(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
+    let refuse = |why: &str| Err(MoeError::Config(format!("--torch-baseline {why}")));
+    if host.launched_rank().is_some() {
+        return refuse("starts its own processes: run without a launcher");
+    }
+    if gpu {
+        if args.host_staged {
+            return refuse("compares the device-resident layer, not --host-staged");
+        }
+    } else {
+        if args.parallel.ep != 1 {
+            return refuse("on CPU compares one rank (--ep 1)");
+        }
+        if !matches!(args.layer.dtype, DType::BF16 | DType::F32) {
+            return refuse(&format!("on CPU takes bf16 or f32 weights, not {}", args.layer.dtype));
+        }
+    }
+    Ok(())
+}
