@@ -1,7 +1,7 @@
 //! All-gather dispatch, reduce-scatter combine (naive DP/EP).
 //!
 //! Dispatch pads every rank's batch to the largest in the gather group and all-gathers rows,
-//! top-k ids and weights (or router logits, see [`super::allgather_logits`]) and extra tensors;
+//! top-k ids and weights (or router logits, see [`super::allgather_logits()`]) and extra tensors;
 //! every rank then runs its local experts on every gathered token. Combine reduce-scatters the
 //! per-slot outputs home (then all-reduces over TP ranks when tokens were gathered over the DP
 //! group only) and applies the weighted sum there.

@@ -8,7 +8,7 @@
 //! | --- | --- | --- |
 //! | [`Local`] | none | weight-and-reduce |
 //! | [`AllGather`] | pad to the group's max, all-gather rows + ids + weights + extras | reduce-scatter (+ TP all-reduce) |
-//! | [`allgather_logits`] | all-gather router logits, route after dispatch | reduce-scatter |
+//! | [`allgather_logits()`] | all-gather router logits, route after dispatch | reduce-scatter |
 //! | [`Multicast`] | every rank broadcasts its slice | all-reduce, slice own range |
 //! | [`All2AllV`] | counts, then all-to-all-v of slot rows | reverse all-to-all-v |
 //! | [`LowLatency`] | fixed-capacity buffers, batched format, counts inside the data | fixed-capacity return |

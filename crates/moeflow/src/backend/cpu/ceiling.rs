@@ -34,8 +34,8 @@ pub fn measure() -> HostCeilings {
     }
 }
 
-/// Median over `runs` of the f32 FMA rate of every thread at once, GFLOP/s (see
-/// [`parallel_peak`]): twelve independent chains of 8-wide fused multiply-adds, enough to cover
+/// Median over `runs` of the f32 FMA rate of every thread at once, GFLOP/s (timed as
+/// `parallel_peak` does): twelve independent chains of 8-wide fused multiply-adds, enough to cover
 /// the FMA latency on two pipes. `None` where AVX2 and FMA are missing.
 pub fn fma_peak_gflops(runs: usize) -> Option<f64> {
     #[cfg(target_arch = "x86_64")]
@@ -48,7 +48,7 @@ pub fn fma_peak_gflops(runs: usize) -> Option<f64> {
 }
 
 /// Median over `runs` of the AVX512-BF16 dot-product rate of every thread at once, GFLOP/s
-/// (see [`parallel_peak`]): twelve independent chains of `vdpbf16ps`, each 16 lanes × 2
+/// (timed as `parallel_peak` does): twelve independent chains of `vdpbf16ps`, each 16 lanes × 2
 /// products, the ceiling of the bf16 dot-product GEMM ([`super::dot`]). `None` where the
 /// instruction is missing.
 pub fn bf16_dot_peak_gflops(runs: usize) -> Option<f64> {

@@ -23,7 +23,7 @@ pub fn measure_ceilings(device: usize) -> Result<GpuCeilings> {
 }
 
 /// The dense bf16 GEMM TFLOP/s GPU `device` holds under sustained load (see
-/// [`measure_sustained`]).
+/// `measure_sustained`).
 pub fn measure_sustained_gemm(device: usize) -> Result<f64> {
     let gpu = Gpu::new(device)?;
     let blas = BlasHandle::new(gpu.stream.clone())?;

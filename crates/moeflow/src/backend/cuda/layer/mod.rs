@@ -354,7 +354,7 @@ impl CudaMoeLayer {
 
     /// `hidden_states [T, H]` → `[T, H]` f32 (copies in and out included). A small batch on
     /// one GPU replays the layer's CUDA graph for its size (captured at its first call; see
-    /// [`graph`]).
+    /// the `graph` module).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         self.forward_hooked(hidden, &no_hook, true)
     }
@@ -393,7 +393,7 @@ impl CudaMoeLayer {
 
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
     /// per-stage event times (for benchmarks). A low-latency layer, and a small batch on one
-    /// GPU (see [`graph`]), replays its graph and times only the whole;
+    /// GPU (see the `graph` module), replays its graph and times only the whole;
     /// [`CudaMoeLayer::forward_timed_stages`] times the stages.
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         self.timed(tokens, seed, true)
