@@ -104,17 +104,12 @@ __device__ __forceinline__ float warp_max(float v) {
 // Whether score u of id f ranks above score v of id e.
 __device__ __forceinline__ bool ranks_above(float u, int f, float v, int e) { return u > v || (u == v && f < e); }
 
-__global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
-                      int renorm, float scaling, int* ids, float* weights) {
-    __shared__ float sc[WARPS][MAX_E];
-    __shared__ int cand[WARPS][MAX_E];
-    __shared__ float group_score[WARPS][64];
-    __shared__ int pick[WARPS][MAX_K];
-    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int t = blockIdx.x * WARPS + warp;
-    if (t >= T) return;
-    const float* l = logits + (long)t * E;
-    float* s = sc[warp];
+// One token's choice by one warp: its k ids and weights into ids[0 .. k) and weights[0 .. k)
+// from its E logits l (and the E bias values of kind 2); s, c, gs and pk are the warp's shared
+// scratch of MAX_E scores, MAX_E candidates, 64 group scores and MAX_K picks.
+__device__ void route_token(const float* l, const float* bias, int E, int k, int kind, int n_group, int topk_group,
+                            int renorm, float scaling, int* ids, float* weights, float* s, int* c, float* gs, int* pk) {
+    int lane = threadIdx.x % 32;
     const bool softmax = kind == 0 || kind == 3;
     float mx = -INFINITY, sum = 0.0f;
     if (softmax) {
@@ -135,7 +130,6 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
         // Group scores (the best, or with kind 2 the best two, of each group's experts), then
         // the topk_group best groups kept: lane g ranks groups g and g + 32.
         int per = E / n_group;
-        float* gs = group_score[warp];
         for (int g = lane; g < n_group; g += 32) {
             float a = -INFINITY, b = -INFINITY;
             for (int e = g * per; e < (g + 1) * per; e++) {
@@ -157,9 +151,8 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
             if (!(keep >> (e / per) & 1ull)) s[e] = -INFINITY;
         __syncwarp();
     }
-    // The candidates (scores above -inf, in id order) packed to the front: their ids in cand,
+    // The candidates (scores above -inf, in id order) packed to the front: their ids in c,
     // their scores over s (the warp reads a stretch of 32 before any lane writes at or below it).
-    int* c = cand[warp];
     int n = 0;
     for (int base = 0; base < E; base += 32) {
         int e = base + lane;
@@ -171,16 +164,16 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
         if (ok) { s[at] = v; c[at] = e; }
         n += __popc(mask);
     }
-    if (lane < k) pick[warp][lane] = -1;
+    if (lane < k) pk[lane] = -1;
     __syncwarp();
     for (int i = lane; i < n; i += 32) {
         float v = s[i];
         int r = 0;
         for (int j = 0; j < n; j++) r += ranks_above(s[j], j, v, i);
-        if (r < k) pick[warp][r] = c[i];
+        if (r < k) pk[r] = c[i];
     }
     __syncwarp();
-    int chosen = lane < k ? pick[warp][lane] : -1;  // lane j < k holds choice j
+    int chosen = lane < k ? pk[lane] : -1;  // lane j < k holds choice j
     bool mine = lane < k;
     float w = 0.0f;
     if (mine) {
@@ -198,9 +191,146 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
     else if (kind == 2) { if (renorm && k > 1) w /= (total + 1e-20f); w *= scaling; }
     else { if (renorm && k > 1) w /= (total + 1e-20f); else w *= scaling; }
     if (mine) {
-        ids[(long)t * k + lane] = chosen;
-        weights[(long)t * k + lane] = w;
+        ids[lane] = chosen;
+        weights[lane] = w;
     }
+}
+
+__global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
+                      int renorm, float scaling, int* ids, float* weights) {
+    __shared__ float sc[WARPS][MAX_E];
+    __shared__ int cand[WARPS][MAX_E];
+    __shared__ float group_score[WARPS][64];
+    __shared__ int pick[WARPS][MAX_K];
+    int warp = threadIdx.x / 32;
+    int t = blockIdx.x * WARPS + warp;
+    if (t >= T) return;
+    route_token(logits + (long)t * E, bias, E, k, kind, n_group, topk_group, renorm, scaling, ids + (long)t * k,
+                weights + (long)t * k, sc[warp], cand[warp], group_score[warp], pick[warp]);
+}
+
+// The whole routing of up to ROUTE_SMALL_TOKENS tokens in one launch, for small batches on one
+// GPU, in place of the bf16 copy, the router GEMM, the bias, route, count_slots and
+// scatter_slots. Block b takes columns 128 b .. 128 b + 127 of x [T, H]: it writes their bf16
+// copy to x_bf and, for every token and expert, the partial dot product over them (a lane's
+// four products in column order, then a warp's fixed tree) to partials [blocks, ROUTE_SMALL_TOKENS, E]. The last
+// block to finish (a counter in `done`, which it sets back to 0) adds the partials in block
+// order, plus gate_bias (null: none), into logits [T, E]; chooses each token's experts as route
+// does (corr_bias: kind 2's bias); and writes counts [E], offsets [E + 1] and the slot/row
+// maps as scatter_slots does with cap 0: the rows of an expert in slot order. A token's logits
+// are the same bits whatever T.
+#define ROUTE_SMALL_TOKENS 4
+#define ROUTE_SMALL_COLS 128
+__global__ void route_small(const float* x, const float* gate, const float* gate_bias, const float* corr_bias, int T,
+                            int H, int E, int k, int kind, int n_group, int topk_group, int renorm, float scaling,
+                            float* partials, int* done, bf16_t* x_bf, float* logits, int* ids, float* weights,
+                            int* counts, int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row) {
+    __shared__ float xs[ROUTE_SMALL_TOKENS][ROUTE_SMALL_COLS];
+    __shared__ float sc[ROUTE_SMALL_TOKENS][MAX_E];
+    __shared__ int cand[ROUTE_SMALL_TOKENS][MAX_E];
+    __shared__ float group_score[ROUTE_SMALL_TOKENS][64];
+    __shared__ int pick[ROUTE_SMALL_TOKENS][MAX_K];
+    __shared__ int sid[ROUTE_SMALL_TOKENS * MAX_K];
+    __shared__ bool last;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    const int c0 = blockIdx.x * ROUTE_SMALL_COLS;
+    for (int i = threadIdx.x; i < T * ROUTE_SMALL_COLS; i += blockDim.x) {
+        const int t = i / ROUTE_SMALL_COLS, c = c0 + i % ROUTE_SMALL_COLS;
+        const float v = c < H ? x[(long)t * H + c] : 0.0f;
+        xs[t][i % ROUTE_SMALL_COLS] = v;
+        if (c < H) x_bf[(long)t * H + c] = f32_to_bf16(v);
+    }
+    __syncthreads();
+    // Warp w takes experts w, w + warps, ...: eight at a time, their gate values loaded first
+    // so the loads wait on memory together.
+    const int ca = c0 + 4 * lane;
+    for (int e0 = warp; e0 < E; e0 += 8 * warps) {
+        float g[8][4];
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const int e = e0 + j * warps;
+            const float* row = gate + (long)e * H;
+#pragma unroll
+            for (int q = 0; q < 4; q++) g[j][q] = e < E && ca + q < H ? row[ca + q] : 0.0f;
+        }
+        for (int t = 0; t < T; t++) {
+            const float* xt = xs[t] + 4 * lane;
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const int e = e0 + j * warps;
+                if (e >= E) break;
+                float p = xt[0] * g[j][0];
+#pragma unroll
+                for (int q = 1; q < 4; q++) p = fmaf(xt[q], g[j][q], p);
+                p = warp_sum(p);
+                if (lane == 0) partials[((long)blockIdx.x * ROUTE_SMALL_TOKENS + t) * E + e] = p;
+            }
+        }
+    }
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    // Each logit: four threads sum a quarter of the blocks' partials each, in block order, and
+    // the quarters are added in order (a fixed order for a given H, whatever T).
+    const int blocks = gridDim.x, quarter = (blocks + 3) / 4;
+    for (int base = 0; base < T * E; base += blockDim.x / 4) {
+        const int i = base + threadIdx.x % (blockDim.x / 4), part = threadIdx.x / (blockDim.x / 4);
+        float v = 0.0f;
+        if (i < T * E) {
+            const int t = i / E, e = i % E;
+            const float* col = partials + (long)t * E + e;
+            const int lo = part * quarter, hi = min(blocks, lo + quarter);
+            int b = lo;
+            for (; b + 16 <= hi; b += 16) {
+                float q[16];
+#pragma unroll
+                for (int j = 0; j < 16; j++) q[j] = __ldcg(col + (long)(b + j) * ROUTE_SMALL_TOKENS * E);
+#pragma unroll
+                for (int j = 0; j < 16; j++) v += q[j];
+            }
+            for (; b < hi; b++) v += __ldcg(col + (long)b * ROUTE_SMALL_TOKENS * E);
+        }
+        sc[part][threadIdx.x % (blockDim.x / 4)] = v;
+        __syncthreads();
+        if (threadIdx.x < blockDim.x / 4 && i < T * E) {
+            const int t = i / E, e = i % E;
+            float l = ((sc[0][threadIdx.x] + sc[1][threadIdx.x]) + sc[2][threadIdx.x]) + sc[3][threadIdx.x];
+            if (gate_bias) l += gate_bias[e];
+            logits[(long)t * E + e] = l;
+        }
+        __syncthreads();
+    }
+    if (warp < T)
+        route_token(logits + (long)warp * E, corr_bias, E, k, kind, n_group, topk_group, renorm, scaling,
+                    ids + (long)warp * k, weights + (long)warp * k, sc[warp], cand[warp], group_score[warp],
+                    pick[warp]);
+    __syncthreads();
+    const int slots = T * k;
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) sid[s] = ids[s];
+    __syncthreads();
+    // At most 128 slots: an expert's offset counts the slots of lower ids, a slot's row adds the
+    // earlier slots of its own expert.
+    for (int e = threadIdx.x; e <= E; e += blockDim.x) {
+        int before = 0, here = 0;
+        for (int s = 0; s < slots; s++) {
+            before += sid[s] < e;
+            here += sid[s] == e;
+        }
+        offsets[e] = before;
+        if (e < E) counts[e] = here;
+    }
+    for (int s = threadIdx.x; s < slots; s += blockDim.x) {
+        const int e = sid[s];
+        int r = 0;
+        for (int j = 0; j < slots; j++) r += sid[j] < e || (sid[j] == e && j < s);
+        row_of_slot[s] = r;
+        slot_of_row[r] = s;
+        expert_of_row[r] = e;
+    }
+    if (threadIdx.x == 0) *done = 0;
 }
 
 // Counts and deterministic positions, one block of 32 warps per expert: warp w takes a

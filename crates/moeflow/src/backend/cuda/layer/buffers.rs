@@ -1,6 +1,7 @@
 //! The layer's scratch memory on the device, one set per layer, grown to the largest batch
 //! a call has brought so far.
 
+use super::route::{FUSED_ROUTE_TOKENS, ROUTE_COLS};
 use super::{err, graph, low_latency, CudaMoeLayer, EpBuffers};
 use crate::error::Result;
 use cudarc::driver::CudaSlice;
@@ -24,6 +25,10 @@ pub(super) struct Buffers {
     pub(super) y: CudaSlice<u16>,
     pub(super) out: CudaSlice<f32>,
     pub(super) ptrs: CudaSlice<u64>,
+    /// The fused router's partial dot products and its count of blocks done (see
+    /// [`super::route`]).
+    pub(super) route_partials: CudaSlice<f32>,
+    pub(super) route_done: CudaSlice<i32>,
     /// Shared experts' intermediate, activation and output (they run on a side stream).
     pub(super) sh13: CudaSlice<u16>,
     pub(super) sact: CudaSlice<u16>,
@@ -73,6 +78,8 @@ impl CudaMoeLayer {
                 y: z!(u16, r.max(t) * h),
                 out: z!(f32, t * h),
                 ptrs: z!(u64, 3 * e.max(1)),
+                route_partials: z!(f32, h.div_ceil(ROUTE_COLS) * FUSED_ROUTE_TOKENS * e),
+                route_done: z!(i32, 1),
                 sh13: z!(u16, (t * 2 * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),

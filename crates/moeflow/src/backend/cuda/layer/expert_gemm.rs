@@ -17,10 +17,14 @@ impl CudaMoeLayer {
         let g = &self.gpu;
         let s = &g.stream;
         let (ip, cp, slots, ei) = (dptr(&b.ids, g), dptr(&b.counts, g), (t * k) as i32, e as i32);
-        let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
-        unsafe { s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
-            .map_err(|e| err("count", e))?;
+        // The fused router has written the counts, offsets and maps already.
+        let fused = self.routes_fused(t);
+        if !fused {
+            let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
+            unsafe { s.launch_builder(&self.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
+                .map_err(|e| err("count", e))?;
+        }
         // fp8 experts run the masked GEMM on the grouped (unpadded) rows while the weights
         // dominate (up to 32 rows per expert on average; measured on H200, DeepSeek-V3 shapes:
         // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
@@ -41,7 +45,9 @@ impl CudaMoeLayer {
             slot_of_row: dptr(&b.slot_of_row, g),
             k,
         });
-        self.permute(b, t, cap, gather.is_none())?;
+        if !fused {
+            self.permute(b, t, cap, gather.is_none())?;
+        }
         let mut groups = Vec::new();
         let mut off = 0usize;
         for (x, &cnt) in counts.iter().enumerate() {

@@ -31,6 +31,8 @@ mod dual_batch;
 mod expert_gemm;
 mod expert_parallel;
 mod fp8_weights;
+#[cfg(test)]
+mod fused_route_tests;
 mod graph;
 mod hopper_gemm;
 mod low_latency;
@@ -52,6 +54,7 @@ struct Kernels {
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
     route: CudaFunction,
+    route_small: CudaFunction,
     count: CudaFunction,
     scatter: CudaFunction,
     gather: CudaFunction,
@@ -121,6 +124,9 @@ pub struct CudaMoeLayer {
     grouped: bool,
     /// Whether the masked GEMM takes this layer's shapes (see [`masked_gemm::masked_gemm_fits`]).
     masked: bool,
+    /// Small batches on one GPU route in one launch (see [`route::FUSED_ROUTE_TOKENS`]);
+    /// `MOEFLOW_FUSED_ROUTE=0` turns it off.
+    fused_route: bool,
     /// Whether the masked GEMMs quantize their rows to fp8 (see `fp8_activations`).
     w8a8: bool,
     /// Their rows' fp8 codes and scales.
@@ -177,6 +183,7 @@ impl CudaMoeLayer {
             to_bf16: f("f32_to_bf16_kernel")?,
             add_bias: f("add_row_bias")?,
             route: f("route")?,
+            route_small: f("route_small")?,
             count: f("count_slots")?,
             scatter: f("scatter_slots")?,
             gather: f("gather_rows")?,
@@ -218,6 +225,7 @@ impl CudaMoeLayer {
             gpu,
             grouped: gemm_mode() == GemmMode::Grouped,
             masked: masked_gemm::masked_gemm_fits(config),
+            fused_route: std::env::var("MOEFLOW_FUSED_ROUTE").as_deref() != Ok("0"),
             w8a8: false,
             fp8_rows: Mutex::new(None),
             blas,

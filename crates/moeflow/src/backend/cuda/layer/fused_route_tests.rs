@@ -1,0 +1,160 @@
+//! The fused router of small batches (`route_small` in moe.cu, through
+//! [`CudaMoeLayer::route_fused`]) against references, on poisoned outputs: the bf16 copy bit for
+//! bit, the logits against f64 dot products, the choices against the CPU routers on the
+//! kernel's own logits (ids exactly, weights to f32 rounding), and the counts, offsets and maps
+//! against those the ids give (rows of an expert in slot order). Every router kind, 8 to 1000
+//! experts, widths that are and are not multiples of the kernel's 128 columns, 1 to 4 tokens,
+//! each launched twice (the kernel sets its block counter back for the next launch).
+
+use super::CudaMoeLayer;
+use crate::experts::Activation;
+use crate::router::RouterConfig;
+use crate::{preset, DType};
+
+/// (router, experts, top-k, hidden) cases.
+fn cases() -> Vec<(RouterConfig, usize, usize, usize)> {
+    let sigmoid = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    vec![
+        (RouterConfig::Softmax { renormalize: true }, 64, 8, 7168),
+        (sigmoid.clone(), 256, 8, 200),
+        (sigmoid, 64, 8, 7168),
+        (RouterConfig::TopKSoftmax, 128, 4, 96),
+        (RouterConfig::TopKSoftmax, 8, 1, 1000),
+        (RouterConfig::Softmax { renormalize: false }, 1000, 32, 130),
+        (RouterConfig::SoftmaxGrouped { n_group: 10, topk_group: 3, renormalize: false, scaling: 16.0 }, 160, 6, 64),
+    ]
+}
+
+/// Counts, offsets (`E + 1`) and the row of each slot that grouping `ids` by expert gives, an
+/// expert's rows in slot order.
+fn grouping(ids: &[i32], e: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    let mut counts = vec![0i32; e];
+    for &id in ids {
+        counts[id as usize] += 1;
+    }
+    let mut offsets = vec![0i32; e + 1];
+    for x in 0..e {
+        offsets[x + 1] = offsets[x] + counts[x];
+    }
+    let mut next = offsets.clone();
+    let rows = ids
+        .iter()
+        .map(|&id| {
+            next[id as usize] += 1;
+            next[id as usize] - 1
+        })
+        .collect();
+    (counts, offsets, rows)
+}
+
+/// Needs a GPU; says loudly when it skips.
+#[test]
+fn fused_router_matches_the_references() {
+    let name = "fused_router_matches_the_references";
+    if super::super::device_count() == 0 {
+        eprintln!("SKIPPED {name}: no CUDA device");
+        return;
+    }
+    for (case_no, (router, e, k, h)) in cases().into_iter().enumerate() {
+        let activation = match router {
+            RouterConfig::TopKSoftmax => Activation::SwigluOai { alpha: 1.702, limit: 7.0 },
+            _ => Activation::Silu,
+        };
+        let config = preset::config(h, 16, e, k, router.clone(), activation, None);
+        let weights = preset::random_weights(&config, DType::BF16, 5 + case_no as u64);
+        let layer = CudaMoeLayer::new(&config, &weights).unwrap();
+        let gate = weights.gate.to_f32_vec();
+        let gate_bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
+        let cpu = router.build(e, k, weights.correction_bias.as_ref().map(|b| b.to_f32_vec())).unwrap();
+        let mut guard = layer.bufs.lock().unwrap();
+        let b = layer.buffers(&mut guard, super::route::FUSED_ROUTE_TOKENS).unwrap();
+        let s = layer.gpu.stream.clone();
+        for t in 1..=super::route::FUSED_ROUTE_TOKENS {
+            for launch in 0..2u64 {
+                let case = format!("{router:?}, {e} experts, top-{k}, H {h}, {t} tokens, launch {launch}");
+                let x = preset::uniform(t * h, 1.0, 100 * case_no as u64 + 10 * t as u64 + launch);
+                s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
+                s.memcpy_htod(&vec![0xFFFFu16; t * h], &mut b.x_bf.slice_mut(0..t * h)).unwrap();
+                s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
+                s.memcpy_htod(&vec![-7i32; t * k], &mut b.ids.slice_mut(0..t * k)).unwrap();
+                s.memcpy_htod(&vec![f32::NAN; t * k], &mut b.weights.slice_mut(0..t * k)).unwrap();
+                for buf in [&mut b.counts, &mut b.offsets, &mut b.row_of_slot, &mut b.slot_of_row, &mut b.expert_of_row]
+                {
+                    let n = buf.len();
+                    s.memcpy_htod(&vec![-3i32; n], &mut buf.slice_mut(0..n)).unwrap();
+                }
+                layer.route_fused(b, t).unwrap();
+                let read_i = |v: &cudarc::driver::CudaSlice<i32>, n: usize| s.clone_dtoh(&v.slice(0..n)).unwrap();
+                let x_bf = s.clone_dtoh(&b.x_bf.slice(0..t * h)).unwrap();
+                let want_bf: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                assert_eq!(x_bf, want_bf, "{case}: bf16 copy");
+                let logits = s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap();
+                for (i, &got) in logits.iter().enumerate() {
+                    let (tok, x_e) = (i / e, i % e);
+                    let row = &gate[x_e * h..(x_e + 1) * h];
+                    let xs = &x[tok * h..(tok + 1) * h];
+                    let dot: f64 = xs.iter().zip(row).map(|(&a, &g)| a as f64 * g as f64).sum();
+                    let size: f64 = xs.iter().zip(row).map(|(&a, &g)| (a as f64 * g as f64).abs()).sum();
+                    let want = dot + gate_bias.as_ref().map_or(0.0, |b| b[x_e] as f64);
+                    // Rounding bound: a block's partial (four products, a tree of 32) and the sums over the blocks.
+                    let bound = (h.div_ceil(super::route::ROUTE_COLS) + 8) as f64 * f32::EPSILON as f64 * size + 1e-6;
+                    assert!((got as f64 - want).abs() <= bound, "{case}: logit {i}: {got} against {want}");
+                }
+                let chosen = cpu.route(&logits, t).unwrap();
+                let ids = read_i(&b.ids, t * k);
+                assert_eq!(ids, chosen.ids, "{case}: ids");
+                let w = s.clone_dtoh(&b.weights.slice(0..t * k)).unwrap();
+                for (i, (&a, &want)) in w.iter().zip(&chosen.weights).enumerate() {
+                    assert!((a - want).abs() <= 1e-5 * want.abs().max(1.0), "{case}: weight {i}: {a} against {want}");
+                }
+                let (counts, offsets, rows) = grouping(&ids, e);
+                assert_eq!(read_i(&b.counts, e), counts, "{case}: counts");
+                assert_eq!(read_i(&b.offsets, e + 1), offsets, "{case}: offsets");
+                assert_eq!(read_i(&b.row_of_slot, t * k), rows, "{case}: row of each slot");
+                let (slot_of_row, expert_of_row) = (read_i(&b.slot_of_row, t * k), read_i(&b.expert_of_row, t * k));
+                for (slot, &r) in rows.iter().enumerate() {
+                    assert_eq!(slot_of_row[r as usize], slot as i32, "{case}: slot of row {r}");
+                    assert_eq!(expert_of_row[r as usize], ids[slot], "{case}: expert of row {r}");
+                }
+            }
+        }
+    }
+    eprintln!("fused router matches the references");
+}
+
+/// The whole layer with the fused router against the same layer without it, 1 to 4 tokens,
+/// with and without a shared expert: the same choices, so outputs equal up to the routing
+/// weights' last bits. Needs a Hopper GPU (where the fused router runs); says loudly when it
+/// skips.
+#[test]
+fn layers_with_and_without_the_fused_router_agree() {
+    let name = "layers_with_and_without_the_fused_router_agree";
+    if super::super::device_count() == 0 {
+        eprintln!("SKIPPED {name}: no CUDA device");
+        return;
+    }
+    let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    for shared in [None, Some(crate::config::SharedConfig { inter: 64, gated: false })] {
+        let config = preset::config(512, 64, 64, 8, router.clone(), Activation::Silu, shared);
+        let weights = preset::random_weights(&config, DType::BF16, 9);
+        let fused = CudaMoeLayer::new(&config, &weights).unwrap();
+        if fused.k.hopper.is_none() {
+            eprintln!("SKIPPED {name}: the fused router runs with the Hopper GEMM, and this GPU has none");
+            return;
+        }
+        let mut plain = CudaMoeLayer::new(&config, &weights).unwrap();
+        plain.fused_route = false;
+        for t in 1..=super::route::FUSED_ROUTE_TOKENS {
+            assert!(fused.routes_fused(t) && !plain.routes_fused(t), "{t} tokens: which layer fuses");
+            let x = crate::tensor::Tensor::from_f32(&[t, 512], preset::uniform(t * 512, 1.0, 70 + t as u64)).unwrap();
+            let (a, b) = (fused.forward(&x).unwrap().to_f32_vec(), plain.forward(&x).unwrap().to_f32_vec());
+            let size = b.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let worst = a.iter().zip(&b).fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+            assert!(
+                size > 0.0 && worst <= 1e-4 * size,
+                "{t} tokens, shared {shared:?}: differ by {worst} (size {size})"
+            );
+        }
+    }
+    eprintln!("layers with and without the fused router agree");
+}
