@@ -211,14 +211,15 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
 
 // The whole routing of up to ROUTE_SMALL_TOKENS tokens in one launch, for small batches on one
 // GPU, in place of the bf16 copy, the router GEMM, the bias, route, count_slots and
-// scatter_slots. Block b takes columns 128 b .. 128 b + 127 of x [T, H]: it writes their bf16
-// copy to x_bf and, for every token and expert, the partial dot product over them (a lane's
-// four products in column order, then a warp's fixed tree) to partials [blocks, ROUTE_SMALL_TOKENS, E]. The last
-// block to finish (a counter in `done`, which it sets back to 0) adds the partials in block
-// order, plus gate_bias (null: none), into logits [T, E]; chooses each token's experts as route
-// does (corr_bias: kind 2's bias); and writes counts [E], offsets [E + 1] and the slot/row
+// scatter_slots; launched with 256 threads a block and one block per ROUTE_SMALL_COLS columns.
+// Block b takes columns 128 b .. 128 b + 127 of x [T, H]: it writes their bf16 copy to x_bf
+// and, for every token and expert, the partial dot product over them (a lane's four products
+// in column order, then a warp's fixed tree) to partials [blocks, ROUTE_SMALL_TOKENS, E]. The
+// last block to finish (a counter in `done`, which it sets back to 0) adds the partials in a
+// fixed order, plus gate_bias (null: none), into logits [T, E]; chooses each token's experts as
+// route does (corr_bias: kind 2's bias); and writes counts [E], offsets [E + 1] and the slot/row
 // maps as scatter_slots does with cap 0: the rows of an expert in slot order. A token's logits
-// are the same bits whatever T.
+// are the same bits whatever the batch's size up to ROUTE_SMALL_TOKENS.
 #define ROUTE_SMALL_TOKENS 4
 #define ROUTE_SMALL_COLS 128
 __global__ void route_small(const float* x, const float* gate, const float* gate_bias, const float* corr_bias, int T,

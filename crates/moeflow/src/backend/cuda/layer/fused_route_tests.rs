@@ -2,7 +2,8 @@
 //! [`CudaMoeLayer::route_fused`]) against references, on poisoned outputs: the bf16 copy bit for
 //! bit, the logits against f64 dot products, the choices against the CPU routers on the
 //! kernel's own logits (ids exactly, weights to f32 rounding), and the counts, offsets and maps
-//! against those the ids give (rows of an expert in slot order). Every router kind, 8 to 1000
+//! against those the ids give (rows of an expert in slot order); a token's logits the same bits
+//! alone and in a batch; more tokens than it takes refused. Every router kind, 8 to 1000
 //! experts, widths that are and are not multiples of the kernel's 128 columns, 1 to 4 tokens,
 //! each launched twice (the kernel sets its block counter back for the next launch).
 
@@ -96,7 +97,8 @@ fn fused_router_matches_the_references() {
                     let dot: f64 = xs.iter().zip(row).map(|(&a, &g)| a as f64 * g as f64).sum();
                     let size: f64 = xs.iter().zip(row).map(|(&a, &g)| (a as f64 * g as f64).abs()).sum();
                     let want = dot + gate_bias.as_ref().map_or(0.0, |b| b[x_e] as f64);
-                    // Rounding bound: a block's partial (four products, a tree of 32) and the sums over the blocks.
+                    // Rounding bound: a block's partial (four products, a tree of 32), then the
+                    // sums over the blocks.
                     let bound = (h.div_ceil(super::route::ROUTE_COLS) + 8) as f64 * f32::EPSILON as f64 * size + 1e-6;
                     assert!((got as f64 - want).abs() <= bound, "{case}: logit {i}: {got} against {want}");
                 }
@@ -118,6 +120,20 @@ fn fused_router_matches_the_references() {
                 }
             }
         }
+        // A token's logits are the same bits whatever the batch: alone, and third of four.
+        let one = preset::uniform(h, 1.0, 999);
+        let mut four = preset::uniform(4 * h, 1.0, 998);
+        four[2 * h..3 * h].copy_from_slice(&one);
+        let mut logits_of = |x: &[f32], t: usize| {
+            s.memcpy_htod(x, &mut b.x.slice_mut(0..t * h)).unwrap();
+            layer.route_fused(b, t).unwrap();
+            s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap()
+        };
+        let alone: Vec<u32> = logits_of(&one, 1).iter().map(|v| v.to_bits()).collect();
+        let third: Vec<u32> = logits_of(&four, 4)[2 * e..3 * e].iter().map(|v| v.to_bits()).collect();
+        assert_eq!(alone, third, "case {case_no}: a token's logits alone and in a batch of four");
+        let refused = layer.route_fused(b, super::route::FUSED_ROUTE_TOKENS + 1);
+        assert!(refused.is_err_and(|e| e.to_string().contains("fused router")), "case {case_no}: 5 tokens refused");
     }
     eprintln!("fused router matches the references");
 }

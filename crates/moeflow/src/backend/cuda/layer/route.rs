@@ -170,6 +170,11 @@ impl CudaMoeLayer {
     pub(super) fn route_fused(&self, b: &Buffers, t: usize) -> Result<()> {
         let c = &self.config;
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
+        if !(1..=FUSED_ROUTE_TOKENS).contains(&t) || b.tokens < t {
+            return Err(MoeError::Unsupported(format!(
+                "the fused router takes 1 to {FUSED_ROUTE_TOKENS} tokens with buffers for them, not {t}"
+            )));
+        }
         let g = &self.gpu;
         let [kind, n_group, topk_group, renorm] = self.router_kind()?;
         let scaling = self.router_scaling();
