@@ -1,6 +1,6 @@
 //! The whole MoE layer resident on GPUs: router in f32, rows permuted by expert on the device
 //! (counts and offsets computed there, rows in slot order so runs repeat exactly), bf16 expert
-//! GEMMs with f32 accumulation (padded strided-batched, or per expert over side streams),
+//! GEMMs with f32 accumulation (moeflow's grouped wgmma GEMM on Hopper, cuBLAS elsewhere),
 //! activation, and a weighted combine in slot order. On one GPU, or as one rank of an
 //! expert-parallel group ([`CudaMoeLayer::new_ep`]) whose tokens travel to the ranks holding
 //! their experts over NCCL, on the device; [`all_gather`] holds that group's gathering forms
@@ -8,7 +8,7 @@
 //! captured in a CUDA graph, and [`fp8_weights`] its fp8 experts.
 //!
 //! This file builds the layer and runs it stage by stage; each stage lives in its own file:
-//! [`route`] (router GEMM and top-k), [`permute`] (rows grouped by expert), [`expert_gemm`]
+//! [`route`] (router GEMM and top-k; small batches in one launch), [`permute`] (rows grouped by expert), [`expert_gemm`]
 //! (the experts' GEMMs and activation), [`combine`] (the weighted sum back per token), and
 //! [`expert_parallel`] (the all-to-all-v dispatch and combine between ranks). [`buffers`]
 //! holds the scratch memory of a run.
