@@ -275,32 +275,32 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
     if (!last) return;
     __threadfence();
     // Each logit: four threads sum a quarter of the blocks' partials each, in block order, and
-    // the quarters are added in order (a fixed order for a given H, whatever T).
-    const int blocks = gridDim.x, quarter = (blocks + 3) / 4;
-    for (int base = 0; base < T * E; base += blockDim.x / 4) {
-        const int i = base + threadIdx.x % (blockDim.x / 4), part = threadIdx.x / (blockDim.x / 4);
-        float v = 0.0f;
-        if (i < T * E) {
-            const int t = i / E, e = i % E;
-            const float* col = partials + (long)t * E + e;
-            const int lo = part * quarter, hi = min(blocks, lo + quarter);
-            int b = lo;
-            for (; b + 16 <= hi; b += 16) {
+    // the quarters are added in order (a fixed order for a given H, whatever T). A thread takes
+    // every 64th logit of a chunk of MAX_E, its loads issued sixteen at a time, and the
+    // quarters wait in sc until the whole chunk is summed.
+    const int blocks = gridDim.x, span = (blocks + 3) / 4, per = blockDim.x / 4;
+    const int part = threadIdx.x / per, lo = part * span, hi = min(blocks, lo + span);
+    for (int base = 0; base < T * E; base += MAX_E) {
+        const int m = min(MAX_E, T * E - base);
+        for (int j = threadIdx.x % per; j < m; j += per) {
+            const float* col = partials + base + j;
+            float v = 0.0f;
+            for (int b0 = lo; b0 < hi; b0 += 16) {
                 float q[16];
 #pragma unroll
-                for (int j = 0; j < 16; j++) q[j] = __ldcg(col + (long)(b + j) * ROUTE_SMALL_TOKENS * E);
+                for (int u = 0; u < 16; u++)
+                    q[u] = b0 + u < hi ? __ldcg(col + (long)(b0 + u) * ROUTE_SMALL_TOKENS * E) : 0.0f;
 #pragma unroll
-                for (int j = 0; j < 16; j++) v += q[j];
+                for (int u = 0; u < 16; u++)
+                    if (b0 + u < hi) v += q[u];
             }
-            for (; b < hi; b++) v += __ldcg(col + (long)b * ROUTE_SMALL_TOKENS * E);
+            sc[part][j] = v;
         }
-        sc[part][threadIdx.x % (blockDim.x / 4)] = v;
         __syncthreads();
-        if (threadIdx.x < blockDim.x / 4 && i < T * E) {
-            const int t = i / E, e = i % E;
-            float l = ((sc[0][threadIdx.x] + sc[1][threadIdx.x]) + sc[2][threadIdx.x]) + sc[3][threadIdx.x];
-            if (gate_bias) l += gate_bias[e];
-            logits[(long)t * E + e] = l;
+        for (int j = threadIdx.x; j < m; j += blockDim.x) {
+            float l = ((sc[0][j] + sc[1][j]) + sc[2][j]) + sc[3][j];
+            if (gate_bias) l += gate_bias[(base + j) % E];
+            logits[base + j] = l;
         }
         __syncthreads();
     }

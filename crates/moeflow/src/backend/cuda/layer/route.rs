@@ -14,9 +14,6 @@ pub(super) const FUSED_ROUTE_TOKENS: usize = 4;
 /// Most experts the fused router takes (see [`CudaMoeLayer::routes_fused`]).
 const FUSED_ROUTE_EXPERTS: usize = 128;
 
-/// Most logits (tokens × experts) the fused router takes.
-const FUSED_ROUTE_LOGITS: usize = 256;
-
 /// Columns of `x` each block of the fused router takes (`ROUTE_SMALL_COLS` in moe.cu).
 pub(super) const ROUTE_COLS: usize = 128;
 
@@ -141,18 +138,18 @@ impl CudaMoeLayer {
         check(st, "router GEMM")
     }
 
-    /// Whether `t` tokens route in one launch (`route_small` in moe.cu): on one GPU whose
-    /// Hopper GEMM gathers the rows itself (so the permute is the counts and maps alone), bf16
-    /// experts, at most [`FUSED_ROUTE_EXPERTS`] experts and `t · E` at most
-    /// [`FUSED_ROUTE_LOGITS`] (its last block sums every logit's partials alone). It replaces
-    /// six launches: the bf16 copy, cuBLAS's two gemv kernels, route, count_slots and
-    /// scatter_slots. Measured on one H200, three alternating rounds against
-    /// `MOEFLOW_FUSED_ROUTE=0` (ms at 1 / 2 / 4 tokens): DeepSeek-V3 shapes with 64 experts
-    /// 0.197 / 0.349–0.350 / 0.572 against 0.200 / 0.361–0.362 / 0.580; two rounds, Qwen3-30B
-    /// 0.064–0.065 / 0.081 / 0.121 against 0.070 / 0.084–0.085 / 0.118–0.119, DeepSeek-V3 with
-    /// 128 experts 0.201–0.202 / 0.368 / 0.639 against 0.203 / 0.374–0.375 / 0.635–0.637 (with
-    /// the shared expert 0.216 / 0.383 / 0.657–0.659 against 0.213 / 0.388–0.389 / 0.649), with
-    /// 256 experts 0.214–0.215 / 0.387 / 0.698 against 0.212 / 0.383–0.384 / 0.676–0.677.
+    /// Whether `t` tokens route in one launch (`route_small` in moe.cu): from 1 to
+    /// [`FUSED_ROUTE_TOKENS`] tokens on one GPU whose Hopper GEMM gathers the rows itself (so
+    /// the permute is the counts and maps alone), bf16 experts, at most
+    /// [`FUSED_ROUTE_EXPERTS`] experts. It replaces six launches: the bf16 copy, cuBLAS's two
+    /// gemv kernels, route, count_slots and scatter_slots. Measured on one H200, three
+    /// alternating rounds against `MOEFLOW_FUSED_ROUTE=0` (ms at 1 / 2 / 4 tokens): DeepSeek-V3
+    /// shapes with 64 experts 0.195–0.196 / 0.345–0.348 / 0.566–0.567 against 0.199 /
+    /// 0.357–0.359 / 0.577–0.578; with 128 experts 0.199 / 0.362 / 0.626–0.629 against 0.202 /
+    /// 0.372–0.373 / 0.629–0.630; Qwen3-30B 0.064–0.065 / 0.080 / 0.119–0.120 against 0.071 /
+    /// 0.085 / 0.119; with 256 experts and the shared expert it lost at 1 and 4 tokens
+    /// (0.226 / 0.394–0.395 / 0.699–0.700 against 0.223–0.224 / 0.397–0.398 / 0.689–0.692):
+    /// its 128-column blocks read the whole gate, 7.3 MB there, on 56 SMs.
     pub(super) fn routes_fused(&self, t: usize) -> bool {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         self.fused_route
@@ -160,7 +157,6 @@ impl CudaMoeLayer {
             && self.w.fp8.is_none()
             && (1..=FUSED_ROUTE_TOKENS).contains(&t)
             && e <= FUSED_ROUTE_EXPERTS
-            && t * e <= FUSED_ROUTE_LOGITS
             && self.hopper_gathers(t * k, e, 0)
     }
 
