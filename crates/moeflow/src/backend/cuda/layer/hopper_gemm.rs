@@ -314,7 +314,8 @@ impl HopperGemm {
 
 impl CudaMoeLayer {
     /// The Hopper grouped GEMM for `rows` rows over `experts` experts, when the GPU and shapes
-    /// take it and it is the better choice: from 2 to 1024 rows an expert on average; below 2
+    /// take it and it is the better choice: from 2 to 1024 rows an expert on average (2048 on
+    /// one GPU without a shared expert); below 2
     /// on one GPU when the batch replays a CUDA graph (see [`super::graph`]), or without a
     /// shared expert, or with one and at least [`MANY_EXPERTS`] experts; always with
     /// `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
@@ -326,7 +327,11 @@ impl CudaMoeLayer {
     /// rows 11.08, 11.10 against 11.09, 12.61 (the same fast cases, and none of cuBLAS's slow
     /// ones); 2048 rows 22.38, 22.64 against 21.87, 21.85, where cuBLAS's per-expert GEMMs
     /// leave room that the shared expert fills. On H100 alike: 512 rows 6.03, 6.07 against
-    /// 5.98, 6.89; 1024 rows 11.18, 11.41 against 11.59, 14.67.
+    /// 5.98, 6.89; 1024 rows 11.18, 11.41 against 11.59, 14.67. Without the shared expert,
+    /// 2048 rows (session 24, one H100, three alternating rounds): 20.06, 19.96, 19.64 against
+    /// cuBLAS's 21.18, 24.48, 19.83, whose down projection took 5.8 to 9.8 ms from run to run
+    /// against this kernel's 5.95–6.04 (on one H200, one round each: 19.51, 19.69 against
+    /// 19.55, 19.70, and 20.73 in a table where cuBLAS's down projection took 8.03).
     ///
     /// Below 2 rows an expert (session 21, H200, 1 / 2 / 4 / 8 tokens, alternating rounds),
     /// where cuBLAS's GEMM shapes wait for the expert counts on the host: without a shared
@@ -351,7 +356,10 @@ impl CudaMoeLayer {
         let few_rows_here = self.ep.is_none() && (graphed || self.config.shared.is_none() || experts >= MANY_EXPERTS);
         let wanted = match super::gemm_mode() {
             super::GemmMode::Hopper => true,
-            _ => per_expert <= 1024 && (per_expert >= 2 || few_rows_here),
+            _ => {
+                let most = if self.ep.is_none() && self.config.shared.is_none() { 2048 } else { 1024 };
+                per_expert <= most && (per_expert >= 2 || few_rows_here)
+            }
         };
         self.k.hopper.as_ref().filter(|_| wanted && h % 8 == 0 && i % 8 == 0)
     }
