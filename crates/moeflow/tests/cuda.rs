@@ -165,6 +165,23 @@ fn large_batch_matches_reference() {
     assert_eq!(gpu.forward(&xt).unwrap().to_f32_vec(), got, "differs run to run");
 }
 
+/// 2048 rows an expert without a shared expert (4096 tokens, top-2 of 4 experts), which one
+/// Hopper GPU gives moeflow's grouped GEMM (cuBLAS above 1024 rows with a shared expert):
+/// against the reference, and the same bits run after run.
+#[test]
+fn experts_of_2048_rows_without_a_shared_expert_match_reference() {
+    let softmax = RouterConfig::Softmax { renormalize: true };
+    let config = small_config(2048, 32, 4, 2, softmax, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 12);
+    let Some(gpu) = layer(&config, &weights) else { return };
+    let (x, xt) = hidden(4096, 2048, 13);
+    let got = gpu.forward(&xt).unwrap().to_f32_vec();
+    let err = rel(&got, &reference::forward(&config, &weights, &x).unwrap().out);
+    println!("4096 tokens over 4 experts, top-2: relative error {err:.2e}");
+    assert!(err <= BF16_TOL, "relative error {err:e}");
+    assert_eq!(gpu.forward(&xt).unwrap().to_f32_vec(), got, "differs run to run");
+}
+
 /// The fixtures: `MOEFLOW_FIXTURES`, the source tree this was built from, or `./fixtures`.
 fn fixtures() -> std::path::PathBuf {
     if let Ok(d) = std::env::var("MOEFLOW_FIXTURES") {
