@@ -10,7 +10,6 @@ use crate::common::{
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, RankHost};
 use moeflow::{preset, reference, LayerOptions, MoeError, MoeLayer, Result, Tensor};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Arguments of `moeflow demo`.
@@ -107,10 +106,18 @@ pub fn run(args: DemoArgs) -> Result<()> {
         }
         Ok((out, median(&times), times.len()))
     };
-    let (out, (lo, hi), secs, runs) = if gpu && par.ep == 1 && host == RankHost::Gpus && !par.dual_batch {
-        let gpu = moeflow::backend::cuda::CudaMoeLayer::new(&config, weights)?;
-        println!("  device          {}", gpu.device_name());
-        let (out, secs, runs) = timed(&|| gpu.forward(&input))?;
+    let spec = moeflow::RankLayerSpec {
+        chunk_size: args.layer.chunk_size,
+        cuda: crate::cuda_args::cuda_options()?,
+        ..moeflow::RankLayerSpec::new(&config, weights)
+    };
+    let (out, (lo, hi), secs, runs) = if gpu && par.ep == 1 && host == RankHost::Gpus {
+        let layer = par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?;
+        if let Some(l) = layer.device_layer() {
+            println!("  device          {}", l.device_name());
+        }
+        println!("  layer           {}", layer.describe());
+        let (out, secs, runs) = timed(&|| layer.forward(&input))?;
         (out, (0, t), secs, runs)
     } else if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
         let (out, secs, runs) = timed(&|| single.forward(&input))?;
@@ -118,7 +125,6 @@ pub fn run(args: DemoArgs) -> Result<()> {
     } else {
         // Each DP group takes a contiguous share of the tokens; TP ranks of a group share it.
         let groups = split_tokens(t, par.ep / par.tp);
-        let placement = Arc::new(par.placement(config.num_experts)?);
         let what = match &host {
             RankHost::Threads => format!("{} in-process ranks", par.ep),
             RankHost::Gpus => format!("{} GPUs (one thread each, NCCL)", par.ep),
@@ -128,7 +134,10 @@ pub fn run(args: DemoArgs) -> Result<()> {
         };
         let bar = spinner(format!("running on {what}"));
         let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
-            let layer = par.layer(comm, placement.clone(), &config, weights, kind, args.layer.chunk_size)?;
+            let layer = par.rank_layer(Some(comm), kind, &spec)?;
+            if comm.rank() == 0 {
+                bar.suspend(|| println!("  layer           {}", layer.describe()));
+            }
             let (a, b) = groups[comm.rank() / par.tp];
             let mine = Tensor::from_f32(&[b - a, h], x[a * h..b * h].to_vec())?;
             let mut out = layer.forward(&mine)?;

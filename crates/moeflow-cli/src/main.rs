@@ -3,6 +3,7 @@
 mod bench;
 mod check;
 mod common;
+mod cuda_args;
 mod demo;
 mod inspect;
 mod launch;
@@ -12,7 +13,7 @@ use clap::{Parser, Subcommand};
 
 /// moeflow: the Mixture-of-Experts layer engine.
 #[derive(Parser)]
-#[command(name = "moeflow", version, about, long_about = None)]
+#[command(name = "moeflow", version, about, long_about = None, after_long_help = cuda_args::variables_help())]
 struct Cli {
     #[command(subcommand)]
     command: Command,

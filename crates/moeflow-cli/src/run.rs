@@ -1,13 +1,12 @@
 //! `moeflow run`: one MoE block of a Hugging Face checkpoint on hidden states from a file.
 
-use crate::common::{device_resident, quantize_weights, split_tokens, Backend, ParallelArgs};
+use crate::common::{quantize_weights, split_tokens, Backend, ParallelArgs};
 use moeflow::comm::CommExt;
 use moeflow::model::{io, Checkpoint};
 use moeflow::parallel::{on_ranks, RankHost};
 use moeflow::quant::QuantConfig;
-use moeflow::{DType, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use moeflow::{DType, ExpertsKind, MoeError, RankLayerSpec, Result, Tensor};
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 /// Arguments of `moeflow run`.
@@ -65,48 +64,36 @@ pub fn run(args: RunArgs) -> Result<()> {
         return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
     }
     let host = RankHost::detect(gpu)?;
-    // GPU ranks over NCCL run the device-resident layer where it covers the layout.
-    let on_device = gpu && device_resident(&par, block.config.num_experts);
-    let out = if gpu && par.ep == 1 && !par.dual_batch && host == RankHost::Gpus {
-        moeflow::backend::cuda::CudaMoeLayer::new(&block.config, &block.weights)?.forward(&x)?
-    } else if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
-        let layer = MoeLayer::new(
-            &block.config,
-            &block.weights,
-            LayerOptions {
-                chunk_size: args.chunk_size,
-                quant: par.quant,
-                defer_input_quant: par.defer_input_quant,
-                bf16_matmul: par.bf16_matmul,
-                ..Default::default()
-            },
-        )?;
-        layer.forward(&x)?
+    let spec = RankLayerSpec {
+        chunk_size: args.chunk_size,
+        cuda: crate::cuda_args::cuda_options()?,
+        ..RankLayerSpec::new(&block.config, &block.weights)
+    };
+    // The library picks each rank's layer; `path` is the line saying which.
+    let (out, path) = if par.ep == 1 && host.launched_rank().is_none() {
+        let experts = if gpu { ExpertsKind::Cuda { device: 0 } } else { ExpertsKind::Cpu };
+        let layer = par.rank_layer(None, experts, &spec)?;
+        (layer.forward(&x)?, layer.describe().to_string())
     } else {
         let xs = x.to_f32_vec();
         let shares = split_tokens(t, par.ep / par.tp);
-        let placement = Arc::new(par.placement(block.config.num_experts)?);
         let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
             let (a, b) = shares[comm.rank() / par.tp];
             let share = Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?;
-            let rows = if on_device {
-                device_forward(comm, &par, &block.config, &block.weights, &share)?
-            } else {
-                let layer = par.layer(comm, placement.clone(), &block.config, &block.weights, kind, args.chunk_size)?;
-                layer.forward(&share)?
-            }
-            .to_f32_vec();
+            let layer = par.rank_layer(Some(comm), kind, &spec)?;
+            let rows = layer.forward(&share)?.to_f32_vec();
             // Every rank gets the whole output: each DP group's rows, once (from its first TP
             // rank), in rank order, which is token order.
             let mine = if comm.rank() % par.tp == 0 { rows } else { Vec::new() };
-            Ok(comm.all_gather_vec("run.output", &mine)?.concat())
+            Ok((comm.all_gather_vec("run.output", &mine)?.concat(), layer.describe().to_string()))
         });
         let mut full = None;
         for (_, r) in results {
             let r = r?;
             full.get_or_insert(r);
         }
-        Tensor::from_f32(&[t, h], full.ok_or_else(|| MoeError::Config("no ranks".into()))?)?
+        let (rows, path) = full.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+        (Tensor::from_f32(&[t, h], rows)?, path)
     };
     // In a launched job rank 0 writes the file.
     if host.launched_rank().is_some_and(|r| r != 0) {
@@ -115,47 +102,13 @@ pub fn run(args: RunArgs) -> Result<()> {
     let secs = start.elapsed().as_secs_f64();
     io::write_f32_atomic(&args.output, &[("hidden_states", &out)])?;
     println!(
-        "{} layer {}: {t} tokens through {} experts (top-{}), EP {} {}{}, {:.2} ms -> {}",
+        "{} layer {}: {t} tokens through {} experts (top-{}), {:.2} ms -> {}\n  {path}",
         ckpt.architecture()?.name(),
         block.layer,
         block.config.num_experts,
         block.config.top_k,
-        par.ep,
-        par.strategy,
-        if on_device { " (device-resident)" } else { "" },
         secs * 1e3,
         args.output.display()
     );
     Ok(())
-}
-
-/// This rank's share through the device-resident expert-parallel layer (NCCL ranks only):
-/// all-to-all-v, all-gather (of ids or logits) or multicast, optionally as two micro-batches,
-/// or the low-latency form with `--max-tokens-per-rank` as its capacity.
-fn device_forward(
-    comm: &dyn moeflow::comm::Communicator,
-    par: &moeflow::parallel::ParallelConfig,
-    config: &moeflow::MoeConfig,
-    weights: &moeflow::MoeWeights,
-    share: &Tensor,
-) -> Result<Tensor> {
-    use moeflow::backend::cuda::{CudaMoeLayer, NcclComm};
-    use moeflow::parallel::StrategyKind;
-    let nccl = comm
-        .as_any()
-        .downcast_ref::<NcclComm>()
-        .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
-    let mut layer = CudaMoeLayer::new_ep(config, weights, nccl.duplicate()?)?;
-    match par.strategy {
-        StrategyKind::LowLatency => layer = layer.low_latency(par.max_tokens_per_rank)?,
-        StrategyKind::AllGather => layer = layer.all_gather()?,
-        StrategyKind::AllGatherLogits => layer = layer.all_gather_logits()?,
-        StrategyKind::Multicast => layer = layer.multicast()?,
-        _ => {}
-    }
-    if par.dual_batch {
-        layer.dual_batch(Some(nccl.duplicate()?))?.forward(share)
-    } else {
-        layer.forward(share)
-    }
 }

@@ -156,11 +156,38 @@ impl ExpertPlacement {
         topk.ids
             .iter()
             .enumerate()
-            .map(|(i, &e)| {
-                let reps = &self.replicas[e as usize];
-                reps[(first_token + i / k + i % k) % reps.len()] as i32
-            })
+            .map(|(i, &e)| self.replica_for(e as usize, first_token + i / k, i % k) as i32)
             .collect()
+    }
+
+    /// The physical id serving `slot` of token `token` routed to logical `expert`: its replica
+    /// `(token + slot) mod replicas`.
+    pub fn replica_for(&self, expert: usize, token: usize, slot: usize) -> usize {
+        let reps = &self.replicas[expert];
+        reps[(token + slot) % reps.len()]
+    }
+
+    /// The (rank, local slot) of physical id `physical`.
+    pub fn physical_slot(&self, physical: usize) -> (usize, usize) {
+        self.physical[physical]
+    }
+
+    /// The physical ids of logical `expert`, in the order [`ExpertPlacement::replica_for`]
+    /// picks them.
+    pub fn replicas_of(&self, expert: usize) -> &[usize] {
+        &self.replicas[expert]
+    }
+
+    /// Whether every rank holds the contiguous range `rank · E / ranks ..` of `E / ranks`
+    /// experts, without replicas (the layout the fixed-capacity GPU layer's kernels assume).
+    pub fn is_even_contiguous(&self) -> bool {
+        let n = self.ranks();
+        self.num_experts.is_multiple_of(n)
+            && self.num_physical() == self.num_experts
+            && self.slots.iter().enumerate().all(|(r, list)| {
+                let per = self.num_experts / n;
+                list.iter().copied().eq(r * per..(r + 1) * per)
+            })
     }
 
     /// One line: experts per rank and replica count.
@@ -198,6 +225,13 @@ mod tests {
         // Expert 0 has physical ids 0 (rank 0) and 4 (rank 1).
         assert_eq!(p.to_physical(&topk, 0), vec![0, 1, 4, 2, 3, 4]);
         assert_eq!(p.to_physical(&topk, 1), vec![4, 1, 0, 2, 3, 0]);
+        assert_eq!(p.replica_for(0, 1, 0), 4);
+        assert_eq!(p.physical_slot(4), (1, 2));
+        assert_eq!(p.replicas_of(0), &[0, 4]);
+        assert!(!p.is_even_contiguous());
+        assert!(ExpertPlacement::contiguous(4, 2).unwrap().is_even_contiguous());
+        assert!(!ExpertPlacement::contiguous(5, 2).unwrap().is_even_contiguous());
+        assert!(!ExpertPlacement::round_robin(4, 2).unwrap().is_even_contiguous());
     }
 
     #[test]

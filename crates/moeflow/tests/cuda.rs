@@ -18,7 +18,7 @@ const BF16_TOL: f64 = 2.5e-2;
 const FP8_ROWS_TOL: f64 = 8e-2;
 
 fn layer(config: &MoeConfig, weights: &MoeWeights) -> Option<CudaMoeLayer> {
-    match CudaMoeLayer::new(config, weights) {
+    match CudaMoeLayer::new(config, weights, &Default::default()) {
         Ok(l) => Some(l),
         Err(e) if e.to_string().contains("no CUDA driver") || e.to_string().contains("device 0 requested") => {
             eprintln!("SKIPPED (no GPU): {e}");

@@ -269,6 +269,8 @@ fn bad_input_is_a_clear_error() {
 fn cuda_backend_without_the_feature_is_a_clear_error() {
     let config = small_config(8, 4, 4, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
     let weights = preset::random_weights(&config, DType::F32, 1);
-    let Err(e) = moeflow::backend::cuda::CudaMoeLayer::new(&config, &weights) else { panic!("expected an error") };
+    let Err(e) = moeflow::backend::cuda::CudaMoeLayer::new(&config, &weights, &Default::default()) else {
+        panic!("expected an error")
+    };
     assert!(e.to_string().contains("--features cuda"), "{e}");
 }

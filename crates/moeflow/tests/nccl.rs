@@ -9,6 +9,7 @@ use common::*;
 use moeflow::backend::cuda::run_ranks_nccl;
 use moeflow::comm::{CommExt, Communicator};
 use moeflow::parallel::{on_ranks, ParallelConfig, PlacementKind, RankHost, StrategyKind};
+use moeflow::placement::ExpertPlacement;
 use moeflow::{preset, reference, Activation, DType, RouterConfig, SharedConfig, Tensor};
 use std::sync::Arc;
 use std::time::Duration;
@@ -206,8 +207,30 @@ fn relative_error(config: &moeflow::MoeConfig, weights: &moeflow::MoeWeights, x:
     got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
 }
 
-/// Every device case through the expert-parallel layer `make` builds on each rank, with uneven
-/// batches and rank 1 without tokens: against the f64 reference, and run after run the same.
+/// The contiguous placement of `config`'s experts on `n` ranks.
+fn even(config: &moeflow::MoeConfig, n: usize) -> Arc<ExpertPlacement> {
+    Arc::new(ExpertPlacement::contiguous(config.num_experts, n).unwrap())
+}
+
+/// The placements the device layers are tested on, for `e` experts on `n` ranks: contiguous,
+/// round-robin, an explicit uneven one (rank 0 holds one expert, the last rank the most) and
+/// contiguous with two replicas.
+fn placements(e: usize, n: usize) -> Vec<(&'static str, Arc<ExpertPlacement>)> {
+    let mut slots: Vec<Vec<usize>> = vec![Vec::new(); n];
+    for x in 0..e {
+        slots[if x == 0 { 0 } else { 1 + (x - 1) * (n - 1) / (e - 1).max(1) }.min(n - 1)].push(x);
+    }
+    vec![
+        ("contiguous", Arc::new(ExpertPlacement::contiguous(e, n).unwrap())),
+        ("round-robin", Arc::new(ExpertPlacement::round_robin(e, n).unwrap())),
+        ("explicit uneven", Arc::new(ExpertPlacement::from_slots(e, slots).unwrap())),
+        ("replicas of 0 and 3", Arc::new(ExpertPlacement::contiguous(e, n).unwrap().with_replicas(&[0, 3]).unwrap())),
+    ]
+}
+
+/// Every device case through the expert-parallel layer `make` builds on each rank, under every
+/// placement of [`placements`], with uneven batches and rank 1 without tokens: against the f64
+/// reference, and run after run the same.
 fn device_layer_matches_the_reference(
     label: &str,
     n: usize,
@@ -215,26 +238,33 @@ fn device_layer_matches_the_reference(
 ) {
     use moeflow::backend::cuda::CudaMoeLayer;
     let devices: Vec<usize> = (0..n).collect();
-    for (name, config, weights) in device_cases() {
+    for (name, config, weights, (placed, placement)) in device_cases()
+        .into_iter()
+        .flat_map(|(name, c, w)| placements(c.num_experts, n).into_iter().map(move |p| (name, c.clone(), w.clone(), p)))
+    {
         let h = config.hidden;
         let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, 300][r % 4]).collect();
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 50 + r as u64)).collect();
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer = make(CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?)?;
+            let layer =
+                make(CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &Default::default())?)?;
             let x = &inputs[c.rank()];
             let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
             Ok((layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec()))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let (a, b) = r.unwrap_or_else(|e| panic!("{label}, {name}: rank {rank}: {e}"));
+            let (a, b) = r.unwrap_or_else(|e| panic!("{label}, {name}, {placed}: rank {rank}: {e}"));
             assert!(
                 a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{label}, {name}: rank {rank} differs run to run"
+                "{label}, {name}, {placed}: rank {rank} differs run to run"
             );
             let err = relative_error(&config, &weights, &inputs[rank], &a);
-            assert!(err <= BF16_TOL, "{label}, {name}: rank {rank}: relative error {err:e}");
-            eprintln!("device {label}, {name:<30} rank {rank}: {} tokens, relative error {err:.2e}", sizes[rank]);
+            assert!(err <= BF16_TOL, "{label}, {name}, {placed}: rank {rank}: relative error {err:e}");
+            eprintln!(
+                "device {label}, {name:<30} {placed:<20} rank {rank}: {} tokens, relative error {err:.2e}",
+                sizes[rank]
+            );
         }
     }
 }
@@ -245,15 +275,16 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
     let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
     let devices: Vec<usize> = (0..n).collect();
     device_layer_matches_the_reference("all2allv", n, Ok);
-    // Experts that do not split evenly are a clear error, not a wrong answer.
+    // A placement for other experts or ranks is a clear error, not a wrong answer.
     let config =
         small_config(64, 32, 2 * n + 1, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
     let weights = preset::random_weights(&config, DType::BF16, 1);
+    let wrong = Arc::new(ExpertPlacement::contiguous(2 * n, n).unwrap());
     for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
-        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?).map(|_| ())
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, wrong.clone(), &Default::default()).map(|_| ())
     }) {
         let e = r.unwrap_err().to_string();
-        assert!(e.contains("splits experts evenly"), "{e}");
+        assert!(e.contains("placement of"), "{e}");
     }
 }
 
@@ -268,13 +299,19 @@ fn device_resident_gathering_layers_match_the_reference_and_repeat() {
     let devices: Vec<usize> = (0..n).collect();
     let (_, config, weights) = device_cases().swap_remove(0);
     for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
-        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.all_gather()?.low_latency(16).map(|_| ())
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
+            .all_gather()?
+            .low_latency(16)
+            .map(|_| ())
     }) {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("dispatches one way"), "{e}");
     }
     for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
-        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.all_gather()?.multicast().map(|_| ())
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
+            .all_gather()?
+            .multicast()
+            .map(|_| ())
     }) {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("dispatches one way"), "{e}");
@@ -296,7 +333,8 @@ fn device_dual_batch_matches_the_reference() {
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 70 + r as u64)).collect();
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?;
+            let mut layer =
+                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?;
             if all_gather {
                 layer = layer.all_gather()?;
             }
@@ -324,7 +362,9 @@ fn device_dual_batch_matches_the_reference() {
     // A layer split without its second communicator is a clear error.
     for r in run_ranks_nccl(&devices, Duration::from_secs(30), |c| {
         let (_, config, weights) = device_cases().remove(0);
-        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.dual_batch(None).map(|_| ())
+        CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
+            .dual_batch(None)
+            .map(|_| ())
     }) {
         let e = r.unwrap_err().to_string();
         assert!(e.contains("second communicator"), "{e}");
@@ -337,7 +377,10 @@ fn low_latency_graph_matches_the_reference_and_replays() {
     let Some(n) = gpus("low_latency_graph_matches_the_reference_and_replays") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 64;
-    for (name, config, weights) in device_cases() {
+    for (name, config, weights, (placed, placement)) in device_cases()
+        .into_iter()
+        .flat_map(|(name, c, w)| placements(c.num_experts, n).into_iter().map(move |p| (name, c.clone(), w.clone(), p)))
+    {
         let h = config.hidden;
         // Two batches per rank under one captured graph: uneven, empty, and full to capacity.
         let sizes: [Vec<usize>; 2] =
@@ -346,7 +389,9 @@ fn low_latency_graph_matches_the_reference_and_replays() {
             .map(|i| (0..n).map(|r| preset::uniform(sizes[i][r] * h, 1.0, 70 + 10 * i as u64 + r as u64)).collect())
             .collect();
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.low_latency(M)?;
+            let layer =
+                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &Default::default())?
+                    .low_latency(M)?;
             let run = |i: usize| -> moeflow::Result<Vec<f32>> {
                 let x = &inputs[i][c.rank()];
                 Ok(layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec())
@@ -360,16 +405,16 @@ fn low_latency_graph_matches_the_reference_and_replays() {
             Ok((first, again, second))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let (first, again, second) = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            let (first, again, second) = r.unwrap_or_else(|e| panic!("{name}, {placed}: rank {rank}: {e}"));
             assert!(
                 first.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()),
-                "{name}: rank {rank} differs replay to replay"
+                "{name}, {placed}: rank {rank} differs replay to replay"
             );
             for (i, got) in [first, second].iter().enumerate() {
                 let err = relative_error(&config, &weights, &inputs[i][rank], got);
-                assert!(err <= BF16_TOL, "{name}: rank {rank}, batch {i}: relative error {err:e}");
+                assert!(err <= BF16_TOL, "{name}, {placed}: rank {rank}, batch {i}: relative error {err:e}");
                 eprintln!(
-                    "low-latency graph, {name:<30} rank {rank}, batch {i}: {} tokens, relative error {err:.2e}",
+                    "low-latency graph, {name:<30} {placed:<20} rank {rank}, batch {i}: {} tokens, relative error {err:.2e}",
                     sizes[i][rank]
                 );
             }
@@ -407,9 +452,10 @@ fn low_latency_fp8_experts_match_the_reference() {
     for (on_device, rows8) in [(false, false), (true, false), (true, true)] {
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
             let mut layer = if on_device {
-                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?)?.fp8_experts()?
+                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
+                    .fp8_experts()?
             } else {
-                CudaMoeLayer::new_ep(&config, &quantized, c.duplicate()?)?
+                CudaMoeLayer::new_ep(&config, &quantized, c.duplicate()?, even(&config, n), &Default::default())?
             };
             assert!(layer.has_fp8_experts());
             if rows8 {

@@ -6,7 +6,7 @@ use super::{write_records, BenchArgs, Record};
 use crate::common::{median, spinner};
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, RankHost};
-use moeflow::{DType, MoeError, Result, StageTimes};
+use moeflow::{DType, MoeError, RankLayerSpec, Result, StageTimes};
 
 /// Whether `--dtype` asks for fp8 routed experts on GPUs (bf16 otherwise); `runs_fp8` says
 /// whether this layout streams fp8 codes (one GPU, or the low-latency layer), and a refusal
@@ -38,54 +38,40 @@ pub(super) fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool
     }
 }
 
-/// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap).
-enum Timed {
-    Whole(Box<moeflow::backend::cuda::CudaMoeLayer>),
-    Dual(Box<moeflow::backend::cuda::CudaDualBatch>),
-}
+/// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap), as
+/// the library chose it.
+struct Timed(moeflow::RankLayer);
 
 impl Timed {
-    /// `layer`, split for dual-batch overlap when `dual` (expert-parallel layers over `comm`,
-    /// a second communicator over the same ranks).
-    fn new(
-        layer: moeflow::backend::cuda::CudaMoeLayer,
-        dual: bool,
-        comm: Option<moeflow::backend::cuda::NcclComm>,
-    ) -> Result<Self> {
-        Ok(if dual { Timed::Dual(Box::new(layer.dual_batch(comm)?)) } else { Timed::Whole(Box::new(layer)) })
-    }
-
-    /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`).
+    /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`); a TP rank
+    /// times its share of them through the expert-parallel layer (the TP all-gather after it
+    /// is not timed).
     fn forward_timed(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
-        match self {
-            Timed::Whole(l) => l.forward_timed(tokens, seed),
-            Timed::Dual(d) => d.forward_timed(tokens, seed),
+        let tokens = self.0.tokens_here(tokens);
+        match (self.0.device_layer(), self.0.device_dual()) {
+            (Some(l), _) => l.forward_timed(tokens, seed),
+            (None, Some(d)) => d.forward_timed(tokens, seed),
+            _ => Err(MoeError::Config(format!("this layout is timed whole, not on the device: {}", self.0.describe()))),
         }
     }
 
     /// A run with every stage timed (a low-latency layer's stages run outside its graph).
     fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
-        match self {
-            Timed::Whole(l) => l.forward_timed_stages(tokens, seed),
-            Timed::Dual(d) => d.forward_timed(tokens, seed),
+        match self.0.device_layer() {
+            Some(l) => l.forward_timed_stages(self.0.tokens_here(tokens), seed),
+            None => self.forward_timed(tokens, seed),
         }
     }
 
     /// Whether `forward_timed` replays a one-GPU graph for `tokens` tokens (timing only the whole).
     fn replays_graph(&self, tokens: usize) -> bool {
-        match self {
-            Timed::Whole(l) => l.replays_graph(tokens),
-            Timed::Dual(_) => false,
-        }
+        self.0.device_layer().is_some_and(|l| l.replays_graph(tokens))
     }
 
     /// Captures of one-GPU graphs that failed so far (those calls ran launch by launch), and
     /// why the latest failed.
     fn failed_graph_captures(&self) -> (usize, Option<String>) {
-        match self {
-            Timed::Whole(l) => (l.failed_graph_captures(), l.last_graph_capture_failure()),
-            Timed::Dual(_) => (0, None),
-        }
+        self.0.device_layer().map_or((0, None), |l| (l.failed_graph_captures(), l.last_graph_capture_failure()))
     }
 }
 
@@ -93,8 +79,9 @@ impl Timed {
 /// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
 /// The low-latency layer's time is its graph's replay; its stages are timed in direct runs.
 pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
-    use moeflow::backend::cuda::{measure_ceilings, CudaMoeLayer, GpuStageTimes, NcclComm};
+    use moeflow::backend::cuda::{measure_ceilings, GpuStageTimes};
     let (p, config) = args.layer.config()?;
+    let cuda = crate::cuda_args::cuda_options()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
     // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
@@ -140,28 +127,14 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         );
     }
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
-    let results = on_ranks(host, par.ep, par.timeout, |comm, _| {
-        let nccl = comm
-            .as_any()
-            .downcast_ref::<NcclComm>()
-            .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
-        let mut layer = CudaMoeLayer::random_ep(&config, args.layer.seed, nccl.duplicate()?)?;
-        if fp8 {
-            layer = layer.fp8_experts()?;
-        }
-        if rows8 {
-            layer = layer.fp8_activations()?;
-        }
-        if let Some(m) = capacity {
-            layer = layer.low_latency(m)?;
-        }
-        match par.strategy {
-            StrategyKind::AllGather => layer = layer.all_gather()?,
-            StrategyKind::AllGatherLogits => layer = layer.all_gather_logits()?,
-            StrategyKind::Multicast => layer = layer.multicast()?,
-            _ => {}
-        }
-        let layer = Timed::new(layer, par.dual_batch, par.dual_batch.then(|| nccl.duplicate()).transpose()?)?;
+    let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
+        let spec = RankLayerSpec {
+            cuda: cuda.clone(),
+            fp8_experts: fp8,
+            fp8_rows: rows8,
+            ..RankLayerSpec::random_on_device(&config, args.layer.seed)
+        };
+        let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let mut per_t = Vec::new();
         for &t in &args.tokens {
             let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
@@ -188,7 +161,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             }
             per_t.push((slowest, samples));
         }
-        Ok(per_t)
+        Ok((per_t, layer.0.describe().to_string()))
     });
     bar0.finish_and_clear();
     let mut mine = None;
@@ -196,10 +169,11 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let r = r?;
         mine.get_or_insert(r);
     }
-    let measured = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+    let (measured, path) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
     if !rank0 {
         return Ok(());
     }
+    println!("  layer: {path}");
     println!(
         "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}",
         "tokens",
@@ -318,18 +292,18 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
     let rows8 = gpu_fp8_rows(args.parallel.quant, fp8)?;
     let bar0 = spinner("generating weights on the GPU".into());
-    let mut gpu = moeflow::backend::cuda::CudaMoeLayer::random(&config, args.layer.seed)?;
-    if fp8 {
-        gpu = gpu.fp8_experts()?;
-    }
-    if rows8 {
-        gpu = gpu.fp8_activations()?;
-    }
+    let par = args.parallel.config(1)?;
+    let spec = RankLayerSpec {
+        cuda: crate::cuda_args::cuda_options()?,
+        fp8_experts: fp8,
+        fp8_rows: rows8,
+        ..RankLayerSpec::random_on_device(&config, args.layer.seed)
+    };
+    let gpu = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
-    let ceilings = gpu.measure_ceilings()?;
+    let ceilings = moeflow::backend::cuda::measure_ceilings(0)?;
     let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
-    let device = gpu.device_name();
-    let gpu = Timed::new(gpu, args.parallel.dual_batch, None)?;
+    let device = gpu.0.device_layer().map_or_else(|| "GPU 0".to_string(), |l| l.device_name());
     bar0.finish_and_clear();
     println!(
         "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
@@ -346,6 +320,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         gemm_tflops,
         copy_gbps
     );
+    println!("  layer: {}", gpu.0.describe());
     println!(
         "{:>7} {:>9} {:>8} {:>8} {:>9} {:>7}   {:>6} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6}",
         "tokens",

@@ -9,10 +9,11 @@ mod torch;
 use cuda::{gpu_fp8_rows, run_cuda, run_cuda_ep};
 use torch::{check_torch_baseline, torch_single_baseline};
 
-use crate::common::{bar, device_resident, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
+use crate::common::{bar, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, RankHost};
+use moeflow::rank_layer::{gpu_path, GpuPath};
 use moeflow::{preset, DType, MoeError, MoeLayer, Result, StageTimes, Tensor};
 use serde::Serialize;
 use std::sync::Arc;
@@ -151,21 +152,17 @@ pub fn run(args: BenchArgs) -> Result<()> {
         gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && lowlatency && !args.host_staged)?;
     }
     if gpu && !args.host_staged {
-        let (_, config) = args.layer.config()?;
         let par = args.parallel.config(1)?;
-        if device_resident(&par, config.num_experts) {
-            return run_cuda_ep(&args, &host);
-        }
+        let why = match gpu_path(&par) {
+            GpuPath::DeviceResident | GpuPath::OneGpu => return run_cuda_ep(&args, &host),
+            GpuPath::HostStaged(why) => why,
+        };
         if args.torch_baseline {
             return Err(MoeError::Config(
                 "--torch-baseline compares the device-resident layer; this layout runs host-staged".into(),
             ));
         }
-        println!(
-            "note: the device-resident layer covers all2allv, allgather, allgather-logits, multicast (also \
-             --dual-batch) and lowlatency with contiguous placement, TP 1, no replicas, experts divisible by \
-             EP; this layout runs host-staged (rows through host memory)"
-        );
+        println!("note: this layout runs host-staged (rows through host memory) because {why}");
     }
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;

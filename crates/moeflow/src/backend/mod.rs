@@ -1,6 +1,8 @@
 //! Backends: the CPU one always, CUDA with the `cuda` feature (a stand-in without it that
 //! answers every call with a clear error).
 pub mod cpu;
+pub mod cuda_options;
+pub mod host_route;
 
 /// Milliseconds per stage of one forward, from CUDA events.
 #[derive(Clone, Copy, Debug, Default, serde::Serialize)]
@@ -57,6 +59,7 @@ pub mod cuda {
         MoeError::Unsupported("this moeflow was built without CUDA; rebuild with `--features cuda`".into())
     }
 
+    pub use crate::backend::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm};
     pub use crate::backend::{GpuCeilings, GpuStageTimes};
 
     /// No devices without the feature.
@@ -98,19 +101,40 @@ pub mod cuda {
 
     impl CudaMoeLayer {
         /// Always an error without the feature.
-        pub fn new(_config: &MoeConfig, _weights: &MoeWeights) -> Result<Self> {
+        pub fn new(_config: &MoeConfig, _weights: &MoeWeights, _opts: &CudaOptions) -> Result<Self> {
             Err(missing())
         }
         /// Always an error without the feature.
-        pub fn random(_config: &MoeConfig, _seed: u64) -> Result<Self> {
+        pub fn new_on_device(
+            _config: &MoeConfig,
+            _weights: &MoeWeights,
+            _device: usize,
+            _opts: &CudaOptions,
+        ) -> Result<Self> {
             Err(missing())
         }
         /// Always an error without the feature.
-        pub fn new_ep(_config: &MoeConfig, _weights: &MoeWeights, _comm: NcclComm) -> Result<Self> {
+        pub fn random(_config: &MoeConfig, _seed: u64, _opts: &CudaOptions) -> Result<Self> {
             Err(missing())
         }
         /// Always an error without the feature.
-        pub fn random_ep(_config: &MoeConfig, _seed: u64, _comm: NcclComm) -> Result<Self> {
+        pub fn new_ep(
+            _config: &MoeConfig,
+            _weights: &MoeWeights,
+            _comm: NcclComm,
+            _placement: std::sync::Arc<crate::placement::ExpertPlacement>,
+            _opts: &CudaOptions,
+        ) -> Result<Self> {
+            Err(missing())
+        }
+        /// Always an error without the feature.
+        pub fn random_ep(
+            _config: &MoeConfig,
+            _seed: u64,
+            _comm: NcclComm,
+            _placement: std::sync::Arc<crate::placement::ExpertPlacement>,
+            _opts: &CudaOptions,
+        ) -> Result<Self> {
             Err(missing())
         }
         /// Unreachable without the feature.

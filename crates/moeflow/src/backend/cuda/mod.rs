@@ -9,6 +9,7 @@ mod layer;
 mod nccl;
 mod quant;
 
+pub use super::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm};
 pub use super::{GpuCeilings, GpuStageTimes};
 pub use ceiling::{measure_ceilings, measure_sustained_gemm};
 pub use experts::CudaExperts;
@@ -61,45 +62,49 @@ pub struct Gpu {
     module: Arc<CudaModule>,
 }
 
-/// Compiled modules by device ordinal.
-type ModuleCache = Mutex<Vec<(usize, Arc<CudaModule>)>>;
+/// Compiled modules by device ordinal and extra NVRTC options.
+type ModuleCache = Mutex<Vec<((usize, Vec<String>), Arc<CudaModule>)>>;
 
 static MODULES: OnceLock<ModuleCache> = OnceLock::new();
 
 impl Gpu {
     /// Opens device `ordinal`; a clear error when no driver or device is present.
     pub fn new(ordinal: usize) -> Result<Self> {
+        Self::with_nvrtc_options(ordinal, &[])
+    }
+
+    /// [`Gpu::new`], its kernels compiled with `nvrtc_options` added (see
+    /// [`CudaOptions::nvrtc_options`]).
+    pub fn with_nvrtc_options(ordinal: usize, nvrtc_options: &[String]) -> Result<Self> {
         let ctx = nccl::context(ordinal)?;
         // SAFETY: moeflow orders all work on one stream per layer, so cudarc's per-buffer event
         // tracking is not needed.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(|e| err("creating stream", e))?;
-        let module = Self::module(&ctx, ordinal)?;
+        let module = Self::module(&ctx, ordinal, nvrtc_options)?;
         Ok(Gpu { ctx, stream, ordinal, module })
     }
 
-    fn module(ctx: &Arc<CudaContext>, ordinal: usize) -> Result<Arc<CudaModule>> {
+    fn module(ctx: &Arc<CudaContext>, ordinal: usize, nvrtc_options: &[String]) -> Result<Arc<CudaModule>> {
         let cache = MODULES.get_or_init(|| Mutex::new(Vec::new()));
         let mut cache = cache.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some((_, m)) = cache.iter().find(|(o, _)| *o == ordinal) {
+        let key = (ordinal, nvrtc_options.to_vec());
+        if let Some((_, m)) = cache.iter().find(|(o, _)| *o == key) {
             return Ok(m.clone());
         }
         let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", e))?;
         // Hopper builds for sm_90a, whose wgmma and TMA the grouped GEMM needs.
         let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}{suffix}").into_boxed_str());
-        // Extra NVRTC options for kernel experiments (`MOEFLOW_NVRTC_OPTIONS`, space-separated).
-        let options = std::env::var("MOEFLOW_NVRTC_OPTIONS")
-            .map_or(Vec::new(), |v| v.split_whitespace().map(str::to_string).collect());
         let opts = cudarc::nvrtc::CompileOptions {
             arch: Some(arch),
             use_fast_math: Some(false),
-            options,
+            options: nvrtc_options.to_vec(),
             ..Default::default()
         };
         let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| err("NVRTC compile of moe.cu", e))?;
         let module = ctx.load_module(ptx).map_err(|e| err("loading module", e))?;
-        cache.push((ordinal, module.clone()));
+        cache.push((key, module.clone()));
         Ok(module)
     }
 

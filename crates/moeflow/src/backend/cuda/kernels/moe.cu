@@ -633,6 +633,29 @@ __global__ void localize_ids(const int* ids, int n, int first, int el, int* out)
     }
 }
 
+// The physical replica serving slot j of token t routed to logical expert e (see placement.rs):
+// rep_first[e] + (t + j) mod rep_count[e]; it lives on rank rep_rank[p] in local slot rep_slot[p].
+__device__ __forceinline__ int placed_replica(const int* rep_first, const int* rep_count, int e, int t, int j) {
+    return rep_first[e] + (t + j) % rep_count[e];
+}
+
+// out[i] = the local slot on `rank` that serves slot i of `ids` ([n / k rows, k], row r being
+// token r mod `period` of the rank it came from), or el when another rank serves it or the id
+// is -1.
+__global__ void localize_placed(const int* ids, int n, int k, int period, const int* rep_first,
+                                const int* rep_count, const int* rep_rank, const int* rep_slot, int rank, int el,
+                                int* out) {
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+        int e = ids[i];
+        int l = el;
+        if (e >= 0) {
+            int p = placed_replica(rep_first, rep_count, e, (i / k) % period, i % k);
+            if (rep_rank[p] == rank) l = rep_slot[p];
+        }
+        out[i] = l;
+    }
+}
+
 // x[t, :] *= w[t] (router weight applied on the input, top-1).
 __global__ void scale_rows_bf16(bf16_t* x, const float* w, int T, int H) {
     long n = (long)T * H;

@@ -16,6 +16,7 @@
 //! it holds none of them), as in the all-to-all-v layer; the collectives add the ranks' bf16
 //! partials in NCCL's fixed order, so runs repeat exactly.
 
+use super::expert_parallel::Localize;
 use super::{dptr, err, Buffers, CudaMoeLayer, EpLink};
 use crate::error::{MoeError, Result};
 use cudarc::driver::CudaSlice;
@@ -79,16 +80,24 @@ impl CudaMoeLayer {
         use cudarc::nccl::sys as nc;
         let c = &self.config;
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
-        let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
+        let (n, rank, el) = (link.comm.size(), link.comm.rank(), link.local);
         let g = &self.gpu;
         let s = &g.stream;
-        // Every rank's slots per expert and batch size: this rank's experts' rows, the padding.
-        let (_, counts) = self.read_routing(b, t)?;
-        let mine: Vec<i32> = counts.iter().copied().chain([t as i32]).collect();
+        // Every rank's slots per physical expert (the placement's rule picks each slot's
+        // replica from its token's index in its rank's batch) and batch size: this rank's
+        // experts' rows, the padding.
+        let (ids, _) = self.read_routing(b, t)?;
+        let np = link.placement.num_physical();
+        let mut mine = vec![0i32; np + 1];
+        for (i, &id) in ids.iter().enumerate() {
+            mine[link.placement.replica_for(id as usize, i / k, i % k)] += 1;
+        }
+        mine[np] = t as i32;
         let all = self.gather_counts(b, link, &mine)?;
-        let m = e + 1;
-        let t_max = (0..n).map(|r| all[r * m + e] as usize).max().unwrap_or(0);
-        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|r| all[r * m + first + j] as usize).sum()).collect();
+        let m = np + 1;
+        let t_max = (0..n).map(|r| all[r * m + np] as usize).max().unwrap_or(0);
+        let local: Vec<usize> =
+            (0..el).map(|j| (0..n).map(|r| all[r * m + link.phys_first + j] as usize).sum()).collect();
         let plan = self.local_plan(&local);
         let received = n * t_max;
         let need = [t_max, received, plan.rows, t];
@@ -174,7 +183,7 @@ impl CudaMoeLayer {
             // Every token routed here, then the padding's choices dropped (id -1).
             self.top_k(recv_logits, received, recv_ids, recv_w)?;
             for r in 0..n {
-                let tr = all[r * m + e] as usize;
+                let tr = all[r * m + np] as usize;
                 if tr < t_max {
                     let at = recv_ids + (4 * k * (r * t_max + tr)) as u64;
                     // SAFETY: rows tr .. t_max of rank r's block of the n · t_max · k ids.
@@ -183,7 +192,7 @@ impl CudaMoeLayer {
                 }
             }
         }
-        self.serve_received(b, received, &plan, mark)?;
+        self.serve_received(b, received, &plan, Localize::Placed { period: t_max }, mark)?;
         let ep = b.ep.as_ref().expect("allocated");
         let part = pb(&ep.part);
         let (bf16, sum) = (nc::ncclDataType_t::ncclBfloat16, nc::ncclRedOp_t::ncclSum);

@@ -34,7 +34,7 @@ impl CudaMoeLayer {
             return Err(MoeError::Unsupported("dual-batch overlap of the low-latency layer".into()));
         }
         let mut link = match (&self.ep, comm) {
-            (Some(_), Some(c)) => Some(Self::link(&self.config, c)?),
+            (Some(mine), Some(c)) => Some(Self::link(&self.config, c, mine.placement.clone())?),
             (None, None) => None,
             (Some(_), None) => {
                 return Err(MoeError::Config(
@@ -49,8 +49,8 @@ impl CudaMoeLayer {
         if let (Some(twin), Some(mine)) = (link.as_mut(), self.ep.as_ref()) {
             twin.gathering = mine.gathering;
         }
-        let opened = Self::open(&self.config, self.gpu.ordinal)?;
-        let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link)?;
+        let opened = Self::open(&self.config, self.gpu.ordinal, &self.opts)?;
+        let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link, &self.opts)?;
         twin.w8a8 = self.w8a8;
         Ok(CudaDualBatch { halves: [self, twin] })
     }

@@ -4,7 +4,7 @@
 //! and the shared experts on a side stream.
 
 use super::hopper_gemm::{Epilogue, Gather};
-use super::{check, dptr, err, masked_gemm, Buffers, CudaMoeLayer};
+use super::{check, dptr, err, masked_gemm, Buffers, CudaMoeLayer, ExpertGemm};
 use crate::error::{MoeError, Result};
 use crate::experts::Activation;
 use cudarc::cublas::{sys as cb, CudaBlas};
@@ -82,11 +82,11 @@ impl CudaMoeLayer {
     /// `hopper_for`); 0 means grouped.
     pub(super) fn padding(&self, experts: usize, rows: usize, counts: impl Iterator<Item = usize>) -> usize {
         let max = counts.max().unwrap_or(0);
-        let padded = match gemm_mode() {
-            GemmMode::Padded => true,
-            GemmMode::Auto => self.hopper_for(rows, experts).is_none() && rows / experts.max(1) <= 192,
-            GemmMode::Cublas => rows / experts.max(1) <= 192,
-            GemmMode::Loop | GemmMode::Grouped | GemmMode::Hopper => false,
+        let padded = match self.opts.expert_gemm {
+            ExpertGemm::Padded => true,
+            ExpertGemm::Auto => self.hopper_for(rows, experts).is_none() && rows / experts.max(1) <= 192,
+            ExpertGemm::Cublas => rows / experts.max(1) <= 192,
+            ExpertGemm::Loop | ExpertGemm::Grouped | ExpertGemm::Hopper => false,
         };
         if padded && experts * max <= 2 * rows {
             max
@@ -397,44 +397,6 @@ pub(in crate::backend::cuda) fn act_and_mul(
     }
     .map(|_| ())
     .map_err(|e| err("act_and_mul", e))
-}
-
-/// How the expert GEMMs run (`MOEFLOW_EXPERT_GEMM`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum GemmMode {
-    /// The Hopper grouped GEMM where it runs (compute capability 9.0) and is the faster
-    /// choice (`CudaMoeLayer::hopper_for`), else `Cublas`.
-    Auto,
-    /// cuBLAS: padded up to 192 rows per expert on average, per-expert GEMMs above (measured
-    /// on H200, DeepSeek-V3 shapes: padded is faster up to 128 rows per expert, per-expert
-    /// from 256).
-    Cublas,
-    /// Every expert padded to the largest; one strided-batched GEMM.
-    Padded,
-    /// One GEMM per expert over the side streams.
-    Loop,
-    /// One `cublasGemmGroupedBatchedEx` call.
-    Grouped,
-    /// moeflow's wgmma grouped GEMM (`hopper_gemm`) at every size, where it runs.
-    Hopper,
-}
-
-impl GemmMode {
-    /// Whether the Hopper grouped GEMM may run.
-    pub(super) fn allows_hopper(self) -> bool {
-        matches!(self, GemmMode::Auto | GemmMode::Hopper)
-    }
-}
-
-pub(super) fn gemm_mode() -> GemmMode {
-    match std::env::var("MOEFLOW_EXPERT_GEMM").as_deref() {
-        Ok("cublas") => GemmMode::Cublas,
-        Ok("padded") => GemmMode::Padded,
-        Ok("loop") => GemmMode::Loop,
-        Ok("grouped") => GemmMode::Grouped,
-        Ok("hopper") => GemmMode::Hopper,
-        _ => GemmMode::Auto,
-    }
 }
 
 pub(super) fn act_params(a: Activation) -> (i32, f32, f32) {

@@ -5,10 +5,14 @@
 use super::super::NcclComm;
 use super::hopper_gemm::Gather;
 use super::permute::Grouping;
+use super::placement::PlacementTables;
 use super::{all_gather, dptr, err, grid, rows, Buffers, CudaMoeLayer};
+use crate::backend::host_route::HostRoute;
 use crate::config::MoeConfig;
 use crate::error::{MoeError, Result};
+use crate::placement::ExpertPlacement;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use std::sync::Arc;
 
 /// Expert-parallel buffers. At home: the token rows sent (one per token and destination
 /// rank, grouped by destination) with their ids and weights, and the partial outputs that come
@@ -43,17 +47,30 @@ pub(super) struct EpBuffers {
     pub(super) recv_logits: CudaSlice<f32>,
 }
 
-/// The expert-parallel side of a layer: its communicator, the experts this rank holds
-/// (contiguous ranges, `local` experts from global id `first`), and the low-latency capacity
-/// in tokens per rank when the layer dispatches that way.
+/// The expert-parallel side of a layer: its communicator, where every expert lives (this
+/// rank's `local` slots are physical ids `phys_first ..`), and the low-latency capacity in
+/// tokens per rank when the layer dispatches that way.
 pub(super) struct EpLink {
     pub(super) comm: NcclComm,
-    pub(super) first: usize,
+    pub(super) placement: Arc<ExpertPlacement>,
     pub(super) local: usize,
+    pub(super) phys_first: usize,
+    /// The placement's tables on the device (uploaded when the layer is assembled).
+    pub(super) tables: Option<PlacementTables>,
     pub(super) capacity: Option<usize>,
     /// How a gathering layer moves tokens ([`all_gather`]); `None`: all-to-all-v (or the
     /// low-latency form).
     pub(super) gathering: Option<all_gather::Gathering>,
+}
+
+/// How a rank finds the slots it serves among the received ones.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Localize {
+    /// The ids arrive as local slots already (-1: served elsewhere).
+    Resolved,
+    /// The ids arrive as logical experts, row `r` being token `r mod period` of its rank; the
+    /// placement's tables say which slots this rank serves.
+    Placed { period: usize },
 }
 
 /// How this rank's experts take the slots they received (see `CudaMoeLayer::local_plan`).
@@ -69,17 +86,21 @@ pub(super) struct LocalPlan {
 }
 
 impl CudaMoeLayer {
-    /// The expert-parallel side of a layer over `comm`: this rank holds a contiguous `E / ranks`
-    /// of the experts (an error when they do not divide evenly).
-    pub(super) fn link(config: &MoeConfig, comm: NcclComm) -> Result<EpLink> {
+    /// The expert-parallel side of a layer over `comm` with experts where `placement` puts
+    /// them (an error when it is for other experts or another number of ranks).
+    pub(super) fn link(config: &MoeConfig, comm: NcclComm, placement: Arc<ExpertPlacement>) -> Result<EpLink> {
         use crate::comm::Communicator;
-        let (e, n) = (config.num_experts, comm.size());
-        if !e.is_multiple_of(n) {
-            return Err(MoeError::Unsupported(format!(
-                "the device-resident expert-parallel layer splits experts evenly: {e} experts on {n} ranks"
+        let (e, n, rank) = (config.num_experts, comm.size(), comm.rank());
+        if placement.num_experts() != e || placement.ranks() != n {
+            return Err(MoeError::Config(format!(
+                "a placement of {} experts on {} ranks for a layer of {e} experts on {n} ranks",
+                placement.num_experts(),
+                placement.ranks()
             )));
         }
-        Ok(EpLink { first: comm.rank() * (e / n), local: e / n, comm, capacity: None, gathering: None })
+        let phys_first = (0..rank).map(|r| placement.local_experts(r).len()).sum();
+        let local = placement.local_experts(rank).len();
+        Ok(EpLink { placement, local, phys_first, tables: None, comm, capacity: None, gathering: None })
     }
 
     /// The expert-parallel layer after routing, with token dispatch as DeepEP does it: each
@@ -97,63 +118,37 @@ impl CudaMoeLayer {
     ) -> Result<usize> {
         use crate::comm::Communicator;
         let c = &self.config;
-        let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
-        let (n, rank, el, first) = (link.comm.size(), link.comm.rank(), link.local, link.first);
+        let (h, k) = (c.hidden, c.top_k);
+        let (n, rank) = (link.comm.size(), link.comm.rank());
         let g = &self.gpu;
         let s = &g.stream;
-        // Home: slots per expert, and the ranks each token goes to, in token order per
-        // destination (the one host read of the routing).
-        let (ids, counts) = self.read_routing(b, t)?;
-        // The GPU waits for this loop. Up to 64 ranks, each token's destinations are a bit
-        // mask, without a division or an unpredictable branch per slot (4096 tokens, top-8,
-        // EP 2: 45–75 µs against 105 µs for a branch per slot on a 2-core dev VM; the
-        // branchy loop with divisions took 0.21–0.26 ms on the H200 host).
-        let mut lists: Vec<Vec<usize>> = (0..n).map(|_| Vec::with_capacity(t)).collect();
-        if n <= 64 {
-            let bit_of: Vec<u64> = (0..e).map(|x| 1 << (x / el)).collect();
-            for (tok, row) in ids.chunks_exact(k).enumerate() {
-                let mut mask = row.iter().fold(0u64, |m, &id| m | bit_of[id as usize]);
-                while mask != 0 {
-                    lists[mask.trailing_zeros() as usize].push(tok);
-                    mask &= mask - 1;
-                }
-            }
-        } else {
-            for (tok, row) in ids.chunks_exact(k).enumerate() {
-                for &id in row {
-                    let list = &mut lists[id as usize / el];
-                    if list.last() != Some(&tok) {
-                        list.push(tok);
-                    }
-                }
-            }
-        }
-        let send_tok: Vec<usize> = lists.iter().map(Vec::len).collect();
-        let sent: usize = send_tok.iter().sum();
-        let (mut send_idx, mut home_rows) = (Vec::with_capacity(sent), vec![-1i32; t * n]);
-        for (d, list) in lists.iter().enumerate() {
-            for &tok in list {
-                home_rows[tok * n + d] = send_idx.len() as i32;
-                send_idx.push(tok as i32);
-            }
-        }
-        // Every rank's slot counts per expert and token counts per destination.
-        let m = e + n;
-        let mine: Vec<i32> = counts.iter().copied().chain(send_tok.iter().map(|&x| x as i32)).collect();
+        // Home: each slot's serving replica, the ranks each token goes to (in token order per
+        // destination) with its ids local to that rank (-1 for slots served elsewhere), and the
+        // slots per physical expert: the one host read of the routing.
+        let (ids, _) = self.read_routing(b, t)?;
+        let route = HostRoute::new(&link.placement, &ids, k, t);
+        let (send_tok, sent) = (route.lists.iter().map(Vec::len).collect::<Vec<_>>(), route.send_idx.len());
+        // Every rank's slot counts per physical expert and token counts per destination.
+        let np = link.placement.num_physical();
+        let m = np + n;
+        let mine: Vec<i32> = route.phys_counts.iter().copied().chain(send_tok.iter().map(|&x| x as i32)).collect();
         let all = self.gather_counts(b, link, &mine)?;
-        let recv_tok: Vec<usize> = (0..n).map(|src| all[src * m + e + rank] as usize).collect();
+        let recv_tok: Vec<usize> = (0..n).map(|src| all[src * m + np + rank] as usize).collect();
         let received: usize = recv_tok.iter().sum();
-        let local: Vec<usize> = (0..el).map(|j| (0..n).map(|src| all[src * m + first + j] as usize).sum()).collect();
+        let local: Vec<usize> =
+            (0..link.local).map(|j| (0..n).map(|src| all[src * m + link.phys_first + j] as usize).sum()).collect();
         let plan = self.local_plan(&local);
+        let (send_idx, home_rows, send_ids) = (&route.send_idx, &route.home_rows, &route.send_ids);
         let need = [sent, received, plan.rows, t];
         self.grow_ep_buffers(b, need, n)?;
         let ep = b.ep.as_mut().expect("allocated");
         let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
         if sent > 0 {
-            up("upload", s.memcpy_htod(&send_idx, &mut ep.send_idx.slice_mut(0..sent)))?;
+            up("upload", s.memcpy_htod(send_idx, &mut ep.send_idx.slice_mut(0..sent)))?;
+            up("upload", s.memcpy_htod(send_ids, &mut ep.send_ids.slice_mut(0..sent * k)))?;
         }
         if t > 0 {
-            up("upload", s.memcpy_htod(&home_rows, &mut ep.home_rows.slice_mut(0..t * n)))?;
+            up("upload", s.memcpy_htod(home_rows, &mut ep.home_rows.slice_mut(0..t * n)))?;
         }
         let (pi, pf, pb) =
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
@@ -162,10 +157,8 @@ impl CudaMoeLayer {
         let (part, back) = (pb(&ep.part), pb(&ep.back));
         let (home_rows_p, send_ids_p, send_w_p) = (pi(&ep.home_rows), pi(&ep.send_ids), pf(&ep.send_w));
         let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
-        // The token rows, and their ids and weights (k 4-byte values = 2k 16-bit words a row).
-        for (src, width, dst) in
-            [(xbp, hi, send_rows), (pi(&b.ids), k2, send_ids_p), (dptr(&b.weights, g), k2, send_w_p)]
-        {
+        // The token rows and their weights (k 4-byte values = 2k 16-bit words a row).
+        for (src, width, dst) in [(xbp, hi, send_rows), (dptr(&b.weights, g), k2, send_w_p)] {
             // SAFETY: take_rows(bf16*, int*, int, int, bf16*): dst[j] = src[send_idx[j]] for j <
             // sent, rows of `width` 16-bit words; every index is a token of this batch.
             unsafe {
@@ -188,7 +181,7 @@ impl CudaMoeLayer {
             &[(recv_rows, 2 * h), (recv_ids, 4 * k), (recv_w, 4 * k)],
             &recv_tok,
         )?;
-        self.serve_received(b, received, &plan, mark)?;
+        self.serve_received(b, received, &plan, Localize::Resolved, mark)?;
         self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
         mark(7)?;
         self.sum_home(back, home_rows_p, t, n, dptr(&b.out, g))?;
@@ -260,10 +253,12 @@ impl CudaMoeLayer {
         b: &mut Buffers,
         received: usize,
         plan: &LocalPlan,
+        localize: Localize,
         mark: &dyn Fn(usize) -> Result<()>,
     ) -> Result<()> {
+        use crate::comm::Communicator;
         let link = self.ep.as_ref().expect("an expert-parallel layer");
-        let (h, k, el, first) = (self.config.hidden, self.config.top_k, link.local, link.first);
+        let (h, k, el) = (self.config.hidden, self.config.top_k, link.local);
         let (g, cap) = (&self.gpu, plan.cap);
         let s = &g.stream;
         let ep = b.ep.as_ref().expect("allocated by the caller");
@@ -276,19 +271,38 @@ impl CudaMoeLayer {
         let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
         let hi = h as i32;
         // Where the experts are: the received slots regrouped by local expert.
-        let (rk, first_i, el_i, buckets) = ((received * k) as i32, first as i32, el as i32, (el + 1) as i32);
-        // SAFETY: localize_ids(int*, int, int, int, int*) and count_slots(int*, int, int, int*)
-        // over the received * k ids; the counts buffer holds el + 1 buckets.
+        let (rk, el_i, buckets) = ((received * k) as i32, el as i32, (el + 1) as i32);
+        match localize {
+            // SAFETY: localize_ids(int*, int, int, int, int*) over the received * k ids, which
+            // are local slots or -1 (first 0).
+            Localize::Resolved => unsafe {
+                s.launch_builder(&self.k.localize)
+                    .arg(&recv_ids)
+                    .arg(&rk)
+                    .arg(&0i32)
+                    .arg(&el_i)
+                    .arg(&local_ids)
+                    .launch(grid(received * k))
+                    .map_err(|e| err("localize_ids", e))?;
+            },
+            Localize::Placed { period } => {
+                let tables = link.tables.as_ref().expect("uploaded when the layer was assembled").ptrs(g);
+                let (ki, period_i, rank_i) = (k as i32, period.max(1) as i32, link.comm.rank() as i32);
+                // SAFETY: localize_placed(int*, int, int, int, int* x4, int, int, int*) over the
+                // received * k logical ids (or -1); the tables cover every expert.
+                unsafe {
+                    let mut l = s.launch_builder(&self.k.localize_placed);
+                    l.arg(&recv_ids).arg(&rk).arg(&ki).arg(&period_i);
+                    l.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]);
+                    l.arg(&rank_i).arg(&el_i).arg(&local_ids).launch(grid(received * k))
+                }
+                .map_err(|e| err("localize_placed", e))?;
+            }
+        }
+        let warps = LaunchConfig { grid_dim: (el as u32 + 1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: count_slots(int*, int, int, int*) over the received * k local ids; the counts
+        // buffer holds el + 1 buckets.
         unsafe {
-            s.launch_builder(&self.k.localize)
-                .arg(&recv_ids)
-                .arg(&rk)
-                .arg(&first_i)
-                .arg(&el_i)
-                .arg(&local_ids)
-                .launch(grid(received * k))
-                .map_err(|e| err("localize_ids", e))?;
-            let warps = LaunchConfig { grid_dim: (el as u32 + 1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
             s.launch_builder(&self.k.count)
                 .arg(&local_ids)
                 .arg(&rk)

@@ -63,7 +63,7 @@ fn fused_router_matches_the_references() {
         };
         let config = preset::config(h, 16, e, k, router.clone(), activation, None);
         let weights = preset::random_weights(&config, DType::BF16, 5 + case_no as u64);
-        let layer = CudaMoeLayer::new(&config, &weights).unwrap();
+        let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
         let gate = weights.gate.to_f32_vec();
         let gate_bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
         let cpu = router.build(e, k, weights.correction_bias.as_ref().map(|b| b.to_f32_vec())).unwrap();
@@ -153,13 +153,13 @@ fn layers_with_and_without_the_fused_router_agree() {
     for shared in [None, Some(crate::config::SharedConfig { inter: 64, gated: false })] {
         let config = preset::config(512, 64, 64, 8, router.clone(), Activation::Silu, shared);
         let weights = preset::random_weights(&config, DType::BF16, 9);
-        let fused = CudaMoeLayer::new(&config, &weights).unwrap();
+        let fused = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
         if fused.k.hopper.is_none() {
             eprintln!("SKIPPED {name}: the fused router runs with the Hopper GEMM, and this GPU has none");
             return;
         }
-        let mut plain = CudaMoeLayer::new(&config, &weights).unwrap();
-        plain.fused_route = false;
+        let unfused = super::CudaOptions { fused_route: false, ..Default::default() };
+        let plain = CudaMoeLayer::new(&config, &weights, &unfused).unwrap();
         for t in 1..=super::route::FUSED_ROUTE_TOKENS {
             assert!(fused.routes_fused(t) && !plain.routes_fused(t), "{t} tokens: which layer fuses");
             let x = crate::tensor::Tensor::from_f32(&[t, 512], preset::uniform(t * 512, 1.0, 70 + t as u64)).unwrap();

@@ -4,7 +4,7 @@
 //!
 //! A one-GPU batch takes a graph when the whole layer runs on the device without a host wait:
 //! at most [`GRAPH_TOKENS`] tokens, expert GEMMs on the Hopper GEMM (which reads the expert
-//! counts on the device), bf16 experts. `MOEFLOW_CUDA_GRAPHS=0` turns it off.
+//! counts on the device), bf16 experts. [`super::CudaOptions::cuda_graphs`] turns it off.
 
 use super::{dptr, err, Buffers, CudaMoeLayer, GpuStageTimes};
 use crate::error::Result;
@@ -122,12 +122,6 @@ impl LocalGraphs {
     }
 }
 
-/// Whether graphs are allowed (`MOEFLOW_CUDA_GRAPHS` is not `0`), read once per process.
-pub(super) fn graphs_allowed() -> bool {
-    static ALLOWED: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ALLOWED.get_or_init(|| std::env::var("MOEFLOW_CUDA_GRAPHS").map_or(true, |v| v != "0"))
-}
-
 impl CudaMoeLayer {
     /// Whether a batch of `t` tokens on this one-GPU layer is replayed from a CUDA graph (see
     /// the module); then [`CudaMoeLayer::forward_timed`] times only the whole.
@@ -156,7 +150,7 @@ impl CudaMoeLayer {
             && self.w.fp8.is_none()
             && !self.w8a8
             && self.hopper_for(t * k, e).is_some()
-            && graphs_allowed()
+            && self.opts.cuda_graphs
     }
 
     /// Runs the layer on the `t` tokens in `b.x` (into `b.out`) from its graph for `t` tokens,
@@ -283,9 +277,9 @@ mod tests {
             eprintln!("SKIPPED {name}: no CUDA device");
             return None;
         }
-        let layer = CudaMoeLayer::new(config, weights).unwrap();
+        let layer = CudaMoeLayer::new(config, weights, &Default::default()).unwrap();
         if !sizes.iter().all(|&t| layer.takes_graph(t)) {
-            eprintln!("SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or MOEFLOW_CUDA_GRAPHS=0)");
+            eprintln!("SKIPPED {name}: these batches take no graph here (not a Hopper GPU, or graphs turned off)");
             return None;
         }
         Some(layer)
@@ -317,7 +311,7 @@ mod tests {
             for thread in 0..4 {
                 let (config, weights, inputs, want) = (&config, &weights, &inputs, &want);
                 scope.spawn(move || {
-                    let layer = CudaMoeLayer::new(config, weights).unwrap();
+                    let layer = CudaMoeLayer::new(config, weights, &Default::default()).unwrap();
                     for round in 0..3 {
                         for (i, x) in inputs.iter().enumerate() {
                             assert!(

@@ -75,28 +75,6 @@ fn smem_bytes(v: Variant, experts: usize) -> u32 {
     v.stages * ((v.rows + v.cols) * 64 * 2 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
-/// The tile height `MOEFLOW_GEMM_TILE_ROWS` asks for (64 or 128; anything else: the choice of
-/// [`HopperGemm::short_for`]), read once.
-fn tile_rows_asked() -> Option<u32> {
-    static ASKED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    *ASKED.get_or_init(|| match std::env::var("MOEFLOW_GEMM_TILE_ROWS").as_deref() {
-        Ok("64") => Some(64),
-        Ok("128") => Some(128),
-        _ => None,
-    })
-}
-
-/// The tile width `MOEFLOW_GEMM_TILE_COLS` asks for products in 64-row tiles (224 or 256;
-/// anything else: the choice of [`HopperGemm::narrow_for`]), read once.
-fn tile_cols_asked() -> Option<u32> {
-    static ASKED: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
-    *ASKED.get_or_init(|| match std::env::var("MOEFLOW_GEMM_TILE_COLS").as_deref() {
-        Ok("224") => Some(224),
-        Ok("256") => Some(256),
-        _ => None,
-    })
-}
-
 /// A TMA descriptor, which the kernel takes by value.
 #[repr(transparent)]
 struct TensorMap(drv::CUtensorMap);
@@ -148,14 +126,17 @@ pub(super) struct HopperGemm {
     narrow: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
+    /// The tile height and the 64-row tiles' width the options ask for (`None`: per batch).
+    rows_asked: Option<u32>,
+    cols_asked: Option<u32>,
 }
 
 impl HopperGemm {
     /// The kernel on a Hopper GPU (compute capability 9.0, where the module is built for
-    /// sm_90a), when `MOEFLOW_EXPERT_GEMM` does not ask for cuBLAS; `None` elsewhere.
-    pub(super) fn load(gpu: &super::Gpu) -> Result<Option<Self>> {
+    /// sm_90a), when `opts` do not ask for cuBLAS; `None` elsewhere.
+    pub(super) fn load(gpu: &super::Gpu, opts: &super::CudaOptions) -> Result<Option<Self>> {
         let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
-        if cc != (9, 0) || !super::gemm_mode().allows_hopper() {
+        if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
             return Ok(None);
         }
         let load = |name: &str, v: Variant| -> Result<CudaFunction> {
@@ -175,14 +156,22 @@ impl HopperGemm {
             .map_err(|e| err("SM count", e))?;
         let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
         gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
-        Ok(Some(HopperGemm { f, short, narrow, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+        Ok(Some(HopperGemm {
+            f,
+            short,
+            narrow,
+            sms: sms.max(1) as u32,
+            next_tile: Mutex::new(next_tile),
+            rows_asked: opts.gemm_tile_rows,
+            cols_asked: opts.gemm_tile_cols,
+        }))
     }
 
     /// Whether a product over `rows` rows of `experts` experts takes 64-row tiles: up to
     /// [`SHORT_TO_ROWS`] rows an expert on average, where tiles mostly stream weights and the
     /// short kernel's deeper ring keeps more of them in flight.
     fn short_for(&self, rows: usize, experts: usize) -> bool {
-        match tile_rows_asked() {
+        match self.rows_asked {
             Some(r) => r == TILES_64.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         }
@@ -195,7 +184,7 @@ impl HopperGemm {
     /// makes 224 tiles of 256 columns on 132 SMs (1.7 a SM) or 256 of 224 (1.9 a SM). The tile
     /// width does not change any sum (each output's products are added in the same order).
     fn narrow_for(&self, rows: usize, experts: usize, n: usize) -> bool {
-        if let Some(cols) = tile_cols_asked() {
+        if let Some(cols) = self.cols_asked {
             return cols == TILES_64_NARROW.cols;
         }
         let e = experts.max(1) as f64;
@@ -352,10 +341,10 @@ impl CudaMoeLayer {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
         let tokens = rows / self.config.top_k.max(1);
-        let graphed = super::graph::graphs_allowed() && tokens <= super::graph::GRAPH_TOKENS;
+        let graphed = self.opts.cuda_graphs && tokens <= super::graph::GRAPH_TOKENS;
         let few_rows_here = self.ep.is_none() && (graphed || self.config.shared.is_none() || experts >= MANY_EXPERTS);
-        let wanted = match super::gemm_mode() {
-            super::GemmMode::Hopper => true,
+        let wanted = match self.opts.expert_gemm {
+            super::ExpertGemm::Hopper => true,
             _ => {
                 let most = if self.ep.is_none() && self.config.shared.is_none() { 2048 } else { 1024 };
                 per_expert <= most && (per_expert >= 2 || few_rows_here)
@@ -379,7 +368,7 @@ impl CudaMoeLayer {
     /// 1.555 against 1.703, 1.688; 128 tokens 1.574, 1.587 against 1.778, 1.789.
     pub(super) fn ll_hopper(&self) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
-        let wanted = super::gemm_mode().allows_hopper() && self.w.fp8.is_none();
+        let wanted = self.opts.expert_gemm.allows_hopper() && self.w.fp8.is_none();
         self.k.hopper.as_ref().filter(|_| wanted && h % 8 == 0 && i % 8 == 0)
     }
 }
@@ -407,7 +396,7 @@ mod tests {
             return;
         }
         let gpu = Gpu::new(0).unwrap();
-        let Some(gemm) = HopperGemm::load(&gpu).unwrap() else {
+        let Some(gemm) = HopperGemm::load(&gpu, &Default::default()).unwrap() else {
             eprintln!("SKIPPED hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone: not a Hopper GPU");
             return;
         };

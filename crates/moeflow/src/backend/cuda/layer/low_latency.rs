@@ -184,10 +184,12 @@ impl CudaMoeLayer {
         let (counts, a, part, back) = (dptr(&ll.counts, g), dptr(&ll.a, g), dptr(&ll.part, g), dptr(&ll.back, g));
         let offsets = dptr(&ll.offsets, g);
         let bufs = [a, dptr(&ll.h13, g), dptr(&ll.act, g), dptr(&ll.y, g), 0];
-        let (mi, ki, hi, eli, stride_l, msg_i, cap_i) =
-            (m as i32, k as i32, h as i32, el as i32, stride as i64, msg as i32, cap as i32);
-        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int, long, u8*, int*) over M
-        // tokens × n destinations of buffers sized for them (routing ran on M rows).
+        let (mi, ki, hi, stride_l, msg_i, cap_i) =
+            (m as i32, k as i32, h as i32, stride as i64, msg as i32, cap as i32);
+        let tables = link.tables.as_ref().expect("uploaded when the layer was assembled").ptrs(g);
+        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x4, long, u8*, int*)
+        // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
+        // placement's tables cover every expert.
         unsafe {
             s.launch_builder(&self.k.ll_pack)
                 .arg(&xb)
@@ -197,7 +199,10 @@ impl CudaMoeLayer {
                 .arg(&mi)
                 .arg(&ki)
                 .arg(&hi)
-                .arg(&eli)
+                .arg(&tables[0])
+                .arg(&tables[1])
+                .arg(&tables[2])
+                .arg(&tables[3])
                 .arg(&stride_l)
                 .arg(&send)
                 .arg(&home_rows)

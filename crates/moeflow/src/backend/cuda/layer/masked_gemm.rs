@@ -47,12 +47,11 @@ pub(super) enum Projection {
     Down,
 }
 
-/// Whether the masked GEMM takes `config`'s shapes (`K % 8 == 0`, even `N`), unless
-/// `MOEFLOW_LL_GEMM=padded` asks for cuBLAS over the whole padded layout (read once, when a
-/// layer is built).
-pub(super) fn masked_gemm_fits(config: &crate::config::MoeConfig) -> bool {
+/// Whether the masked GEMM takes `config`'s shapes (`K % 8 == 0`, even `N`), unless `asked`
+/// is cuBLAS over the whole padded layout.
+pub(super) fn masked_gemm_fits(config: &crate::config::MoeConfig, asked: super::super::LowLatencyGemm) -> bool {
     let (h, i) = (config.hidden, config.inter);
-    h % 8 == 0 && i % 8 == 0 && std::env::var("MOEFLOW_LL_GEMM").as_deref() != Ok("padded")
+    h % 8 == 0 && i % 8 == 0 && asked == super::super::LowLatencyGemm::Masked
 }
 
 impl CudaMoeLayer {
@@ -73,7 +72,7 @@ impl CudaMoeLayer {
         }
         if !self.masked {
             return Err(MoeError::Unsupported(
-                "fp8 activations run in the masked GEMM (MOEFLOW_LL_GEMM=padded is set)".into(),
+                "fp8 activations run in the masked GEMM (the options ask for the padded low-latency GEMM)".into(),
             ));
         }
         self.w8a8 = true;

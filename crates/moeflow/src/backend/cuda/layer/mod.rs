@@ -14,10 +14,11 @@
 //! holds the scratch memory of a run.
 
 use super::blas_handle::BlasHandle;
-use super::{err, Gpu};
+use super::{err, CudaOptions, ExpertGemm, Gpu};
 pub use crate::backend::GpuStageTimes;
 use crate::config::{MoeConfig, MoeWeights};
 use crate::error::{MoeError, Result};
+use crate::placement::ExpertPlacement;
 use crate::router::RouterConfig;
 use crate::tensor::Tensor;
 use cudarc::cublas::sys as cb;
@@ -38,6 +39,7 @@ mod hopper_gemm;
 mod low_latency;
 mod masked_gemm;
 mod permute;
+mod placement;
 mod route;
 mod side_streams;
 #[cfg(test)]
@@ -45,8 +47,8 @@ mod top_k_tests;
 
 use buffers::Buffers;
 pub use dual_batch::CudaDualBatch;
+use expert_gemm::act_params;
 pub(super) use expert_gemm::{act_and_mul, gemm_bf16};
-use expert_gemm::{act_params, gemm_mode, GemmMode};
 use expert_parallel::{EpBuffers, EpLink};
 use side_streams::SideStreams;
 
@@ -64,6 +66,7 @@ struct Kernels {
     combine_partial: CudaFunction,
     sum_partials: CudaFunction,
     localize: CudaFunction,
+    localize_placed: CudaFunction,
     add_shared: CudaFunction,
     fill_bf16: CudaFunction,
     fill_f32: CudaFunction,
@@ -124,9 +127,8 @@ pub struct CudaMoeLayer {
     grouped: bool,
     /// Whether the masked GEMM takes this layer's shapes (see [`masked_gemm::masked_gemm_fits`]).
     masked: bool,
-    /// Small batches on one GPU route in one launch (see [`route::FUSED_ROUTE_TOKENS`]);
-    /// `MOEFLOW_FUSED_ROUTE=0` turns it off.
-    fused_route: bool,
+    /// How the layer runs (kernel choices, graphs, deterministic mode).
+    opts: CudaOptions,
     /// Whether the masked GEMMs quantize their rows to fp8 (see `fp8_activations`).
     w8a8: bool,
     /// Their rows' fp8 codes and scales.
@@ -161,7 +163,7 @@ fn rows(n: usize, threads: u32) -> LaunchConfig {
 }
 
 impl CudaMoeLayer {
-    fn open(config: &MoeConfig, device: usize) -> Result<(Gpu, BlasHandle, Kernels)> {
+    fn open(config: &MoeConfig, device: usize, opts: &CudaOptions) -> Result<(Gpu, BlasHandle, Kernels)> {
         config.validate()?;
         if config.apply_router_weight_on_input {
             return Err(MoeError::Unsupported("apply_router_weight_on_input on the CUDA backend".into()));
@@ -175,7 +177,7 @@ impl CudaMoeLayer {
         if config.top_k > 32 {
             return Err(MoeError::Unsupported(format!("top-k {} above 32 on the CUDA backend", config.top_k)));
         }
-        let gpu = Gpu::new(device)?;
+        let gpu = Gpu::with_nvrtc_options(device, &opts.nvrtc_options)?;
         gpu.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
         let blas = BlasHandle::new(gpu.stream.clone())?;
         let f = |n: &str| gpu.function(n);
@@ -193,6 +195,7 @@ impl CudaMoeLayer {
             combine_partial: f("combine_partial")?,
             sum_partials: f("sum_partials")?,
             localize: f("localize_ids")?,
+            localize_placed: f("localize_placed")?,
             add_shared: f("add_shared")?,
             fill_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_uniform_f32")?,
@@ -205,7 +208,7 @@ impl CudaMoeLayer {
             masked_gemm_w8a8: f("masked_gemm_w8a8")?,
             quantize_fp8: f("quantize_weight_blocks_fp8")?,
             quantize_bf16: f("quantize_rows_bf16")?,
-            hopper: hopper_gemm::HopperGemm::load(&gpu)?,
+            hopper: hopper_gemm::HopperGemm::load(&gpu, opts)?,
         };
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
@@ -218,14 +221,18 @@ impl CudaMoeLayer {
         config: &MoeConfig,
         (gpu, blas, k): (Gpu, BlasHandle, Kernels),
         w: std::sync::Arc<DeviceWeights>,
-        ep: Option<EpLink>,
+        mut ep: Option<EpLink>,
+        opts: &CudaOptions,
     ) -> Result<Self> {
+        if let Some(link) = ep.as_mut() {
+            link.tables = Some(placement::PlacementTables::upload(&link.placement, &gpu)?);
+        }
         Ok(CudaMoeLayer {
-            side: SideStreams::new(&gpu)?,
+            side: SideStreams::new(&gpu, opts)?,
             gpu,
-            grouped: gemm_mode() == GemmMode::Grouped,
-            masked: masked_gemm::masked_gemm_fits(config),
-            fused_route: std::env::var("MOEFLOW_FUSED_ROUTE").as_deref() != Ok("0"),
+            grouped: opts.expert_gemm == ExpertGemm::Grouped,
+            masked: masked_gemm::masked_gemm_fits(config, opts.low_latency_gemm),
+            opts: opts.clone(),
             w8a8: false,
             fp8_rows: Mutex::new(None),
             blas,
@@ -238,24 +245,44 @@ impl CudaMoeLayer {
     }
 
     /// Uploads `weights` (expert weights as bf16, router in f32) to GPU 0.
-    pub fn new(config: &MoeConfig, weights: &MoeWeights) -> Result<Self> {
-        Self::new_on(config, weights, 0, None)
+    pub fn new(config: &MoeConfig, weights: &MoeWeights, opts: &CudaOptions) -> Result<Self> {
+        Self::new_on(config, weights, 0, None, opts)
+    }
+
+    /// [`CudaMoeLayer::new`] on GPU `device`.
+    pub fn new_on_device(config: &MoeConfig, weights: &MoeWeights, device: usize, opts: &CudaOptions) -> Result<Self> {
+        Self::new_on(config, weights, device, None, opts)
     }
 
     /// One rank of an expert-parallel layer over `comm` (all-to-all-v of bf16 rows on the
-    /// device): this rank keeps the experts of its contiguous share, `E / ranks` of them, on
-    /// its communicator's GPU. Collective: every rank of `comm` builds its layer together.
-    pub fn new_ep(config: &MoeConfig, weights: &MoeWeights, comm: super::NcclComm) -> Result<Self> {
-        let link = Self::link(config, comm)?;
-        Self::new_on(config, weights, link.comm.device(), Some(link))
+    /// device): this rank keeps the experts `placement` gives it (replicas included) on its
+    /// communicator's GPU. Collective: every rank of `comm` builds its layer together.
+    pub fn new_ep(
+        config: &MoeConfig,
+        weights: &MoeWeights,
+        comm: super::NcclComm,
+        placement: std::sync::Arc<ExpertPlacement>,
+        opts: &CudaOptions,
+    ) -> Result<Self> {
+        let link = Self::link(config, comm, placement)?;
+        Self::new_on(config, weights, link.comm.device(), Some(link), opts)
     }
 
-    fn new_on(config: &MoeConfig, weights: &MoeWeights, device: usize, ep: Option<EpLink>) -> Result<Self> {
+    fn new_on(
+        config: &MoeConfig,
+        weights: &MoeWeights,
+        device: usize,
+        ep: Option<EpLink>,
+        opts: &CudaOptions,
+    ) -> Result<Self> {
         weights.validate(config)?;
-        let (gpu, blas, k) = Self::open(config, device)?;
+        let (gpu, blas, k) = Self::open(config, device, opts)?;
         let s = &gpu.stream;
         let experts = match &ep {
-            Some(l) => weights.experts.select(&(l.first..l.first + l.local).collect::<Vec<_>>())?,
+            Some(l) => {
+                use crate::comm::Communicator;
+                weights.experts.select(l.placement.local_experts(l.comm.rank()))?
+            }
             None => weights.experts.clone(),
         };
         let up_f32 = |t: &Tensor| s.clone_htod(&t.to_f32_vec()).map_err(|e| err("upload", e));
@@ -281,28 +308,34 @@ impl CudaMoeLayer {
             },
             fp8: fp8_weights::Fp8Experts::upload(&experts, s)?,
         };
-        Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep)
+        Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep, opts)
     }
 
     /// A layer whose weights are generated on the device (uniform, seeded), for benchmarks of
     /// shapes too large to build on the host.
-    pub fn random(config: &MoeConfig, seed: u64) -> Result<Self> {
-        Self::random_on(config, seed, 0, None)
+    pub fn random(config: &MoeConfig, seed: u64, opts: &CudaOptions) -> Result<Self> {
+        Self::random_on(config, seed, 0, None, opts)
     }
 
     /// [`CudaMoeLayer::new_ep`] with weights generated on the device (each rank its own
     /// experts), for benchmarks.
-    pub fn random_ep(config: &MoeConfig, seed: u64, comm: super::NcclComm) -> Result<Self> {
-        let link = Self::link(config, comm)?;
-        Self::random_on(config, seed, link.comm.device(), Some(link))
+    pub fn random_ep(
+        config: &MoeConfig,
+        seed: u64,
+        comm: super::NcclComm,
+        placement: std::sync::Arc<ExpertPlacement>,
+        opts: &CudaOptions,
+    ) -> Result<Self> {
+        let link = Self::link(config, comm, placement)?;
+        Self::random_on(config, seed, link.comm.device(), Some(link), opts)
     }
 
-    fn random_on(config: &MoeConfig, seed: u64, device: usize, ep: Option<EpLink>) -> Result<Self> {
-        let (gpu, blas, k) = Self::open(config, device)?;
+    fn random_on(config: &MoeConfig, seed: u64, device: usize, ep: Option<EpLink>, opts: &CudaOptions) -> Result<Self> {
+        let (gpu, blas, k) = Self::open(config, device, opts)?;
         let (e, h, i) = (config.num_experts, config.hidden, config.inter);
         // Routed experts held here (all of them on one GPU).
         let held = ep.as_ref().map_or(e, |l| l.local);
-        let seed = seed ^ ep.as_ref().map_or(0, |l| (l.first as u64) << 20);
+        let seed = seed ^ ep.as_ref().map_or(0, |l| (l.phys_first as u64) << 20);
         let biases = matches!(config.router, RouterConfig::TopKSoftmax);
         let sh = 1.0 / (h as f32).sqrt();
         let mut n = 0u64;
@@ -347,12 +380,17 @@ impl CudaMoeLayer {
             None => None,
         };
         let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared, fp8: None };
-        Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep)
+        Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep, opts)
     }
 
     /// The layer's configuration.
     pub fn config(&self) -> &MoeConfig {
         &self.config
+    }
+
+    /// The options it was built with.
+    pub fn options(&self) -> &CudaOptions {
+        &self.opts
     }
 
     /// The device's name.

@@ -152,7 +152,7 @@ impl CudaMoeLayer {
     /// its 128-column blocks read the whole gate, 7.3 MB there, on 56 SMs.
     pub(super) fn routes_fused(&self, t: usize) -> bool {
         let (e, k) = (self.config.num_experts, self.config.top_k);
-        self.fused_route
+        self.opts.fused_route
             && self.ep.is_none()
             && self.w.fp8.is_none()
             && (1..=FUSED_ROUTE_TOKENS).contains(&t)

@@ -4,7 +4,7 @@
 //! `CudaStream::join` makes and drops an event per call).
 
 use super::super::blas_handle::BlasHandle;
-use super::{check, err, Gpu};
+use super::{check, err, CudaOptions, Gpu};
 use crate::error::Result;
 use cudarc::cublas::sys as cb;
 use cudarc::driver::{sys as drv, CudaEvent, CudaStream};
@@ -28,15 +28,14 @@ pub(super) struct SideStreams {
 
 impl SideStreams {
     /// One stream for the shared expert, then those of the concurrent per-expert GEMMs
-    /// (`MOEFLOW_GEMM_STREAMS`, default 4). Their cuBLAS handles size their kernels for half
-    /// the GPU's SMs (`MOEFLOW_GEMM_SM_TARGET`, 0 = the whole GPU), since they run side by
+    /// ([`CudaOptions::gemm_streams`]). Their cuBLAS handles size their kernels for half the
+    /// GPU's SMs ([`CudaOptions::gemm_sm_target`], 0 = the whole GPU), since they run side by
     /// side: on H200 at 2048 and 4096 tokens this removed the runs whose GEMMs came out 25–60 %
     /// slow (6 runs of 6 fast against 4 of 6), and 2048 tokens went from 3.3–4.0 to 3.0–3.2 ms.
-    pub(super) fn new(gpu: &Gpu) -> Result<Self> {
-        let n = std::env::var("MOEFLOW_GEMM_STREAMS").ok().and_then(|v| v.parse().ok()).unwrap_or(4usize).max(1);
+    pub(super) fn new(gpu: &Gpu, opts: &CudaOptions) -> Result<Self> {
+        let n = opts.gemm_streams.max(1);
         let sms = gpu.ctx.attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(0);
-        let sm_target: i32 =
-            std::env::var("MOEFLOW_GEMM_SM_TARGET").ok().and_then(|v| v.parse().ok()).unwrap_or(sms / 2);
+        let sm_target: i32 = opts.gemm_sm_target.map_or(sms / 2, |t| t.min(i32::MAX as u32) as i32);
         let event = || gpu.ctx.new_event(None).map_err(|e| err("creating event", e));
         let streams = (0..=n)
             .map(|_| {

@@ -36,7 +36,7 @@ fn device_top_k_matches_the_cpu_routers_ties_included() {
     for (router, e, k) in cases() {
         let config = preset::config(32, 16, e, k, router.clone(), Activation::Silu, None);
         let weights = preset::random_weights(&config, DType::BF16, 3);
-        let layer = CudaMoeLayer::new(&config, &weights).unwrap();
+        let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
         let bias = weights.correction_bias.as_ref().map(|b| b.to_f32_vec());
         let cpu = router.build(e, k, bias).unwrap();
         for tied in [true, false] {

@@ -1,0 +1,33 @@
+//! The CUDA layer's options at the command line's edge: the `MOEFLOW_*` variables, read here
+//! and nowhere else (the library takes [`CudaOptions`] typed).
+
+use moeflow::backend::cuda::CudaOptions;
+use moeflow::backend::cuda_options::CUDA_VARIABLES;
+use moeflow::Result;
+
+/// The options the `MOEFLOW_*` variables of this process set (a clear error naming a
+/// variable whose value is not one it takes).
+pub fn cuda_options() -> Result<CudaOptions> {
+    CudaOptions::from_vars(std::env::vars())
+}
+
+/// The variables for `--help`.
+pub fn variables_help() -> String {
+    let mut s = String::from("Environment (GPU layers):\n");
+    for (name, what) in CUDA_VARIABLES {
+        s += &format!("  {name:<24} {what}\n");
+    }
+    s += "  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: set by `moeflow launch` or torchrun; this process is one rank of a job\n";
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn help_names_every_variable() {
+        let help = super::variables_help();
+        for (name, _) in moeflow::backend::cuda_options::CUDA_VARIABLES {
+            assert!(help.contains(name), "{name}");
+        }
+    }
+}

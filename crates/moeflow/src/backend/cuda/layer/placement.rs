@@ -1,0 +1,47 @@
+//! An expert placement on the device: the tables the kernels read to find which rank and local
+//! slot serve each (token, slot) — `placed_replica` in moe.cu, the same rule as
+//! [`ExpertPlacement::replica_for`] on the host.
+
+use super::super::Gpu;
+use super::{dptr, err};
+use crate::error::Result;
+use crate::placement::ExpertPlacement;
+use cudarc::driver::CudaSlice;
+
+/// Per logical expert its first replica and replica count; per physical id (replicas of an
+/// expert consecutive) its rank and local slot.
+pub(super) struct PlacementTables {
+    rep_first: CudaSlice<i32>,
+    rep_count: CudaSlice<i32>,
+    rep_rank: CudaSlice<i32>,
+    rep_slot: CudaSlice<i32>,
+}
+
+impl PlacementTables {
+    /// The tables of `placement`, uploaded on `gpu`'s stream.
+    pub(super) fn upload(placement: &ExpertPlacement, gpu: &Gpu) -> Result<Self> {
+        let (mut first, mut count, mut rank, mut slot) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for e in 0..placement.num_experts() {
+            let reps = placement.replicas_of(e);
+            first.push(rank.len() as i32);
+            count.push(reps.len() as i32);
+            for &p in reps {
+                let (r, s) = placement.physical_slot(p);
+                rank.push(r as i32);
+                slot.push(s as i32);
+            }
+        }
+        let up = |v: &[i32]| gpu.stream.clone_htod(v).map_err(|e| err("uploading the placement", e));
+        Ok(PlacementTables {
+            rep_first: up(&first)?,
+            rep_count: up(&count)?,
+            rep_rank: up(&rank)?,
+            rep_slot: up(&slot)?,
+        })
+    }
+
+    /// The four tables' device addresses: first, count, rank, slot.
+    pub(super) fn ptrs(&self, gpu: &Gpu) -> [u64; 4] {
+        [dptr(&self.rep_first, gpu), dptr(&self.rep_count, gpu), dptr(&self.rep_rank, gpu), dptr(&self.rep_slot, gpu)]
+    }
+}

@@ -1,0 +1,302 @@
+//! [`CudaOptions`]: how the CUDA layer runs (kernel choices, tile sizes, graphs, streams,
+//! NVRTC options), typed and passed to its constructors. The library reads
+//! no environment variables: [`CudaOptions::from_vars`] parses `MOEFLOW_*` pairs that a program
+//! (the CLI, once, at its edge) hands it.
+
+use crate::error::{MoeError, Result};
+use std::str::FromStr;
+
+/// Which kernels run the routed experts' GEMMs on a GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum ExpertGemm {
+    /// moeflow's Hopper wgmma grouped GEMM where it runs (compute capability 9.0) and is the
+    /// faster choice for the batch, cuBLAS elsewhere.
+    #[default]
+    Auto,
+    /// cuBLAS: padded to the largest expert at small batches, one GEMM per expert above.
+    Cublas,
+    /// cuBLAS, every expert padded to the largest: one strided-batched GEMM.
+    Padded,
+    /// cuBLAS, one GEMM per expert over the side streams.
+    Loop,
+    /// cuBLAS, one grouped call (`cublasGemmGroupedBatchedEx`).
+    Grouped,
+    /// The Hopper grouped GEMM at every size, where it runs.
+    Hopper,
+}
+
+impl ExpertGemm {
+    /// Every choice, in the order `--help` lists them.
+    pub const ALL: [ExpertGemm; 6] = [
+        ExpertGemm::Auto,
+        ExpertGemm::Cublas,
+        ExpertGemm::Padded,
+        ExpertGemm::Loop,
+        ExpertGemm::Grouped,
+        ExpertGemm::Hopper,
+    ];
+
+    /// Its name in options and variables.
+    pub fn name(self) -> &'static str {
+        match self {
+            ExpertGemm::Auto => "auto",
+            ExpertGemm::Cublas => "cublas",
+            ExpertGemm::Padded => "padded",
+            ExpertGemm::Loop => "loop",
+            ExpertGemm::Grouped => "grouped",
+            ExpertGemm::Hopper => "hopper",
+        }
+    }
+
+    /// Whether the Hopper grouped GEMM may run.
+    pub fn allows_hopper(self) -> bool {
+        matches!(self, ExpertGemm::Auto | ExpertGemm::Hopper)
+    }
+}
+
+impl FromStr for ExpertGemm {
+    type Err = MoeError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL.into_iter().find(|g| g.name() == s).ok_or_else(|| {
+            let names: Vec<_> = Self::ALL.iter().map(|g| g.name()).collect();
+            MoeError::Config(format!("unknown expert GEMM '{s}' (known: {})", names.join(", ")))
+        })
+    }
+}
+
+/// How the fixed-capacity (low-latency) layer multiplies its padded rows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum LowLatencyGemm {
+    /// moeflow's masked GEMM (or the Hopper GEMM for bf16 experts), which reads the counts on
+    /// the device and skips empty rows.
+    #[default]
+    Masked,
+    /// cuBLAS over the whole padded layout.
+    Padded,
+}
+
+/// How the CUDA layer runs. `Default` is the fast choice everywhere.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaOptions {
+    /// Kernels of the routed experts' GEMMs.
+    pub expert_gemm: ExpertGemm,
+    /// Tile height of the Hopper GEMM (64 or 128); `None`: chosen per batch.
+    pub gemm_tile_rows: Option<u32>,
+    /// Tile width of the Hopper GEMM's 64-row tiles (224 or 256); `None`: chosen per batch.
+    pub gemm_tile_cols: Option<u32>,
+    /// Small batches on one GPU replay a CUDA graph per batch size.
+    pub cuda_graphs: bool,
+    /// Up to four tokens on one GPU route in one launch.
+    pub fused_route: bool,
+    /// Side streams that run per-expert cuBLAS GEMMs concurrently (at least 1).
+    pub gemm_streams: usize,
+    /// SMs the side streams' cuBLAS kernels are sized for; `None`: half the GPU's, `Some(0)`:
+    /// the whole GPU.
+    pub gemm_sm_target: Option<u32>,
+    /// The low-latency layer's GEMMs.
+    pub low_latency_gemm: LowLatencyGemm,
+    /// Extra NVRTC options for the kernels (kernel experiments).
+    pub nvrtc_options: Vec<String>,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        CudaOptions {
+            expert_gemm: ExpertGemm::Auto,
+            gemm_tile_rows: None,
+            gemm_tile_cols: None,
+            cuda_graphs: true,
+            fused_route: true,
+            gemm_streams: 4,
+            gemm_sm_target: None,
+            low_latency_gemm: LowLatencyGemm::Masked,
+            nvrtc_options: Vec::new(),
+        }
+    }
+}
+
+/// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
+pub const CUDA_VARIABLES: [(&str, &str); 9] = [
+    ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
+    ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
+    ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
+    ("MOEFLOW_CUDA_GRAPHS", "0|1: small batches on one GPU replay CUDA graphs (default 1)"),
+    ("MOEFLOW_FUSED_ROUTE", "0|1: up to four tokens on one GPU route in one launch (default 1)"),
+    ("MOEFLOW_GEMM_STREAMS", "N >= 1: side streams of per-expert cuBLAS GEMMs (default 4)"),
+    ("MOEFLOW_GEMM_SM_TARGET", "N: SMs their cuBLAS kernels are sized for (0: all; default half)"),
+    ("MOEFLOW_LL_GEMM", "masked|padded: the low-latency layer's GEMMs (default masked)"),
+    ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
+];
+
+fn bad(key: &str, value: &str, want: &str) -> MoeError {
+    MoeError::Config(format!("{key}={value:?}: expected {want}"))
+}
+
+fn flag(key: &str, value: &str) -> Result<bool> {
+    match value {
+        "0" | "false" | "off" => Ok(false),
+        "1" | "true" | "on" => Ok(true),
+        _ => Err(bad(key, value, "0 or 1")),
+    }
+}
+
+fn one_of(key: &str, value: &str, allowed: &[u32]) -> Result<u32> {
+    value.parse().ok().filter(|v| allowed.contains(v)).ok_or_else(|| {
+        let list: Vec<_> = allowed.iter().map(u32::to_string).collect();
+        bad(key, value, &list.join(" or "))
+    })
+}
+
+impl CudaOptions {
+    /// The options the `MOEFLOW_*` pairs among `vars` set over `self` (other keys are
+    /// ignored); a clear error naming the variable when a value is not one it takes.
+    pub fn with_vars<K: AsRef<str>, V: AsRef<str>>(mut self, vars: impl IntoIterator<Item = (K, V)>) -> Result<Self> {
+        for (k, v) in vars {
+            let (key, value) = (k.as_ref(), v.as_ref().trim());
+            match key {
+                "MOEFLOW_EXPERT_GEMM" => self.expert_gemm = value.parse()?,
+                "MOEFLOW_GEMM_TILE_ROWS" => self.gemm_tile_rows = Some(one_of(key, value, &[64, 128])?),
+                "MOEFLOW_GEMM_TILE_COLS" => self.gemm_tile_cols = Some(one_of(key, value, &[224, 256])?),
+                "MOEFLOW_CUDA_GRAPHS" => self.cuda_graphs = flag(key, value)?,
+                "MOEFLOW_FUSED_ROUTE" => self.fused_route = flag(key, value)?,
+                "MOEFLOW_GEMM_STREAMS" => {
+                    self.gemm_streams = value
+                        .parse()
+                        .ok()
+                        .filter(|&n| (1..=64).contains(&n))
+                        .ok_or_else(|| bad(key, value, "1 to 64"))?
+                }
+                "MOEFLOW_GEMM_SM_TARGET" => {
+                    self.gemm_sm_target = Some(value.parse().map_err(|_| bad(key, value, "a count of SMs"))?)
+                }
+                "MOEFLOW_LL_GEMM" => {
+                    self.low_latency_gemm = match value {
+                        "masked" => LowLatencyGemm::Masked,
+                        "padded" => LowLatencyGemm::Padded,
+                        _ => return Err(bad(key, value, "masked or padded")),
+                    }
+                }
+                "MOEFLOW_NVRTC_OPTIONS" => self.nvrtc_options = value.split_whitespace().map(str::to_string).collect(),
+                _ => {}
+            }
+        }
+        Ok(self)
+    }
+
+    /// [`CudaOptions::with_vars`] over the defaults.
+    pub fn from_vars<K: AsRef<str>, V: AsRef<str>>(vars: impl IntoIterator<Item = (K, V)>) -> Result<Self> {
+        Self::default().with_vars(vars)
+    }
+
+    /// One line naming what differs from the defaults ("defaults" when nothing does).
+    pub fn describe(&self) -> String {
+        let d = CudaOptions::default();
+        let mut parts = Vec::new();
+        if self.expert_gemm != d.expert_gemm {
+            parts.push(format!("expert GEMM {}", self.expert_gemm.name()));
+        }
+        if let Some(r) = self.gemm_tile_rows {
+            parts.push(format!("tile rows {r}"));
+        }
+        if let Some(c) = self.gemm_tile_cols {
+            parts.push(format!("tile cols {c}"));
+        }
+        if !self.cuda_graphs {
+            parts.push("no graphs".into());
+        }
+        if !self.fused_route {
+            parts.push("unfused router".into());
+        }
+        if self.gemm_streams != d.gemm_streams {
+            parts.push(format!("{} GEMM streams", self.gemm_streams));
+        }
+        if let Some(t) = self.gemm_sm_target {
+            parts.push(format!("SM target {t}"));
+        }
+        if self.low_latency_gemm != d.low_latency_gemm {
+            parts.push("padded low-latency GEMM".into());
+        }
+        if !self.nvrtc_options.is_empty() {
+            parts.push(format!("NVRTC {}", self.nvrtc_options.join(" ")));
+        }
+        if parts.is_empty() {
+            "defaults".into()
+        } else {
+            parts.join(", ")
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_variable_sets_its_field() {
+        let o = CudaOptions::from_vars([
+            ("MOEFLOW_EXPERT_GEMM", "cublas"),
+            ("MOEFLOW_GEMM_TILE_ROWS", "64"),
+            ("MOEFLOW_GEMM_TILE_COLS", "224"),
+            ("MOEFLOW_CUDA_GRAPHS", "0"),
+            ("MOEFLOW_FUSED_ROUTE", "0"),
+            ("MOEFLOW_GEMM_STREAMS", "2"),
+            ("MOEFLOW_GEMM_SM_TARGET", "0"),
+            ("MOEFLOW_LL_GEMM", "padded"),
+            ("MOEFLOW_NVRTC_OPTIONS", " -lineinfo  -G "),
+            ("PATH", "/usr/bin"),
+        ])
+        .unwrap();
+        let want = CudaOptions {
+            expert_gemm: ExpertGemm::Cublas,
+            gemm_tile_rows: Some(64),
+            gemm_tile_cols: Some(224),
+            cuda_graphs: false,
+            fused_route: false,
+            gemm_streams: 2,
+            gemm_sm_target: Some(0),
+            low_latency_gemm: LowLatencyGemm::Padded,
+            nvrtc_options: vec!["-lineinfo".into(), "-G".into()],
+        };
+        assert_eq!(o, want);
+        for (name, _) in CUDA_VARIABLES {
+            assert!(
+                CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",
+                "{name} took a bad value"
+            );
+        }
+    }
+
+    #[test]
+    fn no_variables_give_the_defaults() {
+        let none: [(&str, &str); 0] = [];
+        assert_eq!(CudaOptions::from_vars(none).unwrap(), CudaOptions::default());
+        assert_eq!(CudaOptions::default().describe(), "defaults");
+    }
+
+    #[test]
+    fn bad_values_name_their_variable() {
+        for (k, v) in [
+            ("MOEFLOW_EXPERT_GEMM", "fastest"),
+            ("MOEFLOW_GEMM_TILE_ROWS", "96"),
+            ("MOEFLOW_GEMM_TILE_COLS", "128"),
+            ("MOEFLOW_CUDA_GRAPHS", "yes please"),
+            ("MOEFLOW_GEMM_STREAMS", "0"),
+            ("MOEFLOW_GEMM_SM_TARGET", "-3"),
+            ("MOEFLOW_LL_GEMM", "cublas"),
+        ] {
+            let e = CudaOptions::from_vars([(k, v)]).unwrap_err().to_string();
+            assert!(e.contains(v), "{k}: {e}");
+            assert!(e.contains(k) || k == "MOEFLOW_EXPERT_GEMM", "{k}: {e}");
+        }
+    }
+
+    #[test]
+    fn describe_names_what_differs() {
+        let o = CudaOptions { cuda_graphs: false, expert_gemm: ExpertGemm::Hopper, ..Default::default() };
+        assert_eq!(o.describe(), "expert GEMM hopper, no graphs");
+        for g in ExpertGemm::ALL {
+            assert_eq!(g.name().parse::<ExpertGemm>().unwrap(), g);
+        }
+        assert!(ExpertGemm::Auto.allows_hopper() && !ExpertGemm::Cublas.allows_hopper());
+    }
+}
