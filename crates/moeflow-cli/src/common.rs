@@ -169,6 +169,11 @@ pub struct ParallelArgs {
     /// job with an error naming the operation.
     #[arg(long, default_value_t = 60.0)]
     pub timeout: f64,
+    /// GPU layers: bit-identical outputs whatever the EP size, TP, placement, replicas and
+    /// batch (fixed-order router and shared-expert kernels, the Hopper GEMM in fixed tiles,
+    /// expert rows summed at home in slot order; all2allv dispatch). CPU layers always are.
+    #[arg(long)]
+    pub deterministic: bool,
 }
 
 /// The weight format that goes with an activation format.

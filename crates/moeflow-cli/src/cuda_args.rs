@@ -6,9 +6,12 @@ use moeflow::backend::cuda_options::CUDA_VARIABLES;
 use moeflow::Result;
 
 /// The options the `MOEFLOW_*` variables of this process set (a clear error naming a
-/// variable whose value is not one it takes).
-pub fn cuda_options() -> Result<CudaOptions> {
-    CudaOptions::from_vars(std::env::vars())
+/// variable whose value is not one it takes), deterministic where `deterministic` (the
+/// `--deterministic` flag) asks for it.
+pub fn cuda_options(deterministic: bool) -> Result<CudaOptions> {
+    let mut o = CudaOptions::from_vars(std::env::vars())?;
+    o.deterministic |= deterministic;
+    Ok(o)
 }
 
 /// The variables for `--help`.

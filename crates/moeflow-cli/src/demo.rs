@@ -108,7 +108,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     };
     let spec = moeflow::RankLayerSpec {
         chunk_size: args.layer.chunk_size,
-        cuda: crate::cuda_args::cuda_options()?,
+        cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
         ..moeflow::RankLayerSpec::new(&config, weights)
     };
     let (out, (lo, hi), secs, runs) = if gpu && par.ep == 1 && host == RankHost::Gpus {

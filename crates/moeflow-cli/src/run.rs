@@ -66,7 +66,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     let host = RankHost::detect(gpu)?;
     let spec = RankLayerSpec {
         chunk_size: args.chunk_size,
-        cuda: crate::cuda_args::cuda_options()?,
+        cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
         ..RankLayerSpec::new(&block.config, &block.weights)
     };
     // The library picks each rank's layer; `path` is the line saying which.

@@ -88,6 +88,55 @@ fn run_on_gpus_matches_transformers() {
             let args = [&["--backend", "cuda", "--dtype", "bf16", "--ep", "2", "--strategy"][..], strategy].concat();
             check_run_within(name, layer, &args, 2.5e-2);
         }
+        // Layouts that used to run host-staged, now device-resident.
+        for layout in [
+            &["--placement", "round-robin"][..],
+            &["--redundant", "0,1"],
+            &["--tp", "2"],
+            &["--tp", "2", "--strategy", "lowlatency", "--placement", "round-robin"],
+        ] {
+            let args = [&["--backend", "cuda", "--dtype", "bf16", "--ep", "2"][..], layout].concat();
+            check_run_within(name, layer, &args, 2.5e-2);
+        }
+    }
+}
+
+/// `run --backend cuda --deterministic`: one GPU and two GPU ranks under several layouts write
+/// the same bits, and say which layer ran. Needs 2 GPUs; says loudly when it skips.
+#[test]
+fn deterministic_runs_on_gpus_write_the_same_bits() {
+    let gpus = moeflow::backend::cuda::device_count();
+    if gpus < 2 {
+        eprintln!(
+            "SKIPPED deterministic_runs_on_gpus_write_the_same_bits: needs 2 GPUs and the cuda feature, found {gpus}"
+        );
+        return;
+    }
+    for (name, layer) in [("qwen2_moe", "1"), ("deepseek_v3", "2"), ("gpt_oss", "1")] {
+        let dir = fixture(name);
+        let (m, i) = (dir.display().to_string(), dir.join("input.safetensors").display().to_string());
+        let run = |tag: &str, extra: &[&str]| {
+            let out = tmp(&format!("{name}-det-{tag}.safetensors"));
+            let o = out.display().to_string();
+            let base = ["run", "--model", &m, "--layer", layer, "--input", &i, "--output", &o];
+            let res =
+                moeflow(&[&base[..], &["--backend", "cuda", "--dtype", "bf16", "--deterministic"], extra].concat());
+            assert!(res.status.success(), "{name} {extra:?}: {}", text(&res));
+            assert!(text(&res).contains("deterministic"), "{}", text(&res));
+            let bits: Vec<u32> =
+                read_hidden_states(&out, "hidden_states").unwrap().to_f32_vec().iter().map(|x| x.to_bits()).collect();
+            std::fs::remove_file(out).ok();
+            bits
+        };
+        let one = run("ep1", &[]);
+        for (tag, extra) in [
+            ("ep2", &["--ep", "2"][..]),
+            ("rr", &["--ep", "2", "--placement", "round-robin", "--redundant", "0"]),
+            ("tp2", &["--ep", "2", "--tp", "2"]),
+            ("dual", &["--ep", "2", "--dual-batch"]),
+        ] {
+            assert!(run(tag, extra) == one, "{name} {extra:?}: differs from one GPU");
+        }
     }
 }
 

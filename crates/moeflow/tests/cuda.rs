@@ -301,3 +301,51 @@ fn fp8_experts_quantized_on_the_device_match_the_cpu_quantization() {
         }
     }
 }
+
+/// Deterministic mode on one GPU: a token's output has the same bits alone, in small batches
+/// (CUDA graphs), and anywhere in a batch of 4096; and stays within bf16 rounding of the
+/// reference. Every router kind with a shared expert and biases.
+#[test]
+fn deterministic_tokens_have_the_same_bits_in_any_batch() {
+    use moeflow::backend::cuda::CudaOptions;
+    let det = CudaOptions { deterministic: true, ..Default::default() };
+    let cases = [
+        (
+            RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 },
+            Activation::Silu,
+            Some(SharedConfig { inter: 64, gated: false }),
+        ),
+        (RouterConfig::TopKSoftmax, Activation::GPT_OSS, None),
+        (RouterConfig::Softmax { renormalize: true }, Activation::Silu, Some(SharedConfig { inter: 48, gated: true })),
+    ];
+    for (router, act, shared) in cases {
+        let config = small_config(256, 128, 32, 4, router, act, shared);
+        let weights = preset::random_weights(&config, DType::BF16, 12);
+        let Some(_) = layer(&config, &weights) else { return };
+        let one = match CudaMoeLayer::new(&config, &weights, &det) {
+            Ok(l) => l,
+            Err(e) if e.to_string().contains("compute capability 9.0") => {
+                eprintln!("SKIPPED deterministic_tokens_have_the_same_bits_in_any_batch: {e}");
+                return;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        let h = config.hidden;
+        let (x, xt) = hidden(4096, h, 31);
+        let all: Vec<u32> = one.forward(&xt).unwrap().to_f32_vec().iter().map(|v| v.to_bits()).collect();
+        let want = reference::forward(&config, &weights, &x).unwrap().out;
+        let got: Vec<f32> = all.iter().map(|&b| f32::from_bits(b)).collect();
+        assert!(rel(&got, &want) <= BF16_TOL, "{:?}: relative error {:e}", config.router, rel(&got, &want));
+        for (a, t) in [(0usize, 1usize), (4095, 1), (10, 3), (64, 8), (1000, 64), (2000, 513)] {
+            let xs = Tensor::from_f32(&[t, h], x[a * h..(a + t) * h].to_vec()).unwrap();
+            let part: Vec<u32> = one.forward(&xs).unwrap().to_f32_vec().iter().map(|v| v.to_bits()).collect();
+            assert!(
+                part == all[a * h..(a + t) * h],
+                "{:?}: tokens {a}..{} differ from the batch",
+                config.router,
+                a + t
+            );
+        }
+        eprintln!("deterministic {:?}: every slice has the batch's bits", config.router);
+    }
+}

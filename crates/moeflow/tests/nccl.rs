@@ -479,3 +479,175 @@ fn low_latency_fp8_experts_match_the_reference() {
         }
     }
 }
+
+/// Tokens per DP group for a batch of `total` over `groups` groups: uneven (37 for the first,
+/// none for the second, the rest shared by the others or given to the second when there are
+/// two), and everything on the first group with the others empty.
+fn splits(total: usize, groups: usize) -> Vec<Vec<usize>> {
+    if groups == 1 {
+        return vec![vec![total]];
+    }
+    let mut uneven = vec![0usize; groups];
+    uneven[0] = 37;
+    let rest = total - 37;
+    if groups == 2 {
+        uneven[1] = rest;
+    } else {
+        for (g, size) in uneven.iter_mut().enumerate().skip(2) {
+            *size = rest / (groups - 2) + usize::from(g == groups - 1) * (rest % (groups - 2));
+        }
+    }
+    let mut first = vec![0usize; groups];
+    first[0] = total;
+    vec![uneven, first]
+}
+
+/// The layouts the library's own layer choice (`ParallelConfig::rank_layer`) is tested on, on
+/// `n` GPUs for `e` experts: all2allv over every placement of [`placements`] (an explicit one
+/// through a JSON file), TP slicing, dual-batch overlap, and (unless `deterministic`) every
+/// other strategy.
+fn rank_layouts(n: usize, e: usize, deterministic: bool) -> Vec<(String, ParallelConfig)> {
+    let all2allv = ParallelConfig::new(n, 1, StrategyKind::All2AllV);
+    let mut out = Vec::new();
+    for (name, placement) in placements(e, n) {
+        let slots: Vec<Vec<usize>> = (0..n).map(|r| placement.local_experts(r).to_vec()).collect();
+        let file = std::env::temp_dir().join(format!("moeflow-nccl-{}-{e}-{name}.json", std::process::id()));
+        let json = serde_json::json!({ "num_experts": e, "ranks": slots });
+        std::fs::write(&file, json.to_string()).unwrap();
+        out.push((
+            format!("all2allv, {name}"),
+            ParallelConfig { placement: PlacementKind::File(file), ..all2allv.clone() },
+        ));
+    }
+    out.push((format!("all2allv, TP {n}"), ParallelConfig::new(n, n, StrategyKind::All2AllV)));
+    out.push(("all2allv, dual-batch".into(), ParallelConfig { dual_batch: true, ..all2allv.clone() }));
+    out.push((
+        "all2allv, round-robin, replicas, dual-batch, TP 2".into(),
+        ParallelConfig {
+            placement: PlacementKind::RoundRobin,
+            redundant: vec![1, 2],
+            dual_batch: true,
+            ..ParallelConfig::new(n, 2, StrategyKind::All2AllV)
+        },
+    ));
+    if !deterministic {
+        for s in
+            [StrategyKind::AllGather, StrategyKind::AllGatherLogits, StrategyKind::Multicast, StrategyKind::LowLatency]
+        {
+            out.push((
+                format!("{s}, round-robin, TP 2"),
+                ParallelConfig {
+                    placement: PlacementKind::RoundRobin,
+                    max_tokens_per_rank: 400,
+                    ..ParallelConfig::new(n, 2, s)
+                },
+            ));
+        }
+    }
+    out
+}
+
+/// A rank's first token, output rows and layer description.
+type RankRun = (usize, Vec<f32>, String);
+
+/// Runs `x` (`[total, H]`) split by `sizes` over the DP groups of `par` through the layer the
+/// library picks on each GPU rank; returns each rank's run.
+fn run_rank_layers(
+    par: &ParallelConfig,
+    spec: &moeflow::RankLayerSpec<'_>,
+    x: &[f32],
+    sizes: &[usize],
+) -> Vec<(usize, moeflow::Result<RankRun>)> {
+    let h = spec.config.hidden;
+    let starts: Vec<usize> = sizes.iter().scan(0, |a, &s| Some(std::mem::replace(a, *a + s))).collect();
+    on_ranks(&RankHost::Gpus, par.ep, Duration::from_secs(60), |comm, kind| {
+        let layer = par.rank_layer(Some(comm), kind, spec)?;
+        let g = comm.rank() / par.tp;
+        let (a, t) = (starts[g], sizes[g]);
+        let xt = Tensor::from_f32(&[t, h], x[a * h..(a + t) * h].to_vec())?;
+        let out = layer.forward(&xt)?.to_f32_vec();
+        Ok((a, out, layer.describe().to_string()))
+    })
+}
+
+/// The library's layer choice on GPU ranks: every layout runs device-resident, says so, and
+/// matches the f64 reference.
+#[test]
+fn rank_layers_on_gpus_are_device_resident_and_match_the_reference() {
+    let Some(n) = gpus("rank_layers_on_gpus_are_device_resident_and_match_the_reference") else { return };
+    for (name, config, weights) in device_cases() {
+        let h = config.hidden;
+        let total = 342;
+        let x = preset::uniform(total * h, 1.0, 77);
+        let spec = moeflow::RankLayerSpec::new(&config, &weights);
+        for (label, par) in rank_layouts(n, config.num_experts, false) {
+            for sizes in splits(total, n / par.tp) {
+                for (rank, r) in run_rank_layers(&par, &spec, &x, &sizes) {
+                    let (a, got, path) = r.unwrap_or_else(|e| panic!("{name}, {label}: rank {rank}: {e}"));
+                    assert!(path.starts_with("cuda: device-resident"), "{label}: {path}");
+                    let t = got.len() / h;
+                    if t == 0 {
+                        continue;
+                    }
+                    let err = relative_error(&config, &weights, &x[a * h..(a + t) * h], &got);
+                    assert!(err <= BF16_TOL, "{name}, {label}, {sizes:?}: rank {rank}: relative error {err:e}");
+                    eprintln!("rank layer {label:<48} {name:<30} rank {rank}: {t} tokens, relative error {err:.2e}");
+                }
+            }
+        }
+    }
+}
+
+/// Deterministic mode: every layout and every way of splitting the batch gives each token the
+/// bits one GPU gives it, and one GPU gives a token the same bits alone and in any batch. The
+/// strategies that sum partial outputs across ranks refuse the mode by name.
+#[test]
+fn deterministic_mode_gives_one_gpus_bits_whatever_the_layout() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
+    let Some(n) = gpus("deterministic_mode_gives_one_gpus_bits_whatever_the_layout") else { return };
+    let det = CudaOptions { deterministic: true, ..Default::default() };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for (name, config, weights) in device_cases() {
+        let h = config.hidden;
+        let total = 342;
+        let x = preset::uniform(total * h, 1.0, 78);
+        let one = CudaMoeLayer::new(&config, &weights, &det).unwrap();
+        let want = bits(&one.forward(&Tensor::from_f32(&[total, h], x.clone()).unwrap()).unwrap().to_f32_vec());
+        let err = relative_error(&config, &weights, &x, &want.iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>());
+        assert!(err <= BF16_TOL, "{name}: one GPU: relative error {err:e}");
+        // Batch invariance: tokens alone, in small batches (CUDA graphs) and in odd slices.
+        for (a, t) in [(0, 1), (5, 1), (341, 1), (3, 4), (100, 16), (7, 200)] {
+            let xt = Tensor::from_f32(&[t, h], x[a * h..(a + t) * h].to_vec()).unwrap();
+            let got = bits(&one.forward(&xt).unwrap().to_f32_vec());
+            assert!(got == want[a * h..(a + t) * h], "{name}: tokens {a}..{} alone differ from the batch", a + t);
+        }
+        drop(one);
+        let spec = moeflow::RankLayerSpec { cuda: det.clone(), ..moeflow::RankLayerSpec::new(&config, &weights) };
+        for (label, par) in rank_layouts(n, config.num_experts, true) {
+            for sizes in splits(total, n / par.tp) {
+                for (rank, r) in run_rank_layers(&par, &spec, &x, &sizes) {
+                    let (a, got, path) = r.unwrap_or_else(|e| panic!("{name}, {label}: rank {rank}: {e}"));
+                    assert!(path.contains("deterministic"), "{label}: {path}");
+                    let t = got.len() / h;
+                    assert!(
+                        bits(&got) == want[a * h..(a + t) * h],
+                        "{name}, {label}, {sizes:?}: rank {rank} differs from one GPU"
+                    );
+                }
+                eprintln!("deterministic {label:<48} {name:<30} {sizes:?}: every rank has one GPU's bits");
+            }
+        }
+    }
+    // The gathering and low-latency strategies refuse the mode before any communication.
+    let (_, config, weights) = device_cases().remove(0);
+    let spec = moeflow::RankLayerSpec { cuda: det, ..moeflow::RankLayerSpec::new(&config, &weights) };
+    for s in [StrategyKind::AllGather, StrategyKind::Multicast, StrategyKind::LowLatency] {
+        let par = ParallelConfig::new(n, 1, s);
+        for (rank, r) in on_ranks(&RankHost::Gpus, n, Duration::from_secs(30), |comm, kind| {
+            par.rank_layer(Some(comm), kind, &spec).map(|_| ())
+        }) {
+            let e = r.expect_err("deterministic mode refuses partial sums").to_string();
+            assert!(e.contains("deterministic mode dispatches by all-to-all-v"), "{s}: rank {rank}: {e}");
+        }
+    }
+}

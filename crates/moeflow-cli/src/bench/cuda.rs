@@ -81,7 +81,7 @@ impl Timed {
 pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     use moeflow::backend::cuda::{measure_ceilings, GpuStageTimes};
     let (p, config) = args.layer.config()?;
-    let cuda = crate::cuda_args::cuda_options()?;
+    let cuda = crate::cuda_args::cuda_options(args.parallel.deterministic)?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
     // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
@@ -294,7 +294,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     let bar0 = spinner("generating weights on the GPU".into());
     let par = args.parallel.config(1)?;
     let spec = RankLayerSpec {
-        cuda: crate::cuda_args::cuda_options()?,
+        cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
         fp8_experts: fp8,
         fp8_rows: rows8,
         ..RankLayerSpec::random_on_device(&config, args.layer.seed)

@@ -97,6 +97,12 @@ pub struct CudaOptions {
     pub low_latency_gemm: LowLatencyGemm,
     /// Extra NVRTC options for the kernels (kernel experiments).
     pub nvrtc_options: Vec<String>,
+    /// Bit-identical outputs whatever the EP size, placement and batch: the router GEMM and
+    /// the shared expert run kernels with one summation order for any batch, the experts the
+    /// Hopper GEMM in fixed tiles, and expert-parallel ranks send each (token, slot)'s expert
+    /// row home, where it is weighted and summed in slot order as on one GPU. Needs a Hopper
+    /// GPU; the expert-parallel layer dispatches by all-to-all-v.
+    pub deterministic: bool,
 }
 
 impl Default for CudaOptions {
@@ -111,12 +117,13 @@ impl Default for CudaOptions {
             gemm_sm_target: None,
             low_latency_gemm: LowLatencyGemm::Masked,
             nvrtc_options: Vec::new(),
+            deterministic: false,
         }
     }
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 9] = [
+pub const CUDA_VARIABLES: [(&str, &str); 10] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -126,6 +133,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 9] = [
     ("MOEFLOW_GEMM_SM_TARGET", "N: SMs their cuBLAS kernels are sized for (0: all; default half)"),
     ("MOEFLOW_LL_GEMM", "masked|padded: the low-latency layer's GEMMs (default masked)"),
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
+    ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
 ];
 
 fn bad(key: &str, value: &str, want: &str) -> MoeError {
@@ -177,6 +185,7 @@ impl CudaOptions {
                     }
                 }
                 "MOEFLOW_NVRTC_OPTIONS" => self.nvrtc_options = value.split_whitespace().map(str::to_string).collect(),
+                "MOEFLOW_DETERMINISTIC" => self.deterministic = flag(key, value)?,
                 _ => {}
             }
         }
@@ -192,6 +201,9 @@ impl CudaOptions {
     pub fn describe(&self) -> String {
         let d = CudaOptions::default();
         let mut parts = Vec::new();
+        if self.deterministic {
+            parts.push("deterministic".to_string());
+        }
         if self.expert_gemm != d.expert_gemm {
             parts.push(format!("expert GEMM {}", self.expert_gemm.name()));
         }
@@ -243,6 +255,7 @@ mod tests {
             ("MOEFLOW_GEMM_SM_TARGET", "0"),
             ("MOEFLOW_LL_GEMM", "padded"),
             ("MOEFLOW_NVRTC_OPTIONS", " -lineinfo  -G "),
+            ("MOEFLOW_DETERMINISTIC", "1"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -256,6 +269,7 @@ mod tests {
             gemm_sm_target: Some(0),
             low_latency_gemm: LowLatencyGemm::Padded,
             nvrtc_options: vec!["-lineinfo".into(), "-G".into()],
+            deterministic: true,
         };
         assert_eq!(o, want);
         for (name, _) in CUDA_VARIABLES {
@@ -294,6 +308,8 @@ mod tests {
     fn describe_names_what_differs() {
         let o = CudaOptions { cuda_graphs: false, expert_gemm: ExpertGemm::Hopper, ..Default::default() };
         assert_eq!(o.describe(), "expert GEMM hopper, no graphs");
+        let d = CudaOptions { deterministic: true, ..Default::default() };
+        assert_eq!(d.describe(), "deterministic");
         for g in ExpertGemm::ALL {
             assert_eq!(g.name().parse::<ExpertGemm>().unwrap(), g);
         }

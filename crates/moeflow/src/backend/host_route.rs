@@ -72,6 +72,23 @@ impl HostRoute {
         }
         HostRoute { lists, send_idx, send_ids: row_ids.concat(), home_rows, phys_counts }
     }
+
+    /// `[t, k]`: where each `(token, slot)`'s expert row lands when every destination returns
+    /// the rows of the slots it serves in the order it received them (destination after
+    /// destination, each in its token order, each token's served slots in slot order).
+    pub fn slot_rows(&self, t: usize, k: usize) -> Vec<i32> {
+        let mut rows = vec![-1i32; t * k];
+        let mut next = 0;
+        for (row, &tok) in self.send_idx.iter().enumerate() {
+            for j in 0..k {
+                if self.send_ids[row * k + j] >= 0 {
+                    rows[tok as usize * k + j] = next;
+                    next += 1;
+                }
+            }
+        }
+        rows
+    }
 }
 
 #[cfg(test)]
@@ -101,6 +118,10 @@ mod tests {
             }
         }
         assert!(served.iter().all(|&s| s == 1), "{served:?}");
+        // Every slot's returned row is distinct and they fill 0 .. t k.
+        let mut rows = r.slot_rows(t, k);
+        rows.sort_unstable();
+        assert_eq!(rows, (0..(t * k) as i32).collect::<Vec<_>>());
         assert_eq!(r.phys_counts.iter().sum::<i32>() as usize, t * k);
         assert_eq!(r.lists.iter().map(Vec::len).sum::<usize>(), r.send_idx.len());
         // No tokens: nothing sent.

@@ -797,3 +797,75 @@ __global__ void quantize_weight_blocks_fp8(bf16_t* w, int N, int K, unsigned cha
 }
 
 }  // extern "C"
+
+extern "C" {
+
+// Deterministic mode's router GEMM: logits[t, e] = the sum over k in order of x[t, k] * gate[e,
+// k] (f32 fma), one fixed order whatever the batch, so a token's logits are the same bits alone
+// and in any batch. 64 tokens × 64 experts a block of 256 threads (4 × 4 a thread), the depth
+// in chunks of 16 through shared memory.
+__global__ void router_logits_fixed(const float* x, const float* gate, int T, int E, int H, float* logits) {
+    __shared__ float xs[16][65];
+    __shared__ float gs[16][65];
+    int t0 = blockIdx.x * 64, e0 = blockIdx.y * 64;
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float acc[4][4];
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
+    for (int k0 = 0; k0 < H; k0 += 16) {
+        for (int q = threadIdx.x; q < 64 * 16; q += blockDim.x) {
+            int r = q / 16, kk = q % 16, k = k0 + kk;
+            int t = t0 + r, e = e0 + r;
+            xs[kk][r] = (t < T && k < H) ? x[(long)t * H + k] : 0.0f;
+            gs[kk][r] = (e < E && k < H) ? gate[(long)e * H + k] : 0.0f;
+        }
+        __syncthreads();
+        int depth = min(16, H - k0);
+        for (int kk = 0; kk < depth; kk++) {
+            float a[4], b[4];
+            for (int i = 0; i < 4; i++) a[i] = xs[kk][ty * 4 + i];
+            for (int j = 0; j < 4; j++) b[j] = gs[kk][tx * 4 + j];
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    for (int i = 0; i < 4; i++) {
+        int t = t0 + ty * 4 + i;
+        for (int j = 0; j < 4; j++) {
+            int e = e0 + tx * 4 + j;
+            if (t < T && e < E) logits[(long)t * E + e] = acc[i][j];
+        }
+    }
+}
+
+// One block: idx[p] = row_of_slot[i] for the p-th slot i (in order) of the n that this rank
+// serves (local_ids[i] < el), so that take_rows gathers the served slots' rows in slot order.
+__global__ void compact_served(const int* local_ids, const int* row_of_slot, int n, int el, int* idx) {
+    __shared__ int warp_base[32];
+    __shared__ int base;
+    int lane = threadIdx.x % 32, w = threadIdx.x / 32, warps = blockDim.x / 32;
+    if (threadIdx.x == 0) base = 0;
+    __syncthreads();
+    for (int start = 0; start < n; start += blockDim.x) {
+        int i = start + threadIdx.x;
+        bool served = i < n && local_ids[i] < el;
+        unsigned mask = __ballot_sync(0xffffffffu, served);
+        if (lane == 0) warp_base[w] = __popc(mask);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            int acc = base;
+            for (int q = 0; q < warps; q++) {
+                int c = warp_base[q];
+                warp_base[q] = acc;
+                acc += c;
+            }
+            base = acc;
+        }
+        __syncthreads();
+        if (served) idx[warp_base[w] + __popc(mask & ((1u << lane) - 1))] = row_of_slot[i];
+        __syncthreads();
+    }
+}
+
+}

@@ -52,6 +52,11 @@ impl CudaMoeLayer {
     }
 
     fn gathering(self, how: Gathering) -> Result<Self> {
+        if self.opts.deterministic {
+            return Err(MoeError::Unsupported(format!(
+                "{how:?} sums partial outputs across ranks; deterministic mode dispatches by all-to-all-v"
+            )));
+        }
         let mut layer = self;
         let Some(link) = layer.ep.as_mut() else {
             return Err(MoeError::Config(format!("{how:?} dispatch needs an expert-parallel layer (new_ep)")));

@@ -37,6 +37,9 @@ pub(super) struct Buffers {
     pub(super) ep: Option<EpBuffers>,
     /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
     pub(super) exchange: Option<CudaSlice<i32>>,
+    /// Deterministic mode's shared expert as a one-expert grouped GEMM: its row count and
+    /// offset (0).
+    pub(super) shared_rows: CudaSlice<i32>,
     /// Low-latency buffers and the captured layer (see [`low_latency`]).
     pub(super) ll: Option<low_latency::LlBuffers>,
     /// One GPU: small batches' graphs and their cuBLAS workspaces (see [`graph`]).
@@ -85,6 +88,7 @@ impl CudaMoeLayer {
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
                 ep: None,
                 exchange: None,
+                shared_rows: z!(i32, 2),
                 ll: None,
                 graphs,
             });

@@ -18,18 +18,32 @@ impl CudaMoeLayer {
     /// The single-GPU combine: `b.out [t, H]` = the weighted sum of each token's expert rows
     /// in slot order, plus the (gated) shared expert's output once its side stream is joined.
     pub(super) fn combine_local(&self, b: &Buffers, t: usize) -> Result<()> {
+        let g = &self.gpu;
+        let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
+        self.combine_rows(b, t, dptr(&b.y, g), dptr(&b.row_of_slot, g), b2)
+    }
+
+    /// `b.out [t, H]` = for each token the weighted sum in slot order of the bf16 rows of `y`
+    /// that `row_of_slot` (`t · k` ints, -1: none) names, each plus its expert's row of `b2`
+    /// (`[E, H]` f32, or 0 for none), plus the (gated) shared expert's output once its side
+    /// stream is joined: the one-GPU combine, also a deterministic expert-parallel rank's at
+    /// home.
+    pub(super) fn combine_rows(&self, b: &Buffers, t: usize, y: u64, row_of_slot: u64, b2: u64) -> Result<()> {
         let (g, c) = (&self.gpu, &self.config);
         let s = &g.stream;
         let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ys, xp, gp) = match &self.w.shared {
             Some(sh) => {
-                self.side.join(s, [self.side.shared()])?;
+                // Deterministic mode ran the shared expert on this stream.
+                if !self.opts.deterministic {
+                    self.side.join(s, [self.side.shared()])?;
+                }
                 (dptr(&b.sy, g), dptr(&b.x, g), opt(&sh.gate))
             }
             None => (0, 0, 0),
         };
-        let (yp, b2, wp, outp) = (dptr(&b.y, g), opt(&self.w.b2), dptr(&b.weights, g), dptr(&b.out, g));
-        let (rs, ip) = (dptr(&b.row_of_slot, g), dptr(&b.ids, g));
+        let (yp, wp, outp) = (y, dptr(&b.weights, g), dptr(&b.out, g));
+        let (rs, ip) = (row_of_slot, dptr(&b.ids, g));
         let (ti, ki, hi, applied) = (t as i32, c.top_k as i32, c.hidden as i32, 0i32);
         // SAFETY: combine(bf16*, float*, int*, float*, int*, int, int, int, int, bf16*, float*,
         // float*, float*) over the `t` tokens' slots, whose rows `b.y` holds; the shared output

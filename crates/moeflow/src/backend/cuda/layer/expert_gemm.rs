@@ -295,6 +295,9 @@ impl CudaMoeLayer {
     pub(super) fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
         let Some(sh) = &self.w.shared else { return Ok(()) };
         let (h, si) = (self.config.hidden, sh.inter);
+        if self.opts.deterministic {
+            return self.shared_fixed(b, t);
+        }
         let (stream, blas) = (&self.side.shared().stream, &self.side.shared().blas);
         self.side.fork(&self.gpu.stream, [self.side.shared()])?;
         let g = &self.gpu;
@@ -302,6 +305,35 @@ impl CudaMoeLayer {
         // Null bias and expert map: the shared MLP is one expert without biases.
         self.act(stream, [dptr(&b.sh13, g), 0, 0, 0, dptr(&b.sact, g)], 0, t, si)?;
         gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
+    }
+
+    /// Deterministic mode's shared expert, on the layer's stream (the Hopper GEMM's tile
+    /// counter serves one stream): the up projection with the activation in its epilogue and
+    /// the down projection, each a one-expert Hopper GEMM, whose sums do not depend on the
+    /// batch.
+    fn shared_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
+        let Some(sh) = &self.w.shared else { return Ok(()) };
+        let hopper = self.k.hopper.as_ref().expect("deterministic layers have the Hopper GEMM");
+        let (h, si) = (self.config.hidden, sh.inter);
+        let g = &self.gpu;
+        let s = &g.stream;
+        let rows = dptr(&b.shared_rows, g);
+        // SAFETY: sets the two ints of `shared_rows` (t rows from offset 0), on the stream.
+        unsafe {
+            let st = s.cu_stream();
+            let r = cudarc::driver::sys::cuMemsetD32Async(rows, t as u32, 1, st);
+            if r != cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
+                return Err(err("setting the shared expert's rows", r));
+            }
+            let r = cudarc::driver::sys::cuMemsetD32Async(rows + 4, 0, 1, st);
+            if r != cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
+                return Err(err("setting the shared expert's rows", r));
+            }
+        }
+        let co = [rows, rows + 4];
+        let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
+        hopper.run(s, dptr(&sh.w13, g), [2 * si, h], [dptr(&b.x_bf, g), dptr(&b.sact, g)], t, co, 1, act, None)?;
+        hopper.run(s, dptr(&sh.w2, g), [h, si], [dptr(&b.sact, g), dptr(&b.sy, g)], t, co, 1, Epilogue::Product, None)
     }
 
     /// [`act_and_mul`] with this layer's kernel and activation.

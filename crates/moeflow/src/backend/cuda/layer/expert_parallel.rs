@@ -42,6 +42,12 @@ pub(super) struct EpBuffers {
     pub(super) act: CudaSlice<u16>,
     pub(super) y: CudaSlice<u16>,
     pub(super) part: CudaSlice<u16>,
+    /// Deterministic mode: the served slots' expert rows in the order they go home, the rows
+    /// of `y` they come from, the rows that came back home, and where each home slot's row is.
+    pub(super) ret: CudaSlice<u16>,
+    pub(super) ret_idx: CudaSlice<i32>,
+    pub(super) back_slots: CudaSlice<u16>,
+    pub(super) slot_row: CudaSlice<i32>,
     /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
     pub(super) send_logits: CudaSlice<f32>,
     pub(super) recv_logits: CudaSlice<f32>,
@@ -182,11 +188,55 @@ impl CudaMoeLayer {
             &recv_tok,
         )?;
         self.serve_received(b, received, &plan, Localize::Resolved, mark)?;
+        if self.opts.deterministic {
+            self.return_slots(b, link, &route, &all, t, mark)?;
+            let row = 2 * h + 4 * k;
+            return Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum());
+        }
         self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
         mark(7)?;
         self.sum_home(back, home_rows_p, t, n, dptr(&b.out, g))?;
         let row = 2 * h + 8 * k;
         Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
+    }
+
+    /// Deterministic mode's combine: every rank sends the expert rows of the slots it served
+    /// (`ep.ret`, by source rank) back to their tokens' ranks, and each home weights and sums
+    /// its tokens' rows in slot order into `b.out`, with the combine one GPU runs.
+    fn return_slots(
+        &self,
+        b: &mut Buffers,
+        link: &EpLink,
+        route: &HostRoute,
+        all: &[i32],
+        t: usize,
+        mark: &dyn Fn(usize) -> Result<()>,
+    ) -> Result<()> {
+        use crate::comm::Communicator;
+        let (h, k, n) = (self.config.hidden, self.config.top_k, link.comm.size());
+        let p = &link.placement;
+        let (np, g) = (p.num_physical(), &self.gpu);
+        let m = np + n;
+        // Rows served here for each source, and rows each destination serves for this rank.
+        let served_from: Vec<usize> =
+            (0..n).map(|src| (0..link.local).map(|j| all[src * m + link.phys_first + j] as usize).sum()).collect();
+        let mut served_to = vec![0usize; n];
+        for (phys, &c) in route.phys_counts.iter().enumerate() {
+            served_to[p.physical_slot(phys).0] += c as usize;
+        }
+        let ep = b.ep.as_mut().expect("allocated");
+        if t > 0 {
+            let rows = route.slot_rows(t, k);
+            g.stream.memcpy_htod(&rows, &mut ep.slot_row.slice_mut(0..t * k)).map_err(|e| err("upload", e))?;
+        }
+        let (ret, back, slot_row) = (dptr(&ep.ret, g), dptr(&ep.back_slots, g), dptr(&ep.slot_row, g));
+        self.exchange_rows(link, "moe combine", &[(ret, 2 * h)], &served_from, &[(back, 2 * h)], &served_to)?;
+        mark(7)?;
+        if t == 0 {
+            return Ok(());
+        }
+        let b2 = self.w.b2_all.as_ref().map_or(0u64, |x| dptr(x, g));
+        self.combine_rows(b, t, back, slot_row, b2)
     }
 
     /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
@@ -267,6 +317,7 @@ impl CudaMoeLayer {
         let (recv_rows, recv_ids, recv_w, local_ids) =
             (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w), pi(&ep.local_ids));
         let (ecounts, eoffsets, part) = (pi(&ep.counts), pi(&ep.offsets), pb(&ep.part));
+        let (ret_idx, ret) = (pi(&ep.ret_idx), pb(&ep.ret));
         let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
         let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
         let hi = h as i32;
@@ -320,6 +371,34 @@ impl CudaMoeLayer {
         self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
         mark(3)?;
         self.mlp(b, bufs, el, cap, (&plan.groups, [ecounts, eoffsets]), plan.slots, gather, mark)?;
+        if self.opts.deterministic {
+            // Each served slot's expert row, as it is, in the order it goes home: by source
+            // rank, token and slot (the home weights and sums them as one GPU does).
+            let n_slots = (received * k) as i32;
+            let served = plan.slots as i32;
+            // SAFETY: compact_served(int*, int*, int, int, int*) reads the received · k local
+            // ids and slot rows and writes `served` (plan.slots) row indices; take_rows copies
+            // those rows of y (h wide) into `ret`, which holds plan.rows ≥ served rows.
+            unsafe {
+                s.launch_builder(&self.k.compact_served)
+                    .arg(&local_ids)
+                    .arg(&maps[0])
+                    .arg(&n_slots)
+                    .arg(&el_i)
+                    .arg(&ret_idx)
+                    .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
+                    .map_err(|e| err("compact_served", e))?;
+                s.launch_builder(&self.k.take)
+                    .arg(&bufs[3])
+                    .arg(&ret_idx)
+                    .arg(&served)
+                    .arg(&hi)
+                    .arg(&ret)
+                    .launch(rows(plan.slots, 128))
+                    .map_err(|e| err("take_rows", e))?;
+            }
+            return Ok(());
+        }
         let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ri, ki) = (received as i32, k as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
@@ -421,6 +500,7 @@ impl CudaMoeLayer {
         let el = self.ep.as_ref().map_or(e, |l| l.local);
         let cap = cap.map(|x| x.max(1).next_power_of_two());
         let [sent, recv, rows2, t] = cap;
+        let det = self.opts.deterministic;
         let s = &self.gpu.stream;
         let z16 = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n).map_err(|e| err("allocating workspace", e));
@@ -447,6 +527,10 @@ impl CudaMoeLayer {
             act: z16(rows2 * i)?,
             y: z16(rows2 * h)?,
             part: z16(recv * h)?,
+            ret: z16(if det { rows2 * h } else { 1 })?,
+            ret_idx: z32(if det { rows2 } else { 1 })?,
+            back_slots: z16(if det { t * k * h } else { 1 })?,
+            slot_row: z32(if det { t * k } else { 1 })?,
             send_logits: zf(sent * e)?,
             recv_logits: zf(recv * e)?,
         })

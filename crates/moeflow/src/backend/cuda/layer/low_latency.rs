@@ -51,6 +51,12 @@ impl CudaMoeLayer {
     /// captures it in a CUDA graph, every call replays that graph. Collective like the layer's
     /// other calls: every rank switches with the same capacity.
     pub fn low_latency(self, max_tokens_per_rank: usize) -> Result<Self> {
+        if self.opts.deterministic {
+            return Err(MoeError::Unsupported(
+                "the low-latency layer sums partial outputs across ranks; deterministic mode dispatches by all-to-all-v"
+                    .into(),
+            ));
+        }
         let mut layer = self;
         let Some(link) = layer.ep.as_mut() else {
             return Err(MoeError::Config("low-latency dispatch needs an expert-parallel layer (new_ep)".into()));

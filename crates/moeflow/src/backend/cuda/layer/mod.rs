@@ -64,6 +64,8 @@ struct Kernels {
     act: CudaFunction,
     combine: CudaFunction,
     combine_partial: CudaFunction,
+    router_fixed: CudaFunction,
+    compact_served: CudaFunction,
     sum_partials: CudaFunction,
     localize: CudaFunction,
     localize_placed: CudaFunction,
@@ -98,6 +100,9 @@ struct DeviceWeights {
     w2: CudaSlice<u16>,
     b13: Option<CudaSlice<f32>>,
     b2: Option<CudaSlice<f32>>,
+    /// Every expert's down-projection bias, at home on a deterministic expert-parallel rank
+    /// (which adds it in the combine, as one GPU does).
+    b2_all: Option<CudaSlice<f32>>,
     shared: Option<SharedMlp>,
     /// The routed experts as fp8 codes too (see [`fp8_weights`]).
     fp8: Option<fp8_weights::Fp8Experts>,
@@ -193,6 +198,8 @@ impl CudaMoeLayer {
             act: f("act_and_mul")?,
             combine: f("combine")?,
             combine_partial: f("combine_partial")?,
+            router_fixed: f("router_logits_fixed")?,
+            compact_served: f("compact_served")?,
             sum_partials: f("sum_partials")?,
             localize: f("localize_ids")?,
             localize_placed: f("localize_placed")?,
@@ -227,6 +234,7 @@ impl CudaMoeLayer {
         if let Some(link) = ep.as_mut() {
             link.tables = Some(placement::PlacementTables::upload(&link.placement, &gpu)?);
         }
+        let opts = &Self::effective_options(config, &k, opts)?;
         Ok(CudaMoeLayer {
             side: SideStreams::new(&gpu, opts)?,
             gpu,
@@ -241,6 +249,34 @@ impl CudaMoeLayer {
             w,
             bufs: Mutex::new(None),
             ep,
+        })
+    }
+
+    /// `opts` as this layer runs them: deterministic mode takes the Hopper GEMM in 128 × 256
+    /// tiles for every batch and routes without the fused router (whose sums differ from the
+    /// fixed-order router GEMM's); an error where that cannot run.
+    fn effective_options(config: &MoeConfig, k: &Kernels, opts: &CudaOptions) -> Result<CudaOptions> {
+        if !opts.deterministic {
+            return Ok(opts.clone());
+        }
+        let (h, i) = (config.hidden, config.inter);
+        let si = config.shared.map_or(8, |s| s.inter);
+        if k.hopper.is_none() {
+            return Err(MoeError::Unsupported(
+                "deterministic mode runs the Hopper grouped GEMM, which needs a GPU of compute capability 9.0".into(),
+            ));
+        }
+        if ![h, i, si].iter().all(|x| x.is_multiple_of(8)) {
+            return Err(MoeError::Unsupported(format!(
+                "deterministic mode needs hidden and intermediate sizes divisible by 8 (got {h}, {i} and shared {si})"
+            )));
+        }
+        Ok(CudaOptions {
+            expert_gemm: ExpertGemm::Hopper,
+            gemm_tile_rows: Some(128),
+            gemm_tile_cols: Some(256),
+            fused_route: false,
+            ..opts.clone()
         })
     }
 
@@ -297,6 +333,10 @@ impl CudaMoeLayer {
             w2: up_bf16(&Tensor::from_f32(experts.w2.shape(), experts.w2_f32())?)?,
             b13: experts.b13.as_ref().map(up_f32).transpose()?,
             b2: experts.b2.as_ref().map(up_f32).transpose()?,
+            b2_all: match (&ep, &weights.experts.b2) {
+                (Some(_), Some(b2)) if opts.deterministic => Some(up_f32(b2)?),
+                _ => None,
+            },
             shared: match (&weights.shared, config.shared) {
                 (Some(sw), Some(sc)) => Some(SharedMlp {
                     inter: sc.inter,
@@ -356,6 +396,7 @@ impl CudaMoeLayer {
             if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
         let b13 = if biases { Some(f32s(held * 2 * i, 0.1)?) } else { None };
         let b2 = if biases { Some(f32s(held * h, 0.1)?) } else { None };
+        let b2_all = if biases && ep.is_some() && opts.deterministic { Some(f32s(e * h, 0.1)?) } else { None };
         let mut m = 100u64;
         let mut bf16s = |len: usize, scale: f32| -> Result<CudaSlice<u16>> {
             m += 1;
@@ -379,7 +420,7 @@ impl CudaMoeLayer {
             }),
             None => None,
         };
-        let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, shared, fp8: None };
+        let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, b2_all, shared, fp8: None };
         Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep, opts)
     }
 
@@ -603,8 +644,9 @@ impl CudaMoeLayer {
             }
         };
         mark(8)?;
-        // One GPU adds the shared output in its combine; expert-parallel ranks add it here.
-        if let (Some(sh), true, true) = (&self.w.shared, t > 0, self.ep.is_some()) {
+        // One GPU (and a deterministic expert-parallel rank) adds the shared output in its
+        // combine; other expert-parallel ranks add it here.
+        if let (Some(sh), true, true) = (&self.w.shared, t > 0, self.ep.is_some() && !self.opts.deterministic) {
             self.side.join(s, [self.side.shared()])?;
             let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
             // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the

@@ -52,7 +52,11 @@ impl CudaMoeLayer {
                 .launch(grid(n_th))
                 .map_err(|e| err("to_bf16", e))?;
         }
-        self.gemm_f32_router(b, t)?;
+        if self.opts.deterministic {
+            self.router_fixed(b, t)?;
+        } else {
+            self.gemm_f32_router(b, t)?;
+        }
         if let Some(bias) = &self.w.gate_bias {
             let (lp, bp, ti, ei) = (p(&b.logits), p(bias), t as i32, e as i32);
             // SAFETY: as above.
@@ -103,6 +107,35 @@ impl CudaMoeLayer {
         }
         .map(|_| ())
         .map_err(|e| err("route", e))
+    }
+
+    /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32, each sum in one fixed order for
+    /// any batch (deterministic mode; `router_logits_fixed` in moe.cu).
+    pub(super) fn router_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
+        let (h, e) = (self.config.hidden, self.config.num_experts);
+        let g = &self.gpu;
+        let (xp, gp, lp) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.logits, g));
+        let (ti, ei, hi) = (t as i32, e as i32, h as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (t.div_ceil(64) as u32, e.div_ceil(64) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: router_logits_fixed(float*, float*, int, int, int, float*) reads t · H and
+        // E · H floats and writes t · E.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.router_fixed)
+                .arg(&xp)
+                .arg(&gp)
+                .arg(&ti)
+                .arg(&ei)
+                .arg(&hi)
+                .arg(&lp)
+                .launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| err("router_logits_fixed", e))
     }
 
     /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 (pedantic f32: no TF32).
