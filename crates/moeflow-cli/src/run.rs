@@ -64,7 +64,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     if gpu && par.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
     }
-    let host = RankHost::detect(gpu)?;
+    let host = RankHost::detect(gpu, crate::common::launch_env()?);
     // GPU ranks over NCCL run the device-resident layer where it covers the layout.
     let on_device = gpu && device_resident(&par, block.config.num_experts);
     let out = if gpu && par.ep == 1 && !par.dual_batch && host == RankHost::Gpus {
