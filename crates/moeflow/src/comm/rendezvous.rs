@@ -731,4 +731,114 @@ mod tests {
         let e = Rendezvous::join(&env(1, 3, free_port()), || Ok(vec![1]), Duration::from_millis(300)).err().unwrap();
         assert!(e.to_string().contains("connecting to rank 0"), "{e}");
     }
+
+    fn with_job(mut e: LaunchEnv, job: &str) -> LaunchEnv {
+        e.job = Some(JobId::new(job).unwrap());
+        e
+    }
+
+    /// Joins `env` on a thread; the error text, or `Ok` with the joined rendezvous.
+    fn spawn_join(env: LaunchEnv, timeout: Duration) -> std::thread::JoinHandle<std::result::Result<Rendezvous, String>> {
+        std::thread::spawn(move || {
+            Rendezvous::join(&env, || Ok(vec![5]), timeout).map(|(_, r)| r).map_err(|e| e.to_string())
+        })
+    }
+
+    #[test]
+    fn misfits_are_refused_with_the_reason_and_the_job_goes_on() {
+        let port = free_port();
+        let t = Duration::from_secs(20);
+        let job = |r: usize, w: usize, j: &str| with_job(env(r, w, port), j);
+        let host = spawn_join(job(0, 3, "a"), t);
+        let first = spawn_join(job(1, 3, "a"), t);
+        // Wait until rank 1 is in: a second rank 1 is then refused as a duplicate.
+        std::thread::sleep(Duration::from_millis(300));
+        let refused = |e: LaunchEnv| {
+            let start = Instant::now();
+            let err = Rendezvous::join(&e, || Ok(vec![]), t).err().expect("refused").to_string();
+            assert!(start.elapsed() < Duration::from_secs(5), "the refusal took {:?}", start.elapsed());
+            err
+        };
+        let e = refused(job(1, 3, "a"));
+        assert!(e.contains("rank 0 at 127.0.0.1") && e.contains("rank 1 is already taken"), "{e}");
+        let e = refused(job(2, 3, "b"));
+        assert!(e.contains("job mismatch") && e.contains("\"a\"") && e.contains("\"b\""), "{e}");
+        let e = refused(env(2, 3, port));
+        assert!(e.contains("job mismatch") && e.contains("newcomer's is none"), "{e}");
+        let e = refused(job(2, 4, "a"));
+        assert!(e.contains("this job has 3 ranks, the newcomer was started for 4"), "{e}");
+        // The job's own rank 2 still completes it; a later rank 1 hears the job is complete.
+        let last = spawn_join(job(2, 3, "a"), t);
+        let ranks: Vec<Rendezvous> = [host, first, last].into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        assert!(ranks.iter().all(|r| r.job().as_str() == "a" && r.failure().get().is_none()));
+        let e = refused(job(1, 3, "a"));
+        assert!(e.contains("rank 1 is already taken") && e.contains("all 3 ranks of this job are running"), "{e}");
+        assert!(ranks.iter().all(|r| r.failure().get().is_none()), "a refused newcomer failed the job");
+    }
+
+    #[test]
+    fn a_rank_that_left_is_forgotten_and_named_and_strangers_change_nothing() {
+        let port = free_port();
+        let host = spawn_join(env(0, 3, port), Duration::from_millis(1500));
+        // Strangers: garbage, a silent connection, a slow drip.
+        std::thread::sleep(Duration::from_millis(100));
+        let mut garbage = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        garbage.write_all(b"\x16\x03\x01 garbage garbage garbage").unwrap();
+        let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        // Rank 1 joins and vanishes before rank 2 comes; rank 2 never does.
+        let mut hello = Vec::new();
+        Hello { channel: Channel::Rendezvous, rank: 1, world: 3, port: 0, job: None, listen_ip: None }
+            .write(&mut hello)
+            .unwrap();
+        let mut gone = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        gone.write_all(&hello).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(gone);
+        let start = Instant::now();
+        let e = host.join().unwrap().err().expect("rank 0 fails");
+        assert!(e.contains("during rendezvous") && e.contains("ranks [1, 2] never joined"), "{e}");
+        assert!(e.contains("rank 1 joined and then left"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(3), "rank 0 overran its deadline");
+        // A rank that joined hears why rank 0 gave up.
+        let port = free_port();
+        let host = spawn_join(env(0, 3, port), Duration::from_millis(800));
+        let e = spawn_join(env(1, 3, port), Duration::from_secs(20)).join().unwrap().err().unwrap();
+        assert!(e.contains("rank 0 timed out waiting for the others: ranks [2] never joined"), "{e}");
+        assert!(host.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn rank_0_listens_on_master_addr_only() {
+        let port = free_port();
+        let host = spawn_join(env(0, 2, port), Duration::from_millis(800));
+        std::thread::sleep(Duration::from_millis(100));
+        // 127.0.0.2 is this host too (all of 127/8 is loopback), but not the address named.
+        assert!(TcpStream::connect(("127.0.0.2", port)).is_err(), "rank 0 listens beyond MASTER_ADDR");
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+        assert!(host.join().unwrap().is_err());
+        // An explicit bind address wins.
+        let port = free_port();
+        let mut e = env(0, 2, port);
+        e.bind = Some("127.0.0.2".parse().unwrap());
+        let host = spawn_join(e, Duration::from_millis(800));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+        assert!(TcpStream::connect(("127.0.0.2", port)).is_ok());
+        assert!(host.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn launcher_variables_name_a_bad_job_token_or_bind_address() {
+        let vars = |extra: (&'static str, &'static str)| {
+            move |k: &str| {
+                [("RANK", "0"), ("WORLD_SIZE", "2"), extra].iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+            }
+        };
+        let e = LaunchEnv::from_vars(vars(("MOEFLOW_JOB", "job 7"))).unwrap_err().to_string();
+        assert!(e.contains("MOEFLOW_JOB") && e.contains("' '"), "{e}");
+        let e = LaunchEnv::from_vars(vars(("MOEFLOW_BIND", "eth0"))).unwrap_err().to_string();
+        assert!(e.contains("MOEFLOW_BIND=\"eth0\" is not an IP address"), "{e}");
+        let ok = LaunchEnv::from_vars(vars(("MOEFLOW_JOB", "j-1"))).unwrap().unwrap();
+        assert_eq!((ok.job.unwrap().as_str(), ok.bind), ("j-1", None));
+    }
 }

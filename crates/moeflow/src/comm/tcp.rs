@@ -404,4 +404,50 @@ mod tests {
         });
         assert!(results[0].contains("rank 1 called combine"), "{}", results[0]);
     }
+
+    #[test]
+    fn the_mesh_ignores_strangers_refuses_misfits_and_ends_when_the_job_fails() {
+        let listen = || TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let (l0, l1) = (listen(), listen());
+        let addrs = vec![l0.local_addr().unwrap().to_string(), l1.local_addr().unwrap().to_string()];
+        let (job, failure) = (JobId::new("mine").unwrap(), Failure::default());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| mesh(0, &addrs, l0, &job, &failure, deadline));
+            let mut garbage = TcpStream::connect(&addrs[0]).unwrap();
+            garbage.write_all(b"GIOP\x01\x02 this is not a hello at all").unwrap();
+            let _silent = TcpStream::connect(&addrs[0]).unwrap();
+            let answer = |hello: Hello| {
+                let mut c = TcpStream::connect(&addrs[0]).unwrap();
+                hello.write(&mut c).unwrap();
+                read_answer(&mut c, Instant::now() + Duration::from_secs(5)).unwrap().unwrap_err()
+            };
+            let hello = |world, job: &str| Hello {
+                channel: Channel::Mesh,
+                rank: 1,
+                world,
+                port: 0,
+                job: Some(JobId::new(job).unwrap()),
+                listen_ip: None,
+            };
+            assert!(answer(hello(2, "theirs")).contains("job mismatch"));
+            assert!(answer(hello(3, "mine")).contains("this job has 2 ranks"));
+            let rank1 = mesh(1, &addrs, l1, &job, &failure, deadline).unwrap();
+            assert!(rank1[0].is_some() && rank1[1].is_none());
+            assert!(rank0.join().unwrap().unwrap()[1].is_some());
+        });
+        // Rank 1 never dials; the job fails meanwhile (its liveness channel saw rank 1 die).
+        let start = Instant::now();
+        let failure = Failure::default();
+        let l0 = listen();
+        let addrs = vec![l0.local_addr().unwrap().to_string(), "127.0.0.1:9".into()];
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| mesh(0, &addrs, l0, &job, &failure, deadline));
+            std::thread::sleep(Duration::from_millis(100));
+            failure.set("rank 1 exited or lost its connection");
+            let e = rank0.join().unwrap().err().unwrap().to_string();
+            assert!(e.contains("during mesh setup: group failed: rank 1 exited"), "{e}");
+        });
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
 }
