@@ -22,8 +22,13 @@ const MAGIC: u32 = 0x6d6f_6566; // "moef"
 /// How long a new connection has to send its hello before it is closed.
 pub const HANDSHAKE_DEADLINE: Duration = Duration::from_secs(3);
 
-/// Connections a gate screens at once; more are closed unread.
-const MAX_SCREENING: usize = 64;
+/// Connections a gate screens at once (each on a small thread of its own); more are closed
+/// unread. A real rank's hello takes microseconds, so only a flood of more than this many
+/// silent connections within [`HANDSHAKE_DEADLINE`] could crowd one out.
+const MAX_SCREENING: usize = 512;
+
+/// Stack of a screening thread: it reads a hello of a few dozen bytes.
+const SCREENING_STACK: usize = 64 << 10;
 
 /// Largest blob (payload, address table, reason) a peer may announce.
 const MAX_BLOB: usize = 1 << 20;
@@ -256,21 +261,25 @@ impl Gate {
                             log::debug!("{what}: closed a connection from {from}: {MAX_SCREENING} others are screened");
                             continue;
                         }
-                        let (tx, what, screening) = (tx.clone(), what.clone(), screening.clone());
-                        std::thread::spawn(move || {
+                        let (tx, name, count) = (tx.clone(), what.clone(), screening.clone());
+                        let screen = move || {
                             let deadline = Instant::now() + HANDSHAKE_DEADLINE;
                             let read = stream.set_nonblocking(false).and_then(|_| Hello::read(&mut stream, deadline));
-                            screening.fetch_sub(1, Ordering::SeqCst);
+                            count.fetch_sub(1, Ordering::SeqCst);
                             match read.and_then(|hello| stream.set_read_timeout(None).map(|_| hello)) {
                                 Ok(hello) => {
                                     let _ = tx.send(Arrival { stream, hello, from });
                                 }
                                 Err(e) => log::debug!(
-                                    "{what}: closed a connection from {from} without a valid handshake \
+                                    "{name}: closed a connection from {from} without a valid handshake \
                                      within {HANDSHAKE_DEADLINE:?}: {e}"
                                 ),
                             }
-                        });
+                        };
+                        if let Err(e) = std::thread::Builder::new().stack_size(SCREENING_STACK).spawn(screen) {
+                            screening.fetch_sub(1, Ordering::SeqCst);
+                            log::debug!("{what}: closed a connection from {from}: no thread to screen it: {e}");
+                        }
                     }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(5)),
                     Err(e) => {

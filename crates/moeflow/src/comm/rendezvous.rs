@@ -303,7 +303,10 @@ fn host(
     let mesh = listen.then(|| TcpListener::bind((ip, 0))).transpose().map_err(|e| io_err(0, "mesh listener", e))?;
     let mesh_port =
         mesh.as_ref().map(|l| l.local_addr().map(|a| a.port())).transpose().map_err(|e| io_err(0, "mesh", e))?;
-    log::debug!("rank 0: rendezvous of {world} ranks listening on {at}:{port}, mesh port {}", mesh_port.unwrap_or(0));
+    log::debug!("rank 0: rendezvous of {world} ranks listening on {at}:{port}");
+    if let Some(mesh_port) = mesh_port {
+        log::debug!("rank 0: mesh listening on {ip}:{mesh_port}");
+    }
     let gate = Gate::open(listener, format!("rank 0 rendezvous port {port}")).map_err(|e| io_err(0, "listener", e))?;
     // Joined ranks by rank (0 unused): the connection and where its mesh listener is.
     let mut joined: Vec<Option<(TcpStream, String)>> = (0..world).map(|_| None).collect();
@@ -738,7 +741,10 @@ mod tests {
     }
 
     /// Joins `env` on a thread; the error text, or `Ok` with the joined rendezvous.
-    fn spawn_join(env: LaunchEnv, timeout: Duration) -> std::thread::JoinHandle<std::result::Result<Rendezvous, String>> {
+    fn spawn_join(
+        env: LaunchEnv,
+        timeout: Duration,
+    ) -> std::thread::JoinHandle<std::result::Result<Rendezvous, String>> {
         std::thread::spawn(move || {
             Rendezvous::join(&env, || Ok(vec![5]), timeout).map(|(_, r)| r).map_err(|e| e.to_string())
         })
