@@ -139,7 +139,7 @@ impl Hello {
         ranks: std::ops::Range<usize>,
         taken: impl Fn(usize) -> bool,
     ) -> Option<String> {
-        let token = |j: Option<&JobId>| j.map_or("none".to_string(), |j| format!("{j:?}"));
+        let token = |j: Option<&JobId>| j.map_or("none".to_string(), |j| format!("{:?}", j.as_str()));
         Some(if self.channel != channel {
             format!("this port serves a {}, not a {}", channel.name(), self.channel.name())
         } else if self.job.as_ref() != job {
