@@ -96,12 +96,14 @@ impl Hello {
 
     /// Reads a hello from `s`; an error unless a well-formed one arrives before `deadline`.
     pub fn read(s: &mut TcpStream, deadline: Instant) -> io::Result<Hello> {
+        // The magic alone first, so that a stranger is turned away as soon as it shows.
         let mut head = [0u8; 17];
-        read_exact_by(s, &mut head, deadline)?;
-        let word = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
-        if word(0) != MAGIC {
+        read_exact_by(s, &mut head[..4], deadline)?;
+        if head[..4] != MAGIC.to_le_bytes() {
             return Err(invalid(format!("not a moeflow hello (starts with {:02x?})", &head[..4])));
         }
+        read_exact_by(s, &mut head[4..], deadline)?;
+        let word = |i: usize| u32::from_le_bytes(head[i..i + 4].try_into().expect("4 bytes"));
         let channel = match head[4] {
             b'R' => Channel::Rendezvous,
             b'M' => Channel::Mesh,
