@@ -132,12 +132,15 @@ struct Meetings {
     host_left: AtomicBool,
 }
 
-/// What a rank takes from the rendezvous to build a TCP mesh.
+/// What a rank takes from the rendezvous.
 pub(crate) struct Joined {
-    /// Every rank's mesh listener, `host:port`, indexed by rank.
+    /// The bytes rank 0's payload function returned.
+    pub payload: Vec<u8>,
+    /// Every rank's mesh listener, `host:port`, indexed by rank (port 0: none).
     pub addrs: Vec<String>,
-    /// This rank's mesh listener, bound where the rendezvous says (see [`LaunchEnv::bind`]).
-    pub listener: TcpListener,
+    /// This rank's mesh listener, when asked for, bound where the rendezvous says (see
+    /// [`LaunchEnv::bind`]).
+    pub listener: Option<TcpListener>,
     /// The connections to the other ranks.
     pub rendezvous: Rendezvous,
 }
@@ -151,25 +154,22 @@ impl Rendezvous {
         payload: impl FnOnce() -> Result<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(Vec<u8>, Rendezvous)> {
-        let (data, _, _, me) = Self::join_inner(env, payload, false, timeout)?;
-        Ok((data, me))
+        let joined = Self::join_inner(env, payload, false, timeout)?;
+        Ok((joined.payload, joined.rendezvous))
     }
 
-    /// [`Rendezvous::join`] without a payload that also opens this rank's mesh listener and
-    /// tells every rank where every other rank's is.
+    /// [`Rendezvous::join`] without a payload that also opens this rank's mesh listener
+    /// (always present in the result) and tells every rank where every other rank's is.
     pub(crate) fn join_listening(env: &LaunchEnv, timeout: Duration) -> Result<Joined> {
-        let (_, addrs, listener, rendezvous) = Self::join_inner(env, || Ok(Vec::new()), true, timeout)?;
-        let listener = listener.expect("asked for a listener");
-        Ok(Joined { addrs, listener, rendezvous })
+        Self::join_inner(env, || Ok(Vec::new()), true, timeout)
     }
 
-    #[allow(clippy::type_complexity)]
     fn join_inner(
         env: &LaunchEnv,
         payload: impl FnOnce() -> Result<Vec<u8>>,
         listen: bool,
         timeout: Duration,
-    ) -> Result<(Vec<u8>, Vec<String>, Option<TcpListener>, Rendezvous)> {
+    ) -> Result<Joined> {
         let deadline = Instant::now() + timeout;
         if env.rank == 0 {
             host(env, payload, listen, deadline)
@@ -285,13 +285,7 @@ impl Drop for Rendezvous {
 const LOOK: Duration = Duration::from_millis(50);
 
 /// Rank 0's side of the rendezvous (see [`Rendezvous::join`]).
-#[allow(clippy::type_complexity)]
-fn host(
-    env: &LaunchEnv,
-    payload: impl FnOnce() -> Result<Vec<u8>>,
-    listen: bool,
-    deadline: Instant,
-) -> Result<(Vec<u8>, Vec<String>, Option<TcpListener>, Rendezvous)> {
+fn host(env: &LaunchEnv, payload: impl FnOnce() -> Result<Vec<u8>>, listen: bool, deadline: Instant) -> Result<Joined> {
     let (world, port) = (env.world_size, env.master_port);
     let bound = match env.bind {
         Some(ip) => TcpListener::bind((ip, port)),
@@ -381,7 +375,7 @@ fn host(
     }
     turn_away_newcomers(gate, env.job.clone(), world, me.closing.clone());
     log::debug!("rank 0: all {world} ranks joined job {}", me.job);
-    Ok((data, resolve(&listing, &env.master_addr), mesh, me))
+    Ok(Joined { payload: data, addrs: resolve(&listing, &env.master_addr), listener: mesh, rendezvous: me })
 }
 
 /// Whether the peer of `s`, which has nothing to say yet, closed its end.
@@ -410,12 +404,7 @@ fn turn_away_newcomers(gate: Gate, job: Option<JobId>, world: usize, closing: Ar
 }
 
 /// The side of the rendezvous of every rank but 0 (see [`Rendezvous::join`]).
-#[allow(clippy::type_complexity)]
-fn guest(
-    env: &LaunchEnv,
-    listen: bool,
-    deadline: Instant,
-) -> Result<(Vec<u8>, Vec<String>, Option<TcpListener>, Rendezvous)> {
+fn guest(env: &LaunchEnv, listen: bool, deadline: Instant) -> Result<Joined> {
     let rank = env.rank;
     let addr = format!("{}:{}", env.master_addr, env.master_port);
     let mut s = loop {
@@ -461,7 +450,8 @@ fn guest(
     let job = JobId::new(&String::from_utf8_lossy(&job)).map_err(|e| io_err(rank, "job token from rank 0", e))?;
     let me = Rendezvous::watch(rank, job, vec![s])?;
     log::debug!("rank {rank}: joined job {} of {} ranks", me.job, env.world_size);
-    Ok((data, resolve(&String::from_utf8_lossy(&listing), &env.master_addr), mesh, me))
+    let addrs = resolve(&String::from_utf8_lossy(&listing), &env.master_addr);
+    Ok(Joined { payload: data, addrs, listener: mesh, rendezvous: me })
 }
 
 /// The `ip:port` table with rank 0's empty ip replaced by `master`.

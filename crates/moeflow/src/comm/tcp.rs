@@ -46,9 +46,10 @@ impl TcpComm {
         let rank = env.rank;
         let deadline = Instant::now() + timeout;
         let joined = Rendezvous::join_listening(env, timeout)?;
+        let listener = joined.listener.ok_or_else(|| io_err(rank, "mesh setup", "no mesh listener".into()))?;
         let rdv = Arc::new(joined.rendezvous);
         let failure = rdv.failure();
-        let peers = mesh(rank, &joined.addrs, joined.listener, rdv.job(), &failure, deadline)?;
+        let peers = mesh(rank, &joined.addrs, listener, rdv.job(), &failure, deadline)?;
         log::debug!("rank {rank}: mesh of {} ranks connected", env.world_size);
         Ok(TcpComm {
             rank,
@@ -109,17 +110,24 @@ fn mesh(
         };
         let hello = Hello { channel: Channel::Mesh, rank, world: n, port: 0, job: Some(job.clone()), listen_ip: None };
         hello.write(&mut s).map_err(|e| err(format!("greeting rank {peer} at {addr}: {e}")))?;
+        // The peer answers once it starts accepting: wait for the first byte, watching the job.
         loop {
-            match read_answer(&mut s, deadline.min(Instant::now() + POLL * 5)) {
-                Ok(Ok(())) => break,
-                Ok(Err(reason)) => return Err(err(format!("rank {peer} at {addr} refused this rank: {reason}"))),
-                Err(e) if e.kind() == ErrorKind::TimedOut && Instant::now() < deadline => {
-                    if let Some(e) = failed() {
-                        return Err(e);
-                    }
-                }
-                Err(e) => return Err(err(format!("waiting for rank {peer} at {addr} to accept: {e}"))),
+            if let Some(e) = failed() {
+                return Err(e);
             }
+            if Instant::now() >= deadline {
+                return Err(err(format!("rank {peer} at {addr} did not accept this rank in time")));
+            }
+            s.set_read_timeout(Some(POLL * 5)).map_err(|e| err(e.to_string()))?;
+            match s.peek(&mut [0u8; 1]) {
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                _ => break,
+            }
+        }
+        match read_answer(&mut s, deadline) {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => return Err(err(format!("rank {peer} at {addr} refused this rank: {reason}"))),
+            Err(e) => return Err(err(format!("waiting for rank {peer} at {addr} to accept: {e}"))),
         }
         streams[peer] = Some(s);
     }
