@@ -53,7 +53,7 @@ enum Command {
 fn main() {
     let cli = Cli::parse();
     let level = if cli.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn };
-    env_logger::Builder::new().filter_level(level).format_timestamp_millis().init();
+    env_logger::Builder::new().filter_level(level).init();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
