@@ -381,7 +381,11 @@ fn host(env: &LaunchEnv, payload: impl FnOnce() -> Result<Vec<u8>>, listen: bool
 /// Whether the peer of `s`, which has nothing to say yet, closed its end.
 fn gone(s: &TcpStream) -> bool {
     let mut b = [0u8; 1];
-    let closed = s.set_nonblocking(true).is_ok() && matches!(s.peek(&mut b), Ok(0));
+    let closed = s.set_nonblocking(true).is_ok()
+        && match s.peek(&mut b) {
+            Ok(n) => n == 0,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        };
     let _ = s.set_nonblocking(false);
     closed
 }

@@ -49,7 +49,9 @@ impl TcpComm {
         let listener = joined.listener.ok_or_else(|| io_err(rank, "mesh setup", "no mesh listener".into()))?;
         let rdv = Arc::new(joined.rendezvous);
         let failure = rdv.failure();
-        let peers = mesh(rank, &joined.addrs, listener, rdv.job(), &failure, deadline)?;
+        // A failed mesh fails the job, so that no rank waits for this one until its deadline.
+        let peers = mesh(rank, &joined.addrs, listener, rdv.job(), &failure, deadline)
+            .inspect_err(|e| rdv.abort(&format!("rank {rank} could not connect the mesh: {e}")))?;
         log::debug!("rank {rank}: mesh of {} ranks connected", env.world_size);
         Ok(TcpComm {
             rank,
@@ -308,8 +310,11 @@ impl Communicator for TcpComm {
         members.sort();
         let sub_rank = members.iter().position(|&(_, r)| r == self.rank).expect("this rank has its own color");
         let addrs: Vec<String> = members.iter().map(|&(_, r)| format!("{}:{}", self.hosts[r], all[r][2])).collect();
+        let deadline = Instant::now() + self.timeout;
         let peers =
-            mesh(sub_rank, &addrs, listener, self.rendezvous.job(), &self.failure, Instant::now() + self.timeout)?;
+            mesh(sub_rank, &addrs, listener, self.rendezvous.job(), &self.failure, deadline).inspect_err(|e| {
+                self.abort(&format!("rank {} could not connect a sub-group: {e}", self.world[self.rank]))
+            })?;
         Ok(Box::new(TcpComm {
             rank: sub_rank,
             size: members.len(),
@@ -457,5 +462,32 @@ mod tests {
             assert!(e.contains("during mesh setup: group failed: rank 1 exited"), "{e}");
         });
         assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_rank_whose_mesh_fails_fails_the_job_at_once() {
+        // Rank 2 joins the rendezvous but never connects its mesh; rank 0 gives up after a
+        // second, and rank 1 (whose deadline is far) hears of it at once.
+        let port = crate::comm::free_port().unwrap();
+        let start = Instant::now();
+        let (r0, r1, r2) = std::thread::scope(|s| {
+            let r0 = s.spawn(|| TcpComm::from_env(&LaunchEnv::local(0, 3, port), Duration::from_secs(1)).err());
+            let r1 = s.spawn(|| TcpComm::from_env(&LaunchEnv::local(1, 3, port), Duration::from_secs(30)).err());
+            let r2 = s.spawn(|| {
+                let (_, rdv) = Rendezvous::join(&LaunchEnv::local(2, 3, port), || Ok(vec![]), Duration::from_secs(30))
+                    .expect("rank 2 joins");
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while rdv.failure().get().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                rdv.failure().get()
+            });
+            (r0.join().unwrap(), r1.join().unwrap(), r2.join().unwrap())
+        });
+        let (e0, e1) = (r0.expect("rank 0 fails").to_string(), r1.expect("rank 1 fails").to_string());
+        assert!(e0.contains("during mesh setup") && e0.contains("ranks [2] never connected"), "{e0}");
+        assert!(e1.contains("during mesh setup: group failed: rank 0 could not connect the mesh"), "{e1}");
+        assert!(r2.expect("rank 2 hears").contains("rank 0 could not connect the mesh"));
+        assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
     }
 }
