@@ -243,22 +243,28 @@ impl Drop for Strangers {
 fn strangers_on_every_port_do_not_disturb_the_job() {
     let job = Job::new(2, None);
     let strangers = Strangers::start(vec![job.port]);
-    let mut r0 = job.start(0, 40, 30.0);
+    let mut r0 = job.start(0, 150, 30.0);
     strangers.add(r0.mesh_port());
     // Rank 0 waits for rank 1 under fire, on both of its ports.
     std::thread::sleep(Duration::from_millis(1500));
-    let mut r1 = job.start(1, 40, 30.0);
+    let mut r1 = job.start(1, 150, 30.0);
     strangers.add(r1.mesh_port());
     completed(&mut r0, STARTUP + Duration::from_secs(30));
     completed(&mut r1, SLACK);
     let made = strangers.made.load(Ordering::SeqCst);
     drop(strangers);
-    let log = r0.text();
     assert!(made >= 10, "only {made} garbage connections were made");
-    for port in ["rank 0 rendezvous port", "rank 0 mesh"] {
-        let closed = log.lines().any(|l| l.contains(port) && l.contains("without a valid handshake"));
-        assert!(closed, "nothing closed on the {port}:\n{log}");
-    }
+    // Strangers were closed in every stage: the rendezvous, the mesh setup, the run.
+    let log = r0.text();
+    let lines: Vec<&str> = log.lines().collect();
+    let at = |needle: &str| lines.iter().position(|l| l.contains(needle)).unwrap_or_else(|| panic!("{needle}:\n{log}"));
+    let (joined, meshed) = (at("rank 1 joined"), at("mesh of 2 ranks connected"));
+    let closed = |port: &str, range: std::ops::Range<usize>| {
+        lines[range].iter().any(|l| l.contains(port) && l.contains("without a valid handshake"))
+    };
+    assert!(closed("rank 0 rendezvous port", 0..joined), "none closed during the rendezvous:\n{log}");
+    assert!(closed("rank 0 mesh", 0..lines.len()), "none closed on the mesh port:\n{log}");
+    assert!(closed("rank 0 rendezvous port", meshed..lines.len()), "none closed during the run:\n{log}");
 }
 
 /// Rank 1 joins the rendezvous of a three-rank job and is killed before rank 2 comes: rank 0
