@@ -93,7 +93,12 @@ impl LaunchEnv {
             .map_err(|_| MoeError::Config(format!("MASTER_PORT={master_port} is not a port")))?;
         let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
         let job = get("MOEFLOW_JOB")
-            .map(|j| JobId::new(j.trim()).map_err(|e| MoeError::Config(format!("MOEFLOW_JOB: {e}"))))
+            .map(|j| {
+                JobId::new(j.trim()).map_err(|e| match e {
+                    MoeError::Config(why) => MoeError::Config(format!("MOEFLOW_JOB: {why}")),
+                    other => other,
+                })
+            })
             .transpose()?;
         let bind = get("MOEFLOW_BIND")
             .map(|b| b.trim().parse().map_err(|_| MoeError::Config(format!("MOEFLOW_BIND={b:?} is not an IP address"))))
