@@ -69,6 +69,12 @@ impl LayerArgs {
     }
 }
 
+/// The launcher's variables, when this process is one rank of a launched job: the one place
+/// the command line reads the environment (the variables are listed in `moeflow --help`).
+pub fn launch_env() -> Result<Option<moeflow::comm::LaunchEnv>> {
+    moeflow::comm::LaunchEnv::from_vars(|name| std::env::var(name).ok())
+}
+
 /// Bytes as GiB.
 pub fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64

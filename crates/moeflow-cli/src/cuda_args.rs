@@ -20,7 +20,6 @@ pub fn variables_help() -> String {
     for (name, what) in CUDA_VARIABLES {
         s += &format!("  {name:<24} {what}\n");
     }
-    s += "  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT: set by `moeflow launch` or torchrun; this process is one rank of a job\n";
     s
 }
 

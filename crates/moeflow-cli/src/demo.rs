@@ -92,7 +92,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     if gpu && par.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
     }
-    let host = RankHost::detect(gpu)?;
+    let host = RankHost::detect(gpu, crate::common::launch_env()?);
     let h = config.hidden;
     // Tokens [lo, hi) of the batch that this process computed (all of them unless launched).
     // One warm-up, then `--runs` timed forwards: (last output, median seconds, runs).

@@ -1,7 +1,7 @@
 //! `moeflow launch --gpus N -- <moeflow arguments>`: starts N local processes of this program,
 //! one per GPU (or, with `--backend cpu`, N CPU ranks talking over TCP), with the torchrun-style
 //! variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-//! MASTER_PORT) set, and waits for them. When one fails, the others get a grace period (their
+//! MASTER_PORT) and a fresh job token (MOEFLOW_JOB) set, and waits for them. When one fails, the others get a grace period (their
 //! own collectives fail within their deadline once the failure is known) and are then killed.
 
 use moeflow::{MoeError, Result};
@@ -36,6 +36,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             moeflow::comm::free_port().map_err(|e| MoeError::Io { context: "choosing a port".into(), source: e })?
         }
     };
+    let job = moeflow::comm::JobId::random();
     let mut children: Vec<Child> = Vec::new();
     for rank in 0..args.gpus {
         let child = Command::new(&exe)
@@ -45,6 +46,7 @@ pub fn run(args: LaunchArgs) -> Result<()> {
             .env("LOCAL_RANK", rank.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string())
+            .env("MOEFLOW_JOB", job.as_str())
             .spawn()
             .map_err(|e| MoeError::Io { context: format!("starting rank {rank}"), source: e })?;
         children.push(child);

@@ -11,10 +11,31 @@ mod run;
 
 use clap::{Parser, Subcommand};
 
+/// The environment a rank of a multi-process job reads (set by `moeflow launch`, torchrun or
+/// by hand).
+const ENVIRONMENT: &str = "\
+Environment of a rank of a multi-process job (set by `moeflow launch`, torchrun or by hand):
+  RANK, WORLD_SIZE   this process's rank and the number of processes
+  LOCAL_RANK         the GPU of this host it uses (default: RANK)
+  MASTER_ADDR        rank 0's address (default 127.0.0.1); rank 0 listens on it only
+  MASTER_PORT        rank 0's rendezvous port (default 29500)
+  MOEFLOW_JOB        the job token every rank presents; processes of another job are refused
+                     (`moeflow launch` sets a fresh one; without it rank 0 draws one)
+  MOEFLOW_BIND       the IP this rank's listeners bind to (default: MASTER_ADDR on rank 0, the
+                     address that reaches rank 0 elsewhere; 0.0.0.0 for every interface)";
+
+/// [`ENVIRONMENT`] and the GPU layers' variables, for `--help`.
+fn environment_help() -> String {
+    format!("{ENVIRONMENT}\n\n{}", cuda_args::variables_help())
+}
+
 /// moeflow: the Mixture-of-Experts layer engine.
 #[derive(Parser)]
-#[command(name = "moeflow", version, about, long_about = None, after_long_help = cuda_args::variables_help())]
+#[command(name = "moeflow", version, about, long_about = None, after_help = environment_help())]
 struct Cli {
+    /// Log debug messages to stderr (connections a rank closed or refused, job stages).
+    #[arg(long, short, global = true)]
+    verbose: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -37,6 +58,8 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    let level = if cli.verbose { log::LevelFilter::Debug } else { log::LevelFilter::Warn };
+    env_logger::Builder::new().filter_level(level).init();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),

@@ -63,7 +63,7 @@ pub fn run(args: RunArgs) -> Result<()> {
     if gpu && par.quant != moeflow::quant::QuantConfig::None {
         return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
     }
-    let host = RankHost::detect(gpu)?;
+    let host = RankHost::detect(gpu, crate::common::launch_env()?);
     let spec = RankLayerSpec {
         chunk_size: args.chunk_size,
         cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,

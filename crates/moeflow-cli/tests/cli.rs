@@ -243,13 +243,18 @@ fn demo_check_bench_inspect() {
 fn launch_runs_cpu_ranks_as_processes_and_reports_errors() {
     // Three processes over TCP: each checks its share of the tokens bit for bit against one
     // rank and against the f64 reference.
-    let demo = ["demo", "--ep", "3", "--experts", "8", "--tokens", "40", "--runs", "1"];
+    let demo = ["--verbose", "demo", "--ep", "3", "--experts", "8", "--tokens", "40", "--runs", "1"];
     let res = moeflow(&[&["launch", "--gpus", "3", "--"][..], &demo].concat());
     let t = text(&res);
     assert!(res.status.success(), "{t}");
     for r in 0..3 {
         assert!(t.contains(&format!("rank {r} of 3 processes (TCP)")), "{t}");
     }
+    // The launcher gave the job a token of its own, which every rank joined with.
+    let tokens: Vec<&str> =
+        t.lines().filter_map(|l| l.split("joined job ").nth(1)).map(|r| r.split(' ').next().unwrap()).collect();
+    assert_eq!(tokens.len(), 3, "{t}");
+    assert!(tokens.iter().all(|&j| j == tokens[0] && j.len() == 32), "{tokens:?}");
     assert_eq!(t.matches("bit-for-bit identical").count(), 3, "{t}");
     assert_eq!(t.matches("check           OK").count(), 3, "{t}");
     // A layout that does not match the job fails on every rank, and launch says so.

@@ -279,14 +279,14 @@ pub enum RankHost {
 }
 
 impl RankHost {
-    /// The ranks for `gpu` (CUDA experts or CPU ones): this process's rank of a launched job
-    /// when the launcher's environment is set, else threads of this process.
-    pub fn detect(gpu: bool) -> Result<RankHost> {
-        Ok(match crate::comm::LaunchEnv::from_env()? {
+    /// The ranks for `gpu` (CUDA experts or CPU ones): this process's rank of the launched job
+    /// `launched` (the launcher's variables, when set), else threads of this process.
+    pub fn detect(gpu: bool, launched: Option<crate::comm::LaunchEnv>) -> RankHost {
+        match launched {
             Some(env) => RankHost::Launched { env, gpu },
             None if gpu => RankHost::Gpus,
             None => RankHost::Threads,
-        })
+        }
     }
 
     /// This process's rank in a launched job (`None` when every rank runs here).

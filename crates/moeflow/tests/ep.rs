@@ -295,13 +295,7 @@ fn ranks_over_tcp_match_one_rank_bit_for_bit() {
                     .map(|rank| {
                         let (par, placement, config, weights) = (&par, placement.clone(), &config, &weights);
                         s.spawn(move || {
-                            let env = LaunchEnv {
-                                rank,
-                                world_size: ep,
-                                local_rank: rank,
-                                master_addr: "127.0.0.1".into(),
-                                master_port: port,
-                            };
+                            let env = LaunchEnv::local(rank, ep, port);
                             let host = RankHost::Launched { env, gpu: false };
                             let mut res = on_ranks(&host, ep, par.timeout, |comm, kind| {
                                 assert!(comm.as_any().downcast_ref::<TcpComm>().is_some());

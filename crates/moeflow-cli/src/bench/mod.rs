@@ -139,7 +139,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
-    let host = RankHost::detect(gpu)?;
+    let host = RankHost::detect(gpu, crate::common::launch_env()?);
     if args.torch_baseline {
         check_torch_baseline(&args, gpu, &host)?;
     }

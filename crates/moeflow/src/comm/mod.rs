@@ -5,11 +5,15 @@
 //! on top of it that a native backend (NCCL) may replace. Reductions sum in rank order, so they
 //! are deterministic. Every call has a deadline; a failure on one rank becomes an error on all.
 
+mod handshake;
+mod job;
 pub mod meeting;
 mod rendezvous;
 mod tcp;
 mod threads;
 
+pub use handshake::HANDSHAKE_DEADLINE;
+pub use job::{JobId, MAX_JOB_LEN};
 pub use rendezvous::{free_port, LaunchEnv, Rendezvous};
 pub use tcp::TcpComm;
 pub use threads::{run_ranks, ThreadComm, ThreadGroup};

@@ -2,24 +2,30 @@
 //! hands every other rank a payload (the NCCL unique id), and a liveness channel over the same
 //! connections so that a rank that dies or fails is known to every other rank at once.
 //!
-//! Wire format: a hello `[magic u32, rank u32, world u32, port u32]` from each rank to rank 0,
-//! answered by `[len u32, payload]` and `[len u32, table]` (every rank's `ip:port`, comma
-//! separated, rank 0's ip empty: it is `MASTER_ADDR`); afterwards messages of one kind byte:
-//! `A` + `[len u32, reason]` (abort), `B` (clean exit), `M` + `[key u64, size u32]` (this
-//! rank has reached meeting `key` of `size` ranks; sent to rank 0) and `G` + `[key u64]`
-//! (everyone has; rank 0 to each member). Rank 0 forwards an abort to every rank. A
-//! connection that closes without `B` means its process is gone.
+//! Rank 0 listens on `MASTER_ADDR:MASTER_PORT` (or the address the job is told to bind) through
+//! a [`Gate`]: every connection must open with a hello (see `handshake`) giving the job token,
+//! the rank and the world size. Strangers are closed and logged at debug level; a hello from
+//! another job, a taken rank or another world size is refused with the reason, which the
+//! newcomer reports as its error; the job goes on. Rank 0 answers an accepted rank, once all
+//! are there, with `K`, `[len u32, payload]`, `[len u32, table]` (every rank's mesh listener
+//! `ip:port`, comma separated, rank 0's ip empty: it is `MASTER_ADDR`) and `[len u32, job
+//! token]` (the launcher's, or one rank 0 drew). It keeps refusing newcomers until it exits.
+//!
+//! Afterwards messages of one kind byte: `A` + `[len u32, reason]` (abort), `B` (clean exit),
+//! `M` + `[key u64, size u32]` (this rank has reached meeting `key` of `size` ranks; sent to
+//! rank 0) and `G` + `[key u64]` (everyone has; rank 0 to each member). Rank 0 forwards an
+//! abort to every rank. A connection that closes without `B` means its process is gone.
 
+use super::handshake::{self, read_answer, read_blob_by, refuse, write_blob, Channel, Gate, Hello};
+use super::job::JobId;
 use super::Failure;
 use crate::error::{MoeError, Result};
 use std::collections::{HashMap, HashSet};
 use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
-
-const MAGIC: u32 = 0x6d6f_6566; // "moef"
 
 /// Where this process sits in a job started by a torchrun-style launcher.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,11 +40,34 @@ pub struct LaunchEnv {
     pub master_addr: String,
     /// `MASTER_PORT`: port rank 0 listens on.
     pub master_port: u16,
+    /// `MOEFLOW_JOB`: the job token every rank presents (none: rank 0 draws one, and any
+    /// process started without a token may join).
+    pub job: Option<JobId>,
+    /// `MOEFLOW_BIND`: the address this rank's listeners bind to. Without it rank 0 binds
+    /// `MASTER_ADDR` and every other rank the address it reaches rank 0 from, never every
+    /// interface unless told `0.0.0.0`.
+    pub bind: Option<IpAddr>,
 }
 
 impl LaunchEnv {
-    /// Reads the launcher variables through `get`; `None` when `RANK` and `WORLD_SIZE` are both
-    /// unset, an error naming the variable when one is missing or malformed.
+    /// Rank `rank` of a job of `world_size` ranks on this host (rank 0 at 127.0.0.1:`port`),
+    /// without a job token or bind address.
+    pub fn local(rank: usize, world_size: usize, port: u16) -> LaunchEnv {
+        LaunchEnv {
+            rank,
+            world_size,
+            local_rank: rank,
+            master_addr: "127.0.0.1".into(),
+            master_port: port,
+            job: None,
+            bind: None,
+        }
+    }
+
+    /// Reads the launcher variables (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`,
+    /// `MASTER_PORT`, `MOEFLOW_JOB`, `MOEFLOW_BIND`) through `get`; `None` when `RANK` and
+    /// `WORLD_SIZE` are both unset, an error naming the variable when one is missing or
+    /// malformed.
     pub fn from_vars(get: impl Fn(&str) -> Option<String>) -> Result<Option<LaunchEnv>> {
         if get("RANK").is_none() && get("WORLD_SIZE").is_none() {
             return Ok(None);
@@ -63,12 +92,18 @@ impl LaunchEnv {
         let master_port = u16::try_from(master_port)
             .map_err(|_| MoeError::Config(format!("MASTER_PORT={master_port} is not a port")))?;
         let master_addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into());
-        Ok(Some(LaunchEnv { rank, world_size, local_rank, master_addr, master_port }))
-    }
-
-    /// [`LaunchEnv::from_vars`] over the process environment.
-    pub fn from_env() -> Result<Option<LaunchEnv>> {
-        Self::from_vars(|k| std::env::var(k).ok())
+        let job = get("MOEFLOW_JOB")
+            .map(|j| {
+                JobId::new(j.trim()).map_err(|e| match e {
+                    MoeError::Config(why) => MoeError::Config(format!("MOEFLOW_JOB: {why}")),
+                    other => other,
+                })
+            })
+            .transpose()?;
+        let bind = get("MOEFLOW_BIND")
+            .map(|b| b.trim().parse().map_err(|_| MoeError::Config(format!("MOEFLOW_BIND={b:?} is not an IP address"))))
+            .transpose()?;
+        Ok(Some(LaunchEnv { rank, world_size, local_rank, master_addr, master_port, job, bind }))
     }
 }
 
@@ -80,11 +115,12 @@ fn io_err(rank: usize, what: &str, e: impl std::fmt::Display) -> MoeError {
 /// exited cleanly.
 pub struct Rendezvous {
     rank: usize,
+    job: JobId,
     /// Write halves: rank 0 holds one per other rank (index = rank - 1), others hold rank 0's.
     peers: Arc<Vec<Mutex<TcpStream>>>,
     failure: Failure,
     /// Set while this rank shuts down, so that its own closing sockets are not taken as a
-    /// peer's death.
+    /// peer's death (and rank 0 stops answering newcomers).
     closing: Arc<AtomicBool>,
     meetings: Arc<Meetings>,
 }
@@ -101,6 +137,19 @@ struct Meetings {
     host_left: AtomicBool,
 }
 
+/// What a rank takes from the rendezvous.
+pub(crate) struct Joined {
+    /// The bytes rank 0's payload function returned.
+    pub payload: Vec<u8>,
+    /// Every rank's mesh listener, `host:port`, indexed by rank (port 0: none).
+    pub addrs: Vec<String>,
+    /// This rank's mesh listener, when asked for, bound where the rendezvous says (see
+    /// [`LaunchEnv::bind`]).
+    pub listener: Option<TcpListener>,
+    /// The connections to the other ranks.
+    pub rendezvous: Rendezvous,
+}
+
 impl Rendezvous {
     /// Joins the job described by `env`. Rank 0 listens on `MASTER_PORT`, waits for every
     /// other rank and sends each the bytes `payload` returns; the others connect (retrying
@@ -110,93 +159,39 @@ impl Rendezvous {
         payload: impl FnOnce() -> Result<Vec<u8>>,
         timeout: Duration,
     ) -> Result<(Vec<u8>, Rendezvous)> {
-        let (data, _, me) = Self::join_listening(env, payload, 0, timeout)?;
-        Ok((data, me))
+        let joined = Self::join_inner(env, payload, false, timeout)?;
+        Ok((joined.payload, joined.rendezvous))
     }
 
-    /// [`Rendezvous::join`] that also tells every rank where every other rank listens:
-    /// `port` is this rank's listening port, and the addresses come back indexed by rank.
-    pub fn join_listening(
+    /// [`Rendezvous::join`] without a payload that also opens this rank's mesh listener
+    /// (always present in the result) and tells every rank where every other rank's is.
+    pub(crate) fn join_listening(env: &LaunchEnv, timeout: Duration) -> Result<Joined> {
+        Self::join_inner(env, || Ok(Vec::new()), true, timeout)
+    }
+
+    fn join_inner(
         env: &LaunchEnv,
         payload: impl FnOnce() -> Result<Vec<u8>>,
-        port: u16,
+        listen: bool,
         timeout: Duration,
-    ) -> Result<(Vec<u8>, Vec<String>, Rendezvous)> {
+    ) -> Result<Joined> {
         let deadline = Instant::now() + timeout;
-        let rank = env.rank;
-        let failure = Failure::default();
-        if rank == 0 {
-            let listener = TcpListener::bind(("0.0.0.0", env.master_port))
-                .map_err(|e| io_err(rank, &format!("listening on port {}", env.master_port), e))?;
-            listener.set_nonblocking(true).map_err(|e| io_err(rank, "listener", e))?;
-            let mut conns: Vec<Option<TcpStream>> = (1..env.world_size).map(|_| None).collect();
-            let mut table: Vec<String> = vec![format!(":{port}"); env.world_size];
-            while conns.iter().any(Option::is_none) {
-                match listener.accept() {
-                    Ok((mut s, from)) => {
-                        s.set_nonblocking(false).map_err(|e| io_err(rank, "socket", e))?;
-                        s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(MIN_WAIT)))
-                            .map_err(|e| io_err(rank, "socket", e))?;
-                        let hello = read_u32s::<4>(&mut s).map_err(|e| io_err(rank, "reading a hello", e))?;
-                        let (r, w) = (hello[1] as usize, hello[2] as usize);
-                        if hello[0] != MAGIC {
-                            continue; // not one of ours
-                        }
-                        if w != env.world_size || r == 0 || r >= w || conns[r - 1].is_some() {
-                            return Err(io_err(
-                                rank,
-                                "bad hello",
-                                format!("rank {r} of world {w} (this job: world {})", env.world_size),
-                            ));
-                        }
-                        table[r] = std::net::SocketAddr::new(from.ip(), hello[3] as u16).to_string();
-                        conns[r - 1] = Some(s);
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        if Instant::now() >= deadline {
-                            let missing: Vec<usize> = (1..env.world_size).filter(|r| conns[r - 1].is_none()).collect();
-                            return Err(io_err(rank, "timed out", format!("ranks {missing:?} never connected")));
-                        }
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => return Err(io_err(rank, "accept", e)),
-                }
-            }
-            let data = payload()?;
-            let conns: Vec<TcpStream> = conns.into_iter().flatten().collect();
-            let listing = table.join(",");
-            for s in &conns {
-                let mut s = s;
-                write_blob(&mut s, &data).map_err(|e| io_err(rank, "sending the payload", e))?;
-                write_blob(&mut s, listing.as_bytes()).map_err(|e| io_err(rank, "sending the table", e))?;
-            }
-            let me = Rendezvous::watch(rank, conns, failure)?;
-            Ok((data, resolve(&listing, &env.master_addr), me))
+        if env.rank == 0 {
+            host(env, payload, listen, deadline)
         } else {
-            let addr = format!("{}:{}", env.master_addr, env.master_port);
-            let mut s = loop {
-                match TcpStream::connect(&addr) {
-                    Ok(s) => break s,
-                    Err(e) if Instant::now() >= deadline => {
-                        return Err(io_err(rank, &format!("connecting to rank 0 at {addr}"), e))
-                    }
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            };
-            let hello = [MAGIC, rank as u32, env.world_size as u32, u32::from(port)];
-            s.write_all(bytemuck::cast_slice(&hello)).map_err(|e| io_err(rank, "sending hello", e))?;
-            s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(MIN_WAIT)))
-                .map_err(|e| io_err(rank, "socket", e))?;
-            let data = read_blob(&mut s).map_err(|e| io_err(rank, "receiving the payload from rank 0", e))?;
-            let listing = read_blob(&mut s).map_err(|e| io_err(rank, "receiving the table from rank 0", e))?;
-            let me = Rendezvous::watch(rank, vec![s], failure)?;
-            Ok((data, resolve(&String::from_utf8_lossy(&listing), &env.master_addr), me))
+            guest(env, listen, deadline)
         }
+    }
+
+    /// The job's token (the launcher's, or the one rank 0 drew).
+    pub fn job(&self) -> &JobId {
+        &self.job
     }
 
     /// Starts one reader thread per connection that records aborts and lost peers in the
     /// failure flag (rank 0 also forwards them to every other rank) and handles meetings.
-    fn watch(rank: usize, conns: Vec<TcpStream>, failure: Failure) -> Result<Rendezvous> {
+    fn watch(rank: usize, job: JobId, conns: Vec<TcpStream>) -> Result<Rendezvous> {
+        let failure = Failure::default();
         let mut readers = Vec::new();
         for s in &conns {
             s.set_read_timeout(None).map_err(|e| io_err(rank, "socket", e))?;
@@ -236,7 +231,7 @@ impl Rendezvous {
                 }
             });
         }
-        Ok(Rendezvous { rank, peers, failure, closing, meetings })
+        Ok(Rendezvous { rank, job, peers, failure, closing, meetings })
     }
 
     /// Waits until all `size` ranks that meet at `key` (a number they agree on, used once)
@@ -291,7 +286,182 @@ impl Drop for Rendezvous {
     }
 }
 
-const MIN_WAIT: Duration = Duration::from_millis(100);
+/// How often rank 0 looks at the ranks that joined, to forget those that left.
+const LOOK: Duration = Duration::from_millis(50);
+
+/// Rank 0's side of the rendezvous (see [`Rendezvous::join`]).
+fn host(env: &LaunchEnv, payload: impl FnOnce() -> Result<Vec<u8>>, listen: bool, deadline: Instant) -> Result<Joined> {
+    let (world, port) = (env.world_size, env.master_port);
+    let bound = match env.bind {
+        Some(ip) => TcpListener::bind((ip, port)),
+        None => TcpListener::bind((env.master_addr.as_str(), port)),
+    };
+    let at = env.bind.map_or_else(|| env.master_addr.clone(), |ip| ip.to_string());
+    let listener = bound.map_err(|e| io_err(0, &format!("listening on {at}:{port}"), e))?;
+    let ip = listener.local_addr().map_err(|e| io_err(0, "listener", e))?.ip();
+    let mesh = listen.then(|| TcpListener::bind((ip, 0))).transpose().map_err(|e| io_err(0, "mesh listener", e))?;
+    let mesh_port =
+        mesh.as_ref().map(|l| l.local_addr().map(|a| a.port())).transpose().map_err(|e| io_err(0, "mesh", e))?;
+    log::debug!("rank 0: rendezvous of {world} ranks listening on {at}:{port}");
+    if let Some(mesh_port) = mesh_port {
+        log::debug!("rank 0: mesh listening on {ip}:{mesh_port}");
+    }
+    let gate = Gate::open(listener, format!("rank 0 rendezvous port {port}")).map_err(|e| io_err(0, "listener", e))?;
+    // Joined ranks by rank (0 unused): the connection and where its mesh listener is.
+    let mut joined: Vec<Option<(TcpStream, String)>> = (0..world).map(|_| None).collect();
+    // Refusals and departures, reported if the rendezvous fails.
+    let mut notes: Vec<String> = Vec::new();
+    loop {
+        for (r, slot) in joined.iter_mut().enumerate() {
+            if slot.as_ref().is_some_and(|(s, _)| gone(s)) {
+                log::debug!("rank 0: rank {r} left before the rendezvous completed");
+                notes.push(format!("rank {r} joined and then left"));
+                *slot = None;
+            }
+        }
+        if joined.iter().skip(1).all(Option::is_some) {
+            break;
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (1..world).filter(|&r| joined[r].is_none()).collect();
+            let mut why = format!("ranks {missing:?} never joined");
+            if !notes.is_empty() {
+                why += &format!(" ({})", notes.join("; "));
+            }
+            for (s, _) in joined.into_iter().flatten() {
+                refuse(s, &format!("rank 0 timed out waiting for the others: {why}"));
+            }
+            return Err(io_err(0, "timed out", why));
+        }
+        let Some(a) = gate.next(deadline.min(Instant::now() + LOOK)) else { continue };
+        let h = &a.hello;
+        match h.mismatch(Channel::Rendezvous, env.job.as_ref(), world, 1..world, |r| joined[r].is_some()) {
+            Some(reason) => {
+                log::debug!("rank 0: refused {} (rank {} of {}): {reason}", a.from, h.rank, h.world);
+                notes.push(format!("refused rank {} from {}: {reason}", h.rank, a.from));
+                refuse(a.stream, &reason);
+            }
+            None => {
+                log::debug!("rank 0: rank {} joined from {}", h.rank, a.from);
+                let mesh_at = SocketAddr::new(h.listen_ip.unwrap_or(a.from.ip()), h.port).to_string();
+                joined[h.rank] = Some((a.stream, mesh_at));
+            }
+        }
+    }
+    let data = match payload() {
+        Ok(d) => d,
+        Err(e) => {
+            for (s, _) in joined.into_iter().flatten() {
+                refuse(s, &format!("rank 0 failed: {e}"));
+            }
+            return Err(e);
+        }
+    };
+    let job = env.job.clone().unwrap_or_else(JobId::random);
+    let mut table = vec![format!(":{}", mesh_port.unwrap_or(0))];
+    table.extend(joined.iter().skip(1).flatten().map(|(_, at)| at.clone()));
+    let listing = table.join(",");
+    let mut conns = Vec::with_capacity(world - 1);
+    let mut lost = None;
+    for (r, (mut s, _)) in joined.into_iter().enumerate().skip(1).filter_map(|(r, j)| j.map(|j| (r, j))) {
+        let sent = handshake::accept(&mut s)
+            .and_then(|_| write_blob(&mut s, &data))
+            .and_then(|_| write_blob(&mut s, listing.as_bytes()))
+            .and_then(|_| write_blob(&mut s, job.as_str().as_bytes()));
+        if let Err(e) = sent {
+            lost.get_or_insert(format!("rank {r} was lost as the rendezvous completed: {e}"));
+        }
+        conns.push(s);
+    }
+    let me = Rendezvous::watch(0, job, conns)?;
+    if let Some(reason) = lost {
+        me.abort(&reason);
+        return Err(io_err(0, "completing", reason));
+    }
+    turn_away_newcomers(gate, env.job.clone(), world, me.closing.clone());
+    log::debug!("rank 0: all {world} ranks joined job {}", me.job);
+    Ok(Joined { payload: data, addrs: resolve(&listing, &env.master_addr), listener: mesh, rendezvous: me })
+}
+
+/// Whether the peer of `s`, which has nothing to say yet, closed its end.
+fn gone(s: &TcpStream) -> bool {
+    let mut b = [0u8; 1];
+    let closed = s.set_nonblocking(true).is_ok()
+        && match s.peek(&mut b) {
+            Ok(n) => n == 0,
+            Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+        };
+    let _ = s.set_nonblocking(false);
+    closed
+}
+
+/// Rank 0, once every rank joined: answers every later hello with why it cannot join (a taken
+/// rank, another job, another world size) until this rank shuts down (`closing`).
+fn turn_away_newcomers(gate: Gate, job: Option<JobId>, world: usize, closing: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        while !closing.load(Ordering::SeqCst) {
+            if let Some(a) = gate.next(Instant::now() + LOOK) {
+                let reason = a
+                    .hello
+                    .mismatch(Channel::Rendezvous, job.as_ref(), world, 1..world, |_| true)
+                    .unwrap_or_else(|| "the job is complete".into());
+                log::debug!("rank 0: refused {} (rank {}): {reason}", a.from, a.hello.rank);
+                refuse(a.stream, &format!("{reason} (all {world} ranks of this job are running)"));
+            }
+        }
+    });
+}
+
+/// The side of the rendezvous of every rank but 0 (see [`Rendezvous::join`]).
+fn guest(env: &LaunchEnv, listen: bool, deadline: Instant) -> Result<Joined> {
+    let rank = env.rank;
+    let addr = format!("{}:{}", env.master_addr, env.master_port);
+    let mut s = loop {
+        match TcpStream::connect(&addr) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(io_err(rank, &format!("connecting to rank 0 at {addr}"), e))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    let ip = match env.bind {
+        Some(ip) => ip,
+        None => s.local_addr().map_err(|e| io_err(rank, "socket", e))?.ip(),
+    };
+    let mesh = listen
+        .then(|| TcpListener::bind((ip, 0)))
+        .transpose()
+        .map_err(|e| io_err(rank, &format!("listening on {ip}"), e))?;
+    let port =
+        mesh.as_ref().map(|l| l.local_addr().map(|a| a.port())).transpose().map_err(|e| io_err(rank, "mesh", e))?;
+    if let Some(port) = port {
+        log::debug!("rank {rank}: mesh listening on {ip}:{port}");
+    }
+    let hello = Hello {
+        channel: Channel::Rendezvous,
+        rank,
+        world: env.world_size,
+        port: port.unwrap_or(0),
+        job: env.job.clone(),
+        listen_ip: env.bind.filter(|ip| !ip.is_unspecified()),
+    };
+    hello.write(&mut s).map_err(|e| io_err(rank, &format!("greeting rank 0 at {addr}"), e))?;
+    match read_answer(&mut s, deadline) {
+        Ok(Ok(())) => {}
+        Ok(Err(reason)) => return Err(io_err(rank, &format!("rank 0 at {addr} refused this process"), reason)),
+        Err(e) => return Err(io_err(rank, &format!("waiting for rank 0 at {addr} to answer"), e)),
+    }
+    let mut blob = |what: &str| {
+        read_blob_by(&mut s, deadline).map_err(|e| io_err(rank, &format!("receiving the {what} from rank 0"), e))
+    };
+    let (data, listing, job) = (blob("payload")?, blob("table")?, blob("job token")?);
+    let job = JobId::new(&String::from_utf8_lossy(&job)).map_err(|e| io_err(rank, "job token from rank 0", e))?;
+    let me = Rendezvous::watch(rank, job, vec![s])?;
+    log::debug!("rank {rank}: joined job {} of {} ranks", me.job, env.world_size);
+    let addrs = resolve(&String::from_utf8_lossy(&listing), &env.master_addr);
+    Ok(Joined { payload: data, addrs, listener: mesh, rendezvous: me })
+}
 
 /// The `ip:port` table with rank 0's empty ip replaced by `master`.
 fn resolve(listing: &str, master: &str) -> Vec<String> {
@@ -376,11 +546,6 @@ fn read_u64(s: &mut impl Read) -> std::io::Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-fn write_blob(s: &mut impl Write, data: &[u8]) -> std::io::Result<()> {
-    s.write_all(&(data.len() as u32).to_le_bytes())?;
-    s.write_all(data)
-}
-
 fn read_blob(s: &mut impl Read) -> std::io::Result<Vec<u8>> {
     let [len] = read_u32s::<1>(s)?;
     let len = u32::from_le(len) as usize;
@@ -417,7 +582,7 @@ mod tests {
     use super::*;
 
     fn env(rank: usize, world: usize, port: u16) -> LaunchEnv {
-        LaunchEnv { rank, world_size: world, local_rank: rank, master_addr: "127.0.0.1".into(), master_port: port }
+        LaunchEnv::local(rank, world, port)
     }
 
     fn free_port() -> u16 {
@@ -564,8 +729,121 @@ mod tests {
     fn missing_rank_times_out_with_a_named_error() {
         let port = free_port();
         let e = Rendezvous::join(&env(0, 3, port), || Ok(vec![1]), Duration::from_millis(300)).err().unwrap();
-        assert!(e.to_string().contains("ranks [1, 2] never connected"), "{e}");
+        assert!(e.to_string().contains("ranks [1, 2] never joined"), "{e}");
         let e = Rendezvous::join(&env(1, 3, free_port()), || Ok(vec![1]), Duration::from_millis(300)).err().unwrap();
         assert!(e.to_string().contains("connecting to rank 0"), "{e}");
+    }
+
+    fn with_job(mut e: LaunchEnv, job: &str) -> LaunchEnv {
+        e.job = Some(JobId::new(job).unwrap());
+        e
+    }
+
+    /// Joins `env` on a thread; the error text, or `Ok` with the joined rendezvous.
+    fn spawn_join(
+        env: LaunchEnv,
+        timeout: Duration,
+    ) -> std::thread::JoinHandle<std::result::Result<Rendezvous, String>> {
+        std::thread::spawn(move || {
+            Rendezvous::join(&env, || Ok(vec![5]), timeout).map(|(_, r)| r).map_err(|e| e.to_string())
+        })
+    }
+
+    #[test]
+    fn misfits_are_refused_with_the_reason_and_the_job_goes_on() {
+        let port = free_port();
+        let t = Duration::from_secs(20);
+        let job = |r: usize, w: usize, j: &str| with_job(env(r, w, port), j);
+        let host = spawn_join(job(0, 3, "a"), t);
+        let first = spawn_join(job(1, 3, "a"), t);
+        // Wait until rank 1 is in: a second rank 1 is then refused as a duplicate.
+        std::thread::sleep(Duration::from_millis(300));
+        let refused = |e: LaunchEnv| {
+            let start = Instant::now();
+            let err = Rendezvous::join(&e, || Ok(vec![]), t).err().expect("refused").to_string();
+            assert!(start.elapsed() < Duration::from_secs(5), "the refusal took {:?}", start.elapsed());
+            err
+        };
+        let e = refused(job(1, 3, "a"));
+        assert!(e.contains("rank 0 at 127.0.0.1") && e.contains("rank 1 is already taken"), "{e}");
+        let e = refused(job(2, 3, "b"));
+        assert!(e.contains("job mismatch") && e.contains("\"a\"") && e.contains("\"b\""), "{e}");
+        let e = refused(env(2, 3, port));
+        assert!(e.contains("job mismatch") && e.contains("newcomer's is none"), "{e}");
+        let e = refused(job(2, 4, "a"));
+        assert!(e.contains("this job has 3 ranks, the newcomer was started for 4"), "{e}");
+        // The job's own rank 2 still completes it; a later rank 1 hears the job is complete.
+        let last = spawn_join(job(2, 3, "a"), t);
+        let ranks: Vec<Rendezvous> = [host, first, last].into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        assert!(ranks.iter().all(|r| r.job().as_str() == "a" && r.failure().get().is_none()));
+        let e = refused(job(1, 3, "a"));
+        assert!(e.contains("rank 1 is already taken") && e.contains("all 3 ranks of this job are running"), "{e}");
+        assert!(ranks.iter().all(|r| r.failure().get().is_none()), "a refused newcomer failed the job");
+    }
+
+    #[test]
+    fn a_rank_that_left_is_forgotten_and_named_and_strangers_change_nothing() {
+        let port = free_port();
+        let host = spawn_join(env(0, 3, port), Duration::from_millis(1500));
+        // Strangers: garbage, a silent connection, a slow drip.
+        std::thread::sleep(Duration::from_millis(100));
+        let mut garbage = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        garbage.write_all(b"\x16\x03\x01 garbage garbage garbage").unwrap();
+        let _silent = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        // Rank 1 joins and vanishes before rank 2 comes; rank 2 never does.
+        let mut hello = Vec::new();
+        Hello { channel: Channel::Rendezvous, rank: 1, world: 3, port: 0, job: None, listen_ip: None }
+            .write(&mut hello)
+            .unwrap();
+        let mut gone = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        gone.write_all(&hello).unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        drop(gone);
+        let start = Instant::now();
+        let e = host.join().unwrap().err().expect("rank 0 fails");
+        assert!(e.contains("during rendezvous") && e.contains("ranks [1, 2] never joined"), "{e}");
+        assert!(e.contains("rank 1 joined and then left"), "{e}");
+        assert!(start.elapsed() < Duration::from_secs(3), "rank 0 overran its deadline");
+        // A rank that joined hears why rank 0 gave up.
+        let port = free_port();
+        let host = spawn_join(env(0, 3, port), Duration::from_millis(800));
+        let e = spawn_join(env(1, 3, port), Duration::from_secs(20)).join().unwrap().err().unwrap();
+        assert!(e.contains("rank 0 timed out waiting for the others: ranks [2] never joined"), "{e}");
+        assert!(host.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn rank_0_listens_on_master_addr_only() {
+        let port = free_port();
+        let host = spawn_join(env(0, 2, port), Duration::from_millis(800));
+        std::thread::sleep(Duration::from_millis(100));
+        // 127.0.0.2 is this host too (all of 127/8 is loopback), but not the address named.
+        assert!(TcpStream::connect(("127.0.0.2", port)).is_err(), "rank 0 listens beyond MASTER_ADDR");
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+        assert!(host.join().unwrap().is_err());
+        // An explicit bind address wins.
+        let port = free_port();
+        let mut e = env(0, 2, port);
+        e.bind = Some("127.0.0.2".parse().unwrap());
+        let host = spawn_join(e, Duration::from_millis(800));
+        std::thread::sleep(Duration::from_millis(100));
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+        assert!(TcpStream::connect(("127.0.0.2", port)).is_ok());
+        assert!(host.join().unwrap().is_err());
+    }
+
+    #[test]
+    fn launcher_variables_name_a_bad_job_token_or_bind_address() {
+        let vars = |extra: (&'static str, &'static str)| {
+            move |k: &str| {
+                [("RANK", "0"), ("WORLD_SIZE", "2"), extra].iter().find(|(n, _)| *n == k).map(|(_, v)| v.to_string())
+            }
+        };
+        let e = LaunchEnv::from_vars(vars(("MOEFLOW_JOB", "job 7"))).unwrap_err().to_string();
+        assert!(e.contains("MOEFLOW_JOB") && e.contains("' '"), "{e}");
+        let e = LaunchEnv::from_vars(vars(("MOEFLOW_BIND", "eth0"))).unwrap_err().to_string();
+        assert!(e.contains("MOEFLOW_BIND=\"eth0\" is not an IP address"), "{e}");
+        let ok = LaunchEnv::from_vars(vars(("MOEFLOW_JOB", "j-1"))).unwrap().unwrap();
+        assert_eq!((ok.job.unwrap().as_str(), ok.bind), ("j-1", None));
     }
 }

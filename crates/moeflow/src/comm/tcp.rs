@@ -7,7 +7,8 @@
 //! every pending collective with an error naming the rank and the operation. A sub-group from
 //! `split` gets its own mesh, so that groups can be used from different threads at once.
 
-use super::{Communicator, Failure, LaunchEnv, Rendezvous};
+use super::handshake::{accept, read_answer, refuse, Channel, Gate, Hello};
+use super::{Communicator, Failure, JobId, LaunchEnv, Rendezvous};
 use crate::error::{MoeError, Result};
 use std::io::{ErrorKind, Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -24,6 +25,8 @@ pub struct TcpComm {
     size: usize,
     /// World rank of every member (for error messages).
     world: Vec<usize>,
+    /// The host every member's listener is bound to (sub-groups listen there too).
+    hosts: Vec<String>,
     /// `(reader, writer)` per peer; `None` at this rank's own index.
     peers: Mutex<Vec<Option<(TcpStream, TcpStream)>>>,
     seq: AtomicU64,
@@ -42,19 +45,22 @@ impl TcpComm {
     pub fn from_env(env: &LaunchEnv, timeout: Duration) -> Result<TcpComm> {
         let rank = env.rank;
         let deadline = Instant::now() + timeout;
-        let listener =
-            TcpListener::bind(("0.0.0.0", 0)).map_err(|e| io_err(rank, "init", format!("listening: {e}")))?;
-        let port = listener.local_addr().map_err(|e| io_err(rank, "init", e.to_string()))?.port();
-        let (_, addrs, rdv) = Rendezvous::join_listening(env, || Ok(Vec::new()), port, timeout)?;
-        let peers = mesh(rank, &addrs, listener, deadline)?;
-        let rdv = Arc::new(rdv);
+        let joined = Rendezvous::join_listening(env, timeout)?;
+        let listener = joined.listener.ok_or_else(|| io_err(rank, "mesh setup", "no mesh listener".into()))?;
+        let rdv = Arc::new(joined.rendezvous);
+        let failure = rdv.failure();
+        // A failed mesh fails the job, so that no rank waits for this one until its deadline.
+        let peers = mesh(rank, &joined.addrs, listener, rdv.job(), &failure, deadline)
+            .inspect_err(|e| rdv.abort(&format!("rank {rank} could not connect the mesh: {e}")))?;
+        log::debug!("rank {rank}: mesh of {} ranks connected", env.world_size);
         Ok(TcpComm {
             rank,
             size: env.world_size,
             world: (0..env.world_size).collect(),
+            hosts: joined.addrs.iter().map(|a| host_of(a).to_string()).collect(),
             peers: Mutex::new(peers),
             seq: AtomicU64::new(0),
-            failure: rdv.failure(),
+            failure,
             rendezvous: rdv,
             timeout,
         })
@@ -71,50 +77,81 @@ impl TcpComm {
     }
 }
 
-/// Connects every pair of ranks: each dials the listeners of the lower ranks (saying who it
-/// is) and accepts one connection from each higher rank.
+/// The host part of `host:port` (`[v6]` keeps its brackets).
+fn host_of(addr: &str) -> &str {
+    addr.rsplit_once(':').map_or(addr, |(h, _)| h)
+}
+
+/// Connects every pair of ranks: each dials the listeners of the lower ranks (presenting the
+/// job token, its rank and the group size, and waiting to be accepted) and accepts one
+/// connection from each higher rank through a [`Gate`], which closes strangers and refuses
+/// hellos that do not fit. Ends early, with the reason, once the job has failed.
 fn mesh(
     rank: usize,
     addrs: &[String],
     listener: TcpListener,
+    job: &JobId,
+    failure: &Failure,
     deadline: Instant,
 ) -> Result<Vec<Option<(TcpStream, TcpStream)>>> {
     let n = addrs.len();
-    let err = |what: String| io_err(rank, "connect", what);
+    let err = |what: String| io_err(rank, "mesh setup", what);
+    let failed = || failure.get().map(|reason| err(format!("group failed: {reason}")));
+    let gate = Gate::open(listener, format!("rank {rank} mesh")).map_err(|e| err(format!("listening: {e}")))?;
     let mut streams: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     for (peer, addr) in addrs.iter().enumerate().take(rank) {
         let mut s = loop {
+            if let Some(e) = failed() {
+                return Err(e);
+            }
             match TcpStream::connect(addr) {
                 Ok(s) => break s,
                 Err(e) if Instant::now() >= deadline => return Err(err(format!("rank {peer} at {addr}: {e}"))),
                 Err(_) => std::thread::sleep(Duration::from_millis(10)),
             }
         };
-        s.write_all(&(rank as u32).to_le_bytes()).map_err(|e| err(format!("greeting rank {peer}: {e}")))?;
+        let hello = Hello { channel: Channel::Mesh, rank, world: n, port: 0, job: Some(job.clone()), listen_ip: None };
+        hello.write(&mut s).map_err(|e| err(format!("greeting rank {peer} at {addr}: {e}")))?;
+        // The peer answers once it starts accepting: wait for the first byte, watching the job.
+        loop {
+            if let Some(e) = failed() {
+                return Err(e);
+            }
+            if Instant::now() >= deadline {
+                return Err(err(format!("rank {peer} at {addr} did not accept this rank in time")));
+            }
+            s.set_read_timeout(Some(POLL * 5)).map_err(|e| err(e.to_string()))?;
+            match s.peek(&mut [0u8; 1]) {
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut | ErrorKind::Interrupted) => {}
+                _ => break,
+            }
+        }
+        match read_answer(&mut s, deadline) {
+            Ok(Ok(())) => {}
+            Ok(Err(reason)) => return Err(err(format!("rank {peer} at {addr} refused this rank: {reason}"))),
+            Err(e) => return Err(err(format!("waiting for rank {peer} at {addr} to accept: {e}"))),
+        }
         streams[peer] = Some(s);
     }
-    listener.set_nonblocking(true).map_err(|e| err(e.to_string()))?;
     while streams.iter().enumerate().any(|(r, s)| r > rank && s.is_none()) {
-        match listener.accept() {
-            Ok((mut s, _)) => {
-                s.set_nonblocking(false).map_err(|e| err(e.to_string()))?;
-                s.set_read_timeout(Some(Duration::from_secs(10))).map_err(|e| err(e.to_string()))?;
-                let mut who = [0u8; 4];
-                s.read_exact(&mut who).map_err(|e| err(format!("reading a greeting: {e}")))?;
-                let who = u32::from_le_bytes(who) as usize;
-                if who <= rank || who >= n || streams[who].is_some() {
-                    return Err(err(format!("unexpected greeting from rank {who}")));
-                }
-                streams[who] = Some(s);
+        if let Some(e) = failed() {
+            return Err(e);
+        }
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (rank + 1..n).filter(|&r| streams[r].is_none()).collect();
+            return Err(err(format!("ranks {missing:?} never connected")));
+        }
+        let Some(mut a) = gate.next(deadline.min(Instant::now() + POLL * 5)) else { continue };
+        let h = &a.hello;
+        match h.mismatch(Channel::Mesh, Some(job), n, rank + 1..n, |r| streams[r].is_some()) {
+            Some(reason) => {
+                log::debug!("rank {rank} mesh: refused {} (rank {} of {}): {reason}", a.from, h.rank, h.world);
+                refuse(a.stream, &reason);
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..n).filter(|&r| streams[r].is_none()).collect();
-                    return Err(err(format!("ranks {missing:?} never connected")));
-                }
-                std::thread::sleep(Duration::from_millis(2));
+            None => {
+                accept(&mut a.stream).map_err(|e| err(format!("accepting rank {}: {e}", h.rank)))?;
+                streams[h.rank] = Some(a.stream);
             }
-            Err(e) => return Err(err(e.to_string())),
         }
     }
     streams
@@ -263,32 +300,26 @@ impl Communicator for TcpComm {
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Box<dyn Communicator>> {
-        let listener = TcpListener::bind(("0.0.0.0", 0)).map_err(|e| self.error("split", format!("listening: {e}")))?;
+        let here = &self.hosts[self.rank];
+        let listener = TcpListener::bind(format!("{here}:0"))
+            .map_err(|e| self.error("split", format!("listening on {here}: {e}")))?;
         let port = listener.local_addr().map_err(|e| self.error("split", e.to_string()))?.port() as u64;
         let all: Vec<Vec<u64>> = super::CommExt::all_gather_vec(self, "split", &[color as u64, key as u64, port])?;
         let mut members: Vec<(u64, usize)> =
             all.iter().enumerate().filter(|(_, v)| v[0] == color as u64).map(|(r, v)| (v[1], r)).collect();
         members.sort();
         let sub_rank = members.iter().position(|&(_, r)| r == self.rank).expect("this rank has its own color");
-        // Peers' addresses: the ip this rank already reaches them at, their new port.
-        let addrs: Vec<String> = {
-            let peers = self.peers.lock().unwrap_or_else(|p| p.into_inner());
-            members
-                .iter()
-                .map(|&(_, r)| match &peers[r] {
-                    Some((s, _)) => s
-                        .peer_addr()
-                        .map(|a| std::net::SocketAddr::new(a.ip(), all[r][2] as u16).to_string())
-                        .unwrap_or_default(),
-                    None => format!("127.0.0.1:{}", all[r][2]),
-                })
-                .collect()
-        };
-        let peers = mesh(sub_rank, &addrs, listener, Instant::now() + self.timeout)?;
+        let addrs: Vec<String> = members.iter().map(|&(_, r)| format!("{}:{}", self.hosts[r], all[r][2])).collect();
+        let deadline = Instant::now() + self.timeout;
+        let peers =
+            mesh(sub_rank, &addrs, listener, self.rendezvous.job(), &self.failure, deadline).inspect_err(|e| {
+                self.abort(&format!("rank {} could not connect a sub-group: {e}", self.world[self.rank]))
+            })?;
         Ok(Box::new(TcpComm {
             rank: sub_rank,
             size: members.len(),
             world: members.iter().map(|&(_, r)| self.world[r]).collect(),
+            hosts: members.iter().map(|&(_, r)| self.hosts[r].clone()).collect(),
             peers: Mutex::new(peers),
             seq: AtomicU64::new(0),
             failure: self.failure.clone(),
@@ -320,13 +351,7 @@ mod tests {
                 .map(|rank| {
                     let f = &f;
                     s.spawn(move || {
-                        let env = LaunchEnv {
-                            rank,
-                            world_size: world,
-                            local_rank: rank,
-                            master_addr: "127.0.0.1".into(),
-                            master_port: port,
-                        };
+                        let env = LaunchEnv::local(rank, world, port);
                         f(TcpComm::from_env(&env, timeout).unwrap())
                     })
                 })
@@ -391,5 +416,78 @@ mod tests {
             c.all_to_all_v(op, vec![vec![]; 2]).unwrap_err().to_string()
         });
         assert!(results[0].contains("rank 1 called combine"), "{}", results[0]);
+    }
+
+    #[test]
+    fn the_mesh_ignores_strangers_refuses_misfits_and_ends_when_the_job_fails() {
+        let listen = || TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let (l0, l1) = (listen(), listen());
+        let addrs = vec![l0.local_addr().unwrap().to_string(), l1.local_addr().unwrap().to_string()];
+        let (job, failure) = (JobId::new("mine").unwrap(), Failure::default());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| mesh(0, &addrs, l0, &job, &failure, deadline));
+            let mut garbage = TcpStream::connect(&addrs[0]).unwrap();
+            garbage.write_all(b"GIOP\x01\x02 this is not a hello at all").unwrap();
+            let _silent = TcpStream::connect(&addrs[0]).unwrap();
+            let answer = |hello: Hello| {
+                let mut c = TcpStream::connect(&addrs[0]).unwrap();
+                hello.write(&mut c).unwrap();
+                read_answer(&mut c, Instant::now() + Duration::from_secs(5)).unwrap().unwrap_err()
+            };
+            let hello = |world, job: &str| Hello {
+                channel: Channel::Mesh,
+                rank: 1,
+                world,
+                port: 0,
+                job: Some(JobId::new(job).unwrap()),
+                listen_ip: None,
+            };
+            assert!(answer(hello(2, "theirs")).contains("job mismatch"));
+            assert!(answer(hello(3, "mine")).contains("this job has 2 ranks"));
+            let rank1 = mesh(1, &addrs, l1, &job, &failure, deadline).unwrap();
+            assert!(rank1[0].is_some() && rank1[1].is_none());
+            assert!(rank0.join().unwrap().unwrap()[1].is_some());
+        });
+        // Rank 1 never dials; the job fails meanwhile (its liveness channel saw rank 1 die).
+        let start = Instant::now();
+        let failure = Failure::default();
+        let l0 = listen();
+        let addrs = vec![l0.local_addr().unwrap().to_string(), "127.0.0.1:9".into()];
+        std::thread::scope(|s| {
+            let rank0 = s.spawn(|| mesh(0, &addrs, l0, &job, &failure, deadline));
+            std::thread::sleep(Duration::from_millis(100));
+            failure.set("rank 1 exited or lost its connection");
+            let e = rank0.join().unwrap().err().unwrap().to_string();
+            assert!(e.contains("during mesh setup: group failed: rank 1 exited"), "{e}");
+        });
+        assert!(start.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_rank_whose_mesh_fails_fails_the_job_at_once() {
+        // Rank 2 joins the rendezvous but never connects its mesh; rank 0 gives up after a
+        // second, and rank 1 (whose deadline is far) hears of it at once.
+        let port = crate::comm::free_port().unwrap();
+        let start = Instant::now();
+        let (r0, r1, r2) = std::thread::scope(|s| {
+            let r0 = s.spawn(|| TcpComm::from_env(&LaunchEnv::local(0, 3, port), Duration::from_secs(1)).err());
+            let r1 = s.spawn(|| TcpComm::from_env(&LaunchEnv::local(1, 3, port), Duration::from_secs(30)).err());
+            let r2 = s.spawn(|| {
+                let (_, rdv) = Rendezvous::join(&LaunchEnv::local(2, 3, port), || Ok(vec![]), Duration::from_secs(30))
+                    .expect("rank 2 joins");
+                let deadline = Instant::now() + Duration::from_secs(20);
+                while rdv.failure().get().is_none() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                rdv.failure().get()
+            });
+            (r0.join().unwrap(), r1.join().unwrap(), r2.join().unwrap())
+        });
+        let (e0, e1) = (r0.expect("rank 0 fails").to_string(), r1.expect("rank 1 fails").to_string());
+        assert!(e0.contains("during mesh setup") && e0.contains("ranks [2] never connected"), "{e0}");
+        assert!(e1.contains("during mesh setup: group failed: rank 0 could not connect the mesh"), "{e1}");
+        assert!(r2.expect("rank 2 hears").contains("rank 0 could not connect the mesh"));
+        assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
     }
 }
