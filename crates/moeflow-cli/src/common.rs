@@ -51,15 +51,17 @@ impl LayerArgs {
         }
         let bytes = preset::weight_bytes(config, self.dtype);
         // The weights are held twice: as generated and packed for the GEMM.
-        if let Some(avail) = available_memory() {
-            if 2 * bytes > avail * 9 / 10 {
-                return Err(MoeError::Config(format!(
-                    "{} weights need {:.1} GiB (twice {:.1} GiB) but {:.1} GiB are available; pass --experts N to use fewer experts",
-                    self.preset,
-                    2.0 * gib(bytes),
-                    gib(bytes),
-                    gib(avail)
-                )));
+        if let Some(avail) = moeflow::memory::available() {
+            let needed = config.weight_bytes(self.dtype).saturating_mul(2);
+            if needed > avail * 9 / 10 {
+                return Err(MoeError::OutOfMemory {
+                    what: format!(
+                        "{} weights ({} experts, twice: as generated and packed; pass --experts N to use fewer experts)",
+                        self.preset, config.num_experts
+                    ),
+                    needed,
+                    available: Some(avail),
+                });
             }
         }
         let bar = spinner(format!("generating {:.2} GiB of random {} weights", gib(bytes), self.dtype));
@@ -72,13 +74,6 @@ impl LayerArgs {
 /// Bytes as GiB.
 pub fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
-}
-
-fn available_memory() -> Option<usize> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 /// A spinner for work that may take more than a second (hidden when not on a terminal).

@@ -50,6 +50,19 @@ pub enum MoeError {
     /// A configuration value that cannot work.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// A file that is not in the format it should be (safetensors header, index, JSON layout).
+    #[error("{0}")]
+    Format(String),
+    /// More memory than an allocation can hold or than this machine (or GPU) has available.
+    #[error("{what} needs {}{}", crate::memory::human(*needed), available.map(|a| format!(", more than the {} available", crate::memory::human(a))).unwrap_or_else(|| ", more than any allocation can hold".into()))]
+    OutOfMemory {
+        /// What was to be allocated (tensor, buffer or the flag that sized it).
+        what: String,
+        /// Bytes it needs.
+        needed: u128,
+        /// Bytes available, where known.
+        available: Option<u128>,
+    },
     /// A feature this build or backend does not provide.
     #[error("unsupported: {0}")]
     Unsupported(String),
@@ -88,6 +101,14 @@ impl MoeError {
     /// Shorthand for a [`MoeError::Shape`].
     pub fn shape(what: impl Into<String>, expected: impl std::fmt::Debug, got: impl std::fmt::Debug) -> Self {
         MoeError::Shape { what: what.into(), expected: format!("{expected:?}"), got: format!("{got:?}") }
+    }
+}
+
+/// Returns an error naming the first non-finite value of `tensor`, called `what`.
+pub fn check_finite_tensor(what: &str, tensor: &crate::tensor::Tensor) -> Result<()> {
+    match tensor.first_nonfinite() {
+        None => Ok(()),
+        Some((index, value)) => Err(MoeError::NonFinite { what: what.to_string(), index, value }),
     }
 }
 

@@ -311,6 +311,7 @@ impl MoeLayer {
         if s.len() != 2 || s[1] != self.config.hidden {
             return Err(MoeError::shape("hidden_states", format!("[T, {}]", self.config.hidden), s));
         }
+        self.config.check_batch(s[0])?;
         if !matches!(hidden.dtype(), DType::F32 | DType::BF16 | DType::F16) {
             return Err(MoeError::DType {
                 what: "hidden_states".into(),

@@ -160,10 +160,10 @@ pub fn random_weights(config: &MoeConfig, dtype: DType, seed: u64) -> MoeWeights
     }
 }
 
-/// Bytes the expert and shared weights of `config` take in `dtype`.
+/// Bytes the expert and shared weights of `config` take in `dtype` (saturating at
+/// `usize::MAX`).
 pub fn weight_bytes(config: &MoeConfig, dtype: DType) -> usize {
-    let per = 3 * config.hidden * dtype.size_in_bytes();
-    per * (config.num_experts * config.inter + config.shared.map_or(0, |s| s.inter))
+    usize::try_from(config.weight_bytes(dtype)).unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]
