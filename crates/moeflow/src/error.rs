@@ -47,6 +47,24 @@ pub enum MoeError {
         /// The value.
         value: f32,
     },
+    /// NaN or infinity in a layer's output `[T, H]` (weights or inputs too large for f32).
+    #[error("the output has {count} non-finite values; the first, {value}, at token {token}, column {column}")]
+    NonFiniteOutput {
+        /// How many values are NaN or infinite.
+        count: usize,
+        /// Row of the first.
+        token: usize,
+        /// Column of the first.
+        column: usize,
+        /// The first.
+        value: f32,
+    },
+    /// A device allocation failed for lack of memory.
+    #[error("{what}: the GPU is out of memory")]
+    DeviceOutOfMemory {
+        /// What was being allocated.
+        what: String,
+    },
     /// A configuration value that cannot work.
     #[error("invalid configuration: {0}")]
     Config(String),
@@ -110,6 +128,18 @@ pub fn check_finite_tensor(what: &str, tensor: &crate::tensor::Tensor) -> Result
         None => Ok(()),
         Some((index, value)) => Err(MoeError::NonFinite { what: what.to_string(), index, value }),
     }
+}
+
+/// Checks a layer output `out [T, hidden]`: an error with the count of NaN and infinite values
+/// and the position of the first.
+pub fn check_output(out: &[f32], hidden: usize) -> Result<()> {
+    use rayon::prelude::*;
+    let Some(first) = out.par_iter().with_min_len(1 << 16).position_first(|v| !v.is_finite()) else {
+        return Ok(());
+    };
+    let count = out[first..].par_iter().with_min_len(1 << 16).filter(|v| !v.is_finite()).count();
+    let hidden = hidden.max(1);
+    Err(MoeError::NonFiniteOutput { count, token: first / hidden, column: first % hidden, value: out[first] })
 }
 
 /// Returns an error naming the first non-finite value of `data`.

@@ -127,6 +127,8 @@ pub struct ParallelConfig {
     pub defer_input_quant: bool,
     /// How the CPU experts multiply bf16 weights.
     pub bf16_matmul: crate::Bf16Matmul,
+    /// Return outputs holding NaN or infinity instead of an error.
+    pub allow_nonfinite: bool,
 }
 
 impl Default for ParallelConfig {
@@ -146,6 +148,7 @@ impl Default for ParallelConfig {
             quant: crate::quant::QuantConfig::None,
             defer_input_quant: false,
             bf16_matmul: crate::Bf16Matmul::Auto,
+            allow_nonfinite: false,
         }
     }
 }
@@ -256,6 +259,7 @@ impl ParallelConfig {
                 quant: self.quant,
                 defer_input_quant: self.defer_input_quant,
                 bf16_matmul: self.bf16_matmul,
+                allow_nonfinite: self.allow_nonfinite,
             },
         )
     }
