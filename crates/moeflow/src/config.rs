@@ -123,7 +123,7 @@ impl MoeConfig {
     pub fn forward_bytes(&self, tokens: usize) -> u128 {
         let (h, k) = (self.hidden as u128, self.top_k as u128);
         let inter = self.inter.max(self.shared.map_or(0, |s| s.inter)) as u128;
-        let per_token = 4 * (3 * h + k * (2 * h + 3 * inter));
+        let per_token = k.saturating_mul(2 * h + 3 * inter).saturating_add(3 * h).saturating_mul(4);
         per_token.saturating_mul(tokens as u128)
     }
 

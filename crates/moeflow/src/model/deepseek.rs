@@ -133,7 +133,14 @@ impl Family for DeepSeek {
         };
         let shared = match cfg.usize_or("n_shared_experts", 0)? {
             0 => None,
-            n => Some(SharedConfig { inter: n * inter, gated: false }),
+            n => Some(SharedConfig {
+                inter: n.checked_mul(inter).ok_or_else(|| {
+                    MoeError::Format(format!(
+                        "config.json: n_shared_experts {n} × moe_intermediate_size {inter} overflows"
+                    ))
+                })?,
+                gated: false,
+            }),
         };
         Ok(MoeConfig {
             hidden: cfg.usize("hidden_size")?,
