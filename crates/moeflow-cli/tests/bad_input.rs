@@ -264,3 +264,97 @@ fn a_closed_pipe_ends_quietly_and_a_full_disk_is_an_error() {
         eprintln!("SKIPPED the full-disk case: no /dev/full on this system");
     }
 }
+
+/// Runs `moeflow args`, killing it (and failing) if it runs past `limit`: a hang is a bug.
+fn moeflow_within(args: &[String], limit: Duration) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_moeflow"))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the binary runs");
+    let start = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > limit {
+            child.kill().unwrap();
+            panic!("moeflow {} ran past {limit:?}", args.join(" "));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    child.wait_with_output().unwrap()
+}
+
+mod flags {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn one_of(values: &'static [&'static str]) -> impl Strategy<Value = &'static str> {
+        prop::sample::select(values)
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+
+        /// `run` under generated flag combinations, valid and not: a usage error (status 2), a
+        /// clear error (status 1), or an output close to transformers' (status 0); never a
+        /// panic or a hang.
+        #[test]
+        fn flag_combinations_end_in_an_error_or_a_correct_result(
+            ep in one_of(&["1", "2", "3", "4", "0"]),
+            tp in one_of(&["1", "2", "0"]),
+            strategy in one_of(&["", "local", "allgather", "allgather-logits", "multicast", "all2allv", "lowlatency", "x"]),
+            max_tokens in one_of(&["", "0", "1", "7", "1000000000", "18446744073709551615"]),
+            chunk in one_of(&["", "0", "1", "3", "18446744073709551615"]),
+            dtype in one_of(&["f32", "bf16", "f8e4m3", "x"]),
+            quant in one_of(&["none", "int8", "fp8", "fp8-block", "mxfp8", "x"]),
+            placement in one_of(&["contiguous", "round-robin", "/nonexistent.json"]),
+            redundant in one_of(&["", "0", "7", "99", "0,0"]),
+            timeout in one_of(&["60", "0", "-1", "NaN", "1e300"]),
+            layer in one_of(&["1", "1", "1", "", "2", "18446744073709551615"]),
+            dual_batch in any::<bool>(),
+            defer in any::<bool>(),
+        ) {
+            let dir = scratch("flags");
+            let out = dir.join("out.safetensors");
+            let model = fixture("mixtral");
+            let mut args: Vec<String> = ["run", "--model", &model.display().to_string(), "--input",
+                &model.join("input.safetensors").display().to_string(), "--output", &out.display().to_string()]
+                .map(String::from).to_vec();
+            for (flag, value) in [("--ep", ep), ("--tp", tp), ("--strategy", strategy), ("--max-tokens-per-rank", max_tokens),
+                ("--chunk-size", chunk), ("--dtype", dtype), ("--quant", quant), ("--placement", placement),
+                ("--redundant", redundant), ("--timeout", timeout), ("--layer", layer)] {
+                if !value.is_empty() {
+                    args.extend([flag.to_string(), value.to_string()]);
+                }
+            }
+            if dual_batch {
+                args.push("--dual-batch".into());
+            }
+            if defer {
+                args.push("--defer-input-quant".into());
+            }
+            let res = moeflow_within(&args, Duration::from_secs(60));
+            let t = text(&res);
+            prop_assert!(!t.contains("panic") && !t.contains("RUST_BACKTRACE"), "{args:?}: {t}");
+            match res.status.code() {
+                Some(0) => {
+                    let got = moeflow::model::io::read_hidden_states(&out, "hidden_states").unwrap().to_f32_vec();
+                    let want = moeflow::model::io::read_hidden_states(&model.join("expected.safetensors"), "hidden_states")
+                        .unwrap()
+                        .to_f32_vec();
+                    // The expected output is layer 1's (the default is the first MoE layer, 0).
+                    let layer_one = layer == "1";
+                    prop_assert!(got.iter().all(|v| v.is_finite()) && got.len() == want.len(), "{args:?}");
+                    if layer_one {
+                        let scale = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max) / scale;
+                        prop_assert!(err < 0.25, "{args:?}: relative error {err}");
+                    }
+                }
+                Some(1) | Some(2) => prop_assert!(t.contains("error"), "{args:?}: {t}"),
+                code => prop_assert!(false, "{args:?}: status {code:?}: {t}"),
+            }
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+}
