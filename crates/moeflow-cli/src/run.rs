@@ -84,7 +84,9 @@ fn run_block(args: RunArgs) -> Result<()> {
     // GPU ranks over NCCL run the device-resident layer where it covers the layout.
     let on_device = gpu && device_resident(&par, block.config.num_experts);
     let out = if gpu && par.ep == 1 && !par.dual_batch && host == RankHost::Gpus {
-        moeflow::backend::cuda::CudaMoeLayer::new(&block.config, &block.weights)?.forward(&x)?
+        moeflow::backend::cuda::CudaMoeLayer::new(&block.config, &block.weights)?
+            .allow_nonfinite(args.allow_nonfinite)
+            .forward(&x)?
     } else if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
         let layer = MoeLayer::new(
             &block.config,
@@ -165,7 +167,7 @@ fn device_forward(
         .as_any()
         .downcast_ref::<NcclComm>()
         .ok_or_else(|| MoeError::Config("the device-resident layer needs NCCL ranks".into()))?;
-    let mut layer = CudaMoeLayer::new_ep(config, weights, nccl.duplicate()?)?;
+    let mut layer = CudaMoeLayer::new_ep(config, weights, nccl.duplicate()?)?.allow_nonfinite(par.allow_nonfinite);
     match par.strategy {
         StrategyKind::LowLatency => layer = layer.low_latency(par.max_tokens_per_rank)?,
         StrategyKind::AllGather => layer = layer.all_gather()?,
