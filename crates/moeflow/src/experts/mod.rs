@@ -120,6 +120,14 @@ impl ExpertWeights {
         Ok((e, h, i))
     }
 
+    /// [`ExpertWeights::dims`] after [`ExpertWeights::check_values`]: what every constructor of
+    /// experts checks before it computes anything.
+    pub fn validate(&self, what: &str) -> Result<(usize, usize, usize)> {
+        let dims = self.dims()?;
+        self.check_values(what)?;
+        Ok(dims)
+    }
+
     /// Checks that every weight, bias and scale is finite and that quantized weights decode to
     /// finite values (scale times the format's largest code; MXFP4 codes below 16). Errors name
     /// `what` (e.g. "routed experts"), the tensor, the expert and the index within it.
