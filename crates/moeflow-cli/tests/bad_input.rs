@@ -202,6 +202,13 @@ fn sizes_from_flags_are_checked_before_allocating() {
         let extra = ["--ep", "2", "--strategy", "lowlatency", "--max-tokens-per-rank", m];
         assert_error(&run_on(&fixture("mixtral"), &input, &out, &extra), &[wanted, m]);
     }
+    // Rank counts: beyond any EP group, beyond the threads or processes of one machine.
+    let res = moeflow(&["demo", "--experts", "8", "--tokens", "4", "--ep", "18446744073709551615"]);
+    assert_error(&res, &["EP 18446744073709551615 is more than 65536 ranks"]);
+    let res = run_on(&fixture("mixtral"), &input, &out, &["--ep", "300"]);
+    assert_error(&res, &["300 in-process ranks: at most 256"]);
+    let res = moeflow(&["launch", "--gpus", "100000", "--", "demo"]);
+    assert_error(&res, &["--gpus 100000: at most 256 processes"]);
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
 }
 
@@ -293,14 +300,14 @@ mod flags {
     }
 
     proptest! {
-        #![proptest_config(ProptestConfig { cases: 200, failure_persistence: None, ..ProptestConfig::default() })]
+        #![proptest_config(ProptestConfig { cases: 500, failure_persistence: None, ..ProptestConfig::default() })]
 
         /// `run` under generated flag combinations, valid and not: a usage error (status 2), a
         /// clear error (status 1), or an output close to transformers' (status 0); never a
         /// panic or a hang.
         #[test]
         fn flag_combinations_end_in_an_error_or_a_correct_result(
-            ep in one_of(&["1", "2", "3", "4", "0"]),
+            ep in one_of(&["1", "2", "3", "4", "0", "300", "18446744073709551615"]),
             tp in one_of(&["1", "2", "0"]),
             strategy in one_of(&["", "local", "allgather", "allgather-logits", "multicast", "all2allv", "lowlatency", "x"]),
             max_tokens in one_of(&["", "0", "1", "7", "1000000000", "18446744073709551615"]),

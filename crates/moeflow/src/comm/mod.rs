@@ -12,7 +12,7 @@ mod threads;
 
 pub use rendezvous::{free_port, LaunchEnv, Rendezvous};
 pub use tcp::TcpComm;
-pub use threads::{run_ranks, ThreadComm, ThreadGroup};
+pub use threads::{check_thread_ranks, run_ranks, ThreadComm, ThreadGroup, MAX_THREAD_RANKS};
 
 use crate::error::{MoeError, Result};
 use bytemuck::Pod;

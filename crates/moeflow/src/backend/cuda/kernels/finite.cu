@@ -12,12 +12,13 @@ __global__ void count_nonfinite_f32(const float* __restrict__ x, long long n, un
         // All exponent bits set: infinity or NaN.
         if ((__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u) {
             count++;
-            first = min(first, (unsigned long long)i);
+            if ((unsigned long long)i < first) first = (unsigned long long)i;
         }
     }
     for (int o = 16; o > 0; o >>= 1) {
         count += __shfl_xor_sync(0xffffffffu, count, o);
-        first = min(first, __shfl_xor_sync(0xffffffffu, first, o));
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, first, o);
+        if (other < first) first = other;
     }
     if (threadIdx.x % 32 == 0 && count > 0) {
         atomicAdd(&result[0], count);
