@@ -65,7 +65,7 @@ impl LayerArgs {
             }
         }
         let bar = spinner(format!("generating {:.2} GiB of random {} weights", gib(bytes), self.dtype));
-        let w = preset::random_weights(config, self.dtype, self.seed);
+        let w = preset::try_random_weights(config, self.dtype, self.seed)?;
         bar.finish_and_clear();
         Ok(w)
     }
@@ -244,7 +244,7 @@ impl ParallelArgs {
             defer_input_quant: self.defer_input_quant,
             bf16_matmul: self.bf16_matmul,
             timeout: std::time::Duration::try_from_secs_f64(self.timeout).ok().filter(|t| !t.is_zero()).ok_or_else(
-                || MoeError::Config(format!("--timeout {} is not a positive number of seconds", self.timeout)),
+                || MoeError::Config(format!("--timeout {:?} is not a positive number of seconds", self.timeout)),
             )?,
             ..ParallelConfig::new(self.ep, self.tp, strategy)
         };

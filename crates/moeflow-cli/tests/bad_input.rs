@@ -207,6 +207,11 @@ fn sizes_from_flags_are_checked_before_allocating() {
     assert_error(&res, &["EP 18446744073709551615 is more than 65536 ranks"]);
     let res = run_on(&fixture("mixtral"), &input, &out, &["--ep", "300"]);
     assert_error(&res, &["300 in-process ranks: at most 256"]);
+    for ep in ["0", "300", "18446744073709551615"] {
+        assert_error(&moeflow(&["check", "--ep", ep]), &["--ep", "EP sizes must be in 1..=8"]);
+    }
+    let res = moeflow(&["check", "--hidden", "1000000", "--inter", "1000000", "--ep", "1"]);
+    assert_error(&res, &["random bf16 weights of 16 experts", "needs"]);
     let res = moeflow(&["launch", "--gpus", "100000", "--", "demo"]);
     assert_error(&res, &["--gpus 100000: at most 256 processes"]);
     assert!(start.elapsed() < Duration::from_secs(30), "took {:?}", start.elapsed());
