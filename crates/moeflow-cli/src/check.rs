@@ -56,8 +56,10 @@ pub fn run(args: CheckArgs) -> Result<()> {
     config.hidden = args.hidden;
     config.inter = args.inter;
     config.shared = config.shared.map(|s| moeflow::SharedConfig { inter: args.inter, ..s });
-    config.validate()?;
-    let original = preset::random_weights(&config, args.dtype, args.seed);
+    if let Some(&ep) = args.ep.iter().find(|&&ep| ep == 0 || ep > BATCHES.len()) {
+        return Err(MoeError::Config(format!("--ep {ep}: EP sizes must be in 1..={} here", BATCHES.len())));
+    }
+    let original = preset::try_random_weights(&config, args.dtype, args.seed)?;
     let mut weights = original.clone();
     crate::common::quantize_weights(&mut weights, args.quant)?;
     let tolerance = crate::common::cpu_bound(args.quant, args.dtype, args.bf16_matmul);

@@ -51,19 +51,21 @@ impl LayerArgs {
         }
         let bytes = preset::weight_bytes(config, self.dtype);
         // The weights are held twice: as generated and packed for the GEMM.
-        if let Some(avail) = available_memory() {
-            if 2 * bytes > avail * 9 / 10 {
-                return Err(MoeError::Config(format!(
-                    "{} weights need {:.1} GiB (twice {:.1} GiB) but {:.1} GiB are available; pass --experts N to use fewer experts",
-                    self.preset,
-                    2.0 * gib(bytes),
-                    gib(bytes),
-                    gib(avail)
-                )));
+        if let Some(avail) = moeflow::memory::available() {
+            let needed = config.weight_bytes(self.dtype).saturating_mul(2);
+            if needed > avail * 9 / 10 {
+                return Err(MoeError::OutOfMemory {
+                    what: format!(
+                        "{} weights ({} experts, twice: as generated and packed; pass --experts N to use fewer experts)",
+                        self.preset, config.num_experts
+                    ),
+                    needed,
+                    available: Some(avail),
+                });
             }
         }
         let bar = spinner(format!("generating {:.2} GiB of random {} weights", gib(bytes), self.dtype));
-        let w = preset::random_weights(config, self.dtype, self.seed);
+        let w = preset::try_random_weights(config, self.dtype, self.seed)?;
         bar.finish_and_clear();
         Ok(w)
     }
@@ -78,13 +80,6 @@ pub fn launch_env() -> Result<Option<moeflow::comm::LaunchEnv>> {
 /// Bytes as GiB.
 pub fn gib(bytes: usize) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
-}
-
-fn available_memory() -> Option<usize> {
-    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = s.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kb: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kb * 1024)
 }
 
 /// A spinner for work that may take more than a second (hidden when not on a terminal).
@@ -260,7 +255,7 @@ impl ParallelArgs {
             defer_input_quant: self.defer_input_quant,
             bf16_matmul: self.bf16_matmul,
             timeout: std::time::Duration::try_from_secs_f64(self.timeout).ok().filter(|t| !t.is_zero()).ok_or_else(
-                || MoeError::Config(format!("--timeout {} is not a positive number of seconds", self.timeout)),
+                || MoeError::Config(format!("--timeout {:?} is not a positive number of seconds", self.timeout)),
             )?,
             ..ParallelConfig::new(self.ep, self.tp, strategy)
         };

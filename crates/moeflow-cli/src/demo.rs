@@ -32,6 +32,7 @@ pub struct DemoArgs {
 
 pub fn run(args: DemoArgs) -> Result<()> {
     let (p, config) = args.layer.config()?;
+    config.check_batch(args.tokens)?;
     let par = args.parallel.config(args.tokens.div_ceil((args.parallel.ep / args.parallel.tp.max(1)).max(1)))?;
     args.parallel.check_bf16_matmul(args.layer.dtype, args.backend == Backend::Cuda)?;
     println!(

@@ -28,7 +28,9 @@ pub fn run(args: InspectArgs) -> Result<()> {
     let arch = ckpt.architecture()?;
     let layers = ckpt.moe_layers()?;
     let total = ckpt.config.usize("num_hidden_layers")?;
-    let first = *layers.first().ok_or_else(|| MoeError::Config("the model has no MoE layer".into()))?;
+    let first = *layers.first().ok_or_else(|| {
+        MoeError::Format(format!("config.json: no decoder layer has a MoE block (num_hidden_layers {total})"))
+    })?;
     let config = ckpt.moe_config(first)?;
     let list: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
     println!("model         {}", args.model.display());

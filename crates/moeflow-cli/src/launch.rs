@@ -29,6 +29,14 @@ pub fn run(args: LaunchArgs) -> Result<()> {
     if args.gpus == 0 {
         return Err(MoeError::Config("--gpus must be at least 1".into()));
     }
+    // One process a rank on this machine: as many as in-process ranks may be, no more.
+    if args.gpus > moeflow::comm::MAX_THREAD_RANKS {
+        return Err(MoeError::Config(format!(
+            "--gpus {}: at most {} processes on one machine",
+            args.gpus,
+            moeflow::comm::MAX_THREAD_RANKS
+        )));
+    }
     let exe = std::env::current_exe().map_err(|e| MoeError::Io { context: "finding moeflow".into(), source: e })?;
     let port = match args.port {
         Some(p) => p,

@@ -1,5 +1,9 @@
 //! The `moeflow` command line: `demo`, `bench` (see `--help`).
 
+// First, so that its print macros replace std's in every module below.
+#[macro_use]
+mod output;
+
 mod bench;
 mod check;
 mod common;
@@ -68,8 +72,8 @@ fn main() {
         Command::Run(args) => run::run(args),
         Command::Launch(args) => launch::run(args),
     };
+    output::flush_stdout();
     if let Err(e) = result {
-        eprintln!("error: {e}");
-        std::process::exit(1);
+        output::exit_with_error(&e);
     }
 }

@@ -35,9 +35,22 @@ pub struct RunArgs {
     /// cpu, or cuda (one GPU per rank; expert weights in bf16).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
+    /// Write the output even when it holds NaN or infinity (by default that is an error
+    /// naming their count and the first one's position, and nothing is written).
+    #[arg(long)]
+    allow_nonfinite: bool,
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
+    run_block(args).map_err(|e| match e {
+        MoeError::NonFiniteOutput { .. } => {
+            MoeError::Format(format!("{e}; nothing was written (--allow-nonfinite writes it anyway)"))
+        }
+        e => e,
+    })
+}
+
+fn run_block(args: RunArgs) -> Result<()> {
     args.parallel.check_bf16_matmul(args.dtype, args.backend == Backend::Cuda)?;
     let ckpt = Checkpoint::open(&args.model)?;
     let x = io::read_hidden_states(&args.input, "hidden_states")?;
@@ -57,7 +70,10 @@ pub fn run(args: RunArgs) -> Result<()> {
         ));
     }
     let groups = args.parallel.ep / args.parallel.tp.max(1);
-    let par = args.parallel.config(t.div_ceil(groups.max(1)))?;
+    let par = moeflow::parallel::ParallelConfig {
+        allow_nonfinite: args.allow_nonfinite,
+        ..args.parallel.config(t.div_ceil(groups.max(1)))?
+    };
     let start = Instant::now();
     let gpu = args.backend == Backend::Cuda;
     if gpu && par.quant != moeflow::quant::QuantConfig::None {
@@ -100,6 +116,9 @@ pub fn run(args: RunArgs) -> Result<()> {
         return Ok(());
     }
     let secs = start.elapsed().as_secs_f64();
+    if !args.allow_nonfinite {
+        moeflow::error::check_output(&out.to_f32_vec(), h)?;
+    }
     io::write_f32_atomic(&args.output, &[("hidden_states", &out)])?;
     println!(
         "{} layer {}: {t} tokens through {} experts (top-{}), {:.2} ms -> {}\n  {path}",

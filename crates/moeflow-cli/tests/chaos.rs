@@ -156,6 +156,13 @@ impl Drop for Rank {
     }
 }
 
+/// Runs the cases one after another: each starts ranks doing real work against short
+/// deadlines, and cases running side by side on a small machine starve each other's ranks.
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The `error: ...` line of an output (the whole output when there is none, so that an
 /// assertion on it fails with everything to read).
 fn error_line(out: &str) -> &str {
@@ -241,6 +248,7 @@ impl Drop for Strangers {
 /// completes correctly, and rank 0 says it closed the strangers.
 #[test]
 fn strangers_on_every_port_do_not_disturb_the_job() {
+    let _alone = one_at_a_time();
     let job = Job::new(2, None);
     let strangers = Strangers::start(vec![job.port]);
     let mut r0 = job.start(0, 150, 30.0);
@@ -272,6 +280,7 @@ fn strangers_on_every_port_do_not_disturb_the_job() {
 /// rendezvous.
 #[test]
 fn a_rank_killed_during_the_rendezvous() {
+    let _alone = one_at_a_time();
     let job = Job::new(3, Some("chaos-rendezvous"));
     let timeout = 6.0;
     let mut r0 = job.start(0, 1, timeout);
@@ -310,6 +319,7 @@ fn stand_in_rank_dies_after_the_rendezvous() {
 /// setup, long before its deadline.
 #[test]
 fn a_rank_killed_during_the_mesh_setup() {
+    let _alone = one_at_a_time();
     let job = Job { token: Some("chaos-mesh"), ..Job::new(2, None) };
     let timeout = 60.0;
     let mut r0 = job.start(0, 1, timeout);
@@ -332,6 +342,7 @@ fn a_rank_killed_during_the_mesh_setup() {
 /// error naming rank 1 and the collective it was in.
 #[test]
 fn a_rank_killed_mid_layer() {
+    let _alone = one_at_a_time();
     let job = Job::new(2, Some("chaos-kill"));
     let timeout = 5.0;
     let (mut r0, mut r1) = (job.start(0, 1_000_000, timeout), job.start(1, 1_000_000, timeout));
@@ -352,6 +363,7 @@ fn a_rank_killed_mid_layer() {
 /// failure.
 #[test]
 fn a_rank_stopped_past_the_deadline_and_resumed() {
+    let _alone = one_at_a_time();
     let job = Job::new(2, Some("chaos-stop"));
     let timeout = 3.0;
     let (mut r0, mut r1) = (job.start(0, 1_000_000, timeout), job.start(1, 1_000_000, timeout));
@@ -371,6 +383,7 @@ fn a_rank_stopped_past_the_deadline_and_resumed() {
 /// the first job completes.
 #[test]
 fn two_jobs_with_colliding_ports() {
+    let _alone = one_at_a_time();
     let a = Job::new(2, Some("job-a"));
     let b = Job { token: Some("job-b"), ..a };
     let mut a0 = a.start(0, 2, 30.0);
@@ -391,6 +404,7 @@ fn two_jobs_with_colliding_ports() {
 /// with what did not match; the job (whose rank 2 comes last) completes.
 #[test]
 fn a_duplicate_rank_and_a_wrong_world_size_are_refused() {
+    let _alone = one_at_a_time();
     let job = Job::new(3, Some("chaos-dup"));
     let mut r0 = job.start(0, 2, 30.0);
     r0.wait_for("rendezvous of 3 ranks listening", STARTUP);

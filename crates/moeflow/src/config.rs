@@ -1,6 +1,6 @@
 //! What a MoE layer is: its shapes and semantics ([`MoeConfig`]) and its weights ([`MoeWeights`]).
 
-use crate::error::{check_finite, MoeError, Result};
+use crate::error::{check_finite_tensor, MoeError, Result};
 use crate::experts::{Activation, ExpertWeights};
 use crate::router::RouterConfig;
 use crate::tensor::Tensor;
@@ -86,7 +86,54 @@ impl MoeConfig {
                 return Err(MoeError::Config("shared expert width must be positive".into()));
             }
         }
+        if let Activation::SwigluOai { alpha, limit } = self.activation {
+            if !alpha.is_finite() || !limit.is_finite() || limit <= 0.0 {
+                return Err(MoeError::Config(format!(
+                    "swiglu alpha ({alpha}) must be finite and limit ({limit}) finite and positive"
+                )));
+            }
+        }
+        if let RouterConfig::SigmoidGrouped { scaling, .. } | RouterConfig::SoftmaxGrouped { scaling, .. } = self.router
+        {
+            if !scaling.is_finite() {
+                return Err(MoeError::Config(format!("routed scaling factor {scaling} must be finite")));
+            }
+        }
+        // Every weight must be addressable: E × 2I × H elements in f32, without overflow.
+        let (e, h, i) = (self.num_experts, self.hidden, self.inter);
+        let shared = self.shared.map_or(0, |s| s.inter);
+        if crate::memory::bytes(&[e, i.max(shared), h], 8) > isize::MAX as u128 {
+            return Err(MoeError::Config(format!(
+                "{e} experts of hidden size {h} and intermediate size {i} are more weights than this machine can address"
+            )));
+        }
         Ok(())
+    }
+
+    /// Bytes of expert and shared weights in `dtype` (saturating, never overflowing).
+    pub fn weight_bytes(&self, dtype: crate::DType) -> u128 {
+        let rows =
+            (self.num_experts as u128).saturating_mul(self.inter as u128) + self.shared.map_or(0, |s| s.inter as u128);
+        rows.saturating_mul(3 * self.hidden as u128).saturating_mul(dtype.size_in_bytes() as u128)
+    }
+
+    /// An estimate of the working memory a forward of `tokens` tokens takes on the CPU: the
+    /// input and output in f32, `k` copies of each row with its expert output, and the
+    /// experts' `[rows, 2I]` intermediate.
+    pub fn forward_bytes(&self, tokens: usize) -> u128 {
+        let (h, k) = (self.hidden as u128, self.top_k as u128);
+        let inter = self.inter.max(self.shared.map_or(0, |s| s.inter)) as u128;
+        let per_token = k.saturating_mul(2 * h + 3 * inter).saturating_add(3 * h).saturating_mul(4);
+        per_token.saturating_mul(tokens as u128)
+    }
+
+    /// Refuses a batch of `tokens` tokens whose working memory ([`MoeConfig::forward_bytes`])
+    /// exceeds what this machine has.
+    pub fn check_batch(&self, tokens: usize) -> Result<()> {
+        crate::memory::ensure(
+            &format!("a forward of {tokens} tokens (hidden {}, top-{})", self.hidden, self.top_k),
+            self.forward_bytes(tokens),
+        )
     }
 
     /// FLOPs of the routed experts for `tokens` tokens (3 GEMMs of 2·H·I per token-slot).
@@ -102,16 +149,25 @@ impl MoeWeights {
         config.validate()?;
         let (e, h, i) = (config.num_experts, config.hidden, config.inter);
         self.gate.expect_shape("router gate", &[e, h])?;
-        check_finite("router gate", &self.gate.to_f32_vec())?;
+        check_finite_tensor("router gate", &self.gate)?;
         if let Some(b) = &self.gate_bias {
             b.expect_shape("router bias", &[e])?;
+            check_finite_tensor("router bias", b)?;
         }
         if let Some(b) = &self.correction_bias {
             b.expect_shape("e_score_correction_bias", &[e])?;
+            check_finite_tensor("e_score_correction_bias", b)?;
         }
         let dims = self.experts.dims()?;
         if dims != (e, h, i) {
             return Err(MoeError::shape("experts (E, H, I)", (e, h, i), dims));
+        }
+        self.experts.check_values("routed experts")?;
+        if let Some(s) = &self.shared {
+            s.mlp.check_values("shared experts")?;
+            if let Some(g) = &s.gate {
+                check_finite_tensor("shared expert gate", g)?;
+            }
         }
         match (&config.shared, &self.shared) {
             (None, None) => {}

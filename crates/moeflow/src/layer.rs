@@ -46,6 +46,8 @@ pub struct LayerOptions {
     pub dual_batch: Option<Box<dyn PrepareFinalize>>,
     /// How the CPU experts multiply bf16 weights (default: `Auto`; f32 weights are unaffected).
     pub bf16_matmul: Bf16Matmul,
+    /// Return outputs holding NaN or infinity instead of an error (default: false).
+    pub allow_nonfinite: bool,
 }
 
 impl Default for LayerOptions {
@@ -58,6 +60,7 @@ impl Default for LayerOptions {
             quant: crate::quant::QuantConfig::None,
             defer_input_quant: false,
             bf16_matmul: Bf16Matmul::Auto,
+            allow_nonfinite: false,
         }
     }
 }
@@ -111,6 +114,8 @@ pub struct MoeLayer {
     second: Option<Box<dyn PrepareFinalize>>,
     shared: Option<(CpuExperts, Option<Vec<f32>>)>,
     chunk_size: Option<usize>,
+    /// Whether an output holding NaN or infinity is returned instead of refused.
+    allow_nonfinite: bool,
     /// One workspace per micro-batch.
     workspace: [Mutex<Workspace>; 2],
 }
@@ -183,6 +188,7 @@ impl MoeLayer {
             second: options.dual_batch,
             shared,
             chunk_size: options.chunk_size,
+            allow_nonfinite: options.allow_nonfinite,
             workspace: Default::default(),
         })
     }
@@ -218,6 +224,7 @@ impl MoeLayer {
         };
         times.route = t0.elapsed().as_secs_f64();
         let out = self.forward_batches(&x, tokens, &topk, &logits, &mut times)?;
+        self.check_output(&out)?;
         Ok((Tensor::from_f32(&[tokens, self.config.hidden], out)?, times))
     }
 
@@ -242,6 +249,7 @@ impl MoeLayer {
             )));
         }
         let out = self.forward_batches(&x, tokens, topk, &[], &mut StageTimes::default())?;
+        self.check_output(&out)?;
         Tensor::from_f32(&[tokens, self.config.hidden], out)
     }
 
@@ -306,11 +314,20 @@ impl MoeLayer {
         self.workspace.iter().map(|w| lock(w).bytes()).sum()
     }
 
+    /// Refuses an output holding NaN or infinity unless the options allow it.
+    fn check_output(&self, out: &[f32]) -> Result<()> {
+        if self.allow_nonfinite {
+            return Ok(());
+        }
+        crate::error::check_output(out, self.config.hidden)
+    }
+
     fn check_hidden(&self, hidden: &Tensor) -> Result<Vec<f32>> {
         let s = hidden.shape();
         if s.len() != 2 || s[1] != self.config.hidden {
             return Err(MoeError::shape("hidden_states", format!("[T, {}]", self.config.hidden), s));
         }
+        self.config.check_batch(s[0])?;
         if !matches!(hidden.dtype(), DType::F32 | DType::BF16 | DType::F16) {
             return Err(MoeError::DType {
                 what: "hidden_states".into(),

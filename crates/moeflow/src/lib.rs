@@ -39,6 +39,7 @@ pub mod dtype;
 pub mod error;
 pub mod experts;
 pub mod layer;
+pub mod memory;
 pub mod model;
 pub mod parallel;
 pub mod placement;

@@ -127,6 +127,8 @@ pub struct ParallelConfig {
     pub defer_input_quant: bool,
     /// How the CPU experts multiply bf16 weights.
     pub bf16_matmul: crate::Bf16Matmul,
+    /// Return outputs holding NaN or infinity instead of an error.
+    pub allow_nonfinite: bool,
 }
 
 impl Default for ParallelConfig {
@@ -146,9 +148,14 @@ impl Default for ParallelConfig {
             quant: crate::quant::QuantConfig::None,
             defer_input_quant: false,
             bf16_matmul: crate::Bf16Matmul::Auto,
+            allow_nonfinite: false,
         }
     }
 }
+
+/// More ranks than any expert-parallel group has: an EP above it is a mistake, refused before
+/// anything is sized by it.
+pub const MAX_RANKS: usize = 1 << 16;
 
 impl ParallelConfig {
     /// A layout with `ep` ranks, `tp` per DP group, and `strategy`.
@@ -160,6 +167,9 @@ impl ParallelConfig {
     pub fn validate(&self) -> Result<()> {
         if self.ep == 0 || self.tp == 0 || !self.ep.is_multiple_of(self.tp) {
             return Err(MoeError::Config(format!("EP {} must be a positive multiple of TP {}", self.ep, self.tp)));
+        }
+        if self.ep > MAX_RANKS {
+            return Err(MoeError::Config(format!("EP {} is more than {MAX_RANKS} ranks", self.ep)));
         }
         if self.strategy == StrategyKind::Local && self.ep != 1 {
             return Err(MoeError::Config(format!("strategy 'local' runs on one rank, not EP {}", self.ep)));
@@ -256,6 +266,7 @@ impl ParallelConfig {
                 quant: self.quant,
                 defer_input_quant: self.defer_input_quant,
                 bf16_matmul: self.bf16_matmul,
+                allow_nonfinite: self.allow_nonfinite,
             },
         )
     }
@@ -310,6 +321,9 @@ pub fn on_ranks<T: Send>(
 ) -> Vec<(usize, Result<T>)> {
     match host {
         RankHost::Threads => {
+            if let Err(e) = crate::comm::check_thread_ranks(size) {
+                return vec![(0, Err(e))];
+            }
             run_ranks(size, Some(timeout), |c| f(c, ExpertsKind::Cpu)).into_iter().enumerate().collect()
         }
         RankHost::Launched { env, gpu } => {
@@ -374,6 +388,7 @@ pub fn forward_in_process(
     inputs: &[Tensor],
 ) -> Result<Vec<Tensor>> {
     parallel.validate()?;
+    crate::comm::check_thread_ranks(parallel.ep)?;
     if inputs.len() != parallel.ep {
         return Err(MoeError::Config(format!("{} inputs for {} ranks", inputs.len(), parallel.ep)));
     }

@@ -160,10 +160,22 @@ pub fn random_weights(config: &MoeConfig, dtype: DType, seed: u64) -> MoeWeights
     }
 }
 
-/// Bytes the expert and shared weights of `config` take in `dtype`.
+/// [`random_weights`] after checking `config` and that its weights fit in this machine's
+/// memory (an error naming the bytes instead of an aborted allocation).
+pub fn try_random_weights(config: &MoeConfig, dtype: DType, seed: u64) -> Result<MoeWeights> {
+    config.validate()?;
+    let router = crate::memory::bytes(&[config.num_experts, config.hidden.saturating_add(2)], 4);
+    crate::memory::ensure(
+        &format!("random {dtype} weights of {} experts", config.num_experts),
+        config.weight_bytes(dtype).saturating_add(router),
+    )?;
+    Ok(random_weights(config, dtype, seed))
+}
+
+/// Bytes the expert and shared weights of `config` take in `dtype` (saturating at
+/// `usize::MAX`).
 pub fn weight_bytes(config: &MoeConfig, dtype: DType) -> usize {
-    let per = 3 * config.hidden * dtype.size_in_bytes();
-    per * (config.num_experts * config.inter + config.shared.map_or(0, |s| s.inter))
+    usize::try_from(config.weight_bytes(dtype)).unwrap_or(usize::MAX)
 }
 
 #[cfg(test)]
@@ -180,6 +192,17 @@ mod tests {
         let small = preset("deepseek-v3").unwrap().config.with_num_experts(64).unwrap();
         assert_eq!(small.num_experts, 64);
         assert!(preset("deepseek-v3").unwrap().config.with_num_experts(12).is_err());
+    }
+
+    #[test]
+    fn random_weights_refuse_what_cannot_fit() {
+        let mut c = preset("mixtral-8x7b").unwrap().config;
+        c.num_experts = 1 << 20;
+        c.top_k = 2;
+        let e = try_random_weights(&c, DType::BF16, 1).unwrap_err().to_string();
+        assert!(e.contains("random bf16 weights of 1048576 experts") && e.contains("needs"), "{e}");
+        let small = config(8, 4, 4, 2, RouterConfig::TopKSoftmax, Activation::Silu, None);
+        assert_eq!(try_random_weights(&small, DType::F32, 2).unwrap().gate, random_weights(&small, DType::F32, 2).gate);
     }
 
     #[test]

@@ -242,7 +242,7 @@ impl ParallelConfig {
                     WeightSource::Given(w) => CudaMoeLayer::new_on_device(config, w, device, &spec.cuda)?,
                     WeightSource::DeviceRandom(seed) => CudaMoeLayer::random(config, seed, &spec.cuda)?,
                 };
-                layer = fp8(layer, spec)?;
+                layer = fp8(layer, spec, self.allow_nonfinite)?;
                 let what = format!("cuda: one GPU, the whole layer on the device; options: {}", spec.cuda.describe());
                 let inner = if self.dual_batch {
                     Inner::DeviceDual(Box::new(layer.dual_batch(None)?))
@@ -311,7 +311,7 @@ impl ParallelConfig {
                 CudaMoeLayer::random_ep(spec.config, seed, comm, placement, &spec.cuda)?
             }
         };
-        layer = fp8(layer, spec)?;
+        layer = fp8(layer, spec, self.allow_nonfinite)?;
         layer = match self.strategy {
             StrategyKind::LowLatency => layer.low_latency(self.max_tokens_per_rank)?,
             StrategyKind::AllGather => layer.all_gather()?,
@@ -358,8 +358,10 @@ impl ParallelConfig {
     }
 }
 
-/// `layer` with fp8 experts and rows where `spec` asks for them.
-fn fp8(mut layer: CudaMoeLayer, spec: &RankLayerSpec<'_>) -> Result<CudaMoeLayer> {
+/// `layer` with fp8 experts and rows where `spec` asks for them, returning non-finite outputs
+/// where `allow_nonfinite` asks for it.
+fn fp8(mut layer: CudaMoeLayer, spec: &RankLayerSpec<'_>, allow_nonfinite: bool) -> Result<CudaMoeLayer> {
+    layer = layer.allow_nonfinite(allow_nonfinite);
     if spec.fp8_experts && !layer.has_fp8_experts() {
         layer = layer.fp8_experts()?;
     }

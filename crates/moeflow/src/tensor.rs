@@ -103,8 +103,8 @@ impl CpuStorage {
 impl Tensor {
     /// Wraps host storage; the element count must match the shape.
     pub fn new(shape: &[usize], storage: CpuStorage) -> Result<Self> {
-        let want: usize = shape.iter().product();
-        if storage.len() != want {
+        let want = shape.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if want != Some(storage.len()) {
             return Err(MoeError::shape("tensor data", shape, format!("{} elements", storage.len())));
         }
         Ok(Tensor { shape: shape.to_vec(), storage: Storage::Cpu(storage) })
@@ -192,6 +192,27 @@ impl Tensor {
     /// Every element widened to f32.
     pub fn to_f32_vec(&self) -> Vec<f32> {
         self.cpu().to_f32()
+    }
+
+    /// The flat index and value of the first NaN or infinity, if any (integer tensors have
+    /// none). Reads the elements in place, split over the threads.
+    pub fn first_nonfinite(&self) -> Option<(usize, f32)> {
+        fn find<T: Copy + Sync>(v: &[T], to_f32: impl Fn(T) -> f32 + Sync + Send) -> Option<(usize, f32)> {
+            use rayon::prelude::*;
+            v.par_iter()
+                .with_min_len(1 << 16)
+                .map(|&x| to_f32(x))
+                .position_first(|x| !x.is_finite())
+                .map(|i| (i, to_f32(v[i])))
+        }
+        match self.cpu() {
+            CpuStorage::F32(v) => find(v, |x| x),
+            CpuStorage::BF16(v) => find(v, f32::from),
+            CpuStorage::F16(v) => find(v, f32::from),
+            CpuStorage::F8E4M3(v) => find(v, |x| x.to_f32()),
+            CpuStorage::F8E5M2(v) => find(v, |x| x.to_f32()),
+            CpuStorage::I8(_) | CpuStorage::I32(_) => None,
+        }
     }
 
     /// Every element widened to f64.

@@ -240,11 +240,18 @@ fn bad_input_is_a_clear_error() {
     let mut big_k = config.clone();
     big_k.top_k = 5;
     expect_err(MoeLayer::new(&big_k, &weights, LayerOptions::default()), &["top-k 5", "1..=4"]);
-    // NaN in router logits (through a NaN router bias).
+    // A NaN router bias is refused when the layer is built.
     let mut nan_bias = weights.clone();
     nan_bias.gate_bias = Some(Tensor::from_f32(&[4], vec![0.0, f32::NAN, 0.0, 0.0]).unwrap());
-    let layer = MoeLayer::new(&config, &nan_bias, LayerOptions::default()).unwrap();
-    expect_err(layer.forward(&xt), &["non-finite", "router logits", "index 1"]);
+    expect_err(MoeLayer::new(&config, &nan_bias, LayerOptions::default()), &["non-finite", "router bias", "index 1"]);
+    // Finite router weights and inputs whose logits overflow: expert 1's row is all 1e38.
+    let mut huge_gate = weights.clone();
+    let mut g = huge_gate.gate.to_f32_vec();
+    g[8..16].iter_mut().for_each(|v| *v = 1e38);
+    huge_gate.gate = Tensor::from_f32(&[4, 8], g).unwrap();
+    let layer = MoeLayer::new(&config, &huge_gate, LayerOptions::default()).unwrap();
+    let ones = Tensor::from_f32(&[2, 8], vec![1.0; 16]).unwrap();
+    expect_err(layer.forward(&ones), &["non-finite", "router logits", "index 1"]);
     // Mismatched weight shapes.
     let mut bad = weights.clone();
     bad.experts.w2 = Tensor::zeros(&[4, 8, 5], DType::F32);

@@ -137,6 +137,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.tokens.is_empty() {
         return Err(MoeError::Config("--tokens needs at least one count".into()));
     }
+    // Every DP group's tokens live in this process (in-process ranks): refuse a batch that
+    // cannot fit before generating anything.
+    let groups = (args.parallel.ep / args.parallel.tp.max(1)).max(1);
+    let (_, config) = args.layer.config()?;
+    for &t in &args.tokens {
+        config.check_batch(t.saturating_mul(groups))?;
+    }
     let gpu = args.backend == Backend::Cuda;
     args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
     let host = RankHost::detect(gpu, crate::common::launch_env()?);

@@ -142,6 +142,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn allow_nonfinite(self, _allow: bool) -> Self {
+            self
+        }
+        /// Unreachable without the feature.
         pub fn forward_timed(&self, _tokens: usize, _seed: u64) -> Result<GpuStageTimes> {
             Err(missing())
         }

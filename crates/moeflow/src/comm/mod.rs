@@ -16,7 +16,7 @@ pub use handshake::HANDSHAKE_DEADLINE;
 pub use job::{JobId, MAX_JOB_LEN};
 pub use rendezvous::{free_port, LaunchEnv, Rendezvous};
 pub use tcp::TcpComm;
-pub use threads::{run_ranks, ThreadComm, ThreadGroup};
+pub use threads::{check_thread_ranks, run_ranks, ThreadComm, ThreadGroup, MAX_THREAD_RANKS};
 
 use crate::error::{MoeError, Result};
 use bytemuck::Pod;

@@ -173,6 +173,20 @@ impl Communicator for ThreadComm {
     }
 }
 
+/// The most in-process ranks: each is a thread of this process, and every collective moves
+/// `ranks²` messages through memory.
+pub const MAX_THREAD_RANKS: usize = 256;
+
+/// Refuses more in-process ranks than [`MAX_THREAD_RANKS`].
+pub fn check_thread_ranks(size: usize) -> Result<()> {
+    if size > MAX_THREAD_RANKS {
+        return Err(MoeError::Config(format!(
+            "{size} in-process ranks: at most {MAX_THREAD_RANKS} (each is a thread of this process; launch processes for more)"
+        )));
+    }
+    Ok(())
+}
+
 /// Runs `f` on `size` in-process ranks (one thread each) and returns every rank's result.
 /// An error or a panic on one rank aborts the group, so the others return errors instead of
 /// waiting: no call hangs past `timeout`.

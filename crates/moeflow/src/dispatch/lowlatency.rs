@@ -40,6 +40,12 @@ impl LowLatency {
         if max_tokens_per_rank == 0 {
             return Err(MoeError::Config("lowlatency needs max_tokens_per_rank > 0".into()));
         }
+        let ranks = ep.comm.size();
+        if max_tokens_per_rank.checked_mul(ranks).and_then(|c| c.checked_mul(ranks)).is_none() {
+            return Err(MoeError::Config(format!(
+                "lowlatency max_tokens_per_rank {max_tokens_per_rank} over {ranks} ranks overflows the buffer sizes"
+            )));
+        }
         Ok(LowLatency { ep, max_tokens: max_tokens_per_rank, bytes: AtomicUsize::new(0) })
     }
 
@@ -47,6 +53,19 @@ impl LowLatency {
     pub fn capacity(&self) -> usize {
         self.max_tokens * self.ep.comm.size()
     }
+}
+
+/// Bytes one rank holds for a dispatch and combine at capacity `m` per rank: messages sent and
+/// received (`n` each, 32-bit words), the batched layout of `local` experts with its origins,
+/// and the experts' output rows. Computed in u128 so no flag value can overflow it.
+#[allow(clippy::too_many_arguments)]
+fn dispatch_bytes(n: usize, m: usize, k: usize, h: usize, rb: usize, sp: usize, extras: usize, local: usize) -> u128 {
+    let (n, m, k, h, rb, sp, extras, local) =
+        (n as u128, m as u128, k as u128, h as u128, rb as u128, sp as u128, extras as u128, local as u128);
+    let words = 1 + m * k + m * (rb.div_ceil(4) + sp + extras);
+    let rows = local * m * n;
+    let origin = std::mem::size_of::<Option<(usize, usize, usize)>>() as u128;
+    2 * n * words * 4 + rows * (rb + 4 * sp + 4 * extras + origin + 4 * h) + n * m * k * h * 4
 }
 
 /// One fixed-size message: `[count, local slot per (token, k) (M·k, -1 = not here),
@@ -79,6 +98,22 @@ impl PrepareFinalize for LowLatency {
         check_extras(input.extras, t)?;
         let rows = outgoing_rows(&input)?;
         let (rb, sp) = (rows.config.row_bytes(h), rows.config.scales_per_row(h));
+        // Every rank computes the same size from the same flags, so all refuse together,
+        // before any message.
+        let extras_width = input.extras.iter().map(|e| e.width).sum();
+        crate::memory::ensure(
+            &format!("low-latency buffers for max_tokens_per_rank {m} ({n} ranks, hidden {h}, top-{k})"),
+            dispatch_bytes(
+                n,
+                m,
+                k,
+                h,
+                rb,
+                sp,
+                extras_width,
+                (0..n).map(|r| p.local_experts(r).len()).max().unwrap_or(0),
+            ),
+        )?;
         let rw = rb.div_ceil(4);
         let (rows_at, scales_at, extras_at) = (1 + m * k, 1 + m * k + m * rw, 1 + m * k + m * (rw + sp));
         // Global token index r·M + t: replicas are chosen without exchanging counts.

@@ -30,7 +30,7 @@ impl CpuExperts {
     /// Packs `weights` (f32 stays f32, bf16 stays bf16 for the kernel `bf16` picks, f16
     /// becomes f32, quantized weights stay quantized).
     pub fn new(weights: &ExpertWeights, activation: Activation, bf16: Bf16Matmul) -> Result<Self> {
-        let (e, h, i) = weights.dims()?;
+        let (e, h, i) = weights.validate("cpu experts")?;
         let (w13, w2) = match weights.codes() {
             Some(q) => (
                 PackedStack::quantized(q.format, q.w13, q.w13_scales, e, 2 * i, h),

@@ -96,6 +96,9 @@ impl ExpertWeights {
         let expected = match &self.quant {
             None => [DType::F32, DType::BF16, DType::F16].as_slice(),
             Some(q) => {
+                if q.format == WeightQuant::Fp8Block(0) {
+                    return Err(MoeError::Config("fp8 weight block size must be positive".into()));
+                }
                 q.w13.expect_shape("w13 scales", &[e, q.format.scales_len(2 * i, h)])?;
                 q.w2.expect_shape("w2 scales", &[e, q.format.scales_len(h, i)])?;
                 match q.format {
@@ -115,6 +118,74 @@ impl ExpertWeights {
             }
         }
         Ok((e, h, i))
+    }
+
+    /// [`ExpertWeights::dims`] after [`ExpertWeights::check_values`]: what every constructor of
+    /// experts checks before it computes anything.
+    pub fn validate(&self, what: &str) -> Result<(usize, usize, usize)> {
+        let dims = self.dims()?;
+        self.check_values(what)?;
+        Ok(dims)
+    }
+
+    /// Checks that every weight, bias and scale is finite and that quantized weights decode to
+    /// finite values (scale times the format's largest code; MXFP4 codes below 16). Errors name
+    /// `what` (e.g. "routed experts"), the tensor, the expert and the index within it.
+    pub fn check_values(&self, what: &str) -> Result<()> {
+        let experts = self.w13.shape().first().copied().unwrap_or(0).max(1);
+        let named = |name: &str, t: &Tensor| -> Result<()> {
+            match t.first_nonfinite() {
+                None => Ok(()),
+                Some((i, value)) => {
+                    let per = (t.elem_count() / experts).max(1);
+                    Err(MoeError::NonFinite {
+                        what: format!("{name} of expert {} ({what})", i / per),
+                        index: i % per,
+                        value,
+                    })
+                }
+            }
+        };
+        named("w13", &self.w13)?;
+        named("w2", &self.w2)?;
+        for (name, b) in [("b13", &self.b13), ("b2", &self.b2)] {
+            if let Some(b) = b {
+                named(name, b)?;
+            }
+        }
+        let Some(q) = &self.quant else { return Ok(()) };
+        let largest = q.format.largest_code();
+        for (name, scales) in [("w13 scales", &q.w13), ("w2 scales", &q.w2)] {
+            named(name, scales)?;
+            let per = (scales.elem_count() / experts).max(1);
+            if let Some((i, &s)) = scales.to_f32_vec().iter().enumerate().find(|(_, s)| !(*s * largest).is_finite()) {
+                return Err(MoeError::NonFinite {
+                    what: format!(
+                        "{name} of expert {} ({what}): scale {s:e} times the largest {:?} code {largest}",
+                        i / per,
+                        q.format
+                    ),
+                    index: i % per,
+                    value: s * largest,
+                });
+            }
+        }
+        if q.format == WeightQuant::Mxfp4 {
+            for (name, t) in [("w13", &self.w13), ("w2", &self.w2)] {
+                if let crate::tensor::CpuStorage::I8(v) = t.cpu() {
+                    if let Some(i) = v.iter().position(|&c| !(0..16).contains(&c)) {
+                        let per = (v.len() / experts).max(1);
+                        return Err(MoeError::Format(format!(
+                            "{name} of expert {} ({what}): MXFP4 code {} at index {} is not a 4-bit code",
+                            i / per,
+                            v[i],
+                            i % per
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// `w13` as f32 values (dequantized when quantized).

@@ -87,7 +87,7 @@ impl ReferenceExperts {
     /// Copies `weights` as f32 values.
     pub fn new(weights: &ExpertWeights, activation: Activation) -> Result<Self> {
         Ok(ReferenceExperts {
-            dims: weights.dims()?,
+            dims: weights.validate("reference experts")?,
             activation,
             w13: weights.w13_f32(),
             w2: weights.w2_f32(),

@@ -23,13 +23,39 @@ pub struct Checkpoint {
 
 fn parse_header<'a>(path: &Path, bytes: &'a [u8]) -> Result<SafeTensors<'a>> {
     SafeTensors::deserialize(bytes)
-        .map_err(|e| MoeError::Config(format!("{}: not a valid safetensors file ({e})", path.display())))
+        .map_err(|e| MoeError::Format(format!("{}: not a valid safetensors file ({e})", path.display())))
+}
+
+/// `file`, a shard named in `index`, as a path inside `dir`: a relative path of plain names
+/// only (no `..`, no root, no drive), so an index cannot make moeflow open files elsewhere.
+/// Symbolic links inside the folder are followed, as the Hugging Face cache needs.
+fn shard_path(dir: &Path, index: &Path, file: &str) -> Result<PathBuf> {
+    use std::path::Component;
+    let rel = Path::new(file);
+    if file.is_empty() || !rel.components().all(|c| matches!(c, Component::Normal(_))) {
+        return Err(MoeError::Format(format!(
+            "{}: shard '{file}' is not a file name inside the model folder",
+            index.display()
+        )));
+    }
+    Ok(dir.join(rel))
+}
+
+/// The file holding tensor `name`, for error messages.
+fn path_of(shards: &[(PathBuf, Mmap)], index: &HashMap<String, usize>, name: &str) -> String {
+    index.get(name).and_then(|&i| shards.get(i)).map_or_else(String::new, |(p, _)| p.display().to_string())
 }
 
 impl Checkpoint {
     /// Opens `dir`: `config.json` and `model.safetensors`, or the shards listed in
     /// `model.safetensors.index.json`. Headers are validated now; tensor data is read on use.
     pub fn open(dir: &Path) -> Result<Self> {
+        if !dir.is_dir() {
+            return Err(MoeError::Io {
+                context: format!("opening model folder {}", dir.display()),
+                source: std::io::Error::new(std::io::ErrorKind::NotADirectory, "not a directory"),
+            });
+        }
         let cfg_path = dir.join("config.json");
         let text = std::fs::read_to_string(&cfg_path)
             .map_err(|e| MoeError::Io { context: format!("reading {}", cfg_path.display()), source: e })?;
@@ -43,11 +69,17 @@ impl Checkpoint {
             let map = json
                 .get("weight_map")
                 .and_then(|m| m.as_object())
-                .ok_or_else(|| MoeError::Config(format!("{}: no 'weight_map' object", index_path.display())))?;
-            let mut files: Vec<String> = map.values().filter_map(|v| v.as_str().map(str::to_string)).collect();
+                .ok_or_else(|| MoeError::Format(format!("{}: no 'weight_map' object", index_path.display())))?;
+            let mut files = Vec::with_capacity(map.len());
+            for (name, file) in map {
+                let file = file.as_str().ok_or_else(|| {
+                    MoeError::Format(format!("{}: the shard of '{name}' is not a string", index_path.display()))
+                })?;
+                files.push(file.to_string());
+            }
             files.sort();
             files.dedup();
-            files.into_iter().map(|f| dir.join(f)).collect()
+            files.iter().map(|f| shard_path(dir, &index_path, f)).collect::<Result<_>>()?
         } else {
             vec![dir.join("model.safetensors")]
         };
@@ -63,6 +95,11 @@ impl Checkpoint {
         Ok(Checkpoint { dir: dir.to_path_buf(), config, shards, index })
     }
 
+    /// How many tensors the checkpoint holds.
+    pub fn tensor_count(&self) -> usize {
+        self.index.len()
+    }
+
     /// Whether the checkpoint has tensor `name`.
     pub fn has(&self, name: &str) -> bool {
         self.index.contains_key(name)
@@ -75,7 +112,7 @@ impl Checkpoint {
             return Ok(());
         }
         let shown: Vec<&str> = missing.iter().take(4).map(|s| s.as_str()).collect();
-        Err(MoeError::Config(format!(
+        Err(MoeError::Format(format!(
             "{}: missing {} of {} tensors of this block, first: {}",
             self.dir.display(),
             missing.len(),
@@ -88,9 +125,9 @@ impl Checkpoint {
         let &shard = self
             .index
             .get(name)
-            .ok_or_else(|| MoeError::Config(format!("{}: missing tensor {name}", self.dir.display())))?;
+            .ok_or_else(|| MoeError::Format(format!("{}: missing tensor {name}", self.dir.display())))?;
         let (path, mmap) = &self.shards[shard];
-        parse_header(path, mmap)?.tensor(name).map_err(|e| MoeError::Config(format!("{}: {name}: {e}", path.display())))
+        parse_header(path, mmap)?.tensor(name).map_err(|e| MoeError::Format(format!("{}: {name}: {e}", path.display())))
     }
 
     /// Shape and dtype name of tensor `name`.
@@ -125,7 +162,9 @@ impl Checkpoint {
                 })
             }
         };
-        Tensor::new(shape, storage)
+        let t = Tensor::new(shape, storage)?;
+        crate::error::check_finite_tensor(&format!("{} ({name})", path_of(&self.shards, &self.index, name)), &t)?;
+        Ok(t)
     }
 
     /// Tensor `name` as f32 values (shape checked).
@@ -138,10 +177,10 @@ impl Checkpoint {
         let &shard = self
             .index
             .get(name)
-            .ok_or_else(|| MoeError::Config(format!("{}: missing tensor {name}", self.dir.display())))?;
+            .ok_or_else(|| MoeError::Format(format!("{}: missing tensor {name}", self.dir.display())))?;
         let (path, mmap) = &self.shards[shard];
         let st = parse_header(path, mmap)?;
-        let v = st.tensor(name).map_err(|e| MoeError::Config(format!("{}: {name}: {e}", path.display())))?;
+        let v = st.tensor(name).map_err(|e| MoeError::Format(format!("{}: {name}: {e}", path.display())))?;
         if v.shape() != shape {
             return Err(MoeError::shape(format!("{name} (from config.json)"), shape, v.shape()));
         }

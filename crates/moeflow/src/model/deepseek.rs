@@ -17,14 +17,19 @@ use crate::DType;
 pub(crate) struct DeepSeek;
 
 /// Block size of fp8 weight scales (`quantization_config.weight_block_size`, default 128).
-fn block_size(ckpt: &Checkpoint) -> usize {
-    ckpt.config
+fn block_size(ckpt: &Checkpoint) -> Result<usize> {
+    let size = ckpt
+        .config
         .json
         .get("quantization_config")
         .and_then(|q| q.get("weight_block_size"))
         .and_then(|b| b.get(0))
         .and_then(|v| v.as_u64())
-        .map_or(128, |v| v as usize)
+        .map_or(128, |v| v as usize);
+    if size == 0 {
+        return Err(MoeError::Format("config.json: quantization_config.weight_block_size must be positive".into()));
+    }
+    Ok(size)
 }
 
 fn is_fp8(ckpt: &Checkpoint, name: &str) -> bool {
@@ -37,9 +42,11 @@ fn weight(ckpt: &Checkpoint, name: &str, n: usize, k: usize) -> Result<Vec<f32>>
     if !is_fp8(ckpt, name) {
         return Ok(w);
     }
-    let b = block_size(ckpt);
+    let b = block_size(ckpt)?;
     let scale = ckpt.f32s(&format!("{name}_scale_inv"), &[n.div_ceil(b), k.div_ceil(b)])?;
-    fp8_block(&w, &scale, n, k, b)
+    let out = fp8_block(&w, &scale, n, k, b)?;
+    crate::error::check_finite(&format!("{name} times {name}_scale_inv"), &out)?;
+    Ok(out)
 }
 
 fn triplet(ckpt: &Checkpoint, p: &str, (h, i): (usize, usize)) -> Result<(Vec<f32>, Vec<f32>, Vec<f32>)> {
@@ -57,7 +64,7 @@ fn keep_fp8(
     (h, i): (usize, usize),
     at: &dyn Fn(usize) -> String,
 ) -> Result<ExpertWeights> {
-    let b = block_size(ckpt);
+    let b = block_size(ckpt)?;
     if i % b != 0 {
         return Err(MoeError::Unsupported(format!(
             "keeping fp8 weights needs the intermediate size ({i}) to be a multiple of the {b}-wide scale blocks"
@@ -126,7 +133,14 @@ impl Family for DeepSeek {
         };
         let shared = match cfg.usize_or("n_shared_experts", 0)? {
             0 => None,
-            n => Some(SharedConfig { inter: n * inter, gated: false }),
+            n => Some(SharedConfig {
+                inter: n.checked_mul(inter).ok_or_else(|| {
+                    MoeError::Format(format!(
+                        "config.json: n_shared_experts {n} × moe_intermediate_size {inter} overflows"
+                    ))
+                })?,
+                gated: false,
+            }),
         };
         Ok(MoeConfig {
             hidden: cfg.usize("hidden_size")?,

@@ -22,10 +22,12 @@ pub(crate) struct GptOss;
 fn projection(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) -> Result<Vec<f32>> {
     let blocks = format!("{name}_blocks");
     if ckpt.has(&blocks) {
-        let groups = inp / 32;
+        let groups = mxfp4_groups(name, inp)?;
         let b = ckpt.bytes(&blocks, &[e, out, groups, 16])?;
         let s = ckpt.bytes(&format!("{name}_scales"), &[e, out, groups])?;
-        return mxfp4(b, s, e * out, groups);
+        let w = mxfp4(b, s, e * out, groups)?;
+        crate::error::check_finite(&format!("{name}_blocks times {name}_scales"), &w)?;
+        return Ok(w);
     }
     let dense = ckpt.f32s(name, &[e, inp, out])?;
     let mut t = vec![0f32; e * out * inp];
@@ -39,10 +41,18 @@ fn projection(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) -
     Ok(t)
 }
 
+/// The 32-value groups along a row of `inp` values (MXFP4 needs whole groups).
+fn mxfp4_groups(name: &str, inp: usize) -> Result<usize> {
+    if !inp.is_multiple_of(32) {
+        return Err(MoeError::Format(format!("{name}_blocks: rows of {inp} values are not whole MXFP4 groups of 32")));
+    }
+    Ok(inp / 32)
+}
+
 /// MXFP4 `name_blocks [E, out, in/32, 16]` and `name_scales [E, out, in/32]` as one code per
 /// byte `[E, out, in]` and f32 scales `[E, out · in/32]`.
 fn mxfp4_codes(ckpt: &Checkpoint, name: &str, e: usize, out: usize, inp: usize) -> Result<(Vec<u8>, Vec<f32>)> {
-    let groups = inp / 32;
+    let groups = mxfp4_groups(name, inp)?;
     let b = ckpt.bytes(&format!("{name}_blocks"), &[e, out, groups, 16])?;
     let s = ckpt.bytes(&format!("{name}_scales"), &[e, out, groups])?;
     let codes = b.iter().flat_map(|&x| [x & 0x0f, x >> 4]).collect();

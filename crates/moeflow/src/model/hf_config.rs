@@ -17,7 +17,16 @@ impl HfConfig {
     pub fn parse(text: &str, path: &str) -> Result<Self> {
         let json: Value =
             serde_json::from_str(text).map_err(|e| MoeError::Json { context: format!("parsing {path}"), source: e })?;
-        let model_type = json.get("model_type").and_then(Value::as_str).unwrap_or("").to_string();
+        if !json.is_object() {
+            return Err(MoeError::Format(format!("{path}: not a JSON object")));
+        }
+        let model_type = match json.get("model_type") {
+            Some(Value::String(s)) if !s.is_empty() => s.clone(),
+            Some(Value::String(_)) | None | Some(Value::Null) => {
+                return Err(MoeError::Format(format!("{path}: no 'model_type' (the model family, e.g. \"mixtral\")")))
+            }
+            Some(v) => return Err(MoeError::Format(format!("{path}: 'model_type' is {v}, not a string"))),
+        };
         Ok(HfConfig { json, model_type })
     }
 

@@ -10,10 +10,10 @@ use std::path::Path;
 pub fn read_hidden_states(path: &Path, name: &str) -> Result<Tensor> {
     let mmap = map_file(path)?;
     let st = SafeTensors::deserialize(&mmap)
-        .map_err(|e| MoeError::Config(format!("{}: not a valid safetensors file ({e})", path.display())))?;
+        .map_err(|e| MoeError::Format(format!("{}: not a valid safetensors file ({e})", path.display())))?;
     let v = st.tensor(name).map_err(|_| {
         let names = st.names();
-        MoeError::Config(format!("{}: no tensor '{name}' (has: {})", path.display(), names.join(", ")))
+        MoeError::Format(format!("{}: no tensor '{name}' (has: {})", path.display(), names.join(", ")))
     })?;
     if v.shape().len() != 2 {
         return Err(MoeError::shape(format!("{name} in {}", path.display()), "[T, H]", v.shape()));

@@ -116,6 +116,11 @@ impl Checkpoint {
     pub fn moe_layers(&self) -> Result<Vec<usize>> {
         let arch = self.architecture()?;
         let n = self.config.usize("num_hidden_layers")?;
+        if n > MAX_LAYERS {
+            return Err(MoeError::Format(format!(
+                "config.json: num_hidden_layers {n} is more than {MAX_LAYERS}, more than any model has"
+            )));
+        }
         let mut out = Vec::new();
         for l in 0..n {
             if dispatch!(arch, is_moe_layer(&self.config, l))? {
@@ -128,6 +133,12 @@ impl Checkpoint {
     fn check_layer(&self, layer: usize) -> Result<Architecture> {
         let arch = self.architecture()?;
         let layers = self.moe_layers()?;
+        if layers.is_empty() {
+            return Err(MoeError::Format(format!(
+                "config.json: no decoder layer has a MoE block (num_hidden_layers {})",
+                self.config.usize("num_hidden_layers")?
+            )));
+        }
         if !layers.contains(&layer) {
             let list: Vec<String> = layers.iter().map(|l| l.to_string()).collect();
             return Err(MoeError::Config(format!(
@@ -143,6 +154,15 @@ impl Checkpoint {
         let arch = self.check_layer(layer)?;
         let c = dispatch!(arch, config(&self.config))?;
         c.validate()?;
+        // Families other than GPT-OSS store each routed expert in tensors of its own, so a
+        // count above the checkpoint's tensors is wrong, and listing its names would not end.
+        if arch != Architecture::GptOss && c.num_experts > self.tensor_count() {
+            return Err(MoeError::Format(format!(
+                "config.json: {} routed experts, but the checkpoint holds only {} tensors (each expert has its own)",
+                c.num_experts,
+                self.tensor_count()
+            )));
+        }
         Ok(c)
     }
 
@@ -162,7 +182,10 @@ impl Checkpoint {
         }
         let layer = match layer {
             Some(l) => l,
-            None => *self.moe_layers()?.first().ok_or_else(|| MoeError::Config("the model has no MoE layer".into()))?,
+            None => *self
+                .moe_layers()?
+                .first()
+                .ok_or_else(|| MoeError::Format("config.json: no decoder layer has a MoE block".into()))?,
         };
         let arch = self.check_layer(layer)?;
         if dtype == DType::F8E4M3 && !matches!(arch, Architecture::DeepseekV2 | Architecture::DeepseekV3) {
@@ -172,6 +195,11 @@ impl Checkpoint {
             )));
         }
         let config = self.moe_config(layer)?;
+        // One expert at a time passes through f32 on the way, the whole stack when f32.
+        crate::memory::ensure(
+            &format!("layer {layer}'s MoE weights as {dtype}"),
+            config.weight_bytes(dtype) + config.weight_bytes(DType::F32) / config.num_experts.max(1) as u128,
+        )?;
         let p = prefix(layer);
         self.require(&dispatch!(arch, tensor_names(self, &p, &config)))?;
         let weights = dispatch!(arch, load(self, &p, &config, dtype))?;
@@ -186,10 +214,14 @@ impl Checkpoint {
     pub fn load_moe_block_quantized(&self, layer: Option<usize>) -> Result<MoeBlock> {
         let layer = match layer {
             Some(l) => l,
-            None => *self.moe_layers()?.first().ok_or_else(|| MoeError::Config("the model has no MoE layer".into()))?,
+            None => *self
+                .moe_layers()?
+                .first()
+                .ok_or_else(|| MoeError::Format("config.json: no decoder layer has a MoE block".into()))?,
         };
         let arch = self.check_layer(layer)?;
         let config = self.moe_config(layer)?;
+        crate::memory::ensure(&format!("layer {layer}'s quantized MoE weights"), config.weight_bytes(DType::F8E4M3))?;
         let p = prefix(layer);
         self.require(&dispatch!(arch, tensor_names(self, &p, &config)))?;
         let weights = dispatch!(arch, load_quantized(self, &p, &config))?;
@@ -197,6 +229,9 @@ impl Checkpoint {
         Ok(MoeBlock { layer, config, weights })
     }
 }
+
+/// More decoder layers than any model has: a `num_hidden_layers` above it is a broken config.
+const MAX_LAYERS: usize = 1 << 16;
 
 fn prefix(layer: usize) -> String {
     format!("model.layers.{layer}.")

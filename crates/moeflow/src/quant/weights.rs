@@ -32,6 +32,15 @@ impl WeightQuant {
         }
     }
 
+    /// The largest magnitude a code decodes to before scaling (fp8 e4m3 448, int8 127, fp4 6).
+    pub fn largest_code(self) -> f32 {
+        match self {
+            WeightQuant::Fp8Block(_) => 448.0,
+            WeightQuant::Int8Channel => 127.0,
+            WeightQuant::Mxfp4 => 6.0,
+        }
+    }
+
     /// Quantizes `count` matrices `[n, k]` stored back to back: (codes, scales).
     pub fn quantize(self, w: &[f32], count: usize, n: usize, k: usize) -> Result<(Vec<u8>, Vec<f32>)> {
         crate::error::check_finite("expert weights to quantize", w)?;

@@ -143,6 +143,11 @@ impl RouterConfig {
                 "top-k {top_k} must be in 1..={num_experts} (the number of experts)"
             )));
         }
+        // Routers keep per-expert state (scores, biases, groups).
+        crate::memory::ensure(
+            &format!("router state for {num_experts} experts"),
+            crate::memory::bytes(&[num_experts], 2 * std::mem::size_of::<f32>()),
+        )?;
         if correction_bias.is_some() && !matches!(self, RouterConfig::SigmoidGrouped { .. }) {
             return Err(MoeError::Config("a correction bias is only used by the sigmoid_grouped router".into()));
         }

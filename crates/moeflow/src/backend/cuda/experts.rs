@@ -45,7 +45,7 @@ type Segment = (usize, usize, usize);
 impl CudaExperts {
     /// Uploads `weights` (quantized ones dequantized, then stored as bf16) to GPU `device`.
     pub fn new(weights: &ExpertWeights, activation: Activation, device: usize) -> Result<Self> {
-        let (e, h, i) = weights.dims()?;
+        let (e, h, i) = weights.validate("cuda experts")?;
         let gpu = Gpu::new(device)?;
         gpu.ctx.bind_to_thread().map_err(|x| err("binding context", x))?;
         let s = &gpu.stream;

@@ -5,6 +5,7 @@
 mod blas_handle;
 mod ceiling;
 mod experts;
+mod finite;
 mod layer;
 mod nccl;
 mod quant;
@@ -44,11 +45,17 @@ const KERNELS: &str = concat!(
     include_str!("kernels/moe.cu"),
     include_str!("kernels/low_latency.cu"),
     include_str!("kernels/masked_gemm.cu"),
-    include_str!("kernels/grouped_gemm_sm90.cu")
+    include_str!("kernels/grouped_gemm_sm90.cu"),
+    include_str!("kernels/finite.cu")
 );
 
+/// A CUDA error while doing `what`; running out of device memory gets its own error.
 fn err(what: &str, e: impl std::fmt::Debug) -> MoeError {
-    MoeError::Unsupported(format!("CUDA: {what}: {e:?}"))
+    let debug = format!("{e:?}");
+    if finite::is_out_of_memory(&debug) {
+        return MoeError::DeviceOutOfMemory { what: format!("CUDA: {what}") };
+    }
+    MoeError::Unsupported(format!("CUDA: {what}: {debug}"))
 }
 
 /// One GPU: context, stream, compiled kernels.

@@ -57,6 +57,13 @@ impl CudaMoeLayer {
             let wide = i.max(c.shared.map_or(0, |s| s.inter));
             let s = &self.gpu.stream;
             // Row buffers hold up to 2 t k rows (the padded layout's limit).
+            let wide_rows = crate::memory::bytes(&[2, t, k, 3 * wide + 2 * h], 2);
+            let token_rows = crate::memory::bytes(&[t, 3 * h + e + 2 * wide], 4);
+            super::super::finite::ensure_device_memory(
+                &self.gpu,
+                &format!("workspace for {t} tokens"),
+                wide_rows + token_rows,
+            )?;
             let r = 2 * t * k;
             macro_rules! z {
                 ($ty:ty, $n:expr) => {

@@ -87,6 +87,7 @@ impl CudaMoeLayer {
         let link = self.ep.as_ref().expect("checked by the caller");
         let c = &self.config;
         let (h, i, k, n, el) = (c.hidden, c.inter, c.top_k, link.comm.size(), link.local);
+        super::super::finite::ensure_low_latency(&self.gpu, m, [h, i, k, n, el])?;
         let (msg, cap) = (n * m, n * m);
         let s = &self.gpu.stream;
         let z16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(|e| err("allocating workspace", e));

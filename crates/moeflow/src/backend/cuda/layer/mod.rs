@@ -146,6 +146,8 @@ pub struct CudaMoeLayer {
     bufs: Mutex<Option<Buffers>>,
     /// Set when the layer is one rank of an expert-parallel group.
     ep: Option<EpLink>,
+    /// Return outputs holding NaN or infinity instead of an error (see `finite`).
+    allow_nonfinite: bool,
 }
 
 fn bf16_bits(t: &Tensor) -> Vec<u16> {
@@ -249,6 +251,7 @@ impl CudaMoeLayer {
             w,
             bufs: Mutex::new(None),
             ep,
+            allow_nonfinite: false,
         })
     }
 
@@ -321,6 +324,8 @@ impl CudaMoeLayer {
             }
             None => weights.experts.clone(),
         };
+        let held = experts.w13.elem_count() as u128 + experts.w2.elem_count() as u128;
+        super::finite::ensure_device_memory(&gpu, "expert weights (bf16)", 2 * held)?;
         let up_f32 = |t: &Tensor| s.clone_htod(&t.to_f32_vec()).map_err(|e| err("upload", e));
         let up_bf16 = |t: &Tensor| s.clone_htod(&bf16_bits(t)).map_err(|e| err("upload", e));
         let w = DeviceWeights {
@@ -424,6 +429,14 @@ impl CudaMoeLayer {
         Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep, opts)
     }
 
+    /// Whether forwards return outputs holding NaN or infinity (`true`) or refuse them with
+    /// an error naming the count and the first position (`false`, the default; counted on the
+    /// device).
+    pub fn allow_nonfinite(mut self, allow: bool) -> Self {
+        self.allow_nonfinite = allow;
+        self
+    }
+
     /// The layer's configuration.
     pub fn config(&self) -> &MoeConfig {
         &self.config
@@ -470,6 +483,9 @@ impl CudaMoeLayer {
             None if graph && self.takes_graph(t) => self.graph_run(b, t, false)?,
             None => self.run_marks(b, t, false, hook)?.0,
         };
+        if !self.allow_nonfinite {
+            super::finite::check_output(&self.gpu, &b.out.slice(0..t * self.config.hidden), self.config.hidden)?;
+        }
         let mut out = vec![0f32; t * self.config.hidden];
         self.gpu
             .stream

@@ -1,0 +1,84 @@
+//! Non-finite values found on the device: one reduction kernel (`kernels/finite.cu`) over an
+//! f32 buffer, of which only two numbers (the count and the first index) come back to the
+//! host, never the tensor. Also device memory checked before large allocations, and
+//! out-of-memory errors that say what was being allocated.
+
+use super::{err, Gpu};
+use crate::error::{MoeError, Result};
+use cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+
+/// NaN and infinities among the `x.len()` values of `x`: `(count, first flat index)`, or
+/// `None` when all are finite. Waits for the layer's stream.
+pub(crate) fn count_nonfinite(gpu: &Gpu, x: &CudaView<'_, f32>) -> Result<Option<(usize, usize)>> {
+    let n = x.len();
+    if n == 0 {
+        return Ok(None);
+    }
+    let s = &gpu.stream;
+    let mut result = s.clone_htod(&[0u64, u64::MAX]).map_err(|e| err("allocating the non-finite count", e))?;
+    let kernel = gpu.function("count_nonfinite_f32")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let len = n as i64;
+    // SAFETY: count_nonfinite_f32(const float*, long long, unsigned long long*) reads the `n`
+    // floats of `x` and updates the two values of `result`; both live until the copy below,
+    // which waits for the kernel on the same stream.
+    unsafe { s.launch_builder(&kernel).arg(x).arg(&len).arg(&mut result).launch(cfg) }
+        .map_err(|e| err("counting non-finite values", e))?;
+    let host = s.clone_dtoh(&result).map_err(|e| err("reading the non-finite count", e))?;
+    Ok((host[0] > 0).then(|| (host[0] as usize, host[1] as usize)))
+}
+
+/// Refuses an output `[T, hidden]` on the device that holds NaN or infinity, naming the count
+/// and the first one's position (its value is read back alone).
+pub(crate) fn check_output(gpu: &Gpu, out: &CudaView<'_, f32>, hidden: usize) -> Result<()> {
+    let Some((count, first)) = count_nonfinite(gpu, out)? else {
+        return Ok(());
+    };
+    let mut value = [0f32];
+    gpu.stream.memcpy_dtoh(&out.slice(first..first + 1), &mut value).map_err(|e| err("reading a value", e))?;
+    let hidden = hidden.max(1);
+    Err(MoeError::NonFiniteOutput { count, token: first / hidden, column: first % hidden, value: value[0] })
+}
+
+/// Refuses `bytes` for `what` on `gpu` when they exceed its free memory, before allocating.
+pub(crate) fn ensure_device_memory(gpu: &Gpu, what: &str, bytes: u128) -> Result<()> {
+    if bytes > isize::MAX as u128 {
+        return Err(MoeError::OutOfMemory {
+            what: format!("{what} on GPU {}", gpu.ordinal),
+            needed: bytes,
+            available: None,
+        });
+    }
+    let (free, _total) = gpu.ctx.mem_get_info().map_err(|e| err("querying free memory", e))?;
+    if bytes > free as u128 {
+        return Err(MoeError::OutOfMemory {
+            what: format!("{what} on GPU {}", gpu.ordinal),
+            needed: bytes,
+            available: Some(free as u128),
+        });
+    }
+    Ok(())
+}
+
+/// Refuses a low-latency capacity of `m` tokens per rank whose buffers (messages of every
+/// rank's rows, the `[local, ranks · m, ·]` expert rows) exceed the device or whose row
+/// offsets exceed the kernels' 32-bit indices. `dims` = (hidden, inter, top-k, ranks, local).
+pub(crate) fn ensure_low_latency(gpu: &Gpu, m: usize, [h, i, k, n, local]: [usize; 5]) -> Result<()> {
+    let what = format!("low-latency buffers for max_tokens_per_rank {m}");
+    let rows = crate::memory::bytes(&[local, n, m], 1);
+    if rows > i32::MAX as u128 {
+        return Err(MoeError::Config(format!("{what}: {rows} expert rows exceed the kernels' 32-bit row indices")));
+    }
+    let messages = crate::memory::bytes(&[n, m, 4 * h + 3 * k + 8], 2);
+    let experts = crate::memory::bytes(&[local, n, m, 2 * h + 3 * i], 2);
+    ensure_device_memory(gpu, &what, messages + experts)
+}
+
+/// Whether a CUDA error (as `err` formats it) is the device running out of memory.
+pub(crate) fn is_out_of_memory(debug: &str) -> bool {
+    debug.contains("CUDA_ERROR_OUT_OF_MEMORY")
+}

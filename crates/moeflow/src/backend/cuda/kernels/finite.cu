@@ -1,0 +1,29 @@
+// Non-finite values of a device buffer, found in one pass.
+
+extern "C" {
+
+// Counts the NaN and infinite values of x[0, n) and finds the first one's index: adds the count
+// to result[0] and lowers result[1] to the index (result starts as {0, ~0}). Any grid of whole
+// warps; each warp adds its share with one atomic of each kind.
+__global__ void count_nonfinite_f32(const float* __restrict__ x, long long n, unsigned long long* result) {
+    unsigned long long count = 0, first = ~0ull;
+    long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+        // All exponent bits set: infinity or NaN.
+        if ((__float_as_uint(x[i]) & 0x7f800000u) == 0x7f800000u) {
+            count++;
+            if ((unsigned long long)i < first) first = (unsigned long long)i;
+        }
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        count += __shfl_xor_sync(0xffffffffu, count, o);
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, first, o);
+        if (other < first) first = other;
+    }
+    if (threadIdx.x % 32 == 0 && count > 0) {
+        atomicAdd(&result[0], count);
+        atomicMin(&result[1], first);
+    }
+}
+
+}  // extern "C"
