@@ -800,27 +800,30 @@ __global__ void quantize_weight_blocks_fp8(bf16_t* w, int N, int K, unsigned cha
 
 extern "C" {
 
-// Deterministic mode's router GEMM: logits[t, e] = the sum over k in order of x[t, k] * gate[e,
-// k] (f32 fma), one fixed order whatever the batch, so a token's logits are the same bits alone
-// and in any batch. 64 tokens × 64 experts a block of 256 threads (4 × 4 a thread), the depth
-// in chunks of 16 through shared memory.
-__global__ void router_logits_fixed(const float* x, const float* gate, int T, int E, int H, float* logits) {
+// Deterministic mode's router GEMM, in two launches whose sums have one fixed order for any
+// batch, so a token's logits are the same bits alone and in any batch. First the partial dot
+// products over ROUTER_FIXED_COLS columns each: partial[z, t, e] = the sum over k in block z, in
+// order, of x[t, k] * gate[e, k] (f32 fma); 64 tokens × 64 experts a block of 256 threads (4 × 4
+// a thread), the depth in chunks of 16 through shared memory; blockIdx.z is the column block.
+#define ROUTER_FIXED_COLS 256
+__global__ void router_partials_fixed(const float* x, const float* gate, int T, int E, int H, float* partial) {
     __shared__ float xs[16][65];
     __shared__ float gs[16][65];
     int t0 = blockIdx.x * 64, e0 = blockIdx.y * 64;
+    int k_lo = blockIdx.z * ROUTER_FIXED_COLS, k_hi = min(H, k_lo + ROUTER_FIXED_COLS);
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     float acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
-    for (int k0 = 0; k0 < H; k0 += 16) {
+    for (int k0 = k_lo; k0 < k_hi; k0 += 16) {
         for (int q = threadIdx.x; q < 64 * 16; q += blockDim.x) {
             int r = q / 16, kk = q % 16, k = k0 + kk;
             int t = t0 + r, e = e0 + r;
-            xs[kk][r] = (t < T && k < H) ? x[(long)t * H + k] : 0.0f;
-            gs[kk][r] = (e < E && k < H) ? gate[(long)e * H + k] : 0.0f;
+            xs[kk][r] = (t < T && k < k_hi) ? x[(long)t * H + k] : 0.0f;
+            gs[kk][r] = (e < E && k < k_hi) ? gate[(long)e * H + k] : 0.0f;
         }
         __syncthreads();
-        int depth = min(16, H - k0);
+        int depth = min(16, k_hi - k0);
         for (int kk = 0; kk < depth; kk++) {
             float a[4], b[4];
             for (int i = 0; i < 4; i++) a[i] = xs[kk][ty * 4 + i];
@@ -830,12 +833,23 @@ __global__ void router_logits_fixed(const float* x, const float* gate, int T, in
         }
         __syncthreads();
     }
+    float* out = partial + (long)blockIdx.z * T * E;
     for (int i = 0; i < 4; i++) {
         int t = t0 + ty * 4 + i;
         for (int j = 0; j < 4; j++) {
             int e = e0 + tx * 4 + j;
-            if (t < T && e < E) logits[(long)t * E + e] = acc[i][j];
+            if (t < T && e < E) out[(long)t * E + e] = acc[i][j];
         }
+    }
+}
+
+// Then logits[t, e] = the sum of the `blocks` partials in block order.
+__global__ void router_sum_fixed(const float* partial, int T, int E, int blocks, float* logits) {
+    long n = (long)T * E;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int z = 0; z < blocks; z++) s += partial[z * n + i];
+        logits[i] = s;
     }
 }
 

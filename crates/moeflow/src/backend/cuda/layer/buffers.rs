@@ -40,6 +40,8 @@ pub(super) struct Buffers {
     /// Deterministic mode's shared expert as a one-expert grouped GEMM: its row count and
     /// offset (0).
     pub(super) shared_rows: CudaSlice<i32>,
+    /// Deterministic mode's router partial sums, `[H / ROUTER_FIXED_COLS, T, E]`.
+    pub(super) router_fixed: Option<CudaSlice<f32>>,
     /// Low-latency buffers and the captured layer (see [`low_latency`]).
     pub(super) ll: Option<low_latency::LlBuffers>,
     /// One GPU: small batches' graphs and their cuBLAS workspaces (see [`graph`]).
@@ -96,6 +98,11 @@ impl CudaMoeLayer {
                 ep: None,
                 exchange: None,
                 shared_rows: z!(i32, 2),
+                router_fixed: if self.opts.deterministic {
+                    Some(z!(f32, h.div_ceil(super::route::ROUTER_FIXED_COLS) * t * e))
+                } else {
+                    None
+                },
                 ll: None,
                 graphs,
             });

@@ -14,6 +14,10 @@ pub(super) const FUSED_ROUTE_TOKENS: usize = 4;
 /// Most experts the fused router takes (see [`CudaMoeLayer::routes_fused`]).
 const FUSED_ROUTE_EXPERTS: usize = 128;
 
+/// Columns each partial sum of deterministic mode's router GEMM takes (`ROUTER_FIXED_COLS`
+/// in moe.cu).
+pub(super) const ROUTER_FIXED_COLS: usize = 256;
+
 /// Columns of `x` each block of the fused router takes (`ROUTE_SMALL_COLS` in moe.cu).
 pub(super) const ROUTE_COLS: usize = 128;
 
@@ -110,32 +114,44 @@ impl CudaMoeLayer {
     }
 
     /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32, each sum in one fixed order for
-    /// any batch (deterministic mode; `router_logits_fixed` in moe.cu).
+    /// any batch (deterministic mode): partial sums over [`ROUTER_FIXED_COLS`] columns each,
+    /// then those added in column order (`router_partials_fixed`, `router_sum_fixed` in moe.cu).
     pub(super) fn router_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
         let (h, e) = (self.config.hidden, self.config.num_experts);
         let g = &self.gpu;
-        let (xp, gp, lp) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.logits, g));
-        let (ti, ei, hi) = (t as i32, e as i32, h as i32);
+        let s = &g.stream;
+        let blocks = h.div_ceil(ROUTER_FIXED_COLS);
+        let partial = b.router_fixed.as_ref().expect("allocated for deterministic layers");
+        let (xp, gp, lp, pp) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.logits, g), dptr(partial, g));
+        let (ti, ei, hi, bi) = (t as i32, e as i32, h as i32, blocks as i32);
         let cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(64) as u32, e.div_ceil(64) as u32, 1),
+            grid_dim: (t.div_ceil(64) as u32, e.div_ceil(64) as u32, blocks as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: router_logits_fixed(float*, float*, int, int, int, float*) reads t · H and
-        // E · H floats and writes t · E.
+        // SAFETY: router_partials_fixed(float*, float*, int, int, int, float*) reads t · H and
+        // E · H floats and writes blocks · t · E partials, which `partial` holds;
+        // router_sum_fixed(float*, int, int, int, float*) reads them and writes t · E logits.
         unsafe {
-            g.stream
-                .launch_builder(&self.k.router_fixed)
+            s.launch_builder(&self.k.router_partials)
                 .arg(&xp)
                 .arg(&gp)
                 .arg(&ti)
                 .arg(&ei)
                 .arg(&hi)
-                .arg(&lp)
+                .arg(&pp)
                 .launch(cfg)
+                .map_err(|e| err("router_partials_fixed", e))?;
+            s.launch_builder(&self.k.router_sum)
+                .arg(&pp)
+                .arg(&ti)
+                .arg(&ei)
+                .arg(&bi)
+                .arg(&lp)
+                .launch(grid(t * e))
+                .map(|_| ())
+                .map_err(|e| err("router_sum_fixed", e))
         }
-        .map(|_| ())
-        .map_err(|e| err("router_logits_fixed", e))
     }
 
     /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 (pedantic f32: no TF32).
