@@ -96,16 +96,17 @@ pub fn read_records(path: &Path) -> Result<Vec<PlotRecord>> {
 
 /// Draws the plots of `records` (sorted by tokens) into the SVG file `out`.
 pub fn write_svg(records: &[PlotRecord], out: &Path) -> Result<()> {
+    // A batch of no tokens has no place on a log axis.
+    let mut records: Vec<PlotRecord> = records.iter().filter(|r| r.tokens > 0).cloned().collect();
     if records.is_empty() {
-        return Err(MoeError::Config("no bench records to plot".into()));
+        return Err(MoeError::Config("no bench records of one token or more to plot".into()));
     }
-    if let Some(bad) = records.iter().find(|r| r.tokens == 0 || !(r.ms.is_finite() && r.ms > 0.0)) {
+    if let Some(bad) = records.iter().find(|r| !(r.ms.is_finite() && r.ms > 0.0)) {
         return Err(MoeError::Config(format!(
-            "a bench record cannot be plotted: {} tokens, {} ms (both must be positive)",
+            "the bench record of {} tokens cannot be plotted: its layer time is {} ms",
             bad.tokens, bad.ms
         )));
     }
-    let mut records = records.to_vec();
     records.sort_by_key(|r| r.tokens);
     let expert_parallel = records.iter().any(|r| r.bytes_moved_per_rank > 0 && r.comm_gbps.is_some());
     let panels = if expert_parallel { 3 } else { 2 };
@@ -203,7 +204,8 @@ fn stage_shares(area: &Area, records: &[PlotRecord]) -> Drawn {
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(-0.5f64..n as f64 - 0.5, 0f64..100f64)?;
+        // The room right of the last bar holds the legend.
+        .build_cartesian_2d(-0.5f64..n as f64 + 0.7, 0f64..100f64)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -356,7 +358,12 @@ mod tests {
     fn bad_records_are_refused_with_a_reason() {
         let err = write_svg(&[], Path::new("/nonexistent/x.svg")).unwrap_err().to_string();
         assert!(err.contains("no bench records"), "{err}");
+        let err = write_svg(&[record(4, 1.0, None, None)], Path::new("/nonexistent/x.svg")).unwrap_err().to_string();
+        assert!(err.contains("drawing /nonexistent/x.svg"), "{err}");
         let err = write_svg(&[record(0, 1.0, None, None)], Path::new("/nonexistent/x.svg")).unwrap_err().to_string();
-        assert!(err.contains("0 tokens"), "{err}");
+        assert!(err.contains("one token or more"), "{err}");
+        let err =
+            write_svg(&[record(4, f64::NAN, None, None)], Path::new("/nonexistent/x.svg")).unwrap_err().to_string();
+        assert!(err.contains("4 tokens") && err.contains("NaN"), "{err}");
     }
 }
