@@ -4,7 +4,7 @@
 //! link ceiling. Text goes into the SVG as text elements, so no font files are read.
 
 use moeflow::{MoeError, Result};
-use plotters::coord::Shift;
+use plotters::coord::{CoordTranslate, Shift};
 use plotters::prelude::*;
 use serde::Deserialize;
 use std::path::Path;
@@ -30,6 +30,12 @@ pub struct PlotRecord {
     /// Those bytes over rank 0's dispatch and combine time, GB/s.
     #[serde(default)]
     pub comm_gbps: Option<f64>,
+    /// The dispatch's bytes over its time, GB/s, where the record has it apart.
+    #[serde(default)]
+    pub dispatch_gbps: Option<f64>,
+    /// The combine's bytes over its time, GB/s, where the record has it apart.
+    #[serde(default)]
+    pub combine_gbps: Option<f64>,
     /// The PyTorch baseline's layer time on the same shapes, ms (`--torch-baseline`).
     #[serde(default)]
     pub torch_ms: Option<f64>,
@@ -57,10 +63,15 @@ fn one() -> usize {
 /// Median stage times, ms, as in [`moeflow::StageTimes`].
 #[derive(Deserialize, Debug, Clone, Copy, Default)]
 pub struct Stages {
+    /// Router GEMM and top-k.
     pub route: f64,
+    /// Quantize, permute and dispatch.
     pub prepare: f64,
+    /// The experts' GEMMs and activation.
     pub experts: f64,
+    /// Collect, weight-and-reduce and combine.
     pub finalize: f64,
+    /// The shared expert.
     pub shared: f64,
 }
 
@@ -108,7 +119,9 @@ pub fn write_svg(records: &[PlotRecord], out: &Path) -> Result<()> {
         )));
     }
     records.sort_by_key(|r| r.tokens);
-    let expert_parallel = records.iter().any(|r| r.bytes_moved_per_rank > 0 && r.comm_gbps.is_some());
+    let expert_parallel = records.iter().any(|r| {
+        r.bytes_moved_per_rank > 0 && (r.comm_gbps.is_some() || r.dispatch_gbps.is_some() || r.combine_gbps.is_some())
+    });
     let panels = if expert_parallel { 3 } else { 2 };
     let drawing =
         |e: String| MoeError::Io { context: format!("drawing {}", out.display()), source: std::io::Error::other(e) };
@@ -175,16 +188,7 @@ fn latency(area: &Area, records: &[PlotRecord], title: &str) -> Drawn {
         ("PyTorch", RGBColor(214, 39, 40), |r| r.torch_ms),
     ];
     for (name, color, value) in series {
-        let points: Vec<(f64, f64)> =
-            records.iter().filter_map(|r| value(r).filter(|v| *v > 0.0).map(|v| (r.tokens as f64, v))).collect();
-        if points.is_empty() {
-            continue;
-        }
-        chart
-            .draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?
-            .label(name)
-            .legend(legend_line(color));
-        chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+        draw_line(&mut chart, name, color, points(records, value))?;
     }
     chart
         .configure_series_labels()
@@ -244,32 +248,57 @@ fn stage_shares(area: &Area, records: &[PlotRecord]) -> Drawn {
     Ok(())
 }
 
-/// Dispatch + combine rate of rank 0 against tokens, with the link ceiling where measured.
+/// (tokens, value) of each record that has a positive `value`.
+fn points(records: &[PlotRecord], value: fn(&PlotRecord) -> Option<f64>) -> Vec<(f64, f64)> {
+    records.iter().filter_map(|r| value(r).filter(|v| *v > 0.0).map(|v| (r.tokens as f64, v))).collect()
+}
+
+/// Draws `points` as a line with dots, named `name` in the legend (nothing when empty).
+fn draw_line<CT>(
+    chart: &mut ChartContext<'_, SVGBackend<'_>, CT>,
+    name: &str,
+    color: RGBColor,
+    points: Vec<(f64, f64)>,
+) -> Drawn
+where
+    CT: CoordTranslate<From = (f64, f64)>,
+{
+    if points.is_empty() {
+        return Ok(());
+    }
+    chart.draw_series(LineSeries::new(points.clone(), color.stroke_width(2)))?.label(name).legend(legend_line(color));
+    chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, color.filled())))?;
+    Ok(())
+}
+
+/// The communication rates of rank 0 against tokens: dispatch and combine apart where the
+/// records have them, else together; with the link ceiling where it was measured.
 fn comm_rates(area: &Area, records: &[PlotRecord]) -> Drawn {
-    let points: Vec<(f64, f64)> =
-        records.iter().filter_map(|r| r.comm_gbps.filter(|g| *g > 0.0).map(|g| (r.tokens as f64, g))).collect();
+    let apart = records.iter().any(|r| r.dispatch_gbps.is_some() || r.combine_gbps.is_some());
+    let series: Vec<(&str, RGBColor, fn(&PlotRecord) -> Option<f64>)> = if apart {
+        vec![
+            ("dispatch", RGBColor(31, 119, 180), |r| r.dispatch_gbps),
+            ("combine", RGBColor(255, 127, 14), |r| r.combine_gbps),
+        ]
+    } else {
+        vec![("dispatch + combine", RGBColor(31, 119, 180), |r| r.comm_gbps)]
+    };
     let link = records.iter().find_map(|r| r.link_gbps);
     let xs = log_range(records.iter().map(|r| r.tokens as f64));
-    let top = points.iter().map(|p| p.1).chain(link).fold(1f64, f64::max) * 1.15;
+    let rates = series.iter().flat_map(|(_, _, value)| records.iter().filter_map(value));
+    let top = rates.chain(link).fold(1f64, f64::max) * 1.15;
     let mut chart = ChartBuilder::on(area)
-        .caption("dispatch + combine, bytes sent per GPU over their time", ("sans-serif", 20))
+        .caption("communication: bytes sent per GPU over their time", ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d((xs.0..xs.1).log_scale(), 0f64..top)?;
     chart.configure_mesh().x_desc("tokens").y_desc("GB/s").draw()?;
-    let rate = RGBColor(31, 119, 180);
-    chart
-        .draw_series(LineSeries::new(points.clone(), rate.stroke_width(2)))?
-        .label("dispatch + combine")
-        .legend(legend_line(rate));
-    chart.draw_series(points.into_iter().map(|p| Circle::new(p, 3, rate.filled())))?;
+    for (name, color, value) in series {
+        draw_line(&mut chart, name, color, points(records, value))?;
+    }
     if let Some(l) = link {
-        let ceiling = RGBColor(120, 120, 120);
-        chart
-            .draw_series(LineSeries::new([(xs.0, l), (xs.1, l)], ceiling.stroke_width(2)))?
-            .label("link ceiling")
-            .legend(legend_line(ceiling));
+        draw_line(&mut chart, "link ceiling", RGBColor(120, 120, 120), vec![(xs.0, l), (xs.1, l)])?;
     }
     chart
         .configure_series_labels()
@@ -299,6 +328,8 @@ mod tests {
             },
             bytes_moved_per_rank: if comm.is_some() { 1 << 20 } else { 0 },
             comm_gbps: comm,
+            dispatch_gbps: None,
+            combine_gbps: None,
             torch_ms: torch,
             link_gbps: comm.map(|_| 400.0),
             preset: "olmoe-1b-7b".into(),
@@ -352,6 +383,20 @@ mod tests {
             assert!(text.contains(name), "no series {name}");
         }
         assert!(!text.contains("PyTorch"), "no PyTorch curve without its times");
+        assert!(!text.contains(">dispatch<") && !text.contains(">combine<"), "no separate rates without them");
+    }
+
+    #[test]
+    fn dispatch_and_combine_rates_are_drawn_apart_where_records_have_them() {
+        let mut records = vec![record(128, 1.7, None, Some(40.0)), record(4096, 6.6, None, Some(135.0))];
+        for (r, (d, c)) in records.iter_mut().zip([(38.0, 42.0), (142.5, 128.6)]) {
+            (r.dispatch_gbps, r.combine_gbps) = (Some(d), Some(c));
+        }
+        let text = svg(&records, "apart");
+        for name in ["dispatch", "combine", "link ceiling"] {
+            assert!(text.contains(&format!(">{name}<")) || text.contains(&format!("\n{name}\n")), "no series {name}");
+        }
+        assert!(!text.contains("dispatch + combine"), "the rates apart replace their sum");
     }
 
     #[test]
