@@ -163,6 +163,17 @@ fn log_range(v: impl Iterator<Item = f64>) -> (f64, f64) {
     }
 }
 
+/// The label of a log axis' mark: 1, 2 and 5 times a power of ten, written short ("0.2", "5",
+/// "1000"); nothing for the marks between them, so the labels do not crowd.
+fn log_label(v: &f64) -> String {
+    let mantissa = v / 10f64.powf(v.log10().floor());
+    if ![1.0, 2.0, 5.0, 10.0].iter().any(|m| (mantissa - m).abs() < 1e-3 * m) {
+        return String::new();
+    }
+    let text = format!("{v:.3}");
+    text.trim_end_matches('0').trim_end_matches('.').to_string()
+}
+
 /// A legend line for a series of colour `color`.
 fn legend_line(color: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
     move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2))
@@ -180,7 +191,14 @@ fn latency(area: &Area, records: &[PlotRecord], title: &str) -> Drawn {
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d((xs.0..xs.1).log_scale(), (ys.0..ys.1).log_scale())?;
-    chart.configure_mesh().x_desc("tokens").y_desc("ms").draw()?;
+    chart
+        .configure_mesh()
+        .light_line_style(TRANSPARENT)
+        .x_label_formatter(&log_label)
+        .y_label_formatter(&log_label)
+        .x_desc("tokens")
+        .y_desc("ms")
+        .draw()?;
     let series: [(&str, RGBColor, fn(&PlotRecord) -> Option<f64>); 4] = [
         ("moeflow", RGBColor(31, 119, 180), |r| Some(r.ms)),
         ("floor", RGBColor(120, 120, 120), |r| Some(r.floor_ms)),
@@ -203,24 +221,21 @@ fn latency(area: &Area, records: &[PlotRecord], title: &str) -> Drawn {
 fn stage_shares(area: &Area, records: &[PlotRecord]) -> Drawn {
     let n = records.len();
     let labels: Vec<String> = records.iter().map(|r| r.tokens.to_string()).collect();
+    // One segment a token count, and one more on the right for the legend.
     let mut chart = ChartBuilder::on(area)
         .caption("stage times, share of their sum", ("sans-serif", 20))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        // The room right of the last bar holds the legend.
-        .build_cartesian_2d(-0.5f64..n as f64 + 0.7, 0f64..100f64)?;
+        .build_cartesian_2d((0..n + 1).into_segmented(), 0f64..100f64)?;
     chart
         .configure_mesh()
+        .light_line_style(TRANSPARENT)
         .disable_x_mesh()
-        .x_labels(n)
-        .x_label_formatter(&|x| {
-            let i = x.round();
-            if (x - i).abs() < 1e-6 && i >= 0.0 {
-                labels.get(i as usize).cloned().unwrap_or_default()
-            } else {
-                String::new()
-            }
+        .x_labels(n + 2)
+        .x_label_formatter(&|v| match v {
+            SegmentValue::CenterOf(i) => labels.get(*i).cloned().unwrap_or_default(),
+            _ => String::new(),
         })
         .x_desc("tokens")
         .y_desc("% of stage time")
@@ -232,7 +247,10 @@ fn stage_shares(area: &Area, records: &[PlotRecord]) -> Drawn {
             let sum: f64 = named.iter().map(|(_, ms)| ms.max(0.0)).sum::<f64>().max(1e-12);
             let below: f64 = named[..s].iter().map(|(_, ms)| ms.max(0.0)).sum::<f64>() / sum * 100.0;
             let top = below + named[s].1.max(0.0) / sum * 100.0;
-            Rectangle::new([(i as f64 - 0.35, below), (i as f64 + 0.35, top)], color.filled())
+            let mut bar =
+                Rectangle::new([(SegmentValue::Exact(i), below), (SegmentValue::Exact(i + 1), top)], color.filled());
+            bar.set_margin(0, 0, 12, 12);
+            bar
         });
         chart
             .draw_series(bars)?
@@ -293,7 +311,13 @@ fn comm_rates(area: &Area, records: &[PlotRecord]) -> Drawn {
         .x_label_area_size(40)
         .y_label_area_size(60)
         .build_cartesian_2d((xs.0..xs.1).log_scale(), 0f64..top)?;
-    chart.configure_mesh().x_desc("tokens").y_desc("GB/s").draw()?;
+    chart
+        .configure_mesh()
+        .light_line_style(TRANSPARENT)
+        .x_label_formatter(&log_label)
+        .x_desc("tokens")
+        .y_desc("GB/s")
+        .draw()?;
     for (name, color, value) in series {
         draw_line(&mut chart, name, color, points(records, value))?;
     }
@@ -397,6 +421,13 @@ mod tests {
             assert!(text.contains(&format!(">{name}<")) || text.contains(&format!("\n{name}\n")), "no series {name}");
         }
         assert!(!text.contains("dispatch + combine"), "the rates apart replace their sum");
+    }
+
+    #[test]
+    fn log_axes_label_one_two_and_five_times_powers_of_ten() {
+        let labels: Vec<String> =
+            [0.1, 0.2, 0.3, 0.5, 1.0, 2.0, 7.0, 10.0, 1000.0, 16384.0].iter().map(log_label).collect();
+        assert_eq!(labels, ["0.1", "0.2", "", "0.5", "1", "2", "", "10", "1000", ""]);
     }
 
     #[test]
