@@ -7,13 +7,19 @@ use std::path::Path;
 /// One measured configuration (the schema every bench writes).
 #[derive(Serialize, Debug)]
 pub struct Record {
+    /// Preset name (`--preset`).
     pub preset: String,
+    /// `cpu` or `cuda`.
     pub backend: String,
+    /// Expert weight dtype.
     pub dtype: String,
     /// Tokens per DP group.
     pub tokens: usize,
+    /// Expert-parallel size.
     pub ep: usize,
+    /// Tensor-parallel size.
     pub tp: usize,
+    /// Dispatch strategy (and the GPU layer that ran it).
     pub strategy: String,
     /// Quantization of activations (and weights).
     pub quant: String,
@@ -30,6 +36,7 @@ pub struct Record {
     /// GPU: the same floor with the GEMM rate a GPU holds under sustained load (its power cap
     /// lowers the clocks within a second), the rate a long run of GEMMs can reach.
     pub floor_sustained_ms: Option<f64>,
+    /// Timed runs behind the medians.
     pub runs: usize,
     /// Median time of each stage on rank 0, ms.
     pub stages_ms: StageTimes,
