@@ -150,6 +150,9 @@ fn title(r: &PlotRecord) -> String {
     format!("{preset}{backend}{layout}: layer time")
 }
 
+/// A line of a chart: its legend name, its colour, and the value it takes from a record.
+type Series = (&'static str, RGBColor, fn(&PlotRecord) -> Option<f64>);
+
 type Area<'a> = DrawingArea<SVGBackend<'a>, Shift>;
 type Drawn = std::result::Result<(), Box<dyn std::error::Error>>;
 
@@ -199,7 +202,7 @@ fn latency(area: &Area, records: &[PlotRecord], title: &str) -> Drawn {
         .x_desc("tokens")
         .y_desc("ms")
         .draw()?;
-    let series: [(&str, RGBColor, fn(&PlotRecord) -> Option<f64>); 4] = [
+    let series: [Series; 4] = [
         ("moeflow", RGBColor(31, 119, 180), |r| Some(r.ms)),
         ("floor", RGBColor(120, 120, 120), |r| Some(r.floor_ms)),
         ("floor at the sustained GEMM rate", RGBColor(188, 189, 34), |r| r.floor_sustained_ms),
@@ -293,7 +296,7 @@ where
 /// records have them, else together; with the link ceiling where it was measured.
 fn comm_rates(area: &Area, records: &[PlotRecord]) -> Drawn {
     let apart = records.iter().any(|r| r.dispatch_gbps.is_some() || r.combine_gbps.is_some());
-    let series: Vec<(&str, RGBColor, fn(&PlotRecord) -> Option<f64>)> = if apart {
+    let series: Vec<Series> = if apart {
         vec![
             ("dispatch", RGBColor(31, 119, 180), |r| r.dispatch_gbps),
             ("combine", RGBColor(255, 127, 14), |r| r.combine_gbps),
