@@ -3,8 +3,7 @@
 // binary, whose runtime installs its own handler (this one keeps its handler in place).
 // Build: gcc -O1 -shared -fPIC -o segv_backtrace.so tools/segv_backtrace.c -ldl
 // Use: LD_PRELOAD=$PWD/segv_backtrace.so ./test-binary; resolve the binary's +offsets with
-// addr2line -f -C -i -e <the unstripped binary> <offset>. (Session 22 found the graph tests'
-// crash inside cuEventDestroy with it.)
+// addr2line -f -C -i -e <the unstripped binary> <offset>.
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <execinfo.h>

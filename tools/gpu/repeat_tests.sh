@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs a test binary many times and counts the runs that fail, for crashes that come once in
-# tens of runs (session 23 found one with it: `docs/bench/README.md`). Every run is under the
+# tens of runs. Every run is under the
 # SIGSEGV backtrace shim (`tools/segv_backtrace.c`, built here unless SHIM names a built one);
 # the output of each failed run is kept.
 #   tools/gpu/repeat_tests.sh RUNS OUT_DIR TEST_BINARY [TEST ARGS...]

@@ -3,9 +3,12 @@
 //! activation, and uneven token counts (some ranks empty).
 
 use crate::common::{bar, spinner};
+use crate::table::{left, right, Table};
 use moeflow::parallel::{forward_in_process, ParallelConfig, StrategyKind};
 use moeflow::router::RouterConfig;
-use moeflow::{preset, reference, DType, ExpertsKind, LayerOptions, MoeError, MoeLayer, Result, Tensor};
+use moeflow::{
+    preset, reference, DType, ExpertsKind, LayerOptions, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, Tensor,
+};
 
 /// Arguments of `moeflow check`.
 #[derive(clap::Args, Debug)]
@@ -39,23 +42,12 @@ pub struct CheckArgs {
 /// Tokens of DP group g: uneven, with empty groups.
 const BATCHES: [usize; 8] = [9, 0, 4, 13, 1, 0, 7, 5];
 
+/// `moeflow check`: the single rank against the f64 reference, then every layout against the
+/// single rank.
 pub fn run(args: CheckArgs) -> Result<()> {
     crate::common::check_bf16_matmul(args.bf16_matmul, args.dtype, args.quant, false)?;
     let p = preset::preset(&args.preset)?;
-    let mut config = p.config.clone();
-    // 16 experts (4 groups for grouped routers) keep every router kind valid; at EP 3 the
-    // ranks hold uneven expert counts.
-    config.num_experts = 16;
-    config.router = match config.router {
-        RouterConfig::SigmoidGrouped { renormalize, scaling, .. } => {
-            RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize, scaling }
-        }
-        other => other,
-    };
-    config.top_k = config.top_k.min(6);
-    config.hidden = args.hidden;
-    config.inter = args.inter;
-    config.shared = config.shared.map(|s| moeflow::SharedConfig { inter: args.inter, ..s });
+    let config = small_config(&p.config, &args)?;
     if let Some(&ep) = args.ep.iter().find(|&&ep| ep == 0 || ep > BATCHES.len()) {
         return Err(MoeError::Config(format!("--ep {ep}: EP sizes must be in 1..={} here", BATCHES.len())));
     }
@@ -69,22 +61,7 @@ pub fn run(args: CheckArgs) -> Result<()> {
         .enumerate()
         .map(|(g, &t)| Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, args.seed + 1 + g as u64)))
         .collect::<Result<_>>()?;
-    let bar0 = spinner("single rank and f64 reference".into());
-    let single = MoeLayer::new(
-        &config,
-        &weights,
-        LayerOptions { quant: args.quant, bf16_matmul: args.bf16_matmul, ..LayerOptions::default() },
-    )?;
-    let mut want = Vec::new();
-    let mut worst = 0f64;
-    for x in &inputs {
-        let out = single.forward(x)?.to_f32_vec();
-        let r = reference::forward(&config, &original, &x.to_f32_vec())?.out;
-        let scale = r.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
-        worst = out.iter().zip(&r).map(|(&a, &b)| (a as f64 - b).abs() / scale).fold(worst, f64::max);
-        want.push(out);
-    }
-    bar0.finish_and_clear();
+    let (want, worst) = single_rank(&args, &config, &original, &weights, &inputs)?;
     println!(
         "moeflow check: {} routing ({}), {} activation, H {h}, I {}, {} experts, top-{}, {} weights; quant {}; one rank vs f64: {worst:.2e} (bound {tolerance:.1e})",
         p.name,
@@ -99,11 +76,76 @@ pub fn run(args: CheckArgs) -> Result<()> {
     if worst > tolerance {
         return Err(MoeError::Config(format!("single rank differs from the reference by {worst:.2e}")));
     }
-    let variants: [(&str, Option<usize>, bool); 3] =
-        [("plain", None, false), ("chunk 3", Some(3), false), ("dual-batch", None, true)];
-    let strategies = &StrategyKind::ALL[1..];
+    let failures = check_layouts(&args, &config, &weights, &inputs, &want)?;
+    if failures > 0 {
+        return Err(MoeError::Config(format!("{failures} layouts differ from the single-rank result")));
+    }
+    println!("all layouts bit-for-bit identical to one rank");
+    Ok(())
+}
+
+/// The preset's routing and activation at the requested small shapes: 16 experts (4 groups
+/// for grouped routers) keep every router kind valid, and at EP 3 the ranks hold uneven
+/// expert counts.
+fn small_config(preset: &MoeConfig, args: &CheckArgs) -> Result<MoeConfig> {
+    let mut config = preset.clone();
+    // 16 experts (4 groups for grouped routers) keep every router kind valid; at EP 3 the
+    // ranks hold uneven expert counts.
+    config.num_experts = 16;
+    config.router = match config.router {
+        RouterConfig::SigmoidGrouped { renormalize, scaling, .. } => {
+            RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize, scaling }
+        }
+        other => other,
+    };
+    config.top_k = config.top_k.min(6);
+    config.hidden = args.hidden;
+    config.inter = args.inter;
+    config.shared = config.shared.map(|s| moeflow::SharedConfig { inter: args.inter, ..s });
+    config.validate()?;
+    Ok(config)
+}
+
+/// One rank's output on each DP group's batch, and its largest error relative to the f64
+/// reference on the `original` weights.
+fn single_rank(
+    args: &CheckArgs,
+    config: &MoeConfig,
+    original: &MoeWeights,
+    weights: &MoeWeights,
+    inputs: &[Tensor],
+) -> Result<(Vec<Vec<f32>>, f64)> {
+    let bar0 = spinner("single rank and f64 reference".into());
+    let options = LayerOptions { quant: args.quant, bf16_matmul: args.bf16_matmul, ..LayerOptions::default() };
+    let single = MoeLayer::new(config, weights, options)?;
+    let mut want = Vec::new();
+    let mut worst = 0f64;
+    for x in inputs {
+        let out = single.forward(x)?.to_f32_vec();
+        let r = reference::forward(config, original, &x.to_f32_vec())?.out;
+        let scale = r.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
+        worst = out.iter().zip(&r).map(|(&a, &b)| (a as f64 - b).abs() / scale).fold(worst, f64::max);
+        want.push(out);
+    }
+    bar0.finish_and_clear();
+    Ok((want, worst))
+}
+
+/// The variants each layout runs: (name, chunk size, dual-batch).
+const VARIANTS: [(&str, Option<usize>, bool); 3] =
+    [("plain", None, false), ("chunk 3", Some(3), false), ("dual-batch", None, true)];
+
+/// Runs every strategy × EP × TP layout in every variant, prints a row per layout, and returns
+/// how many cells differ from `want` (one rank's output per DP group) or failed.
+fn check_layouts(
+    args: &CheckArgs,
+    config: &MoeConfig,
+    weights: &MoeWeights,
+    inputs: &[Tensor],
+    want: &[Vec<f32>],
+) -> Result<usize> {
     let mut layouts = Vec::new();
-    for &s in strategies {
+    for &s in &StrategyKind::ALL[1..] {
         for &ep in &args.ep {
             for tp in [1, 2] {
                 if ep % tp == 0 {
@@ -112,46 +154,44 @@ pub fn run(args: CheckArgs) -> Result<()> {
             }
         }
     }
-    println!("{:<17} {:>3} {:>3}   {:<11} {:<11} {:<11}", "strategy", "EP", "TP", "plain", "chunk 3", "dual-batch");
+    let table = Table::new(&[
+        left("strategy", 17),
+        right("EP", 3),
+        right("TP", 5),
+        left("plain", 11),
+        left("chunk 3", 11),
+        left("dual-batch", 11),
+    ]);
+    println!("{}", table.header());
     let progress = bar(layouts.len() as u64, "layouts".into());
     let mut failures = 0;
     for (s, ep, tp) in layouts {
-        let mut cells = Vec::new();
-        for &(_, chunk, dual) in &variants {
+        let mut cells = vec![s.name().to_string(), ep.to_string(), tp.to_string()];
+        for &(_, chunk, dual) in &VARIANTS {
             let mut par = ParallelConfig::new(ep, tp, s);
             par.dual_batch = dual;
             par.max_tokens_per_rank = 16;
             par.quant = args.quant;
             par.bf16_matmul = args.bf16_matmul;
             let rank_inputs: Vec<Tensor> = (0..ep).map(|r| inputs[r / tp].clone()).collect();
-            let cell = match forward_in_process(&config, &weights, &par, ExpertsKind::Cpu, chunk, &rank_inputs) {
-                Ok(outs) => {
-                    let same = outs.iter().enumerate().all(|(r, o)| {
-                        o.to_f32_vec().iter().zip(&want[r / tp]).all(|(a, b)| a.to_bits() == b.to_bits())
-                    });
-                    if same {
-                        "bitwise ok".to_string()
-                    } else {
-                        failures += 1;
-                        "DIFFERS".to_string()
-                    }
+            let cell = match forward_in_process(config, weights, &par, ExpertsKind::Cpu, chunk, &rank_inputs) {
+                Ok(outs) if outs.iter().enumerate().all(|(r, o)| same_bits(&o.to_f32_vec(), &want[r / tp])) => {
+                    "bitwise ok".to_string()
                 }
-                Err(e) => {
-                    failures += 1;
-                    format!("error: {e}")
-                }
+                Ok(_) => "DIFFERS".to_string(),
+                Err(e) => format!("error: {e}"),
             };
+            failures += usize::from(cell != "bitwise ok");
             cells.push(cell);
         }
-        progress.suspend(|| {
-            println!("{:<17} {:>3} {:>3}   {:<11} {:<11} {:<11}", s.name(), ep, tp, cells[0], cells[1], cells[2])
-        });
+        progress.suspend(|| println!("{}", table.row(&cells)));
         progress.inc(1);
     }
     progress.finish_and_clear();
-    if failures > 0 {
-        return Err(MoeError::Config(format!("{failures} layouts differ from the single-rank result")));
-    }
-    println!("all layouts bit-for-bit identical to one rank");
-    Ok(())
+    Ok(failures)
+}
+
+/// Whether `a` and `b` hold the same f32 bits.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
 }

@@ -1,4 +1,5 @@
-//! The `moeflow` command line: `demo`, `bench` (see `--help`).
+//! The `moeflow` command line: `demo`, `bench`, `plot`, `check`, `inspect`, `run`, `launch`
+//! (see `--help`).
 
 // First, so that its print macros replace std's in every module below.
 #[macro_use]
@@ -12,6 +13,7 @@ mod demo;
 mod inspect;
 mod launch;
 mod run;
+mod table;
 
 use clap::{Parser, Subcommand};
 
@@ -50,6 +52,8 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Time the layer over token counts; GFLOP/s against this machine's measured matmul rate.
     Bench(bench::BenchArgs),
+    /// Draw the plots of `bench --plot` (an SVG) from a JSON file written by `bench --json`.
+    Plot(bench::PlotArgs),
     /// Every strategy × EP × TP × chunking × dual-batch against one rank and the f64 reference.
     Check(check::CheckArgs),
     /// Describe a Hugging Face MoE model directory (architecture, MoE layers, shapes, bytes).
@@ -67,6 +71,7 @@ fn main() {
     let result = match cli.command {
         Command::Demo(args) => demo::run(args),
         Command::Bench(args) => bench::run(args),
+        Command::Plot(args) => bench::plot_file(args),
         Command::Check(args) => check::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),

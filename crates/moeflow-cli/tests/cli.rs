@@ -1,5 +1,5 @@
 //! The command line end to end: `run` against the transformers fixtures, errors leave no
-//! output, and `demo`, `check`, `bench`, `inspect` do what the README says.
+//! output, and `demo`, `check`, `bench`, `plot`, `inspect` do what the README says.
 
 use moeflow::model::io::read_hidden_states;
 use std::path::{Path, PathBuf};
@@ -275,4 +275,27 @@ fn launch_runs_cpu_ranks_as_processes_and_reports_errors() {
     assert!(!res.status.success() && text(&res).contains("RANK=2 must be below WORLD_SIZE=2"), "{}", text(&res));
     let res = moeflow(&["demo", "--ep", "2", "--timeout", "0"]);
     assert!(!res.status.success() && text(&res).contains("--timeout 0"), "{}", text(&res));
+}
+
+#[test]
+fn bench_plots_its_records_and_plot_redraws_them_from_json() {
+    let (svg, json, again) = (tmp("bench.svg"), tmp("plot.json"), tmp("again.svg"));
+    let (s, j, a) = (svg.display().to_string(), json.display().to_string(), again.display().to_string());
+    let bench = ["bench", "--experts", "8", "--ep", "2", "--tokens", "0,3,8", "--min-runs", "2", "--min-seconds", "0"];
+    let res = moeflow(&[&bench[..], &["--plot", &s, "--json", &j]].concat());
+    assert!(res.status.success() && text(&res).contains("wrote the plot"), "{}", text(&res));
+    let drawn = std::fs::read_to_string(&svg).expect("bench --plot writes the SVG");
+    // Series are named in the legend; the expert-parallel run adds the rate panel.
+    for series in ["moeflow", "floor", "route", "experts", "finalize", "dispatch + combine"] {
+        assert!(drawn.contains(series), "the plot lacks {series}");
+    }
+    assert!(!drawn.contains("PyTorch"), "no PyTorch curve without --torch-baseline");
+    let res = moeflow(&["plot", "--json", &j, "--out", &a]);
+    assert!(res.status.success(), "{}", text(&res));
+    assert_eq!(std::fs::read_to_string(&again).unwrap(), drawn, "the same records draw the same plot");
+    let res = moeflow(&["plot", "--json", "/nonexistent.json", "--out", &a]);
+    assert!(!res.status.success() && text(&res).contains("reading /nonexistent.json"), "{}", text(&res));
+    for p in [svg, json, again] {
+        std::fs::remove_file(p).ok();
+    }
 }

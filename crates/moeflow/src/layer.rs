@@ -377,8 +377,8 @@ impl MoeLayer {
         let t = Instant::now();
         let input = self.dispatch_input(x, tokens, topk, logits);
         let (prepared, shared) = if self.shared.is_none() {
-            // Nothing to compute while the dispatch runs, so no thread to start for it (that
-            // cost 0.1-0.2 ms a forward on the 2-core VM, 5 % of a one-token forward).
+            // Nothing to compute while the dispatch runs, so no thread to start for it (starting
+            // one costs a visible share of a one-token forward; docs/tuning.md).
             (strategy.prepare(input), None)
         } else {
             std::thread::scope(|s| {

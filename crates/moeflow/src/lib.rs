@@ -31,6 +31,11 @@
 //! # Ok::<(), moeflow::MoeError>(())
 //! ```
 
+/// The README's examples, run as doctests (`cargo test --doc`).
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
+
 pub mod backend;
 pub mod comm;
 pub mod config;

@@ -1,21 +1,27 @@
 //! `moeflow bench`: layer time over token counts, against this machine's measured ceilings.
 //! With `--ep N` the layer runs on N in-process ranks, `--tokens` counting tokens per DP group.
-//! This file holds the arguments, the records and the CPU (and host-staged) runs; [`cuda`] the
-//! device-resident GPU layers, [`torch`] the PyTorch baselines run beside them.
+//! This file holds the arguments and the CPU (and host-staged) runs; [`records`] the JSON
+//! records, [`cuda`] the device-resident GPU layers, [`torch`] the PyTorch baselines run beside
+//! them, [`plot`] the SVG plots drawn from the records.
 
 mod cuda;
+pub mod plot;
+mod records;
 mod torch;
 
 use cuda::{gpu_fp8_rows, run_cuda, run_cuda_ep};
+pub use records::{write_records, Record};
 use torch::{check_torch_baseline, torch_single_baseline};
 
 use crate::common::{bar, median, quantize_weights, spinner, Backend, LayerArgs, ParallelArgs};
+use crate::table::{num, right, Table};
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::CommExt;
-use moeflow::parallel::{on_ranks, RankHost};
+use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
+use moeflow::quant::QuantConfig;
 use moeflow::rank_layer::{gpu_path, GpuPath};
-use moeflow::{preset, DType, MoeError, MoeLayer, Result, StageTimes, Tensor};
-use serde::Serialize;
+use moeflow::{preset, DType, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,7 +37,11 @@ pub struct BenchArgs {
     tokens: Vec<usize>,
     /// Write the records as a JSON array to this file.
     #[arg(long)]
-    json: Option<std::path::PathBuf>,
+    json: Option<PathBuf>,
+    /// Draw the records as an SVG: layer time against tokens with its floor (and PyTorch's,
+    /// with --torch-baseline), the stages' shares, and with --ep the dispatch + combine rate.
+    #[arg(long)]
+    plot: Option<PathBuf>,
     /// Timed runs at least (after one warm-up run).
     #[arg(long, default_value_t = 5)]
     min_runs: usize,
@@ -51,52 +61,27 @@ pub struct BenchArgs {
     /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
     #[arg(long)]
     torch_baseline: bool,
+    /// Whether `json` is a scratch file for the plot rather than the user's.
+    #[arg(skip)]
+    scratch_json: bool,
 }
 
-/// Writes `records` to `path` as a pretty JSON array.
-fn write_records(path: &std::path::Path, records: &[Record]) -> Result<()> {
-    let text = serde_json::to_string_pretty(records)
-        .map_err(|e| MoeError::Json { context: "bench records".into(), source: e })?;
-    std::fs::write(path, text + "\n")
-        .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })
+/// Arguments of `moeflow plot`.
+#[derive(clap::Args, Debug)]
+pub struct PlotArgs {
+    /// A JSON file written by `bench --json`.
+    #[arg(long)]
+    json: PathBuf,
+    /// The SVG file to write.
+    #[arg(long)]
+    out: PathBuf,
 }
 
-/// One measured configuration (the schema every bench writes).
-#[derive(Serialize, Debug)]
-pub struct Record {
-    pub preset: String,
-    pub backend: String,
-    pub dtype: String,
-    /// Tokens per DP group.
-    pub tokens: usize,
-    pub ep: usize,
-    pub tp: usize,
-    pub strategy: String,
-    /// Quantization of activations (and weights).
-    pub quant: String,
-    /// Relative error against the unquantized f32 path (single rank, quantized runs only).
-    pub rel_error: Option<f64>,
-    /// Median layer time (slowest rank).
-    pub ms: f64,
-    /// Whole-layer GFLOP/s (all DP groups' tokens).
-    pub gflops: f64,
-    /// Fraction of the measured dense matmul rate.
-    pub matmul_fraction: f64,
-    /// max(FLOPs at the matmul rate, weight bytes at the copy bandwidth).
-    pub floor_ms: f64,
-    /// GPU: the same floor with the GEMM rate a GPU holds under sustained load (its power cap
-    /// lowers the clocks within a second), the rate a long run of GEMMs can reach.
-    pub floor_sustained_ms: Option<f64>,
-    pub runs: usize,
-    /// Median time of each stage on rank 0, ms.
-    pub stages_ms: StageTimes,
-    /// Bytes rank 0 sent per forward (dispatch and combine).
-    pub bytes_moved_per_rank: usize,
-    /// Those bytes over rank 0's prepare + finalize time, GB/s.
-    pub comm_gbps: Option<f64>,
-    /// CPU experts with bf16 weights: `dot` (bf16 dot products) or `widen` (f32 arithmetic).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub bf16_matmul: Option<String>,
+/// `moeflow plot`: draws the plots of `bench --plot` from a bench JSON file.
+pub fn plot_file(args: PlotArgs) -> Result<()> {
+    plot::plot_json(&args.json, &args.out)?;
+    println!("wrote {}", args.out.display());
+    Ok(())
 }
 
 /// Per token count: run times (s), stage times of rank 0, bytes moved by rank 0.
@@ -133,7 +118,9 @@ fn time_loop(
     Ok(m)
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
+/// `moeflow bench`: checks the arguments, runs the layer the backend and layout pick, then
+/// draws the plot from the records when `--plot` asks for one.
+pub fn run(mut args: BenchArgs) -> Result<()> {
     if args.tokens.is_empty() {
         return Err(MoeError::Config("--tokens needs at least one count".into()));
     }
@@ -150,10 +137,34 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.torch_baseline {
         check_torch_baseline(&args, gpu, &host)?;
     }
-    if gpu && args.parallel.ep == 1 && host == RankHost::Gpus {
-        return run_cuda(&args);
+    // The plot is drawn from the JSON records (every path writes them, and the baseline adds
+    // its times to them); without --json they go to a scratch file.
+    let scratch = (args.plot.is_some() && args.json.is_none())
+        .then(|| std::env::temp_dir().join(format!("moeflow_bench_{}.json", std::process::id())));
+    if scratch.is_some() {
+        args.json.clone_from(&scratch);
+        args.scratch_json = true;
     }
-    if gpu && args.parallel.quant != moeflow::quant::QuantConfig::None {
+    let ran = run_layer(&args, gpu, &host);
+    let drawn = match (&ran, &args.plot, &args.json) {
+        (Ok(()), Some(svg), Some(json)) if host.launched_rank().is_none_or(|r| r == 0) => {
+            plot::plot_json(json, svg).map(|()| println!("wrote the plot to {}", svg.display()))
+        }
+        _ => Ok(()),
+    };
+    if let Some(path) = scratch {
+        let _ = std::fs::remove_file(path);
+    }
+    ran.and(drawn)
+}
+
+/// Runs the benchmark on the layer that the backend and the layout pick: one GPU, the
+/// device-resident expert-parallel GPU layer, or the modular layer (CPU, or host-staged GPUs).
+fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
+    if gpu && args.parallel.ep == 1 && *host == RankHost::Gpus {
+        return run_cuda(args);
+    }
+    if gpu && args.parallel.quant != QuantConfig::None {
         // Quantized rows run only in the device-resident layers (W8A8, in run_cuda_ep).
         let lowlatency = args.parallel.strategy == Some(moeflow::parallel::StrategyKind::LowLatency);
         gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && lowlatency && !args.host_staged)?;
@@ -161,7 +172,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if gpu && !args.host_staged {
         let par = args.parallel.config(1)?;
         let why = match gpu_path(&par) {
-            GpuPath::DeviceResident | GpuPath::OneGpu => return run_cuda_ep(&args, &host),
+            GpuPath::DeviceResident | GpuPath::OneGpu => return run_cuda_ep(args, host),
             GpuPath::HostStaged(why) => why,
         };
         if args.torch_baseline {
@@ -171,219 +182,316 @@ pub fn run(args: BenchArgs) -> Result<()> {
         }
         println!("note: this layout runs host-staged (rows through host memory) because {why}");
     }
+    run_modular(args, gpu, host)
+}
+
+/// The ceilings a run is measured against: this machine's matmul and copy rates and the
+/// cores' peaks, or the GPU's GEMM and copy rates.
+struct Ceilings {
+    matmul_gflops: f64,
+    copy_gbps: f64,
+    name: &'static str,
+    fma_peak: Option<f64>,
+    dot_peak: Option<f64>,
+}
+
+impl Ceilings {
+    fn measure(gpu: bool, device: usize) -> Result<Self> {
+        let bar0 = spinner("measuring the matmul rate and copy bandwidth".into());
+        let c = if gpu {
+            let c = moeflow::backend::cuda::measure_ceilings(device)?;
+            Ceilings {
+                matmul_gflops: c.gemm_tflops * 1e3,
+                copy_gbps: c.copy_gbps,
+                name: "cuBLAS bf16 8192³",
+                fma_peak: None,
+                dot_peak: None,
+            }
+        } else {
+            let h = ceiling::measure();
+            Ceilings {
+                matmul_gflops: h.matmul_gflops,
+                copy_gbps: h.copy_gbps,
+                name: "gemm crate, f32",
+                fma_peak: h.fma_peak_gflops,
+                dot_peak: h.bf16_dot_peak_gflops,
+            }
+        };
+        bar0.finish_and_clear();
+        Ok(c)
+    }
+
+    /// The compute floor's rate: the cores' peak for the instructions the experts run where it
+    /// was measured (no GEMM beats it): the bf16 dot-product peak when bf16 weights take dot
+    /// products, else the FMA peak; else the matmul rate.
+    fn compute_gflops(&self, dot: bool) -> f64 {
+        if dot { self.dot_peak } else { None }.or(self.fma_peak).unwrap_or(self.matmul_gflops)
+    }
+}
+
+/// What a modular-layer run is: the layer, its layout and how its bf16 weights multiply.
+struct Setup {
+    preset: &'static str,
+    config: MoeConfig,
+    par: ParallelConfig,
+    /// CPU experts with unquantized bf16 weights.
+    bf16_cpu: bool,
+    /// ... taking bf16 dot products.
+    dot: bool,
+    gpu: bool,
+}
+
+/// The modular layer (CPU ranks, or GPUs with rows through host memory): measures, prints the
+/// table, writes the records and runs the PyTorch baseline.
+fn run_modular(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
-    let mut weights = args.layer.weights(&config)?;
+    let bf16_cpu = !gpu && args.layer.dtype == DType::BF16 && par.quant == QuantConfig::None;
+    let dot = bf16_cpu && par.bf16_matmul.uses_dot();
+    let setup = Setup { preset: p.name, config, par, bf16_cpu, dot, gpu };
+    let mut weights = args.layer.weights(&setup.config)?;
     // The unquantized path, to measure the quantized one's error against.
-    let f32_path = if par.quant != moeflow::quant::QuantConfig::None && par.ep == 1 {
+    let f32_path = if setup.par.quant != QuantConfig::None && setup.par.ep == 1 {
         let f32_options = moeflow::LayerOptions { bf16_matmul: moeflow::Bf16Matmul::Widen, ..Default::default() };
-        Some(MoeLayer::new(&config, &weights, f32_options)?)
+        Some(MoeLayer::new(&setup.config, &weights, f32_options)?)
     } else {
         None
     };
-    quantize_weights(&mut weights, par.quant)?;
-    let mut errors: Vec<Option<f64>> = Vec::new();
-    // The ceilings: this machine's matmul and copy rates, or the GPU's GEMM and copy rates.
-    let device = match &host {
+    quantize_weights(&mut weights, setup.par.quant)?;
+    let device = match host {
         RankHost::Launched { env, .. } => env.local_rank,
         _ => 0,
     };
-    let bar0 = spinner("measuring the matmul rate and copy bandwidth".into());
-    // The compute floor uses the cores' peak for the instructions the experts run where it was
-    // measured (no GEMM beats it): the bf16 dot-product peak when bf16 weights take dot
-    // products, else the FMA peak; else the matmul rate.
-    let bf16_cpu = !gpu && args.layer.dtype == DType::BF16 && par.quant == moeflow::quant::QuantConfig::None;
-    let dot = bf16_cpu && par.bf16_matmul.uses_dot();
-    let (matmul_gflops, copy_gbps, ceiling_name, fma_peak, dot_peak) = if gpu {
-        let c = moeflow::backend::cuda::measure_ceilings(device)?;
-        (c.gemm_tflops * 1e3, c.copy_gbps, "cuBLAS bf16 8192³", None, None)
-    } else {
-        let host = ceiling::measure();
-        (host.matmul_gflops, host.copy_gbps, "gemm crate, f32", host.fma_peak_gflops, host.bf16_dot_peak_gflops)
-    };
-    let compute_gflops = if dot { dot_peak } else { None }.or(fma_peak).unwrap_or(matmul_gflops);
-    bar0.finish_and_clear();
-    let groups = par.ep / par.tp;
+    let ceilings = Ceilings::measure(gpu, device)?;
     let rank0 = host.launched_rank().is_none_or(|r| r == 0);
     if rank0 {
-        println!(
-            "moeflow bench: {} on {}, {} weights{}, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({ceiling_name}){}{}, copy {:.1} GB/s",
-            p.name,
-            match &host {
-                RankHost::Threads => format!("cpu ({} threads)", rayon::current_num_threads()),
-                RankHost::Gpus => format!("{} GPUs (threads, NCCL)", par.ep),
-                RankHost::Launched { env, gpu: true } => format!("{} GPU processes (NCCL)", env.world_size),
-                RankHost::Launched { env, gpu: false } => format!("{} processes (TCP)", env.world_size),
-            },
-            args.layer.dtype,
-            if bf16_cpu { format!(" ({})", par.bf16_matmul.describe()) } else { String::new() },
-            par.ep,
-            par.tp,
-            par.strategy,
-            par.quant,
-            matmul_gflops,
-            fma_peak.map_or(String::new(), |p| format!(", FMA peak {p:.1} GFLOP/s")),
-            dot_peak.filter(|_| dot).map_or(String::new(), |p| format!(", bf16 dot peak {p:.1} GFLOP/s")),
-            copy_gbps
-        );
+        println!("{}", describe(args, &setup, host, &ceilings));
     }
-    let measured: Vec<Measured> = if par.ep == 1 && !par.dual_batch && host == RankHost::Threads {
-        let layer = MoeLayer::new(
-            &config,
-            &weights,
-            moeflow::LayerOptions {
-                chunk_size: args.layer.chunk_size,
-                quant: par.quant,
-                defer_input_quant: par.defer_input_quant,
-                bf16_matmul: par.bf16_matmul,
-                ..Default::default()
-            },
-        )?;
-        args.tokens
-            .iter()
-            .map(|&t| {
-                let input = Tensor::from_f32(
-                    &[t, config.hidden],
-                    preset::uniform(t * config.hidden, 1.0, args.layer.seed ^ t as u64),
-                )?;
-                errors.push(match &f32_path {
-                    Some(f) => {
-                        let (q, r) = (layer.forward(&input)?.to_f32_vec(), f.forward(&input)?.to_f32_vec());
-                        let scale = r.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
-                        Some(q.iter().zip(&r).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) as f64 / scale as f64)
-                    }
-                    None => None,
-                });
-                time_loop(&args, format!("T = {t}"), Ok, || {
-                    let s = Instant::now();
-                    let (_, st) = layer.forward_profiled(&input)?;
-                    Ok((s.elapsed().as_secs_f64(), st, 0))
-                })
-            })
-            .collect::<Result<_>>()?
+    let (measured, errors) = if setup.par.ep == 1 && !setup.par.dual_batch && *host == RankHost::Threads {
+        measure_one_rank(args, &setup, &weights, f32_path.as_ref())?
     } else {
-        let placement = Arc::new(par.placement(config.num_experts)?);
-        let results = on_ranks(&host, par.ep, par.timeout, |comm, kind| {
-            let layer = par.layer(comm, placement.clone(), &config, &weights, kind, args.layer.chunk_size)?;
-            let mut out = Vec::new();
-            for &t in &args.tokens {
-                let seed = args.layer.seed ^ t as u64 ^ ((comm.rank() / par.tp) as u64) << 32;
-                let input = Tensor::from_f32(&[t, config.hidden], preset::uniform(t * config.hidden, 1.0, seed))?;
-                let label = if comm.rank() == 0 { format!("T = {t}") } else { String::new() };
-                let agree = |go: bool| Ok(comm.broadcast_vec("bench.continue", 0, &[u8::from(go)])?[0] == 1);
-                let m = time_loop(&args, label, agree, || {
-                    comm.barrier()?;
-                    let s = Instant::now();
-                    let (_, st) = layer.forward_profiled(&input)?;
-                    let all = comm.all_gather_vec("bench.time", &[s.elapsed().as_secs_f64()])?;
-                    Ok((all.iter().map(|v| v[0]).fold(0.0, f64::max), st, layer.bytes_moved()))
-                });
-                out.push(m?);
-            }
-            Ok(out)
-        });
-        let mut first = None;
-        for (_, r) in results {
-            let r = r?;
-            first.get_or_insert(r);
-        }
-        first.ok_or_else(|| MoeError::Config("no ranks".into()))?
+        (measure_ranks(args, &setup, &weights, host)?, Vec::new())
     };
     drop(weights);
     if !rank0 {
         return Ok(());
     }
-
-    println!(
-        "{:>7} {:>10} {:>9} {:>8} {:>10} {:>7}   {:>7} {:>7} {:>7} {:>7} {:>7} {:>11} {:>7}",
-        "tokens",
-        "ms",
-        "GFLOP/s",
-        "matmul%",
-        "floor ms",
-        "floor%",
-        "route",
-        "prepare",
-        "experts",
-        "combine",
-        "shared",
-        "MB/rank",
-        "GB/s"
-    );
-    let per_expert_bytes = 3 * config.hidden * config.inter * if gpu { 2 } else { args.layer.dtype.size_in_bytes() };
-    let mut records = Vec::new();
-    errors.resize(args.tokens.len(), None);
-    for ((&t, m), rel_error) in args.tokens.iter().zip(measured).zip(errors) {
-        let total_tokens = t * groups;
-        // Floor: all FLOPs at the FMA peak (or matmul rate), or every expert's weights read once.
-        let experts_read = config.num_experts.min(total_tokens * config.top_k);
-        let bytes = experts_read * per_expert_bytes;
-        let flops = config.expert_flops(total_tokens);
-        let ms = median(&m.totals) * 1e3;
-        let stage = |f: fn(&StageTimes) -> f64| median(&m.stages.iter().map(f).collect::<Vec<_>>()) * 1e3;
-        let stages_ms = StageTimes {
-            route: stage(|s| s.route),
-            prepare: stage(|s| s.prepare),
-            experts: stage(|s| s.experts),
-            finalize: stage(|s| s.finalize),
-            shared: stage(|s| s.shared),
-        };
-        let gflops = flops / ms / 1e6;
-        // In-process CPU ranks share one machine; GPU ranks each bring their own ceilings.
-        let devices = if gpu { par.ep as f64 } else { 1.0 };
-        let floor_ms = (flops / (devices * compute_gflops * 1e9)).max(bytes as f64 / (devices * copy_gbps * 1e9)) * 1e3;
-        // Dispatch and combine bytes of rank 0 over its prepare and finalize time.
-        let comm_ms = stages_ms.prepare + stages_ms.finalize;
-        let comm_gbps = if comm_ms > 0.0 { m.bytes as f64 / comm_ms / 1e6 } else { 0.0 };
-        println!(
-            "{:>7} {:>10.3} {:>9.1} {:>7.0}% {:>10.3} {:>6.0}%   {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>7.2} {:>11.3} {:>7.1}",
-            t,
-            ms,
-            gflops,
-            100.0 * gflops / (devices * matmul_gflops),
-            floor_ms,
-            100.0 * floor_ms / ms,
-            stages_ms.route,
-            stages_ms.prepare,
-            stages_ms.experts,
-            stages_ms.finalize,
-            stages_ms.shared,
-            m.bytes as f64 / 1e6,
-            comm_gbps
-        );
-        if let Some(e) = rel_error {
-            println!("{:>7} {} relative error against the unquantized f32 path: {e:.3e}", "", par.quant);
-        }
-        records.push(Record {
-            preset: p.name.to_string(),
-            backend: if gpu { "cuda" } else { "cpu" }.into(),
-            dtype: if gpu { "bf16".to_string() } else { args.layer.dtype.to_string() },
-            tokens: t,
-            ep: par.ep,
-            tp: par.tp,
-            strategy: par.strategy.to_string(),
-            quant: par.quant.to_string(),
-            rel_error,
-            ms,
-            gflops,
-            matmul_fraction: gflops / (devices * matmul_gflops),
-            floor_ms,
-            floor_sustained_ms: None,
-            runs: m.totals.len(),
-            stages_ms,
-            bytes_moved_per_rank: m.bytes,
-            comm_gbps: (m.bytes > 0).then_some(comm_gbps),
-            bf16_matmul: bf16_cpu
-                .then(|| if dot { moeflow::Bf16Matmul::Dot } else { moeflow::Bf16Matmul::Widen }.to_string()),
-        });
-    }
+    let records = report(args, &setup, &ceilings, measured, errors);
     if let Some(path) = &args.json {
         write_records(path, &records)?;
-        println!("wrote {} records to {}", records.len(), path.display());
+        if !args.scratch_json {
+            println!("wrote {} records to {}", records.len(), path.display());
+        }
     }
     if args.torch_baseline {
         let ours: Vec<(usize, f64)> = records.iter().map(|r| (r.tokens, r.ms)).collect();
-        torch_single_baseline(&args, &config, false, &ours)?;
+        torch_single_baseline(args, &setup.config, false, &ours)?;
     }
     Ok(())
+}
+
+/// The line above the table: preset, ranks, weights, layout and the measured ceilings.
+fn describe(args: &BenchArgs, s: &Setup, host: &RankHost, c: &Ceilings) -> String {
+    let ranks = match host {
+        RankHost::Threads => format!("cpu ({} threads)", rayon::current_num_threads()),
+        RankHost::Gpus => format!("{} GPUs (threads, NCCL)", s.par.ep),
+        RankHost::Launched { env, gpu: true } => format!("{} GPU processes (NCCL)", env.world_size),
+        RankHost::Launched { env, gpu: false } => format!("{} processes (TCP)", env.world_size),
+    };
+    format!(
+        "moeflow bench: {} on {ranks}, {} weights{}, EP {} TP {} {}, quant {}; matmul {:.1} GFLOP/s ({}){}{}, copy {:.1} GB/s",
+        s.preset,
+        args.layer.dtype,
+        if s.bf16_cpu { format!(" ({})", s.par.bf16_matmul.describe()) } else { String::new() },
+        s.par.ep,
+        s.par.tp,
+        s.par.strategy,
+        s.par.quant,
+        c.matmul_gflops,
+        c.name,
+        c.fma_peak.map_or(String::new(), |p| format!(", FMA peak {p:.1} GFLOP/s")),
+        c.dot_peak.filter(|_| s.dot).map_or(String::new(), |p| format!(", bf16 dot peak {p:.1} GFLOP/s")),
+        c.copy_gbps
+    )
+}
+
+/// One in-process rank: each token count timed, and with quantization the relative error
+/// against the unquantized path `f32_path`.
+fn measure_one_rank(
+    args: &BenchArgs,
+    s: &Setup,
+    weights: &MoeWeights,
+    f32_path: Option<&MoeLayer>,
+) -> Result<(Vec<Measured>, Vec<Option<f64>>)> {
+    let options = moeflow::LayerOptions {
+        chunk_size: args.layer.chunk_size,
+        quant: s.par.quant,
+        defer_input_quant: s.par.defer_input_quant,
+        bf16_matmul: s.par.bf16_matmul,
+        ..Default::default()
+    };
+    let layer = MoeLayer::new(&s.config, weights, options)?;
+    let h = s.config.hidden;
+    let mut measured = Vec::new();
+    let mut errors = Vec::new();
+    for &t in &args.tokens {
+        let input = Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, args.layer.seed ^ t as u64))?;
+        errors.push(match f32_path {
+            Some(f) => Some(relative_error(&layer.forward(&input)?.to_f32_vec(), &f.forward(&input)?.to_f32_vec())),
+            None => None,
+        });
+        measured.push(time_loop(args, format!("T = {t}"), Ok, || {
+            let started = Instant::now();
+            let (_, st) = layer.forward_profiled(&input)?;
+            Ok((started.elapsed().as_secs_f64(), st, 0))
+        })?);
+    }
+    Ok((measured, errors))
+}
+
+/// The largest difference between `got` and `want` relative to the largest `|want|`.
+fn relative_error(got: &[f32], want: &[f32]) -> f64 {
+    let scale = want.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
+    got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max) as f64 / scale as f64
+}
+
+/// Several ranks (threads, GPUs or launched processes): each token count timed by the slowest
+/// rank, every rank running the same iterations; rank 0's (or this process's) measurements.
+fn measure_ranks(args: &BenchArgs, s: &Setup, weights: &MoeWeights, host: &RankHost) -> Result<Vec<Measured>> {
+    let par = &s.par;
+    let placement = Arc::new(par.placement(s.config.num_experts)?);
+    let results = on_ranks(host, par.ep, par.timeout, |comm, kind| {
+        let layer = par.layer(comm, placement.clone(), &s.config, weights, kind, args.layer.chunk_size)?;
+        let mut out = Vec::new();
+        for &t in &args.tokens {
+            let seed = args.layer.seed ^ t as u64 ^ ((comm.rank() / par.tp) as u64) << 32;
+            let input = Tensor::from_f32(&[t, s.config.hidden], preset::uniform(t * s.config.hidden, 1.0, seed))?;
+            let label = if comm.rank() == 0 { format!("T = {t}") } else { String::new() };
+            let agree = |go: bool| Ok(comm.broadcast_vec("bench.continue", 0, &[u8::from(go)])?[0] == 1);
+            out.push(time_loop(args, label, agree, || {
+                comm.barrier()?;
+                let started = Instant::now();
+                let (_, st) = layer.forward_profiled(&input)?;
+                let all = comm.all_gather_vec("bench.time", &[started.elapsed().as_secs_f64()])?;
+                Ok((all.iter().map(|v| v[0]).fold(0.0, f64::max), st, layer.bytes_moved()))
+            })?);
+        }
+        Ok(out)
+    });
+    let mut first = None;
+    for (_, r) in results {
+        first.get_or_insert(r?);
+    }
+    first.ok_or_else(|| MoeError::Config("no ranks".into()))
+}
+
+/// The table of the modular layer's runs.
+fn table() -> Table {
+    Table::new(&[
+        right("tokens", 7),
+        right("ms", 10),
+        right("GFLOP/s", 9),
+        right("matmul%", 8),
+        right("floor ms", 10),
+        right("floor%", 7),
+        right("route", 9),
+        right("prepare", 7),
+        right("experts", 7),
+        right("combine", 7),
+        right("shared", 7),
+        right("MB/rank", 11),
+        right("GB/s", 7),
+    ])
+}
+
+/// Prints one row per token count and returns the records.
+fn report(
+    args: &BenchArgs,
+    s: &Setup,
+    c: &Ceilings,
+    measured: Vec<Measured>,
+    mut errors: Vec<Option<f64>>,
+) -> Vec<Record> {
+    let table = table();
+    println!("{}", table.header());
+    errors.resize(args.tokens.len(), None);
+    let mut records = Vec::new();
+    for ((&t, m), rel_error) in args.tokens.iter().zip(measured).zip(errors) {
+        let r = record(args, s, c, t, &m, rel_error);
+        let percent = |x: f64| format!("{:.0}%", 100.0 * x);
+        let st = &r.stages_ms;
+        println!(
+            "{}",
+            table.row(&[
+                t.to_string(),
+                num(r.ms, 3),
+                num(r.gflops, 1),
+                percent(r.matmul_fraction),
+                num(r.floor_ms, 3),
+                percent(r.floor_ms / r.ms),
+                num(st.route, 2),
+                num(st.prepare, 2),
+                num(st.experts, 2),
+                num(st.finalize, 2),
+                num(st.shared, 2),
+                num(m.bytes as f64 / 1e6, 3),
+                num(r.comm_gbps.unwrap_or(0.0), 1),
+            ])
+        );
+        if let Some(e) = rel_error {
+            println!("{:>7} {} relative error against the unquantized f32 path: {e:.3e}", "", s.par.quant);
+        }
+        records.push(r);
+    }
+    records
+}
+
+/// The record of `t` tokens per DP group from its measurements.
+fn record(args: &BenchArgs, s: &Setup, c: &Ceilings, t: usize, m: &Measured, rel_error: Option<f64>) -> Record {
+    let config = &s.config;
+    let total_tokens = t * (s.par.ep / s.par.tp);
+    // Floor: all FLOPs at the compute peak, or every reached expert's weights read once.
+    let per_expert_bytes = 3 * config.hidden * config.inter * if s.gpu { 2 } else { args.layer.dtype.size_in_bytes() };
+    let bytes = config.num_experts.min(total_tokens * config.top_k) * per_expert_bytes;
+    let flops = config.expert_flops(total_tokens);
+    let ms = median(&m.totals) * 1e3;
+    let stage = |f: fn(&StageTimes) -> f64| median(&m.stages.iter().map(f).collect::<Vec<_>>()) * 1e3;
+    let stages_ms = StageTimes {
+        route: stage(|s| s.route),
+        prepare: stage(|s| s.prepare),
+        experts: stage(|s| s.experts),
+        finalize: stage(|s| s.finalize),
+        shared: stage(|s| s.shared),
+    };
+    let gflops = flops / ms / 1e6;
+    // In-process CPU ranks share one machine; GPU ranks each bring their own ceilings.
+    let devices = if s.gpu { s.par.ep as f64 } else { 1.0 };
+    let floor_ms =
+        (flops / (devices * c.compute_gflops(s.dot) * 1e9)).max(bytes as f64 / (devices * c.copy_gbps * 1e9)) * 1e3;
+    // Dispatch and combine bytes of rank 0 over its prepare and finalize time.
+    let comm_ms = stages_ms.prepare + stages_ms.finalize;
+    let comm_gbps = if comm_ms > 0.0 { m.bytes as f64 / comm_ms / 1e6 } else { 0.0 };
+    Record {
+        preset: s.preset.to_string(),
+        backend: if s.gpu { "cuda" } else { "cpu" }.into(),
+        dtype: if s.gpu { "bf16".to_string() } else { args.layer.dtype.to_string() },
+        tokens: t,
+        ep: s.par.ep,
+        tp: s.par.tp,
+        strategy: s.par.strategy.to_string(),
+        quant: s.par.quant.to_string(),
+        rel_error,
+        ms,
+        gflops,
+        matmul_fraction: gflops / (devices * c.matmul_gflops),
+        floor_ms,
+        floor_sustained_ms: None,
+        runs: m.totals.len(),
+        stages_ms,
+        bytes_moved_per_rank: m.bytes,
+        comm_gbps: (m.bytes > 0).then_some(comm_gbps),
+        bf16_matmul: s
+            .bf16_cpu
+            .then(|| if s.dot { moeflow::Bf16Matmul::Dot } else { moeflow::Bf16Matmul::Widen }.to_string()),
+    }
 }

@@ -1,8 +1,10 @@
 //! `bench --torch-baseline`: the same shapes through a PyTorch layer (one CPU rank, one GPU, or
 //! PyTorch + NCCL on several GPUs), printed beside moeflow's times.
 
+use super::records::add_field;
 use super::BenchArgs;
 use crate::common::spinner;
+use crate::table::{num, right, Table};
 use moeflow::parallel::RankHost;
 use moeflow::{DType, MoeError, Result};
 
@@ -79,25 +81,28 @@ pub(super) fn torch_baseline(
         format!("running the PyTorch + NCCL baseline on {ep} GPUs"),
     )?;
     println!("PyTorch {} + NCCL baseline, same shapes, same GPUs:", v["torch"].as_str().unwrap_or("?"));
-    println!(
-        "{:>7} {:>10} {:>10} {:>8}   {:>12} {:>12}",
-        "tokens", "torch ms", "moeflow ms", "speedup", "torch disp", "torch comb"
-    );
+    let table = Table::new(&[
+        right("tokens", 7),
+        right("torch ms", 10),
+        right("moeflow ms", 10),
+        right("speedup", 8),
+        right("torch disp", 14),
+        right("torch comb", 12),
+    ]);
+    println!("{}", table.header());
+    let mut times = Vec::new();
     for rec in v["records"].as_array().into_iter().flatten() {
-        let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
-        let ms = rec["ms"].as_f64().unwrap_or(f64::NAN);
+        let (t, ms) = baseline_time(rec);
         let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
+        let field = |key: &str| num(rec[key].as_f64().unwrap_or(f64::NAN), 3);
+        let speedup = format!("{:.2}x", ms / mine);
         println!(
-            "{:>7} {:>10.3} {:>10.3} {:>7.2}x   {:>12.3} {:>12.3}",
-            t,
-            ms,
-            mine,
-            ms / mine,
-            rec["dispatch_ms"].as_f64().unwrap_or(f64::NAN),
-            rec["combine_ms"].as_f64().unwrap_or(f64::NAN)
+            "{}",
+            table.row(&[t.to_string(), num(ms, 3), num(mine, 3), speedup, field("dispatch_ms"), field("combine_ms")])
         );
+        times.push((t, ms));
     }
-    Ok(())
+    record_baseline(args, &times)
 }
 
 /// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside
@@ -131,14 +136,30 @@ pub(super) fn torch_single_baseline(
             v["compute"].as_str().unwrap_or("?")
         );
     }
-    println!("{:>7} {:>10} {:>10} {:>8}", "tokens", "torch ms", "moeflow ms", "speedup");
+    let table = Table::new(&[right("tokens", 7), right("torch ms", 10), right("moeflow ms", 10), right("speedup", 8)]);
+    println!("{}", table.header());
+    let mut times = Vec::new();
     for rec in v["records"].as_array().into_iter().flatten() {
-        let t = rec["tokens"].as_u64().unwrap_or(0) as usize;
-        let ms = rec["ms"].as_f64().unwrap_or(f64::NAN);
+        let (t, ms) = baseline_time(rec);
         let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
-        println!("{:>7} {:>10.3} {:>10.3} {:>7.2}x", t, ms, mine, ms / mine);
+        println!("{}", table.row(&[t.to_string(), num(ms, 3), num(mine, 3), format!("{:.2}x", ms / mine)]));
+        times.push((t, ms));
     }
-    Ok(())
+    record_baseline(args, &times)
+}
+
+/// (tokens, layer ms) of one record of a baseline script's output.
+fn baseline_time(rec: &serde_json::Value) -> (usize, f64) {
+    (rec["tokens"].as_u64().unwrap_or(0) as usize, rec["ms"].as_f64().unwrap_or(f64::NAN))
+}
+
+/// Adds the baseline's layer times to the records written by `--json` (as `torch_ms`), where
+/// the plot and later readers find them beside moeflow's.
+fn record_baseline(args: &BenchArgs, times: &[(usize, f64)]) -> Result<()> {
+    match &args.json {
+        Some(path) if path.exists() => add_field(path, "torch_ms", times),
+        _ => Ok(()),
+    }
 }
 
 /// Refuses `--torch-baseline` where no baseline runs beside the layer, before any work: it

@@ -1,8 +1,8 @@
 //! The bf16 dot-product GEMM of the CPU experts: `C[rows_s, :] = bf16(A[rows_s, :]) · W[e_s]^T`,
 //! the rows of A rounded to bf16 and the weights kept in bf16, their products summed in f32
 //! two reduction steps at a time. This is what AVX512-BF16's `vdpbf16ps` computes (on AMD
-//! Zen 4 at twice the rate of f32 fused multiply-adds: 450 against 225 GFLOP/s on two cores),
-//! and what GPUs and PyTorch's bf16 layers compute.
+//! Zen 4 at twice the rate of f32 fused multiply-adds; docs/tuning.md), and what GPUs and
+//! PyTorch's bf16 layers compute.
 //!
 //! Each output element is accumulated pair by pair in increasing `k`: for the pair
 //! `(2q, 2q + 1)`, `acc = fma(a[2q + 1], w[2q + 1], acc)`, then `acc = fma(a[2q], w[2q], acc)`,
@@ -30,9 +30,8 @@ const MR: usize = 12;
 pub enum Bf16Matmul {
     /// [`Bf16Matmul::Dot`] where it doubles the arithmetic rate (AMD CPUs with AVX512-BF16:
     /// Zen 4 on), [`Bf16Matmul::Widen`] elsewhere. On Intel's AVX512-BF16 Xeons the dot
-    /// product's peak measured no higher than the FMA peak (1147 against 1092 GFLOP/s on a
-    /// 16-core Sapphire Rapids class host, and the layer no faster), so there the exact
-    /// widening costs nothing.
+    /// product's peak is no higher than the FMA peak and the layer no faster, so there the
+    /// exact widening costs nothing (docs/tuning.md).
     #[default]
     Auto,
     /// Weights widened to f32 exactly, activations kept in f32, f32 fused multiply-adds.
@@ -392,7 +391,7 @@ mod avx512 {
             for (r, v) in acc.iter_mut().enumerate() {
                 let x: __m512bh = std::mem::transmute(_mm512_set1_epi32(*pair.add(r) as i32));
                 // The broadcast pair as the memory operand folds into the instruction ({1to16}); a
-                // separate broadcast costs a vector pipe slot (Zen 4: 72 % of the peak instead of 100).
+                // separate broadcast costs a vector pipe slot (docs/tuning.md).
                 *v = _mm512_dpbf16_ps(*v, w, x);
             }
         }
