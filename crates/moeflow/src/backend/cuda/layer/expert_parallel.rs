@@ -105,9 +105,7 @@ impl CudaMoeLayer {
         // destination (the one host read of the routing).
         let (ids, counts) = self.read_routing(b, t)?;
         // The GPU waits for this loop. Up to 64 ranks, each token's destinations are a bit
-        // mask, without a division or an unpredictable branch per slot (4096 tokens, top-8,
-        // EP 2: 45–75 µs against 105 µs for a branch per slot on a 2-core dev VM; the
-        // branchy loop with divisions took 0.21–0.26 ms on the H200 host).
+        // mask, without a division or an unpredictable branch per slot (docs/tuning.md).
         let mut lists: Vec<Vec<usize>> = (0..n).map(|_| Vec::with_capacity(t)).collect();
         if n <= 64 {
             let bit_of: Vec<u64> = (0..e).map(|x| 1 << (x / el)).collect();
