@@ -9,8 +9,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{sys as drv, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 
 /// Seconds of back-to-back GEMMs before the sustained rate is timed: long enough for the
-/// power cap to bring the clocks down (on H200 they fall from 1980 MHz to about 1500 within a
-/// second of a MoE layer's GEMMs, throttled for software power capping).
+/// power cap to bring the clocks down (on H100 and H200 they fall within a second of a MoE
+/// layer's GEMMs, throttled for software power capping; docs/tuning.md).
 const LOAD_SECONDS: f64 = 1.0;
 /// The square GEMM both rates are measured on.
 const N: usize = 8192;

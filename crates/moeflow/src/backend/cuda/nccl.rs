@@ -10,8 +10,8 @@
 //!
 //! The one exception is the communicator a layer keeps for its device-side exchanges
 //! ([`NcclComm::duplicate`]): a non-blocking group launch hands its work to a thread NCCL
-//! creates for it, which cost 60–250 µs of host time per launch on 2 × H200 (the GPU waits
-//! for it twice per layer), against 10–25 µs when the calling thread launches. That
+//! creates for it, which costs several times the host time of a launch by the calling thread
+//! (the GPU waits for it twice per layer; docs/tuning.md). That
 //! communicator is blocking, and is connected to every peer by a warm-up right after its
 //! (polled) creation, so its later launches do not wait on peers; its device work is still
 //! awaited by polling, against the deadline.
@@ -556,8 +556,8 @@ impl NcclComm {
     }
 
     /// A second communicator over the same ranks, for a layer that keeps its own: blocking,
-    /// so each launch costs the calling thread ~15 µs instead of a helper thread's ~100 µs,
-    /// and connected to every peer before it returns (see the module documentation).
+    /// so each launch is the calling thread's and not a helper thread's (much slower; see the
+    /// module documentation), and connected to every peer before it returns (see the module documentation).
     pub fn duplicate(&self) -> Result<NcclComm> {
         let child = self.split_as(0, self.rank, true)?;
         child.warm_up(self)?;
@@ -699,8 +699,8 @@ impl Drop for NcclComm {
                     }
                     // The destroy can wait for peer GPUs to go idle: the ranks leave it
                     // together, so none starts a collective that a slower rank's destroy would
-                    // wait behind (measured on 2 × H200, NCCL 2.28: back-to-back splits and
-                    // teardowns otherwise stalled until the deadline, every time).
+                    // wait behind (without it, back-to-back splits and teardowns stalled until
+                    // the deadline).
                     self.teardown.meet(|| self.failure.get().is_some());
                     return;
                 }

@@ -10,10 +10,8 @@
 //
 // With gather_x (the up projection on one GPU and in the expert-parallel layer) the rows of A
 // are not read from a permuted copy: the producer warpgroup copies each token's row into the
-// stage itself with cp.async, eight threads a row, in the swizzled layout TMA would write
-// (H200, DeepSeek-V3 shapes, one GPU: 1.40 against 1.42–1.43 ms at 128 tokens, 5.35–5.40
-// against 5.39–5.43 at 4096; with one thread a row, each warp instruction touching 32 rows,
-// 4096 tokens took 6.74).
+// stage itself with cp.async, eight threads a row, in the swizzled layout TMA would write (one
+// thread a row, each warp instruction touching 32 rows, is much slower; docs/tuning.md).
 //
 // Built for sm_90a (wgmma and TMA exist only there): each block owns an SM and takes the
 // 128 × 256 output tiles of every expert, in order, from a counter the blocks share (the
@@ -150,9 +148,8 @@ __device__ __forceinline__ unsigned gg_pack(float lo, float hi) {
 // act(gate + bias) · (up + bias) from d[4j + x] and d[4(j + 16) + x]; `bias` is the expert's
 // 2 I gate-then-up row (null: none), `col0` the tile's first output column, `I` the width.
 // Straight-line code for 64 values, kept short: the bias loop is skipped when there is none,
-// and act_mul divides with __fdividef (on H200, DeepSeek-V3 shapes, 4096 tokens, the up
-// projection took 3.12 ms with it against 3.24–3.31 with IEEE divisions, and 3.08 with a
-// bare product in place of the activation).
+// and act_mul divides with __fdividef (IEEE divisions cost the up projection several times
+// what the activation itself does; docs/tuning.md).
 template <int KIND>
 __device__ __forceinline__ void gg_act(float* d, const float* bias, int col0, int I, float alpha, float limit) {
     const int q = threadIdx.x % 4;
@@ -264,7 +261,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
         // and keeps the ring full; the stage that starts a tile carries its index, -1 once
         // there are none left. A tile is claimed only when its first stage is free: claiming
         // one tile ahead (to hide the atomic) left whole tiles waiting behind busy blocks at
-        // the end (H200, 2048 tokens: 3.36 against 3.10 ms).
+        // the end (docs/tuning.md).
         // Gathering, every thread of the warpgroup copies its share of each A stage.
         if (threadIdx.x != 0 && !gather) return;
         const int me = threadIdx.x;
@@ -398,8 +395,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
         // d[4j + {2,3}] the row 8 below. Stores move sixteen bytes a lane: the four lanes of a
         // quad hold the eight columns of each 8-column chunk of their row between them, and a
         // 4 × 4 transpose across the quad (two exchanges) gives lane q chunk 4i + q whole
-        // (measured on H200: the down projection at 4096 tokens 1.85 → 1.65 ms against
-        // 4-byte stores).
+        // (faster than 4-byte stores; docs/tuning.md).
         const long r = t.row0 + wg * 64 + warp * 16 + lane / 4;
         const int q = lane % 4;
         const bool hi = q & 2, odd = q & 1;

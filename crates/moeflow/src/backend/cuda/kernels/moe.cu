@@ -36,7 +36,7 @@ __device__ float shared_gate(const float* x, const float* gate, long t, int H, f
 extern "C" {
 
 // y = x rounded to bf16: eight values a step (two 16-byte loads, one 16-byte store) when both
-// are 16-byte aligned, then the rest one by one (H200, 4096 × 7168: 91 µs one value a step).
+// are 16-byte aligned, then the rest one by one (one value a step is slower; docs/tuning.md).
 __global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
     const long first = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
     const long n8 = (((u64)x | (u64)y) & 15) == 0 ? n / 8 : 0;
@@ -85,8 +85,7 @@ __global__ void add_row_bias(float* x, const float* bias, int rows, int cols) {
 // Groups and experts are chosen by rank: an entry's rank counts the entries above it, equal
 // ones at lower ids counting as above, so ranks 0 .. n - 1 are the n largest in order, ties to
 // the lower id, as n rounds of warp argmax would give. Every comparison is independent, where
-// the rounds were one long chain of shuffles (H200, DeepSeek-V3 shapes with 64 experts, one
-// token: about 9 µs for the kernel with the rounds).
+// the rounds were one long chain of shuffles (docs/tuning.md).
 #define MAX_K 32
 #define MAX_E 1024
 #define WARPS 4
@@ -366,7 +365,7 @@ __global__ void count_slots(const int* ids, int slots, int E, int* counts) {
 // sum of counts[0 .. e) (cap = 0), or e · cap (padded: every expert owns cap rows), and
 // offsets[E] = the total rows, written by the last expert's block. One block of 32 warps per
 // expert, each summing the counts before its own (E is at most 1024), so no separate scan runs
-// (one launch fewer: about 5 µs at one token on H200). Slots of expert `skip` (an
+// (one launch fewer). Slots of expert `skip` (an
 // expert-parallel rank's "held elsewhere" bucket) get row -1 and no row.
 __global__ void scatter_slots(const int* ids, int slots, int E, const int* counts, int cap, int skip, int* offsets,
                               int* row_of_slot, int* slot_of_row, int* expert_of_row) {
@@ -463,7 +462,7 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
 // the eight columns h = 8c + q (sum_rows8; H % 8 == 0) or the one column h (sum_rows1), over the
 // slots j < k whose row is not -1. `w` null means weight 1; `b2` null means no bias.
 // (The rows are loaded four at a time before any is summed, so their loads overlap; the sums
-// keep slot order. H200, 4096 tokens × 8 slots × 7168: combine took 184 µs one row at a time.)
+// keep slot order.)
 __device__ __forceinline__ void sum_rows8(const bf16_t* y, const float* b2, const int* rows, const int* ids,
                                           const float* w, int k, int H, int c, float* acc) {
     for (int j0 = 0; j0 < k; j0 += 4) {
@@ -563,8 +562,8 @@ __global__ void act_and_mul(const bf16_t* h13, const float* b13, const int* expe
 // out[t, h] = sum_j w[t, j] * (y[row_of_slot[t k + j], h] + b2[ids[t k + j], h]), in slot order,
 // then + g_t * ys[t, h] when the shared output `ys` is given (g_t as in add_shared). Blocks
 // (x, y) take tokens x, x + gridDim.x, ... and the y-th of gridDim.y interleaved shares of their
-// columns (small batches spread a token over several blocks: on H200 one token's combine took
-// 11 µs in one block); eight columns per thread with 16-byte loads when H % 8 == 0.
+// columns (small batches spread a token over several blocks, since one block a token leaves
+// the GPU idle); eight columns per thread with 16-byte loads when H % 8 == 0.
 __global__ void combine(const bf16_t* y, const float* b2, const int* ids, const float* w, const int* row_of_slot, int T,
                         int k, int H, int weights_applied, const bf16_t* ys, const float* x, const float* gate,
                         float* out) {

@@ -26,9 +26,9 @@ impl CudaMoeLayer {
                 .map_err(|e| err("count", e))?;
         }
         // fp8 experts run the masked GEMM on the grouped (unpadded) rows while the weights
-        // dominate (up to 32 rows per expert on average; measured on H200, DeepSeek-V3 shapes:
-        // 1.19 ms against bf16's 1.56 at 16 rows, 2.92 against 1.80 at 64); cuBLAS on their bf16
-        // values above (rows rounded to fp8 first when they are quantized too).
+        // dominate (up to 32 rows per expert on average, where reading half the bytes wins;
+        // docs/tuning.md); cuBLAS on their bf16 values above (rows rounded to fp8 first when
+        // they are quantized too).
         let fp8 = self.w.fp8.is_some() && self.masked && t * k <= 32 * e;
         // Expert sizes on the host decide cuBLAS's GEMM shapes; the masked and Hopper GEMMs
         // read them on the device, so the host does not wait for them.

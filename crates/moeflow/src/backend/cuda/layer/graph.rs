@@ -14,10 +14,8 @@ use cudarc::driver::{sys as drv, CudaEvent, CudaGraph, CudaSlice};
 /// cuBLAS workspace per handle, set before capture so no GEMM allocates inside a graph.
 pub(super) const BLAS_WORKSPACE: usize = 32 << 20;
 
-/// Most tokens of a one-GPU batch replayed from a graph. Measured on one H200, DeepSeek-V3
-/// shapes, 64 experts, three alternating rounds against direct runs (ms): 384 tokens
-/// 1.424–1.427 against 1.443–1.461, 512 tokens 1.449–1.450 against 1.466–1.484 (with the
-/// shared expert 1.500 against 1.557), 1024 tokens 1.881–1.906 against 1.864–1.902.
+/// Most tokens of a one-GPU batch replayed from a graph: above it the launches a graph saves
+/// are no longer a visible share of the layer (docs/tuning.md).
 pub(super) const GRAPH_TOKENS: usize = 512;
 
 /// Graphs kept per layer (one per batch size; the oldest goes first).

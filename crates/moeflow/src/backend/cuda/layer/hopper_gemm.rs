@@ -21,12 +21,8 @@ const MANY_EXPERTS: usize = 256;
 const MAX_SMEM: u32 = 227 * 1024;
 
 /// Rows an expert on average up to which a product takes the short kernel's 64-row tiles
-/// (see [`HopperGemm::short_for`]). Measured on one H200, DeepSeek-V3 shapes, 64 experts
-/// without the shared expert, three alternating rounds (ms, 64-row against 128-row tiles): 1
-/// token 0.219–0.221 against 0.230–0.231, 8 tokens 0.888–0.893 against 0.939–0.942, 32 tokens
-/// 1.326–1.327 against 1.343–1.349, 256 tokens (32 rows an expert) 1.396–1.399 against
-/// 1.407–1.410; two rounds at 384 tokens (48 rows) 1.462–1.467 against 1.430–1.432, where
-/// experts past 64 rows stream their weights twice.
+/// (see [`HopperGemm::short_for`]): below it their deeper ring keeps more weight bytes in
+/// flight; above it experts past 64 rows stream their weights twice (docs/tuning.md).
 const SHORT_TO_ROWS: usize = 32;
 
 /// One of the kernel's entry points: its tile rows (the boxes TMA reads from `A`), tile
@@ -304,39 +300,15 @@ impl HopperGemm {
 impl CudaMoeLayer {
     /// The Hopper grouped GEMM for `rows` rows over `experts` experts, when the GPU and shapes
     /// take it and it is the better choice: from 2 to 1024 rows an expert on average (2048 on
-    /// one GPU without a shared expert); below 2
-    /// on one GPU when the batch replays a CUDA graph (see [`super::graph`]), or without a
-    /// shared expert, or with one and at least [`MANY_EXPERTS`] experts; always with
-    /// `MOEFLOW_EXPERT_GEMM=hopper`. Measured on one H200, DeepSeek-V3 shapes, 64
-    /// experts, the layer with its shared expert, two runs each (ms, this kernel against
-    /// cuBLAS): 16 rows an expert 1.55, 1.46 against 1.56, 1.62; 64 rows 1.68, 1.58 against
-    /// 1.72, 1.89; 128 rows 2.05, 2.07 against 2.02, 2.10; 256 rows 3.43, 3.47 against 3.80,
-    /// 4.39 (cuBLAS's fast case there is 3.04, its slow cases are frequent). With the
-    /// activation in its epilogue (session 16): 512 rows 5.61, 5.75 against 5.63, 7.82; 1024
-    /// rows 11.08, 11.10 against 11.09, 12.61 (the same fast cases, and none of cuBLAS's slow
-    /// ones); 2048 rows 22.38, 22.64 against 21.87, 21.85, where cuBLAS's per-expert GEMMs
-    /// leave room that the shared expert fills. On H100 alike: 512 rows 6.03, 6.07 against
-    /// 5.98, 6.89; 1024 rows 11.18, 11.41 against 11.59, 14.67. Without the shared expert,
-    /// 2048 rows (session 24, one H100, three alternating rounds): 20.06, 19.96, 19.64 against
-    /// cuBLAS's 21.18, 24.48, 19.83, whose down projection took 5.8 to 9.8 ms from run to run
-    /// against this kernel's 5.95–6.04 (on one H200, one round each: 19.51, 19.69 against
-    /// 19.55, 19.70, and 20.73 in a table where cuBLAS's down projection took 8.03).
-    ///
-    /// Below 2 rows an expert (session 21, H200, 1 / 2 / 4 / 8 tokens, alternating rounds),
-    /// where cuBLAS's GEMM shapes wait for the expert counts on the host: without a shared
-    /// expert, 64 experts, 0.259–0.274 / 0.409–0.426 / 0.649–0.674 / 1.004–1.033 against
-    /// 0.278–0.320 / 0.486–0.499 / 0.733–0.751 / 1.022–1.088 ms; with the shared expert and 256
-    /// experts 0.300–0.326 / 0.471–0.508 / 0.759–0.792 / 1.344–1.395 against 0.359–0.365 /
-    /// 0.529–0.565 / 0.841–0.919 / 1.443–1.450. With the shared expert and 64 experts cuBLAS's
-    /// small GEMMs leave SMs to the shared expert beside them, and win: 0.285–0.288 / 0.445–0.446
-    /// / 0.655–0.662 / 0.974–0.989 against 0.304–0.307 / 0.452–0.456 / 0.711–0.712 /
-    /// 1.008–1.017. On one H100 without a shared expert the two are level (docs/bench). With
-    /// the batch replayed from its CUDA graph, which only the Hopper GEMM allows, it wins with
-    /// the shared expert too (H200, two rounds): 64 experts 0.246–0.248 / 0.404 / 0.664–0.666 /
-    /// 0.955 against cuBLAS's 0.286–0.288 / 0.433–0.437 / 0.662–0.670 / 0.967–0.976; 128
-    /// experts 0.251 / 0.419–0.421 / 0.700–0.701 / 1.149–1.150 against 0.289–0.290 /
-    /// 0.446–0.454 / 0.724–0.725 / 1.143–1.148. Expert-parallel ranks keep cuBLAS there (not
-    /// measured).
+    /// one GPU without a shared expert, where cuBLAS's down projection varies widely from run
+    /// to run; with a shared expert cuBLAS's per-expert GEMMs there leave SMs that the shared
+    /// expert fills). Below 2 rows an expert cuBLAS's GEMM shapes wait for the expert counts on
+    /// the host, so one GPU takes this kernel there when the batch replays a CUDA graph (see
+    /// [`super::graph`]; only this kernel allows it), or without a shared expert, or with one
+    /// and at least [`MANY_EXPERTS`] experts; with a shared expert and fewer experts cuBLAS's
+    /// small GEMMs leave SMs to the shared expert beside them. Expert-parallel ranks keep
+    /// cuBLAS below 2 rows. Always with [`super::ExpertGemm::Hopper`]. The measurements behind
+    /// each bound are in docs/tuning.md.
     pub(super) fn hopper_for(&self, rows: usize, experts: usize) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let per_expert = rows / experts.max(1);
@@ -361,11 +333,8 @@ impl CudaMoeLayer {
     }
 
     /// The Hopper grouped GEMM for the low-latency layer's padded layout (it reads the counts
-    /// on the device, so the layer stays capturable), with bf16 experts; fp8 experts and
-    /// other GPUs run the masked GEMM. Measured on 2 × H200, EP 2, DeepSeek-V3 shapes, 64
-    /// experts a GPU, capacity 128, the layer replayed from its graph (ms, two runs each,
-    /// against the masked GEMM): 1 token 0.422, 0.435 against 0.518, 0.506; 32 tokens 1.549,
-    /// 1.555 against 1.703, 1.688; 128 tokens 1.574, 1.587 against 1.778, 1.789.
+    /// on the device, so the layer stays capturable), with bf16 experts, where it is faster
+    /// than the masked GEMM (docs/tuning.md); fp8 experts and other GPUs run the masked GEMM.
     pub(super) fn ll_hopper(&self) -> Option<&HopperGemm> {
         let (h, i) = (self.config.hidden, self.config.inter);
         let wanted = self.opts.expert_gemm.allows_hopper() && self.w.fp8.is_none();

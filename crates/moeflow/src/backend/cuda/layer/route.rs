@@ -38,9 +38,8 @@ impl CudaMoeLayer {
         let (n_th, n) = (t * h, (t * h) as i64);
         let (xp, xbp) = (p(&b.x), pb(&b.x_bf));
         // Large batches make their bf16 copy on side stream 0, beside the router GEMM (both
-        // read x from memory). Measured on H200, DeepSeek-V3 shapes, the route stage: 0.187
-        // against 0.205 ms at 4096 tokens, 0.114–0.143 against 0.161–0.168 at 2048; at 512 and
-        // below the fork and join cost more than they hide (0.067 against 0.062 ms).
+        // read x from memory); for small ones the fork and join cost more than they hide
+        // (docs/tuning.md).
         let overlap = t * h >= 1 << 23;
         let side = if overlap { &self.side.shared().stream } else { s };
         if overlap {
@@ -191,14 +190,9 @@ impl CudaMoeLayer {
     /// [`FUSED_ROUTE_TOKENS`] tokens on one GPU whose Hopper GEMM gathers the rows itself (so
     /// the permute is the counts and maps alone), bf16 experts, at most
     /// [`FUSED_ROUTE_EXPERTS`] experts. It replaces six launches: the bf16 copy, cuBLAS's two
-    /// gemv kernels, route, count_slots and scatter_slots. Measured on one H200, three
-    /// alternating rounds against `MOEFLOW_FUSED_ROUTE=0` (ms at 1 / 2 / 4 tokens): DeepSeek-V3
-    /// shapes with 64 experts 0.195–0.196 / 0.345–0.348 / 0.566–0.567 against 0.199 /
-    /// 0.357–0.359 / 0.577–0.578; with 128 experts 0.199 / 0.362 / 0.626–0.629 against 0.202 /
-    /// 0.372–0.373 / 0.629–0.630; Qwen3-30B 0.064–0.065 / 0.080 / 0.119–0.120 against 0.071 /
-    /// 0.085 / 0.119; with 256 experts and the shared expert it lost at 1 and 4 tokens
-    /// (0.226 / 0.394–0.395 / 0.699–0.700 against 0.223–0.224 / 0.397–0.398 / 0.689–0.692):
-    /// its 128-column blocks read the whole gate, 7.3 MB there, on 56 SMs.
+    /// gemv kernels, route, count_slots and scatter_slots. Above [`FUSED_ROUTE_EXPERTS`]
+    /// experts its 128-column blocks read the whole gate on few SMs and it is slower than the
+    /// six launches (docs/tuning.md).
     pub(super) fn routes_fused(&self, t: usize) -> bool {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         self.opts.fused_route

@@ -30,8 +30,7 @@ impl SideStreams {
     /// One stream for the shared expert, then those of the concurrent per-expert GEMMs
     /// ([`CudaOptions::gemm_streams`]). Their cuBLAS handles size their kernels for half the
     /// GPU's SMs ([`CudaOptions::gemm_sm_target`], 0 = the whole GPU), since they run side by
-    /// side: on H200 at 2048 and 4096 tokens this removed the runs whose GEMMs came out 25–60 %
-    /// slow (6 runs of 6 fast against 4 of 6), and 2048 tokens went from 3.3–4.0 to 3.0–3.2 ms.
+    /// side: sized for the whole GPU, some runs' GEMMs came out much slower (docs/tuning.md).
     pub(super) fn new(gpu: &Gpu, opts: &CudaOptions) -> Result<Self> {
         let n = opts.gemm_streams.max(1);
         let sms = gpu.ctx.attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).unwrap_or(0);
