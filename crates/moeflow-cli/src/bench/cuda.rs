@@ -5,7 +5,7 @@ use super::torch::{torch_baseline, torch_single_baseline};
 use super::{write_records, BenchArgs, Record};
 use crate::common::{median, spinner};
 use moeflow::comm::CommExt;
-use moeflow::parallel::{on_ranks, RankHost};
+use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
 use moeflow::{DType, MoeError, RankLayerSpec, Result, StageTimes};
 
 /// Whether `--dtype` asks for fp8 routed experts on GPUs (bf16 otherwise); `runs_fp8` says
@@ -75,25 +75,14 @@ impl Timed {
     }
 }
 
-/// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
-/// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
-/// The low-latency layer's time is its graph's replay; its stages are timed in direct runs.
-pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
-    use moeflow::backend::cuda::{measure_ceilings, GpuStageTimes};
-    let (p, config) = args.layer.config()?;
-    let cuda = crate::cuda_args::cuda_options(args.parallel.deterministic)?;
-    let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
-    let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
-    // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
-    // codes; elsewhere the bf16 values would run instead, so that is refused.
-    let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some())?;
-    let rows8 = gpu_fp8_rows(par.quant, fp8)?;
+/// The exchange and the weight format of an expert-parallel run, in words.
+fn ep_kind(par: &ParallelConfig, capacity: Option<usize>, fp8: bool, rows8: bool) -> (String, &'static str) {
+    use moeflow::parallel::StrategyKind;
     let dtype = match (fp8, rows8) {
         (true, true) => "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8",
         (true, false) => "fp8 e4m3 experts (128×128 block scales)",
         _ => "bf16",
     };
-    use moeflow::parallel::StrategyKind;
     let exchange = match par.strategy {
         StrategyKind::AllGather => "all-gather / reduce-scatter",
         StrategyKind::AllGatherLogits => "all-gather of router logits / reduce-scatter",
@@ -105,6 +94,60 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         None if par.dual_batch => format!("{exchange}, dual-batch overlap"),
         None => exchange.into(),
     };
+    (kind, dtype)
+}
+
+/// One rank's timed runs of every token count: per count, the slowest rank's layer ms of each
+/// run and this rank's stage times (of direct runs for a low-latency layer, whose graph times
+/// only the whole).
+fn time_rank(
+    args: &BenchArgs,
+    layer: &Timed,
+    comm: &dyn moeflow::comm::Communicator,
+    low_latency: bool,
+) -> Result<Vec<(Vec<f64>, Vec<moeflow::backend::GpuStageTimes>)>> {
+    let mut per_t = Vec::new();
+    for &t in &args.tokens {
+        let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
+        for w in 0..3 {
+            layer.forward_timed(t, seed + w)?;
+        }
+        let runs = args.min_runs.max(20);
+        let mut samples = Vec::with_capacity(runs);
+        for r in 0..runs {
+            comm.barrier()?;
+            samples.push(layer.forward_timed(t, seed + 100 + r as u64)?);
+        }
+        let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
+        let all = comm.all_gather_vec("bench.times", &totals)?;
+        let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
+        if low_latency {
+            let mut stages = Vec::with_capacity(runs);
+            for r in 0..runs {
+                comm.barrier()?;
+                stages.push(layer.forward_timed_stages(t, seed + 200 + r as u64)?);
+            }
+            samples = stages;
+        }
+        per_t.push((slowest, samples));
+    }
+    Ok(per_t)
+}
+
+/// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
+/// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
+/// The low-latency layer's time is its graph's replay; its stages are timed in direct runs.
+pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
+    use moeflow::backend::cuda::measure_ceilings;
+    let (p, config) = args.layer.config()?;
+    let cuda = crate::cuda_args::cuda_options(args.parallel.deterministic)?;
+    let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
+    let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
+    // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
+    // codes; elsewhere the bf16 values would run instead, so that is refused.
+    let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some())?;
+    let rows8 = gpu_fp8_rows(par.quant, fp8)?;
+    let (kind, dtype) = ep_kind(&par, capacity, fp8, rows8);
     let (rank0, device) = match host {
         RankHost::Launched { env, .. } => (env.rank == 0, env.local_rank),
         _ => (true, 0),
@@ -135,32 +178,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             ..RankLayerSpec::random_on_device(&config, args.layer.seed)
         };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
-        let mut per_t = Vec::new();
-        for &t in &args.tokens {
-            let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
-            for w in 0..3 {
-                layer.forward_timed(t, seed + w)?;
-            }
-            let runs = args.min_runs.max(20);
-            let mut samples: Vec<GpuStageTimes> = Vec::with_capacity(runs);
-            for r in 0..runs {
-                comm.barrier()?;
-                samples.push(layer.forward_timed(t, seed + 100 + r as u64)?);
-            }
-            let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
-            let all = comm.all_gather_vec("bench.times", &totals)?;
-            let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
-            if capacity.is_some() {
-                // The graph times only the whole; the stages come from direct runs.
-                let mut stages = Vec::with_capacity(runs);
-                for r in 0..runs {
-                    comm.barrier()?;
-                    stages.push(layer.forward_timed_stages(t, seed + 200 + r as u64)?);
-                }
-                samples = stages;
-            }
-            per_t.push((slowest, samples));
-        }
+        let per_t = time_rank(args, &layer, comm, capacity.is_some())?;
         Ok((per_t, layer.0.describe().to_string()))
     });
     bar0.finish_and_clear();
@@ -174,6 +192,49 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         return Ok(());
     }
     println!("  layer: {path}");
+    print_ep_header();
+    let ctx = EpTable { name: p.name, config: &config, par: &par, capacity, fp8, rows8, gemm_tflops, copy_gbps };
+    let (mut records, (floor_inputs, ours, direct)) = ctx.rows(&args.tokens, measured);
+    if capacity.is_some() {
+        println!(
+            "stages from direct runs (no graph, all {} rows of the capacity); their layer ms per rank (median): {}",
+            par.max_tokens_per_rank,
+            direct.join(", ")
+        );
+    }
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
+        moeflow::backend::cuda::measure_sustained_gemm(device)
+    })?;
+    if let Some(path) = &args.json {
+        write_records(path, &records)?;
+    }
+    if args.torch_baseline {
+        torch_baseline(args, &config, par.ep, &ours)?;
+    }
+    Ok(())
+}
+
+/// What an expert-parallel run's table rows are computed from.
+struct EpTable<'a> {
+    name: &'a str,
+    config: &'a moeflow::MoeConfig,
+    par: &'a ParallelConfig,
+    capacity: Option<usize>,
+    fp8: bool,
+    rows8: bool,
+    gemm_tflops: f64,
+    copy_gbps: f64,
+}
+
+/// Per token count: the slowest rank's layer ms of each run and rank 0's stage times.
+type EpMeasured = Vec<(Vec<f64>, Vec<moeflow::backend::GpuStageTimes>)>;
+
+/// A token count's expert FLOPs and weight bytes per GPU; its (tokens, ms, dispatch ms,
+/// collect ms); and its direct runs' layer ms in words.
+type EpRowParts = (Vec<(f64, usize)>, Vec<(usize, f64, f64, f64)>, Vec<String>);
+
+/// The table's header.
+fn print_ep_header() {
     println!(
         "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}",
         "tokens",
@@ -193,27 +254,36 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         "disp GB/s",
         "comb GB/s"
     );
-    let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
-    let mut records = Vec::new();
-    let mut floor_inputs = Vec::new();
-    let mut ours = Vec::new();
-    let mut direct = Vec::new();
-    for (&t, (slowest, samples)) in args.tokens.iter().zip(measured) {
-        let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
-        let ms = median(&slowest);
-        // Per GPU: its tokens' expert FLOPs, its experts' weights read once.
-        let flops = config.expert_flops(t);
-        let local = config.num_experts / par.ep;
-        let bytes = local.min(t * par.ep * config.top_k) * per_expert
-            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
-        let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
-        floor_inputs.push((flops, bytes));
-        let sent = med(|s| s.dispatch_bytes as f64);
-        let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
-        let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
-        ours.push((t, ms, dispatch, collect));
-        direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
-        println!(
+}
+
+impl EpTable<'_> {
+    /// Prints a row per token count and returns the records, with the parts the sustained
+    /// floors, the PyTorch comparison and the low-latency note need.
+    fn rows(&self, tokens: &[usize], measured: EpMeasured) -> (Vec<Record>, EpRowParts) {
+        use moeflow::backend::cuda::GpuStageTimes;
+        let (config, par, capacity, fp8, rows8) = (self.config, self.par, self.capacity, self.fp8, self.rows8);
+        let (gemm_tflops, copy_gbps) = (self.gemm_tflops, self.copy_gbps);
+        let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
+        let mut records = Vec::new();
+        let mut floor_inputs = Vec::new();
+        let mut ours = Vec::new();
+        let mut direct = Vec::new();
+        for (&t, (slowest, samples)) in tokens.iter().zip(measured) {
+            let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+            let ms = median(&slowest);
+            // Per GPU: its tokens' expert FLOPs, its experts' weights read once.
+            let flops = config.expert_flops(t);
+            let local = config.num_experts / par.ep;
+            let bytes = local.min(t * par.ep * config.top_k) * per_expert
+                + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
+            let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
+            floor_inputs.push((flops, bytes));
+            let sent = med(|s| s.dispatch_bytes as f64);
+            let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
+            let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
+            ours.push((t, ms, dispatch, collect));
+            direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
+            println!(
             "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}",
             t,
             ms,
@@ -232,54 +302,39 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             gbps(dispatch),
             gbps(collect)
         );
-        records.push(Record {
-            preset: p.name.to_string(),
-            backend: "cuda".into(),
-            dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
-            quant: if rows8 { "fp8-block" } else { "none" }.into(),
-            tokens: t,
-            ep: par.ep,
-            tp: 1,
-            strategy: match (capacity, par.dual_batch) {
-                (Some(_), _) => "lowlatency (device, graph)".to_string(),
-                (None, dual) => format!("{} (device{})", par.strategy, if dual { ", dual-batch" } else { "" }),
-            },
-            rel_error: None,
-            ms,
-            gflops: flops / ms / 1e6,
-            matmul_fraction: flops / ms / 1e9 / gemm_tflops,
-            floor_ms: floor,
-            floor_sustained_ms: None,
-            runs: slowest.len(),
-            stages_ms: StageTimes {
-                route: med(|s| s.route),
-                prepare: med(|s| s.permute + s.dispatch),
-                experts: med(|s| s.gemm1 + s.act + s.gemm2),
-                finalize: med(|s| s.collect + s.combine),
-                shared: med(|s| s.shared),
-            },
-            bytes_moved_per_rank: 2 * sent as usize,
-            comm_gbps: Some(gbps(dispatch + collect) * 2.0),
-            bf16_matmul: None,
-        });
+            records.push(Record {
+                preset: self.name.to_string(),
+                backend: "cuda".into(),
+                dtype: if fp8 { "f8e4m3" } else { "bf16" }.into(),
+                quant: if rows8 { "fp8-block" } else { "none" }.into(),
+                tokens: t,
+                ep: par.ep,
+                tp: par.tp,
+                strategy: match (capacity, par.dual_batch) {
+                    (Some(_), _) => "lowlatency (device, graph)".to_string(),
+                    (None, dual) => format!("{} (device{})", par.strategy, if dual { ", dual-batch" } else { "" }),
+                },
+                rel_error: None,
+                ms,
+                gflops: flops / ms / 1e6,
+                matmul_fraction: flops / ms / 1e9 / gemm_tflops,
+                floor_ms: floor,
+                floor_sustained_ms: None,
+                runs: slowest.len(),
+                stages_ms: StageTimes {
+                    route: med(|s| s.route),
+                    prepare: med(|s| s.permute + s.dispatch),
+                    experts: med(|s| s.gemm1 + s.act + s.gemm2),
+                    finalize: med(|s| s.collect + s.combine),
+                    shared: med(|s| s.shared),
+                },
+                bytes_moved_per_rank: 2 * sent as usize,
+                comm_gbps: Some(gbps(dispatch + collect) * 2.0),
+                bf16_matmul: None,
+            });
+        }
+        (records, (floor_inputs, ours, direct))
     }
-    if capacity.is_some() {
-        println!(
-            "stages from direct runs (no graph, all {} rows of the capacity); their layer ms per rank (median): {}",
-            par.max_tokens_per_rank,
-            direct.join(", ")
-        );
-    }
-    sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
-        moeflow::backend::cuda::measure_sustained_gemm(device)
-    })?;
-    if let Some(path) = &args.json {
-        write_records(path, &records)?;
-    }
-    if args.torch_baseline {
-        torch_baseline(args, &config, par.ep, &ours)?;
-    }
-    Ok(())
 }
 
 /// `bench --backend cuda`: CUDA-event stage times (medians), TFLOP/s, HBM GB/s, and the
@@ -321,40 +376,14 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         copy_gbps
     );
     println!("  layer: {}", gpu.0.describe());
-    println!(
-        "{:>7} {:>9} {:>8} {:>8} {:>9} {:>7}   {:>6} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6}",
-        "tokens",
-        "ms",
-        "TFLOP/s",
-        "GB/s",
-        "floor ms",
-        "floor%",
-        "route",
-        "permute",
-        "gemm1",
-        "act",
-        "gemm2",
-        "combine",
-        "shared"
-    );
+    print_one_gpu_header();
     let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();
     let mut floor_inputs = Vec::new();
     for &t in &args.tokens {
         let (failed_before, _) = gpu.failed_graph_captures();
-        for _ in 0..3 {
-            gpu.forward_timed(t, args.layer.seed)?;
-        }
         let runs = args.min_runs.max(20);
-        let samples: Vec<_> =
-            (0..runs).map(|r| gpu.forward_timed(t, args.layer.seed + r as u64)).collect::<Result<_>>()?;
-        // A batch that replays its CUDA graph is timed as a whole: its stages come from runs with
-        // events between them.
-        let staged: Vec<_> = if gpu.replays_graph(t) {
-            (0..runs).map(|r| gpu.forward_timed_stages(t, args.layer.seed + r as u64)).collect::<Result<_>>()?
-        } else {
-            samples.clone()
-        };
+        let (samples, staged) = time_one_gpu(&gpu, t, runs, args.layer.seed)?;
         type Times = moeflow::backend::cuda::GpuStageTimes;
         let med = |f: fn(&Times) -> f64| median(&staged.iter().map(f).collect::<Vec<_>>());
         let ms = median(&samples.iter().map(|s| s.total).collect::<Vec<_>>());
@@ -383,15 +412,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
             med(|s| s.combine),
             med(|s| s.shared)
         );
-        let (failed, why) = gpu.failed_graph_captures();
-        if failed > failed_before {
-            println!(
-                "{:>7} note: {} CUDA graph capture(s) failed; those runs went launch by launch (the latest: {})",
-                "",
-                failed - failed_before,
-                why.as_deref().unwrap_or("no reason kept")
-            );
-        }
+        note_failed_captures(&gpu, failed_before);
         records.push(Record {
             preset: p.name.to_string(),
             backend: "cuda".into(),
@@ -455,4 +476,57 @@ fn sustained_floors(
         floors.join(", ")
     );
     Ok(())
+}
+
+/// The one-GPU table's header.
+fn print_one_gpu_header() {
+    println!(
+        "{:>7} {:>9} {:>8} {:>8} {:>9} {:>7}   {:>6} {:>7} {:>6} {:>6} {:>6} {:>7} {:>6}",
+        "tokens",
+        "ms",
+        "TFLOP/s",
+        "GB/s",
+        "floor ms",
+        "floor%",
+        "route",
+        "permute",
+        "gemm1",
+        "act",
+        "gemm2",
+        "combine",
+        "shared"
+    );
+}
+
+/// A one-GPU batch's timed runs and the runs its stages are read from.
+type OneGpuRuns = (Vec<moeflow::backend::GpuStageTimes>, Vec<moeflow::backend::GpuStageTimes>);
+
+/// `runs` timed runs of `t` tokens after three warm-ups, and their stage times: a batch that
+/// replays its CUDA graph is timed as a whole, so its stages come from runs with events between
+/// them.
+fn time_one_gpu(gpu: &Timed, t: usize, runs: usize, seed: u64) -> Result<OneGpuRuns> {
+    for _ in 0..3 {
+        gpu.forward_timed(t, seed)?;
+    }
+    let samples: Vec<_> = (0..runs).map(|r| gpu.forward_timed(t, seed + r as u64)).collect::<Result<_>>()?;
+    let staged: Vec<_> = if gpu.replays_graph(t) {
+        (0..runs).map(|r| gpu.forward_timed_stages(t, seed + r as u64)).collect::<Result<_>>()?
+    } else {
+        samples.clone()
+    };
+    Ok((samples, staged))
+}
+
+/// A note under the row when graph captures failed since `before` (those runs went launch by
+/// launch).
+fn note_failed_captures(gpu: &Timed, before: usize) {
+    let (failed, why) = gpu.failed_graph_captures();
+    if failed > before {
+        println!(
+            "{:>7} note: {} CUDA graph capture(s) failed; those runs went launch by launch (the latest: {})",
+            "",
+            failed - before,
+            why.as_deref().unwrap_or("no reason kept")
+        );
+    }
 }
