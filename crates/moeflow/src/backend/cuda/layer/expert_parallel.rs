@@ -190,7 +190,7 @@ impl CudaMoeLayer {
         self.serve_received(b, received, &plan, Localize::Resolved, mark)?;
         if self.opts.deterministic {
             self.return_slots(b, link, &route, &all, t, mark)?;
-            let row = 2 * h + 4 * k;
+            let row = 2 * h + 8 * k;
             return Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum());
         }
         self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
