@@ -266,13 +266,5 @@ impl ParallelArgs {
 
 /// Splits `tokens` over `groups` DP groups: contiguous, the first groups one larger.
 pub fn split_tokens(tokens: usize, groups: usize) -> Vec<(usize, usize)> {
-    let (base, extra) = (tokens / groups, tokens % groups);
-    let mut start = 0;
-    (0..groups)
-        .map(|g| {
-            let n = base + usize::from(g < extra);
-            start += n;
-            (start - n, start)
-        })
-        .collect()
+    (0..groups).map(|g| moeflow::rank_layer::share(tokens, groups, g)).collect()
 }

@@ -148,8 +148,8 @@ fn rows_of(x: &Tensor) -> Result<(usize, usize)> {
     }
 }
 
-/// Tokens `[a, b)` of a batch of `t` that TP rank `rank` of `ranks` takes: contiguous shares,
-/// the first `t mod ranks` one larger.
+/// Tokens `[a, b)` of a batch of `t` that rank `rank` of `ranks` takes (a TP rank of its group's
+/// batch, or a DP group of the whole): contiguous shares, the first `t mod ranks` one larger.
 pub fn share(t: usize, ranks: usize, rank: usize) -> (usize, usize) {
     let (base, extra) = (t / ranks, t % ranks);
     let a = rank * base + rank.min(extra);
@@ -240,7 +240,9 @@ impl ParallelConfig {
             GpuPath::OneGpu => {
                 let mut layer = match spec.weights {
                     WeightSource::Given(w) => CudaMoeLayer::new_on_device(config, w, device, &spec.cuda)?,
-                    WeightSource::DeviceRandom(seed) => CudaMoeLayer::random(config, seed, &spec.cuda)?,
+                    WeightSource::DeviceRandom(seed) => {
+                        CudaMoeLayer::random_on_device(config, seed, device, &spec.cuda)?
+                    }
                 };
                 layer = fp8(layer, spec, self.allow_nonfinite)?;
                 let what = format!("cuda: one GPU, the whole layer on the device; options: {}", spec.cuda.describe());

@@ -114,6 +114,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Always an error without the feature.
+        pub fn random_on_device(_config: &MoeConfig, _seed: u64, _device: usize, _opts: &CudaOptions) -> Result<Self> {
+            Err(missing())
+        }
+        /// Always an error without the feature.
         pub fn random(_config: &MoeConfig, _seed: u64, _opts: &CudaOptions) -> Result<Self> {
             Err(missing())
         }

@@ -364,6 +364,11 @@ impl CudaMoeLayer {
         Self::random_on(config, seed, 0, None, opts)
     }
 
+    /// [`CudaMoeLayer::random`] on GPU `device`.
+    pub fn random_on_device(config: &MoeConfig, seed: u64, device: usize, opts: &CudaOptions) -> Result<Self> {
+        Self::random_on(config, seed, device, None, opts)
+    }
+
     /// [`CudaMoeLayer::new_ep`] with weights generated on the device (each rank its own
     /// experts), for benchmarks.
     pub fn random_ep(
