@@ -35,11 +35,6 @@ pub fn gpu_path(par: &ParallelConfig) -> GpuPath {
     if par.ep == 1 && par.tp == 1 {
         return GpuPath::OneGpu;
     }
-    if par.strategy == StrategyKind::LowLatency && par.dual_batch {
-        return GpuPath::HostStaged(
-            "the low-latency layer is one captured graph and does not split into two micro-batches".into(),
-        );
-    }
     if par.tp_skip {
         return GpuPath::HostStaged("skipping TP slicing (tp_skip) is a host-side variant".into());
     }
@@ -330,8 +325,13 @@ impl ParallelConfig {
         if let Some(tp) = tp {
             inner = Inner::TpSlice { inner: Box::new(inner), tp };
         }
-        let description =
-            format!("cuda: device-resident, {} over NCCL; options: {}", self.layout(), spec.cuda.describe());
+        let strategy = self.strategy.name();
+        let description = format!(
+            "cuda: device-resident, route → {strategy} → experts (GEMM per batch: {}) → {strategy} over NCCL; {}; options: {}",
+            spec.cuda.expert_gemm.name(),
+            self.layout(),
+            spec.cuda.describe()
+        );
         Ok(RankLayer { inner, description })
     }
 
@@ -378,7 +378,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_layout_but_two_is_device_resident() {
+    fn every_layout_but_tp_skip_is_device_resident() {
         use StrategyKind::*;
         assert_eq!(gpu_path(&ParallelConfig::new(1, 1, Local)), GpuPath::OneGpu);
         assert_eq!(gpu_path(&ParallelConfig { dual_batch: true, ..ParallelConfig::new(1, 1, Local) }), GpuPath::OneGpu);
@@ -393,10 +393,7 @@ mod tests {
                 assert_eq!(gpu_path(&par), GpuPath::DeviceResident, "{}", par.layout());
             }
             let dual = ParallelConfig { dual_batch: true, ..ParallelConfig::new(2, 1, s) };
-            match gpu_path(&dual) {
-                GpuPath::HostStaged(why) => assert!(s == LowLatency && why.contains("micro-batches"), "{why}"),
-                p => assert!(s != LowLatency, "{s}: {p:?}"),
-            }
+            assert_eq!(gpu_path(&dual), GpuPath::DeviceResident, "{}", dual.layout());
         }
         let skip = ParallelConfig { tp_skip: true, ..ParallelConfig::new(4, 2, All2AllV) };
         assert!(matches!(gpu_path(&skip), GpuPath::HostStaged(w) if w.contains("tp_skip")));

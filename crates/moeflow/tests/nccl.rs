@@ -531,6 +531,14 @@ fn rank_layouts(n: usize, e: usize, deterministic: bool) -> Vec<(String, Paralle
         },
     ));
     if !deterministic {
+        out.push((
+            "lowlatency, dual-batch".into(),
+            ParallelConfig {
+                dual_batch: true,
+                max_tokens_per_rank: 400,
+                ..ParallelConfig::new(n, 1, StrategyKind::LowLatency)
+            },
+        ));
         for s in
             [StrategyKind::AllGather, StrategyKind::AllGatherLogits, StrategyKind::Multicast, StrategyKind::LowLatency]
         {
@@ -585,6 +593,7 @@ fn rank_layers_on_gpus_are_device_resident_and_match_the_reference() {
                 for (rank, r) in run_rank_layers(&par, &spec, &x, &sizes) {
                     let (a, got, path) = r.unwrap_or_else(|e| panic!("{name}, {label}: rank {rank}: {e}"));
                     assert!(path.starts_with("cuda: device-resident"), "{label}: {path}");
+                    assert!(path.contains(&format!("→ {} → experts", par.strategy)), "{label}: {path}");
                     let t = got.len() / h;
                     if t == 0 {
                         continue;

@@ -236,7 +236,7 @@ type EpRowParts = (Vec<(f64, usize)>, Vec<(usize, f64, f64, f64)>, Vec<String>);
 /// The table's header.
 fn print_ep_header() {
     println!(
-        "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}",
+        "{:>7} {:>8} {:>9} {:>7} {:>8}   {:>6} {:>7} {:>8} {:>6} {:>6} {:>6} {:>7} {:>7} {:>6}   {:>9} {:>9}  {}",
         "tokens",
         "ms",
         "floor ms",
@@ -252,7 +252,8 @@ fn print_ep_header() {
         "combine",
         "shared",
         "disp GB/s",
-        "comb GB/s"
+        "comb GB/s",
+        "experts"
     );
 }
 
@@ -281,10 +282,12 @@ impl EpTable<'_> {
             let sent = med(|s| s.dispatch_bytes as f64);
             let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
             let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
+            // The experts' implementation the policy picked for this batch (direct runs).
+            let experts = samples.iter().map(|s| s.experts).find(|e| !e.is_empty()).unwrap_or("-");
             ours.push((t, ms, dispatch, collect));
             direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
             println!(
-            "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}",
+            "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}  {}",
             t,
             ms,
             floor,
@@ -300,7 +303,8 @@ impl EpTable<'_> {
             med(|s| s.combine),
             med(|s| s.shared),
             gbps(dispatch),
-            gbps(collect)
+            gbps(collect),
+            experts
         );
             records.push(Record {
                 preset: self.name.to_string(),
@@ -311,8 +315,12 @@ impl EpTable<'_> {
                 ep: par.ep,
                 tp: par.tp,
                 strategy: match (capacity, par.dual_batch) {
-                    (Some(_), _) => "lowlatency (device, graph)".to_string(),
-                    (None, dual) => format!("{} (device{})", par.strategy, if dual { ", dual-batch" } else { "" }),
+                    (Some(_), dual) => {
+                        format!("lowlatency (device, graph{}, {experts})", if dual { ", dual-batch" } else { "" })
+                    }
+                    (None, dual) => {
+                        format!("{} (device{}, {experts})", par.strategy, if dual { ", dual-batch" } else { "" })
+                    }
                 },
                 rel_error: None,
                 ms,

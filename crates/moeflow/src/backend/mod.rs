@@ -32,6 +32,10 @@ pub struct GpuStageTimes {
     pub dispatch_bytes: usize,
     /// One GPU: the experts that received rows, whose weights the layer read (0: not counted).
     pub experts_used: usize,
+    /// The prepare/finalize strategy and the experts' implementation that ran (empty for a
+    /// graph replay, which times only the whole).
+    pub strategy: &'static str,
+    pub experts: &'static str,
 }
 
 /// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds

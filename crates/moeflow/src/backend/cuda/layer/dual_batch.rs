@@ -28,11 +28,8 @@ impl CudaMoeLayer {
     /// Splits this layer into two micro-batch halves over the same weights. An
     /// expert-parallel layer needs `comm`, a second communicator over the same ranks in the
     /// same order (e.g. [`super::super::NcclComm::duplicate`] of the first); one GPU takes
-    /// `None`. The low-latency layer (one captured graph) does not split.
+    /// `None`. A low-latency layer's halves each take up to its capacity, each its own graph.
     pub fn dual_batch(self, comm: Option<super::super::NcclComm>) -> Result<CudaDualBatch> {
-        if self.capacity().is_some() {
-            return Err(MoeError::Unsupported("dual-batch overlap of the low-latency layer".into()));
-        }
         let mut link = match (&self.ep, comm) {
             (Some(mine), Some(c)) => Some(Self::link(&self.config, c, mine.placement.clone())?),
             (None, None) => None,
@@ -45,13 +42,14 @@ impl CudaMoeLayer {
                 return Err(MoeError::Config("dual-batch overlap on one GPU takes no communicator".into()))
             }
         };
-        // The twin exchanges tokens the same way.
-        if let (Some(twin), Some(mine)) = (link.as_mut(), self.ep.as_ref()) {
-            twin.gathering = mine.gathering;
-        }
         let opened = Self::open(&self.config, self.gpu.ordinal, &self.opts)?;
-        let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link, &self.opts)?;
+        let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link.take(), &self.opts)?;
         twin.w8a8 = self.w8a8;
+        // The twin exchanges tokens the same way.
+        twin.strategy = self.strategy.clone();
+        if let Some(m) = self.capacity() {
+            twin = twin.low_latency(m)?;
+        }
         Ok(CudaDualBatch { halves: [self, twin] })
     }
 }

@@ -1,13 +1,14 @@
-//! One rank of an expert-parallel layer with the all-to-all-v dispatch as DeepEP does it: the
-//! counts all-gathered on the device, each token sent once to every rank holding one of its
-//! experts, served there, and its partial sum sent back.
+//! What every expert-parallel strategy of the layer shares: the link to the group (its
+//! communicator and placement), the buffers rows travel in, the count exchange, the row
+//! exchange over NCCL, and the grouping of received slots by local expert with their partial
+//! sums (see [`super::strategy`] for the strategies themselves).
 
 use super::super::NcclComm;
+use super::experts::{groups_of, DeviceExperts, ExpertRows, Form};
 use super::hopper_gemm::Gather;
 use super::permute::Grouping;
 use super::placement::PlacementTables;
-use super::{all_gather, dptr, err, grid, rows, Buffers, CudaMoeLayer};
-use crate::backend::host_route::HostRoute;
+use super::{dptr, err, grid, rows, Buffers, CudaMoeLayer};
 use crate::config::MoeConfig;
 use crate::error::{MoeError, Result};
 use crate::placement::ExpertPlacement;
@@ -64,9 +65,6 @@ pub(super) struct EpLink {
     /// The placement's tables on the device (uploaded when the layer is assembled).
     pub(super) tables: Option<PlacementTables>,
     pub(super) capacity: Option<usize>,
-    /// How a gathering layer moves tokens ([`all_gather`]); `None`: all-to-all-v (or the
-    /// low-latency form).
-    pub(super) gathering: Option<all_gather::Gathering>,
 }
 
 /// How a rank finds the slots it serves among the received ones.
@@ -81,13 +79,13 @@ pub(super) enum Localize {
 
 /// How this rank's experts take the slots they received (see `CudaMoeLayer::local_plan`).
 pub(super) struct LocalPlan {
-    /// Slots of this rank's experts.
-    pub(super) slots: usize,
+    /// The experts' implementation.
+    pub(super) imp: &'static dyn DeviceExperts,
     /// Rows per expert in the padded layout, 0 for the grouped one.
     pub(super) cap: usize,
     /// Rows of the expert GEMMs.
     pub(super) rows: usize,
-    /// (local expert, first row, rows) of each expert with rows.
+    /// (local expert, first row, rows) of each expert with rows, grouped.
     pub(super) groups: Vec<(usize, usize, usize)>,
 }
 
@@ -106,137 +104,7 @@ impl CudaMoeLayer {
         }
         let phys_first = (0..rank).map(|r| placement.local_experts(r).len()).sum();
         let local = placement.local_experts(rank).len();
-        Ok(EpLink { placement, local, phys_first, tables: None, comm, capacity: None, gathering: None })
-    }
-
-    /// The expert-parallel layer after routing, with token dispatch as DeepEP does it: each
-    /// token goes once to every rank holding one of its experts, with its ids and weights (the
-    /// counts are all-gathered first, on the device); there its slots are regrouped by local
-    /// expert for the GEMMs, and the weighted sum over the local slots comes back as one bf16
-    /// row per (token, rank), summed at home in rank order into `b.out`. Returns the bytes this
-    /// rank sent to other ranks in the dispatch.
-    pub(super) fn ep_experts(
-        &self,
-        b: &mut Buffers,
-        t: usize,
-        link: &EpLink,
-        mark: &dyn Fn(usize) -> Result<()>,
-    ) -> Result<usize> {
-        use crate::comm::Communicator;
-        let c = &self.config;
-        let (h, k) = (c.hidden, c.top_k);
-        let (n, rank) = (link.comm.size(), link.comm.rank());
-        let g = &self.gpu;
-        let s = &g.stream;
-        // Home: each slot's serving replica, the ranks each token goes to (in token order per
-        // destination) with its ids local to that rank (-1 for slots served elsewhere), and the
-        // slots per physical expert: the one host read of the routing.
-        let (ids, _) = self.read_routing(b, t)?;
-        let route = HostRoute::new(&link.placement, &ids, k, t);
-        let (send_tok, sent) = (route.lists.iter().map(Vec::len).collect::<Vec<_>>(), route.send_idx.len());
-        // Every rank's slot counts per physical expert and token counts per destination.
-        let np = link.placement.num_physical();
-        let m = np + n;
-        let mine: Vec<i32> = route.phys_counts.iter().copied().chain(send_tok.iter().map(|&x| x as i32)).collect();
-        let all = self.gather_counts(b, link, &mine)?;
-        let recv_tok: Vec<usize> = (0..n).map(|src| all[src * m + np + rank] as usize).collect();
-        let received: usize = recv_tok.iter().sum();
-        let local: Vec<usize> =
-            (0..link.local).map(|j| (0..n).map(|src| all[src * m + link.phys_first + j] as usize).sum()).collect();
-        let plan = self.local_plan(&local);
-        let (send_idx, home_rows, send_ids) = (&route.send_idx, &route.home_rows, &route.send_ids);
-        let need = [sent, received, plan.rows, t];
-        self.grow_ep_buffers(b, need, n)?;
-        let ep = b.ep.as_mut().expect("allocated");
-        let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
-        if sent > 0 {
-            up("upload", s.memcpy_htod(send_idx, &mut ep.send_idx.slice_mut(0..sent)))?;
-            up("upload", s.memcpy_htod(send_ids, &mut ep.send_ids.slice_mut(0..sent * k)))?;
-        }
-        if t > 0 {
-            up("upload", s.memcpy_htod(home_rows, &mut ep.home_rows.slice_mut(0..t * n)))?;
-        }
-        let (pi, pf, pb) =
-            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
-        let (xbp, send_rows, send_idx_p) = (pb(&b.x_bf), pb(&ep.send_rows), pi(&ep.send_idx));
-        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
-        let (part, back) = (pb(&ep.part), pb(&ep.back));
-        let (home_rows_p, send_ids_p, send_w_p) = (pi(&ep.home_rows), pi(&ep.send_ids), pf(&ep.send_w));
-        let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
-        // The token rows and their weights (k 4-byte values = 2k 16-bit words a row).
-        for (src, width, dst) in [(xbp, hi, send_rows), (dptr(&b.weights, g), k2, send_w_p)] {
-            // SAFETY: take_rows(bf16*, int*, int, int, bf16*): dst[j] = src[send_idx[j]] for j <
-            // sent, rows of `width` 16-bit words; every index is a token of this batch.
-            unsafe {
-                s.launch_builder(&self.k.take)
-                    .arg(&src)
-                    .arg(&send_idx_p)
-                    .arg(&sent_i)
-                    .arg(&width)
-                    .arg(&dst)
-                    .launch(rows(sent, 128))
-            }
-            .map_err(|e| err("take_rows", e))?;
-        }
-        mark(2)?;
-        self.exchange_rows(
-            link,
-            "moe dispatch",
-            &[(send_rows, 2 * h), (send_ids_p, 4 * k), (send_w_p, 4 * k)],
-            &send_tok,
-            &[(recv_rows, 2 * h), (recv_ids, 4 * k), (recv_w, 4 * k)],
-            &recv_tok,
-        )?;
-        self.serve_received(b, received, &plan, Localize::Resolved, mark)?;
-        if self.opts.deterministic {
-            self.return_slots(b, link, &route, &all, t, mark)?;
-            let row = 2 * h + 8 * k;
-            return Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum());
-        }
-        self.exchange_rows(link, "moe combine", &[(part, 2 * h)], &recv_tok, &[(back, 2 * h)], &send_tok)?;
-        mark(7)?;
-        self.sum_home(back, home_rows_p, t, n, dptr(&b.out, g))?;
-        let row = 2 * h + 8 * k;
-        Ok(send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum())
-    }
-
-    /// Deterministic mode's combine: every rank sends the expert rows of the slots it served
-    /// (`ep.ret`, by source rank) back to their tokens' ranks, and each home weights and sums
-    /// its tokens' rows in slot order into `b.out`, with the combine one GPU runs.
-    fn return_slots(
-        &self,
-        b: &mut Buffers,
-        link: &EpLink,
-        route: &HostRoute,
-        all: &[i32],
-        t: usize,
-        mark: &dyn Fn(usize) -> Result<()>,
-    ) -> Result<()> {
-        use crate::comm::Communicator;
-        let (h, k, n) = (self.config.hidden, self.config.top_k, link.comm.size());
-        let p = &link.placement;
-        let (np, g) = (p.num_physical(), &self.gpu);
-        let m = np + n;
-        // Rows served here for each source, and rows each destination serves for this rank.
-        let served_from: Vec<usize> =
-            (0..n).map(|src| (0..link.local).map(|j| all[src * m + link.phys_first + j] as usize).sum()).collect();
-        let mut served_to = vec![0usize; n];
-        for (phys, &c) in route.phys_counts.iter().enumerate() {
-            served_to[p.physical_slot(phys).0] += c as usize;
-        }
-        let ep = b.ep.as_mut().expect("allocated");
-        if t > 0 {
-            let rows = route.slot_rows(t, k);
-            g.stream.memcpy_htod(&rows, &mut ep.slot_row.slice_mut(0..t * k)).map_err(|e| err("upload", e))?;
-        }
-        let (ret, back, slot_row) = (dptr(&ep.ret, g), dptr(&ep.back_slots, g), dptr(&ep.slot_row, g));
-        self.exchange_rows(link, "moe combine", &[(ret, 2 * h)], &served_from, &[(back, 2 * h)], &served_to)?;
-        mark(7)?;
-        if t == 0 {
-            return Ok(());
-        }
-        let b2 = self.w.b2_all.as_ref().map_or(0u64, |x| dptr(x, g));
-        self.combine_rows(b, t, back, slot_row, b2)
+        Ok(EpLink { placement, local, phys_first, tables: None, comm, capacity: None })
     }
 
     /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
@@ -278,49 +146,36 @@ impl CudaMoeLayer {
         Ok(all)
     }
 
-    /// How this rank's experts take `local[j]` slots each: padded to a capacity (`cap` > 0)
-    /// or grouped, the rows of the grouped GEMMs, and (expert, first row, rows) per expert hit.
+    /// How this rank's experts take `local[j]` slots each: the implementation the policy
+    /// picks, padded to a capacity (`cap` > 0) or grouped, and the rows of its GEMMs.
     pub(super) fn local_plan(&self, local: &[usize]) -> LocalPlan {
-        let el = local.len();
         let slots: usize = local.iter().sum();
-        let cap = self.padding(el, slots, local.iter().copied());
-        let mut groups = Vec::new();
-        let mut off = 0;
-        for (j, &cnt) in local.iter().enumerate() {
-            if cnt > 0 {
-                groups.push((j, if cap > 0 { j * cap } else { off }, cnt));
-            }
-            off += cnt;
-        }
-        LocalPlan { slots, cap, rows: if cap > 0 { el * cap } else { slots }, groups }
+        let (imp, cap) = match self.device_counted(slots, local.len(), Form::ExpertParallel) {
+            Some(imp) => (imp, 0),
+            None => self.host_counted(slots, local),
+        };
+        LocalPlan { imp, cap, rows: if cap > 0 { local.len() * cap } else { slots }, groups: groups_of(local) }
     }
 
-    /// Where the experts are: the `received` tokens in `b.ep` (rows, ids, weights) through
-    /// this rank's experts, as planned, into `part` (one bf16 row per received token: the
-    /// weighted sum of its slots held here, in slot order; zeros where none is).
-    pub(super) fn serve_received(
+    /// Where the experts are: the slots of the `received` tokens in `b.ep` (rows, ids,
+    /// weights) that this rank serves, grouped by local expert as `plan` says, for the experts.
+    pub(super) fn group_received(
         &self,
         b: &mut Buffers,
         received: usize,
-        plan: &LocalPlan,
+        plan: LocalPlan,
         localize: Localize,
-        mark: &dyn Fn(usize) -> Result<()>,
-    ) -> Result<()> {
+    ) -> Result<ExpertRows> {
         use crate::comm::Communicator;
         let link = self.ep.as_ref().expect("an expert-parallel layer");
-        let (h, k, el) = (self.config.hidden, self.config.top_k, link.local);
+        let (k, el) = (self.config.top_k, link.local);
         let (g, cap) = (&self.gpu, plan.cap);
         let s = &g.stream;
         let ep = b.ep.as_ref().expect("allocated by the caller");
-        let (pi, pf, pb) =
-            (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
-        let (recv_rows, recv_ids, recv_w, local_ids) =
-            (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w), pi(&ep.local_ids));
-        let (ecounts, eoffsets, part) = (pi(&ep.counts), pi(&ep.offsets), pb(&ep.part));
-        let (ret_idx, ret) = (pi(&ep.ret_idx), pb(&ep.ret));
+        let (pi, pb) = (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        let (recv_rows, recv_ids, local_ids) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pi(&ep.local_ids));
+        let (ecounts, eoffsets) = (pi(&ep.counts), pi(&ep.offsets));
         let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
-        let bufs = [pb(&ep.a), pb(&ep.h13), pb(&ep.act), pb(&ep.y), maps[2]];
-        let hi = h as i32;
         // Where the experts are: the received slots regrouped by local expert.
         let (rk, el_i, buckets) = ((received * k) as i32, el as i32, (el + 1) as i32);
         match localize {
@@ -363,61 +218,61 @@ impl CudaMoeLayer {
                 .map_err(|e| err("count", e))?;
         }
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
-        let gather =
-            self.hopper_gathers(plan.slots, el, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
+        let gather = plan.imp.gathers_rows(self, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
         let copy_rows = gather.is_none();
         let grouping =
             Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
-        self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, bufs[0])?;
-        mark(3)?;
-        self.mlp(b, bufs, el, cap, (&plan.groups, [ecounts, eoffsets]), plan.slots, gather, mark)?;
-        if self.opts.deterministic {
-            // Each served slot's expert row, as it is, in the order it goes home: by source
-            // rank, token and slot (the home weights and sums them as one GPU does).
-            let n_slots = (received * k) as i32;
-            let served = plan.slots as i32;
-            // SAFETY: compact_served(int*, int*, int, int, int*) reads the received · k local
-            // ids and slot rows and writes `served` (plan.slots) row indices; take_rows copies
-            // those rows of y (h wide) into `ret`, which holds plan.rows ≥ served rows.
-            unsafe {
-                s.launch_builder(&self.k.compact_served)
-                    .arg(&local_ids)
-                    .arg(&maps[0])
-                    .arg(&n_slots)
-                    .arg(&el_i)
-                    .arg(&ret_idx)
-                    .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
-                    .map_err(|e| err("compact_served", e))?;
-                s.launch_builder(&self.k.take)
-                    .arg(&bufs[3])
-                    .arg(&ret_idx)
-                    .arg(&served)
-                    .arg(&hi)
-                    .arg(&ret)
-                    .launch(rows(plan.slots, 128))
-                    .map_err(|e| err("take_rows", e))?;
-            }
-            return Ok(());
-        }
-        let b2 = self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
-        let (ri, ki) = (received as i32, k as i32);
+        let a = pb(&ep.a);
+        self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, a)?;
+        Ok(ExpertRows {
+            imp: plan.imp,
+            a,
+            h13: pb(&ep.h13),
+            act: pb(&ep.act),
+            y: pb(&ep.y),
+            expert_of_row: maps[2],
+            experts: el,
+            cap,
+            rows: plan.rows,
+            groups: plan.groups,
+            counts: ecounts,
+            offsets: eoffsets,
+            gather,
+        })
+    }
+
+    /// Where the experts are: `part` = one bf16 row per received token, the weighted sum of
+    /// its slots served here in slot order (zeros where none is), from the experts' rows.
+    pub(super) fn partial_sums(&self, b: &Buffers, received: usize) -> Result<()> {
+        let (h, k) = (self.config.hidden, self.config.top_k);
+        let g = &self.gpu;
+        let ep = b.ep.as_ref().expect("allocated by the caller");
+        let (y, b2, local_ids, recv_w) = (
+            dptr(&ep.y, g),
+            self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)),
+            dptr(&ep.local_ids, g),
+            dptr(&ep.recv_w, g),
+        );
+        let (row_of_slot, part) = (dptr(&ep.row_of_slot, g), dptr(&ep.part, g));
+        let (ri, ki, hi) = (received as i32, k as i32, h as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
-        // the received tokens; rows come from the grouping above.
+        // the received tokens; rows come from the grouping of `group_received`.
         unsafe {
-            s.launch_builder(&self.k.combine_partial)
-                .arg(&bufs[3])
+            g.stream
+                .launch_builder(&self.k.combine_partial)
+                .arg(&y)
                 .arg(&b2)
                 .arg(&local_ids)
                 .arg(&recv_w)
-                .arg(&maps[0])
+                .arg(&row_of_slot)
                 .arg(&ri)
                 .arg(&ki)
                 .arg(&hi)
                 .arg(&part)
                 .launch(rows(received, 256))
         }
-        .map_err(|e| err("combine_partial", e))?;
-        Ok(())
+        .map(|_| ())
+        .map_err(|e| err("combine_partial", e))
     }
 
     /// Sends `from[peer]` rows of each `(buffer, bytes per row)` in `src` (rows grouped by

@@ -3,15 +3,16 @@
 //! GEMMs with f32 accumulation (moeflow's grouped wgmma GEMM on Hopper, cuBLAS elsewhere),
 //! activation, and a weighted combine in slot order. On one GPU, or as one rank of an
 //! expert-parallel group ([`CudaMoeLayer::new_ep`]) whose tokens travel to the ranks holding
-//! their experts over NCCL, on the device; [`all_gather`] holds that group's gathering forms
-//! (all-gather, all-gather of logits, multicast), [`low_latency`] its fixed-capacity form,
+//! their experts over NCCL, on the device; [`low_latency`] holds its fixed-capacity form,
 //! captured in a CUDA graph, and [`fp8_weights`] its fp8 experts.
 //!
-//! This file builds the layer and runs it stage by stage; each stage lives in its own file:
-//! [`route`] (router GEMM and top-k; small batches in one launch), [`permute`] (rows grouped by expert), [`expert_gemm`]
-//! (the experts' GEMMs and activation), [`combine`] (the weighted sum back per token), and
-//! [`expert_parallel`] (the all-to-all-v dispatch and combine between ranks). [`buffers`]
-//! holds the scratch memory of a run.
+//! This file builds the layer and runs it as the modular kernel does on the CPU: [`route`]
+//! (router GEMM and top-k; small batches in one launch), then a prepare/finalize strategy
+//! ([`strategy`]: one GPU's permute, all-to-all-v, the gathering forms, low-latency) around
+//! the experts ([`experts`]: the Hopper, masked and cuBLAS GEMMs behind one contract), with
+//! the shared experts ([`expert_gemm`]) beside them. [`permute`], [`combine`] and
+//! [`expert_parallel`] hold the kernels and exchanges the strategies share; [`buffers`] the
+//! scratch memory of a run.
 
 use super::blas_handle::BlasHandle;
 use super::{err, CudaOptions, ExpertGemm, Gpu};
@@ -25,12 +26,12 @@ use cudarc::cublas::sys as cb;
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
-mod all_gather;
 mod buffers;
 mod combine;
 mod dual_batch;
 mod expert_gemm;
 mod expert_parallel;
+mod experts;
 mod fp8_weights;
 #[cfg(test)]
 mod fused_route_tests;
@@ -42,6 +43,7 @@ mod permute;
 mod placement;
 mod route;
 mod side_streams;
+mod strategy;
 #[cfg(test)]
 mod top_k_tests;
 
@@ -147,6 +149,8 @@ pub struct CudaMoeLayer {
     bufs: Mutex<Option<Buffers>>,
     /// Set when the layer is one rank of an expert-parallel group.
     ep: Option<EpLink>,
+    /// How tokens reach the experts and their outputs come home.
+    strategy: std::sync::Arc<dyn strategy::DevicePrepareFinalize>,
     /// Return outputs holding NaN or infinity instead of an error (see `finite`).
     allow_nonfinite: bool,
 }
@@ -252,6 +256,10 @@ impl CudaMoeLayer {
             k,
             w,
             bufs: Mutex::new(None),
+            strategy: match ep {
+                Some(_) => std::sync::Arc::new(strategy::All2AllV),
+                None => std::sync::Arc::new(strategy::Local),
+            },
             ep,
             allow_nonfinite: false,
         })
@@ -593,7 +601,7 @@ impl CudaMoeLayer {
             }
             hook(n, s)
         };
-        let sent = self.enqueue(b, t, &mark)?;
+        let (sent, experts) = self.enqueue(b, t, &mark)?;
         match &self.ep {
             Some(link) => link.comm.wait("moe layer", s)?,
             None => s.synchronize().map_err(|e| err("synchronize", e))?,
@@ -617,6 +625,8 @@ impl CudaMoeLayer {
             total: ms(0, 9)?,
             dispatch_bytes: sent,
             experts_used: self.experts_used(b)?,
+            strategy: self.strategy.name(),
+            experts,
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
@@ -634,8 +644,8 @@ impl CudaMoeLayer {
 
     /// Enqueues the whole layer on the `t` tokens in `b.x` (into `b.out`) on the layer's
     /// stream, calling `mark(0..=9)` between the stages; returns the bytes dispatched to other
-    /// ranks.
-    fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<usize> {
+    /// ranks and the name of the experts' implementation that ran.
+    fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<(usize, &'static str)> {
         let h = self.config.hidden;
         let g = &self.gpu;
         let s = &g.stream;
@@ -651,25 +661,22 @@ impl CudaMoeLayer {
         if t > 0 {
             self.shared_on_side_stream(b, t)?;
         }
-        let sent = match &self.ep {
-            Some(link) if link.capacity.is_some() => self.ll_experts(b, link, mark)?,
-            Some(link) if link.gathering.is_some() => {
-                let how = link.gathering.expect("checked");
-                self.gathered_experts(b, t, link, how, mark)?
-            }
-            Some(link) => self.ep_experts(b, t, link, mark)?,
-            None => {
-                self.local_experts(b, t, mark)?;
-                if t > 0 {
-                    self.combine_local(b, t)?;
-                }
-                0
-            }
-        };
+        // The modular kernel: prepare → experts → finalize.
+        let pf = &*self.strategy;
+        let pending = pf.prepare_begin(self, b, t, mark)?;
+        let mut d = pf.prepare_finish(self, b, t, pending, mark)?;
+        if d.rows.rows > 0 {
+            d.rows.imp.run(self, b, &d.rows, mark)?;
+        } else {
+            (4..=6).try_for_each(mark)?;
+        }
+        pf.finalize_begin(self, b, t, &mut d)?;
+        let (sent, experts) = (d.sent, d.rows.imp.name());
+        pf.finalize_finish(self, b, t, d, mark)?;
         mark(8)?;
-        // One GPU (and a deterministic expert-parallel rank) adds the shared output in its
-        // combine; other expert-parallel ranks add it here.
-        if let (Some(sh), true, true) = (&self.w.shared, t > 0, self.ep.is_some() && !self.opts.deterministic) {
+        // Strategies that combine at home with one GPU's combine add the shared output in it;
+        // the others get it here.
+        if let (Some(sh), true, false) = (&self.w.shared, t > 0, pf.adds_shared(self)) {
             self.side.join(s, [self.side.shared()])?;
             let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
             // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
@@ -687,7 +694,7 @@ impl CudaMoeLayer {
             }
         }
         mark(9)?;
-        Ok(sent)
+        Ok((sent, experts))
     }
 }
 

@@ -1,0 +1,98 @@
+//! One GPU: every expert is here, so prepare is the permute (expert sizes counted, rows grouped
+//! by expert, or only the slot/row maps where the Hopper GEMM gathers the rows itself) and
+//! finalize is the weighted sum of each token's expert rows in slot order.
+
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
+use crate::backend::cuda::layer::experts::{ExpertRows, Form};
+use crate::backend::cuda::layer::hopper_gemm::Gather;
+use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
+use crate::error::Result;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// No dispatch: the one-GPU layer.
+pub(in crate::backend::cuda::layer) struct Local;
+
+impl DevicePrepareFinalize for Local {
+    fn name(&self) -> &'static str {
+        "local"
+    }
+
+    /// The permute: nothing leaves the GPU.
+    fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State> {
+        let (e, k) = (l.config.num_experts, l.config.top_k);
+        let g = &l.gpu;
+        let s = &g.stream;
+        let (ip, cp, slots, ei) = (dptr(&b.ids, g), dptr(&b.counts, g), (t * k) as i32, e as i32);
+        // The fused router has written the counts, offsets and maps already.
+        let fused = l.routes_fused(t);
+        if !fused {
+            let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+            // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
+            unsafe { s.launch_builder(&l.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
+                .map_err(|e| err("count", e))?;
+        }
+        // Expert sizes on the host decide cuBLAS's GEMM shapes; the masked and Hopper GEMMs
+        // read them on the device, so the host does not wait for them.
+        let (imp, cap, counts) = match l.device_counted(t * k, e, Form::OneGpu) {
+            Some(imp) => (imp, 0, Vec::new()),
+            None => {
+                let mut counts = vec![0i32; e];
+                s.memcpy_dtoh(&b.counts, &mut counts).map_err(|e| err("reading expert counts", e))?;
+                let counts: Vec<usize> = counts.into_iter().map(|c| c as usize).collect();
+                let (imp, cap) = l.host_counted(t * k, &counts);
+                (imp, cap, counts)
+            }
+        };
+        let gather =
+            imp.gathers_rows(l, cap).then(|| Gather { x: dptr(&b.x_bf, g), slot_of_row: dptr(&b.slot_of_row, g), k });
+        if !fused {
+            l.permute(b, t, cap, gather.is_none())?;
+        }
+        mark(2)?;
+        let rows = ExpertRows {
+            imp,
+            a: dptr(&b.a, g),
+            h13: dptr(&b.h13, g),
+            act: dptr(&b.act, g),
+            y: dptr(&b.y, g),
+            expert_of_row: dptr(&b.expert_of_row, g),
+            experts: e,
+            cap,
+            rows: if cap > 0 { e * cap } else { t * k },
+            groups: super::super::experts::groups_of(&counts),
+            counts: cp,
+            offsets: dptr(&b.offsets, g),
+            gather,
+        };
+        Ok(Box::new(rows))
+    }
+
+    fn prepare_finish(
+        &self,
+        _: &CudaMoeLayer,
+        _: &mut Buffers,
+        _: usize,
+        rows: State,
+        mark: Mark,
+    ) -> Result<Dispatched> {
+        mark(3)?;
+        let rows = *state_of::<ExpertRows>(rows, self.name())?;
+        Ok(Dispatched { rows, sent: 0, state: Box::new(()) })
+    }
+
+    fn finalize_begin(&self, _: &CudaMoeLayer, _: &mut Buffers, _: usize, _: &mut Dispatched) -> Result<()> {
+        Ok(())
+    }
+
+    fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, _: Dispatched, mark: Mark) -> Result<()> {
+        mark(7)?;
+        if t > 0 {
+            l.combine_local(b, t)?;
+        }
+        Ok(())
+    }
+
+    fn adds_shared(&self, _: &CudaMoeLayer) -> bool {
+        true
+    }
+}

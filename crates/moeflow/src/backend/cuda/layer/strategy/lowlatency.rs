@@ -1,0 +1,166 @@
+//! Fixed-capacity low-latency dispatch, the shape of DeepEP's low-latency mode: every buffer,
+//! message and GEMM is sized by the capacity `M` tokens per rank, never by the batch, and
+//! nothing is read back to the host, so the whole layer is captured once in a CUDA graph (see
+//! [`super::super::low_latency`]). Each rank sends every rank one message of `M` rows (`[k
+//! local ids | k weights | H bf16]`, ids -1 where the token has no expert there); the receiver
+//! lays the rows out `n·M` per local expert (a token reaches an expert at most once) and counts
+//! them on the device; the weighted sum per message row goes back as one bf16 row, summed at
+//! home in rank order.
+
+use super::{DevicePrepareFinalize, Dispatched, Mark, State};
+use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
+use crate::backend::cuda::layer::low_latency::row_stride;
+use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
+use crate::comm::Communicator;
+use crate::error::Result;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// Fixed-capacity messages to every rank.
+pub(in crate::backend::cuda::layer) struct LowLatency;
+
+impl DevicePrepareFinalize for LowLatency {
+    fn name(&self) -> &'static str {
+        "lowlatency"
+    }
+
+    /// Packs the `M` rows (the batch size is read on the device) into one message per rank
+    /// and exchanges them.
+    fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, mark: Mark) -> Result<State> {
+        let link = l.ep.as_ref().expect("an expert-parallel layer");
+        let (h, k) = (l.config.hidden, l.config.top_k);
+        let (n, m) = (link.comm.size(), link.capacity.expect("a low-latency layer"));
+        let stride = row_stride(h, k);
+        let g = &l.gpu;
+        let s = &g.stream;
+        let ll = b.ll.as_ref().expect("allocated by low_latency()");
+        let (xb, ids, w, tokens) = (dptr(&b.x_bf, g), dptr(&b.ids, g), dptr(&b.weights, g), dptr(&ll.tokens, g));
+        let (send, recv, home_rows) = (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g));
+        let (mi, ki, hi, stride_l) = (m as i32, k as i32, h as i32, stride as i64);
+        let tables = link.tables.as_ref().expect("uploaded when the layer was assembled").ptrs(g);
+        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x4, long, u8*, int*)
+        // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
+        // placement's tables cover every expert.
+        unsafe {
+            let mut p = s.launch_builder(&l.k.ll_pack);
+            p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
+            p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]);
+            p.arg(&stride_l).arg(&send).arg(&home_rows);
+            p.launch(LaunchConfig { grid_dim: (m as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
+        }
+        .map_err(|e| err("ll_pack", e))?;
+        mark(2)?;
+        let every = vec![m; n];
+        l.exchange_rows(link, "moe low-latency dispatch", &[(send, stride)], &every, &[(recv, stride)], &every)?;
+        Ok(Box::new(()))
+    }
+
+    /// Lays the received rows out `n·M` per local expert and counts them, on the device.
+    fn prepare_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, _: State, mark: Mark) -> Result<Dispatched> {
+        let link = l.ep.as_ref().expect("an expert-parallel layer");
+        let (h, k) = (l.config.hidden, l.config.top_k);
+        let (n, el, m) = (link.comm.size(), link.local, link.capacity.expect("a low-latency layer"));
+        let (msg, cap, stride) = (n * m, n * m, row_stride(h, k) as i64);
+        let g = &l.gpu;
+        let s = &g.stream;
+        let ll = b.ll.as_ref().expect("allocated by low_latency()");
+        let (recv, row_of_slot, counts, a) =
+            (dptr(&ll.recv, g), dptr(&ll.row_of_slot, g), dptr(&ll.counts, g), dptr(&ll.a, g));
+        let (ki, hi, msg_i, cap_i) = (k as i32, h as i32, msg as i32, cap as i32);
+        // SAFETY: row_of_slot holds msg · k ints; ll_group(u8*, long, int, int, int, int*, int*)
+        // and ll_gather(u8*, long, int, int, int, int*, bf16*) read the msg received rows and
+        // write rows below el · cap of `a`.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(row_of_slot, 0xff, 4 * msg * k, s.cu_stream())
+                .map_err(|e| err("memset", e))?;
+            s.launch_builder(&l.k.ll_group)
+                .arg(&recv)
+                .arg(&stride)
+                .arg(&msg_i)
+                .arg(&ki)
+                .arg(&cap_i)
+                .arg(&row_of_slot)
+                .arg(&counts)
+                .launch(LaunchConfig { grid_dim: (el as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
+                .map_err(|e| err("ll_group", e))?;
+            s.launch_builder(&l.k.ll_gather)
+                .arg(&recv)
+                .arg(&stride)
+                .arg(&msg_i)
+                .arg(&ki)
+                .arg(&hi)
+                .arg(&row_of_slot)
+                .arg(&a)
+                .launch(rows(msg, 128))
+                .map_err(|e| err("ll_gather", e))?;
+        }
+        mark(3)?;
+        // Without the masked GEMM's shapes, cuBLAS over the padded layout.
+        let imp = l.device_counted(el * cap, el, Form::LowLatency).unwrap_or(&CublasPadded);
+        let rows = ExpertRows {
+            imp,
+            a,
+            h13: dptr(&ll.h13, g),
+            act: dptr(&ll.act, g),
+            y: dptr(&ll.y, g),
+            expert_of_row: 0,
+            experts: el,
+            cap,
+            rows: el * cap,
+            groups: Vec::new(),
+            counts,
+            offsets: dptr(&ll.offsets, g),
+            gather: None,
+        };
+        Ok(Dispatched { rows, sent: l.ll_sent_bytes(), state: Box::new(()) })
+    }
+
+    /// The weighted sum per message row, sent back to its rank.
+    fn finalize_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, d: &mut Dispatched) -> Result<()> {
+        let link = l.ep.as_ref().expect("an expert-parallel layer");
+        let (h, k) = (l.config.hidden, l.config.top_k);
+        let (n, m) = (link.comm.size(), link.capacity.expect("a low-latency layer"));
+        let (msg, stride) = (n * m, row_stride(h, k) as i64);
+        let g = &l.gpu;
+        let ll = b.ll.as_ref().expect("allocated by low_latency()");
+        let (recv, row_of_slot, part, back) =
+            (dptr(&ll.recv, g), dptr(&ll.row_of_slot, g), dptr(&ll.part, g), dptr(&ll.back, g));
+        let (b2, y) = (l.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)), d.rows.y);
+        let (msg_i, ki, hi) = (msg as i32, k as i32, h as i32);
+        // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, bf16*) over the msg
+        // received rows; their expert rows come from ll_group.
+        unsafe {
+            let mut c = g.stream.launch_builder(&l.k.ll_combine);
+            c.arg(&recv).arg(&stride).arg(&y).arg(&b2).arg(&row_of_slot).arg(&msg_i).arg(&ki).arg(&hi).arg(&part);
+            c.launch(rows(msg, 256))
+        }
+        .map_err(|e| err("ll_combine", e))?;
+        let every = vec![m; n];
+        l.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)
+    }
+
+    /// Sums each home token's returned rows in rank order into `b.out`.
+    fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, _: Dispatched, mark: Mark) -> Result<()> {
+        mark(7)?;
+        let link = l.ep.as_ref().expect("an expert-parallel layer");
+        let (n, m) = (link.comm.size(), link.capacity.expect("a low-latency layer"));
+        let g = &l.gpu;
+        let ll = b.ll.as_ref().expect("allocated by low_latency()");
+        let (back, home_rows, outp) = (dptr(&ll.back, g), dptr(&ll.home_rows, g), dptr(&b.out, g));
+        let (mi, ni, hi) = (m as i32, n as i32, l.config.hidden as i32);
+        // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds M · n
+        // entries, each -1 or a row of `back`.
+        unsafe {
+            g.stream
+                .launch_builder(&l.k.sum_partials)
+                .arg(&back)
+                .arg(&home_rows)
+                .arg(&mi)
+                .arg(&ni)
+                .arg(&hi)
+                .arg(&outp)
+                .launch(rows(m, 256))
+        }
+        .map(|_| ())
+        .map_err(|e| err("sum_partials", e))
+    }
+}

@@ -1,0 +1,143 @@
+//! Quantize+Dispatch and Combine on the device: the GPU twin of [`crate::dispatch`]. A
+//! [`DevicePrepareFinalize`] moves this rank's routed tokens to the ranks holding their experts
+//! and brings the experts' outputs home; the layer composes one with the experts
+//! ([`super::experts`]) and the router: `route → prepare → experts → finalize`, with the
+//! shared experts on a side stream beside them. Each half is split in two, as DeepEP's hooks
+//! and vLLM's asynchronous prepare/finalize are: `begin` enqueues the transfer on the layer's
+//! stream and returns at once, `finish` enqueues what needs the transferred data, so a caller
+//! can put other work between them (the dual-batch layer runs one micro-batch's GEMMs under the
+//! other's transfers). One file per strategy:
+//!
+//! | strategy | prepare | finalize |
+//! | --- | --- | --- |
+//! | [`Local`] | count and group the rows by expert (one GPU) | weighted sum in slot order |
+//! | [`All2AllV`] | counts all-gathered, each token once to each rank holding its experts | partial sums back (per slot in deterministic mode) |
+//! | [`AllGather`] | every rank's rows, ids and weights, padded to the largest batch | reduce-scatter |
+//! | [`AllGatherLogits`] | rows and router logits, routing after the gather | reduce-scatter |
+//! | [`Multicast`] | one broadcast per rank | all-reduce, own rows kept |
+//! | [`LowLatency`] | fixed-capacity messages, counts on the device, capturable | fixed-capacity return |
+//!
+//! TP slicing wraps a whole rank's layer ([`crate::rank_layer`]): its tokens are split over the
+//! TP group before any of these and all-gathered after.
+
+mod all2allv;
+mod allgather;
+mod allgather_logits;
+mod gathering;
+mod local;
+mod lowlatency;
+mod multicast;
+
+pub(super) use all2allv::All2AllV;
+pub(super) use allgather::AllGather;
+pub(super) use allgather_logits::AllGatherLogits;
+pub(super) use local::Local;
+pub(super) use lowlatency::LowLatency;
+pub(super) use multicast::Multicast;
+
+use super::experts::ExpertRows;
+use super::{Buffers, CudaMoeLayer};
+use crate::error::Result;
+use std::any::Any;
+
+/// Called at a stage boundary (0..=9, see [`CudaMoeLayer::forward_timed_stages`]): 2 when the
+/// rows are staged to leave, 3 when they are grouped for the experts, 7 when the experts'
+/// outputs are home.
+pub(super) type Mark<'a> = &'a dyn Fn(usize) -> Result<()>;
+
+/// A strategy's bookkeeping between its halves (its own type, downcast by the strategy).
+pub(super) type State = Box<dyn Any + Send>;
+
+/// What prepare hands to the experts, and what finalize needs to bring their outputs home.
+pub(super) struct Dispatched {
+    /// This rank's rows for its experts, grouped by local expert.
+    pub(super) rows: ExpertRows,
+    /// Bytes this rank sent to other ranks in the dispatch.
+    pub(super) sent: usize,
+    /// The strategy's bookkeeping for finalize.
+    pub(super) state: State,
+}
+
+/// Moves routed tokens to the experts (prepare) and their outputs back into `b.out [t, H]`
+/// (finalize), on the layer's stream, for the `t` tokens routed into `b` (`ids`, `weights`
+/// `[t, k]`, rows in `x_bf`). Every rank of an expert-parallel group calls every half in the
+/// same order, also with no tokens.
+pub(super) trait DevicePrepareFinalize: Send + Sync {
+    /// Name on the command line.
+    fn name(&self) -> &'static str;
+    /// Plans the dispatch, stages the rows and enqueues their transfer (marks 2).
+    fn prepare_begin(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State>;
+    /// Groups the arrived rows by local expert for the experts (marks 3).
+    fn prepare_finish(
+        &self,
+        layer: &CudaMoeLayer,
+        b: &mut Buffers,
+        t: usize,
+        pending: State,
+        mark: Mark,
+    ) -> Result<Dispatched>;
+    /// Enqueues the transfer of the experts' outputs (`d.rows.y`) toward their tokens' ranks.
+    fn finalize_begin(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, d: &mut Dispatched) -> Result<()>;
+    /// Marks 7 and sums the arrived outputs into `b.out [t, H]`, each token's in a fixed order
+    /// (with the shared experts' output where the strategy adds it at home).
+    fn finalize_finish(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, d: Dispatched, mark: Mark)
+        -> Result<()>;
+    /// Whether finalize adds the shared experts' output (one GPU's combine, and deterministic
+    /// mode's combine at home); otherwise the layer adds it after finalize.
+    fn adds_shared(&self, layer: &CudaMoeLayer) -> bool {
+        layer.opts.deterministic
+    }
+}
+
+/// The strategy's own state out of `state` (an error naming `strategy` if another's).
+pub(super) fn state_of<T: 'static>(state: State, strategy: &str) -> Result<Box<T>> {
+    state.downcast::<T>().map_err(|_| {
+        crate::error::MoeError::Unsupported(format!("{strategy} was handed another strategy's dispatch state"))
+    })
+}
+
+impl CudaMoeLayer {
+    /// This expert-parallel layer dispatching by all-gather and combining by reduce-scatter
+    /// ([`AllGather`]) instead of all-to-all-v. Not with the low-latency form.
+    pub fn all_gather(self) -> Result<Self> {
+        self.gathering(std::sync::Arc::new(AllGather))
+    }
+
+    /// This expert-parallel layer all-gathering router logits with the rows, every rank
+    /// routing every token, and combining by reduce-scatter ([`AllGatherLogits`]).
+    pub fn all_gather_logits(self) -> Result<Self> {
+        self.gathering(std::sync::Arc::new(AllGatherLogits))
+    }
+
+    /// This expert-parallel layer dispatching by one broadcast per rank and combining by
+    /// all-reduce ([`Multicast`]) instead of all-to-all-v. Not with the low-latency form.
+    pub fn multicast(self) -> Result<Self> {
+        self.gathering(std::sync::Arc::new(Multicast))
+    }
+
+    fn gathering(mut self, how: std::sync::Arc<dyn DevicePrepareFinalize>) -> Result<Self> {
+        let name = how.name();
+        if self.opts.deterministic {
+            return Err(crate::error::MoeError::Unsupported(format!(
+                "{name} sums partial outputs across ranks; deterministic mode dispatches by all-to-all-v"
+            )));
+        }
+        if self.ep.is_none() {
+            return Err(crate::error::MoeError::Config(format!(
+                "{name} dispatch needs an expert-parallel layer (new_ep)"
+            )));
+        }
+        if ![All2AllV.name(), name].contains(&self.strategy.name()) {
+            return Err(crate::error::MoeError::Config(
+                "a layer dispatches one way: all-to-all-v, all-gather, multicast or lowlatency".into(),
+            ));
+        }
+        self.strategy = how;
+        Ok(self)
+    }
+
+    /// The prepare/finalize strategy this layer composes (its name on the command line).
+    pub fn strategy_name(&self) -> &'static str {
+        self.strategy.name()
+    }
+}
