@@ -14,7 +14,7 @@ mod threads;
 
 pub use handshake::HANDSHAKE_DEADLINE;
 pub use job::{JobId, MAX_JOB_LEN};
-pub use rendezvous::{free_port, LaunchEnv, Rendezvous};
+pub use rendezvous::{free_port, LaunchEnv, Rendezvous, HEARTBEAT};
 pub use tcp::TcpComm;
 pub use threads::{check_thread_ranks, run_ranks, ThreadComm, ThreadGroup, MAX_THREAD_RANKS};
 

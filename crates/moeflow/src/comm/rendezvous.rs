@@ -13,8 +13,10 @@
 //!
 //! Afterwards messages of one kind byte: `A` + `[len u32, reason]` (abort), `B` (clean exit),
 //! `M` + `[key u64, size u32]` (this rank has reached meeting `key` of `size` ranks; sent to
-//! rank 0) and `G` + `[key u64]` (everyone has; rank 0 to each member). Rank 0 forwards an
-//! abort to every rank. A connection that closes without `B` means its process is gone.
+//! rank 0) and `G` + `[key u64]` (everyone has; rank 0 to each member), and `H` (a heartbeat,
+//! every [`HEARTBEAT`]). Rank 0 forwards an abort to every rank. A connection that closes
+//! without `B` means its process is gone; one that stays open but silent (no heartbeat) means
+//! its process is stopped or cannot be scheduled, which [`Rendezvous::silent_peers`] names.
 
 use super::handshake::{self, read_answer, read_blob_by, refuse, write_blob, Channel, Gate, Hello};
 use super::job::JobId;
@@ -123,7 +125,12 @@ pub struct Rendezvous {
     /// peer's death (and rank 0 stops answering newcomers).
     closing: Arc<AtomicBool>,
     meetings: Arc<Meetings>,
+    /// When each peer (indexed as `peers`) was last heard from.
+    heard: Arc<Vec<Mutex<Instant>>>,
 }
+
+/// How often every rank tells its peers it is alive.
+pub const HEARTBEAT: Duration = Duration::from_millis(500);
 
 /// The meetings of a job (see [`Rendezvous::meet`]).
 #[derive(Default)]
@@ -200,13 +207,17 @@ impl Rendezvous {
         let peers = Arc::new(conns.into_iter().map(Mutex::new).collect::<Vec<_>>());
         let closing = Arc::new(AtomicBool::new(false));
         let meetings = Arc::new(Meetings::default());
+        let heard = Arc::new((0..peers.len()).map(|_| Mutex::new(Instant::now())).collect::<Vec<_>>());
         for (i, mut reader) in readers.into_iter().enumerate() {
             let peer = if rank == 0 { i + 1 } else { 0 };
-            let (failure, peers, closing, meetings) =
-                (failure.clone(), peers.clone(), closing.clone(), meetings.clone());
+            let (failure, peers, closing, meetings, heard) =
+                (failure.clone(), peers.clone(), closing.clone(), meetings.clone(), heard.clone());
             std::thread::spawn(move || {
                 let reason = loop {
-                    match read_message(&mut reader) {
+                    let message = read_message(&mut reader);
+                    *heard[i].lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+                    match message {
+                        Ok(Message::Heartbeat) => {}
                         Ok(Message::Bye) => {
                             if peer == 0 {
                                 meetings.host_left();
@@ -231,7 +242,30 @@ impl Rendezvous {
                 }
             });
         }
-        Ok(Rendezvous { rank, job, peers, failure, closing, meetings })
+        let (beating, alive) = (peers.clone(), closing.clone());
+        std::thread::spawn(move || {
+            while !alive.load(Ordering::SeqCst) {
+                for p in beating.iter() {
+                    let _ = p.lock().unwrap_or_else(|e| e.into_inner()).write_all(b"H");
+                }
+                std::thread::sleep(HEARTBEAT);
+            }
+        });
+        Ok(Rendezvous { rank, job, peers, failure, closing, meetings, heard })
+    }
+
+    /// The peers this rank has not heard from (not even a heartbeat) for longer than
+    /// `longer_than`, with how long: rank 0 sees every rank, the others rank 0.
+    pub fn silent_peers(&self, longer_than: Duration) -> Vec<(usize, Duration)> {
+        self.heard
+            .iter()
+            .enumerate()
+            .map(|(i, at)| {
+                let peer = if self.rank == 0 { i + 1 } else { 0 };
+                (peer, at.lock().unwrap_or_else(|e| e.into_inner()).elapsed())
+            })
+            .filter(|&(_, silent)| silent > longer_than)
+            .collect()
     }
 
     /// Waits until all `size` ranks that meet at `key` (a number they agree on, used once)
@@ -469,6 +503,7 @@ fn resolve(listing: &str, master: &str) -> Vec<String> {
 }
 
 enum Message {
+    Heartbeat,
     Bye,
     Abort(String),
     Arrived { key: u64, size: usize },
@@ -521,6 +556,7 @@ fn read_message(s: &mut TcpStream) -> std::io::Result<Message> {
     let mut kind = [0u8; 1];
     s.read_exact(&mut kind)?;
     match kind[0] {
+        b'H' => Ok(Message::Heartbeat),
         b'B' => Ok(Message::Bye),
         b'A' => Ok(Message::Abort(String::from_utf8_lossy(&read_blob(s)?).into_owned())),
         b'M' => {
@@ -671,6 +707,24 @@ mod tests {
         for r in &ranks {
             assert_eq!(r.failure().get().as_deref(), Some("rank 1 hit an error in all2allv dispatch"));
         }
+    }
+
+    #[test]
+    fn a_rank_that_stops_beating_is_named_silent_and_the_others_are_not() {
+        let ranks = three_ranks();
+        let quiet = 4 * HEARTBEAT;
+        std::thread::sleep(2 * quiet);
+        for r in &ranks {
+            assert!(r.silent_peers(quiet).is_empty(), "rank {}: {:?}", r.rank(), r.silent_peers(quiet));
+        }
+        // Rank 2's heartbeats stop, its connection stays open (as a stopped process's does).
+        ranks[2].closing.store(true, Ordering::SeqCst);
+        std::thread::sleep(3 * quiet);
+        let silent = ranks[0].silent_peers(quiet);
+        assert_eq!(silent.iter().map(|&(p, _)| p).collect::<Vec<_>>(), vec![2], "{silent:?}");
+        assert!(silent[0].1 >= 2 * quiet, "{silent:?}");
+        assert!(ranks[1].silent_peers(quiet).is_empty());
+        assert!(ranks.iter().all(|r| r.failure().get().is_none()), "silence is not a failure");
     }
 
     #[test]

@@ -9,6 +9,7 @@ mod finite;
 mod layer;
 mod nccl;
 mod quant;
+mod watchdog;
 
 pub use super::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm};
 pub use super::{GpuCeilings, GpuStageTimes};

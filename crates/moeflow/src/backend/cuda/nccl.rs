@@ -20,6 +20,7 @@
 //! device, then the parts travel with one grouped `ncclSend`/`ncclRecv`.
 
 use super::err;
+use super::watchdog::{self, Activity};
 use crate::comm::meeting::{Meeting, MEETING_DEADLINE};
 use crate::comm::{Communicator, Failure, LaunchEnv, Rendezvous};
 use crate::error::{MoeError, Result};
@@ -121,6 +122,8 @@ pub struct NcclComm {
     /// Splits of this communicator so far (the same count on every rank).
     splits: AtomicU64,
     timeout: Duration,
+    /// The calls into this job's communicators running now (see [`super::watchdog`]).
+    activity: Arc<Activity>,
 }
 
 fn nccl_name(r: nc::ncclResult_t) -> String {
@@ -206,6 +209,11 @@ impl NcclComm {
         timeout: Duration,
     ) -> Result<NcclComm> {
         nccl_present()?;
+        let activity = Arc::new(Activity::default());
+        if let Some(r) = &rendezvous {
+            watchdog::start(rank, timeout, Arc::downgrade(&activity), failure.clone(), r.clone());
+        }
+        let _call = activity.enter("init");
         if id.len() != 128 {
             return Err(MoeError::Comm { rank, op: "init".into(), message: format!("NCCL id of {} bytes", id.len()) });
         }
@@ -234,6 +242,7 @@ impl NcclComm {
             teardown,
             splits: AtomicU64::new(0),
             timeout,
+            activity: activity.clone(),
         };
         let mut st = me.lock();
         me.check_launch(&mut st, "init", r)?;
@@ -332,7 +341,8 @@ impl NcclComm {
             return Err(self.error(op, format!("group failed: {reason}")));
         }
         if Instant::now() >= deadline {
-            return Err(self.fail(st, op, format!("timed out after {:?}", self.timeout)));
+            let silent = watchdog::silence(self.rendezvous.as_deref());
+            return Err(self.fail(st, op, format!("timed out after {:?}{silent}", self.timeout)));
         }
         *spins += 1;
         if *spins < 1000 {
@@ -380,6 +390,7 @@ impl NcclComm {
     }
 
     fn exchange(&self, st: &mut State, op: &str, parts: Vec<Vec<u8>>) -> Result<Vec<Vec<u8>>> {
+        let _call = self.activity.enter(op);
         let n = self.size;
         let deadline = Instant::now() + self.timeout;
         let s = &self.stream;
@@ -507,6 +518,7 @@ impl NcclComm {
     /// non-blocking parent).
     fn split_as(&self, color: usize, key: usize, blocking: bool) -> Result<NcclComm> {
         let op = "split";
+        let _call = self.activity.enter(op);
         let mut st = self.lock();
         self.check_failure(&mut st, op)?;
         if st.blocking {
@@ -547,6 +559,7 @@ impl NcclComm {
             teardown: self.teardown.child(split, color as u64, members.len()),
             splits: AtomicU64::new(0),
             timeout: self.timeout,
+            activity: self.activity.clone(),
         };
         {
             let mut cst = child.lock();
@@ -577,6 +590,7 @@ impl NcclComm {
         const LARGE: usize = 1 << 20;
         let buf = s.alloc_zeros::<u16>(2 * n * LARGE).map_err(|e| err("warm-up buffer", e))?;
         crate::comm::CommExt::all_gather_vec::<u64>(parent, "warm-up meeting", &[1])?;
+        let _call = self.activity.enter(op);
         let mut st = self.lock();
         self.check_failure(&mut st, op)?;
         let deadline = Instant::now() + self.timeout;
@@ -639,6 +653,7 @@ impl NcclComm {
         stream: &CudaStream,
         f: impl FnOnce(nc::ncclComm_t, nc::cudaStream_t) -> nc::ncclResult_t,
     ) -> Result<()> {
+        let _call = self.activity.enter(op);
         let mut st = self.lock();
         self.check_failure(&mut st, op)?;
         let deadline = Instant::now() + self.timeout;
@@ -659,6 +674,7 @@ impl NcclComm {
     /// Waits, polling, until the work enqueued on `stream` so far has completed; past the
     /// deadline or on a peer's failure the communicator is aborted and `op` fails.
     pub(super) fn wait(&self, op: &str, stream: &CudaStream) -> Result<()> {
+        let _call = self.activity.enter(op);
         let mut st = self.lock();
         self.check_failure(&mut st, op)?;
         self.wait_stream(&mut st, op, Instant::now() + self.timeout, stream)
