@@ -135,9 +135,13 @@ pub struct ParallelArgs {
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
     /// Dispatch/combine strategy: local, allgather, allgather-logits, multicast, all2allv,
-    /// lowlatency (default: local on one rank, all2allv otherwise).
+    /// lowlatency, or auto (GPU ranks: one per batch from --strategy-table, or a built-in
+    /// table) (default: local on one rank, all2allv otherwise).
     #[arg(long)]
     pub strategy: Option<StrategyKind>,
+    /// The crossover table `--strategy auto` follows, as `bench --calibrate FILE` writes it.
+    #[arg(long)]
+    pub strategy_table: Option<std::path::PathBuf>,
     /// Expert placement: contiguous, round-robin, or a JSON file {"num_experts": E, "ranks": [[...], ...]}.
     #[arg(long, default_value = "contiguous")]
     pub placement: PlacementKind,
@@ -257,6 +261,13 @@ impl ParallelArgs {
             timeout: std::time::Duration::try_from_secs_f64(self.timeout).ok().filter(|t| !t.is_zero()).ok_or_else(
                 || MoeError::Config(format!("--timeout {:?} is not a positive number of seconds", self.timeout)),
             )?,
+            auto: match &self.strategy_table {
+                Some(file) => Some(moeflow::auto_strategy::AutoStrategy::from_json(
+                    &std::fs::read_to_string(file)
+                        .map_err(|e| MoeError::Config(format!("reading --strategy-table {}: {e}", file.display())))?,
+                )?),
+                None => None,
+            },
             ..ParallelConfig::new(self.ep, self.tp, strategy)
         };
         p.validate()?;

@@ -249,6 +249,24 @@ fn clear_wording_for_common_mistakes() {
 }
 
 #[test]
+fn strategy_auto_is_refused_where_it_cannot_choose() {
+    let dir = scratch("auto");
+    let demo = ["demo", "--preset", "olmoe-1b-7b", "--experts", "8", "--tokens", "4", "--ep", "2"];
+    let with = |extra: &[&str]| moeflow(&[&demo[..], extra].concat());
+    assert_error(&with(&["--strategy", "auto"]), &["'auto' picks among the device strategies of GPU ranks"]);
+    let table = dir.join("table.json");
+    std::fs::write(&table, r#"{"rows": [{"up_to_tokens": 8, "strategy": "allgather"}]}"#).unwrap();
+    let t = table.display().to_string();
+    assert_error(&with(&["--strategy", "auto", "--strategy-table", &t]), &["the last row must cover every batch"]);
+    std::fs::write(&table, r#"{"rows": [{"up_to_tokens": null, "strategy": "lowlatency"}]}"#).unwrap();
+    assert_error(&with(&["--strategy", "auto", "--strategy-table", &t]), &["not lowlatency"]);
+    let missing = dir.join("missing.json").display().to_string();
+    assert_error(&with(&["--strategy", "auto", "--strategy-table", &missing]), &["reading --strategy-table"]);
+    let bench = ["bench", "--preset", "olmoe-1b-7b", "--experts", "8", "--tokens", "4", "--ep", "2"];
+    assert_error(&moeflow(&[&bench[..], &["--calibrate", &t]].concat()), &["--calibrate times the strategies"]);
+}
+
+#[test]
 fn a_closed_pipe_ends_quietly_and_a_full_disk_is_an_error() {
     let model = fixture("mixtral").display().to_string();
     // The reader is gone before moeflow writes: the write fails with EPIPE.

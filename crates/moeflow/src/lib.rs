@@ -36,6 +36,7 @@
 #[cfg(doctest)]
 pub struct ReadmeDoctests;
 
+pub mod auto_strategy;
 pub mod backend;
 pub mod comm;
 pub mod config;

@@ -32,6 +32,9 @@ pub enum StrategyKind {
     All2AllV,
     /// Fixed-capacity batched dispatch.
     LowLatency,
+    /// GPU ranks: one of [`crate::auto_strategy::AutoStrategy::CANDIDATES`] per batch, from
+    /// the layout's table ([`ParallelConfig::auto`]).
+    Auto,
 }
 
 impl StrategyKind {
@@ -54,6 +57,7 @@ impl StrategyKind {
             StrategyKind::Multicast => "multicast",
             StrategyKind::All2AllV => "all2allv",
             StrategyKind::LowLatency => "lowlatency",
+            StrategyKind::Auto => "auto",
         }
     }
 }
@@ -61,8 +65,8 @@ impl StrategyKind {
 impl FromStr for StrategyKind {
     type Err = MoeError;
     fn from_str(s: &str) -> Result<Self> {
-        Self::ALL.into_iter().find(|k| k.name() == s).ok_or_else(|| {
-            let names: Vec<_> = Self::ALL.iter().map(|k| k.name()).collect();
+        Self::ALL.into_iter().chain([StrategyKind::Auto]).find(|k| k.name() == s).ok_or_else(|| {
+            let names: Vec<_> = Self::ALL.iter().chain(&[StrategyKind::Auto]).map(|k| k.name()).collect();
             MoeError::Config(format!("unknown strategy '{s}' (known: {})", names.join(", ")))
         })
     }
@@ -129,6 +133,8 @@ pub struct ParallelConfig {
     pub bf16_matmul: crate::Bf16Matmul,
     /// Return outputs holding NaN or infinity instead of an error.
     pub allow_nonfinite: bool,
+    /// `--strategy auto`'s table (`None`: the built-in one for this EP size).
+    pub auto: Option<crate::auto_strategy::AutoStrategy>,
 }
 
 impl Default for ParallelConfig {
@@ -149,6 +155,7 @@ impl Default for ParallelConfig {
             defer_input_quant: false,
             bf16_matmul: crate::Bf16Matmul::Auto,
             allow_nonfinite: false,
+            auto: None,
         }
     }
 }
@@ -197,15 +204,21 @@ impl ParallelConfig {
         if world.size() != self.ep {
             return Err(MoeError::Config(format!("world of {} ranks for EP {}", world.size(), self.ep)));
         }
-        if self.strategy == StrategyKind::Local {
+        // One rank has nothing to choose.
+        if self.strategy == StrategyKind::Local || self.ep == 1 {
             return Ok(Box::new(Local));
+        }
+        if self.strategy == StrategyKind::Auto {
+            return Err(MoeError::Unsupported(
+                "strategy 'auto' picks among the device strategies of GPU ranks; name a strategy for CPU ranks".into(),
+            ));
         }
         let rank = world.rank();
         let ep = Ep::new(Arc::from(world.split(0, rank)?), placement)?;
         let tp: Option<Arc<dyn Communicator>> =
             if self.tp > 1 { Some(Arc::from(world.split(rank / self.tp, rank)?)) } else { None };
         let base: Box<dyn PrepareFinalize> = match self.strategy {
-            StrategyKind::Local => unreachable!("handled above"),
+            StrategyKind::Local | StrategyKind::Auto => unreachable!("handled above"),
             StrategyKind::AllGather => match &tp {
                 Some(tp) if !self.sequence_parallel => {
                     let dp: Arc<dyn Communicator> = Arc::from(world.split(rank % self.tp, rank)?);

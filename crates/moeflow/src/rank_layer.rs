@@ -315,6 +315,7 @@ impl ParallelConfig {
             StrategyKind::AllGatherLogits => layer.all_gather_logits()?,
             StrategyKind::Multicast => layer.multicast()?,
             StrategyKind::All2AllV => layer,
+            StrategyKind::Auto => layer.auto(self.auto_table())?,
             StrategyKind::Local => unreachable!("validate refuses local on EP > 1"),
         };
         let mut inner = if self.dual_batch {
@@ -325,7 +326,10 @@ impl ParallelConfig {
         if let Some(tp) = tp {
             inner = Inner::TpSlice { inner: Box::new(inner), tp };
         }
-        let strategy = self.strategy.name();
+        let strategy = match self.strategy {
+            StrategyKind::Auto => format!("auto [{}]", self.auto_table().describe()),
+            s => s.name().to_string(),
+        };
         let description = format!(
             "cuda: device-resident, route → {strategy} → experts (GEMM per batch: {}) → {strategy} over NCCL; {}; options: {}",
             spec.cuda.expert_gemm.name(),
@@ -333,6 +337,11 @@ impl ParallelConfig {
             spec.cuda.describe()
         );
         Ok(RankLayer { inner, description })
+    }
+
+    /// The table `--strategy auto` follows: the layout's, or the built-in one for its EP size.
+    pub fn auto_table(&self) -> crate::auto_strategy::AutoStrategy {
+        self.auto.clone().unwrap_or_else(|| crate::auto_strategy::AutoStrategy::builtin(self.ep))
     }
 
     /// The layout in words: strategy, EP, TP, dual-batch, placement.

@@ -531,6 +531,7 @@ fn rank_layouts(n: usize, e: usize, deterministic: bool) -> Vec<(String, Paralle
         },
     ));
     if !deterministic {
+        out.push(("auto, built-in table".into(), ParallelConfig::new(n, 1, StrategyKind::Auto)));
         out.push((
             "lowlatency, dual-batch".into(),
             ParallelConfig {
@@ -593,7 +594,7 @@ fn rank_layers_on_gpus_are_device_resident_and_match_the_reference() {
                 for (rank, r) in run_rank_layers(&par, &spec, &x, &sizes) {
                     let (a, got, path) = r.unwrap_or_else(|e| panic!("{name}, {label}: rank {rank}: {e}"));
                     assert!(path.starts_with("cuda: device-resident"), "{label}: {path}");
-                    assert!(path.contains(&format!("→ {} → experts", par.strategy)), "{label}: {path}");
+                    assert!(path.contains(&format!("→ {}", par.strategy)), "{label}: {path}");
                     let t = got.len() / h;
                     if t == 0 {
                         continue;
@@ -658,5 +659,49 @@ fn deterministic_mode_gives_one_gpus_bits_whatever_the_layout() {
             let e = r.expect_err("deterministic mode refuses partial sums").to_string();
             assert!(e.contains("deterministic mode dispatches by all-to-all-v"), "{s}: rank {rank}: {e}");
         }
+    }
+}
+
+/// `--strategy auto`: each batch runs the strategy of the table's row for the largest batch of
+/// any rank (so every rank agrees), matches the reference, and says which ran.
+#[test]
+fn auto_picks_the_tables_strategy_per_batch() {
+    use moeflow::auto_strategy::{AutoRow, AutoStrategy};
+    let Some(n) = gpus("auto_picks_the_tables_strategy_per_batch") else { return };
+    let row = |up_to_tokens, s: &str| AutoRow { up_to_tokens, strategy: s.into() };
+    let table = AutoStrategy {
+        measured_on: "test".into(),
+        rows: vec![row(Some(8), "multicast"), row(Some(64), "allgather-logits"), row(None, "all2allv")],
+    };
+    let (name, config, weights) = device_cases().into_iter().next().unwrap();
+    let h = config.hidden;
+    let par = ParallelConfig { auto: Some(table), ..ParallelConfig::new(n, 1, StrategyKind::Auto) };
+    let spec = moeflow::RankLayerSpec::new(&config, &weights);
+    // (tokens on rank 0, on the others, the strategy the largest picks)
+    let cases = [(3, 8, "multicast"), (0, 9, "allgather-logits"), (64, 1, "allgather-logits"), (65, 0, "all2allv")];
+    let x = preset::uniform(200 * h, 1.0, 79);
+    let runs = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
+        let layer = par.rank_layer(Some(comm), kind, &spec)?;
+        let mut seen = Vec::new();
+        for &(t0, t1, _) in &cases {
+            let t = if comm.rank() == 0 { t0 } else { t1 };
+            let xt = Tensor::from_f32(&[t, h], x[..t * h].to_vec())?;
+            let out = layer.forward(&xt)?.to_f32_vec();
+            let ran = layer.device_layer().expect("device-resident").forward_timed_stages(t, 5)?.strategy;
+            seen.push((out, ran));
+        }
+        Ok(seen)
+    });
+    for (rank, r) in runs {
+        let seen = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+        for (&(t0, t1, want), (out, ran)) in cases.iter().zip(seen) {
+            assert_eq!(ran, want, "{name}: rank {rank}, batches {t0} and {t1}");
+            let t = out.len() / h;
+            if t > 0 {
+                let err = relative_error(&config, &weights, &x[..t * h], &out);
+                assert!(err <= BF16_TOL, "{name}: rank {rank}, {want}: relative error {err:e}");
+            }
+        }
+        eprintln!("auto on rank {rank}: every batch ran its row's strategy and matches the reference");
     }
 }

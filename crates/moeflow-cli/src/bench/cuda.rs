@@ -40,7 +40,7 @@ pub(super) fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool
 
 /// The GPU layer a benchmark times: whole, or as two micro-batches (dual-batch overlap), as
 /// the library chose it.
-struct Timed(moeflow::RankLayer);
+pub(super) struct Timed(pub(super) moeflow::RankLayer);
 
 impl Timed {
     /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`); a TP rank
@@ -100,7 +100,7 @@ fn ep_kind(par: &ParallelConfig, capacity: Option<usize>, fp8: bool, rows8: bool
 /// One rank's timed runs of every token count: per count, the slowest rank's layer ms of each
 /// run and this rank's stage times (of direct runs for a low-latency layer, whose graph times
 /// only the whole).
-fn time_rank(
+pub(super) fn time_rank(
     args: &BenchArgs,
     layer: &Timed,
     comm: &dyn moeflow::comm::Communicator,
@@ -253,7 +253,7 @@ fn print_ep_header() {
         "shared",
         "disp GB/s",
         "comb GB/s",
-        "experts"
+        "strategy/experts"
     );
 }
 
@@ -282,8 +282,11 @@ impl EpTable<'_> {
             let sent = med(|s| s.dispatch_bytes as f64);
             let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
             let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
-            // The experts' implementation the policy picked for this batch (direct runs).
-            let experts = samples.iter().map(|s| s.experts).find(|e| !e.is_empty()).unwrap_or("-");
+            // The strategy and the experts' implementation that ran this batch (direct runs).
+            let experts = samples
+                .iter()
+                .find(|s| !s.experts.is_empty())
+                .map_or("-".to_string(), |s| format!("{}/{}", s.strategy, s.experts));
             ours.push((t, ms, dispatch, collect));
             direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
             println!(

@@ -4,6 +4,7 @@
 //! records, [`cuda`] the device-resident GPU layers, [`torch`] the PyTorch baselines run beside
 //! them, [`plot`] the SVG plots drawn from the records.
 
+mod calibrate;
 mod cuda;
 pub mod plot;
 mod records;
@@ -61,6 +62,10 @@ pub struct BenchArgs {
     /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
     #[arg(long)]
     torch_baseline: bool,
+    /// With --backend cuda and --ep > 1: time every strategy `--strategy auto` chooses among
+    /// at each --tokens count and write the crossovers to this file, for `--strategy-table`.
+    #[arg(long)]
+    calibrate: Option<PathBuf>,
     /// Whether `json` is a scratch file for the plot rather than the user's.
     #[arg(skip)]
     scratch_json: bool,
@@ -168,6 +173,14 @@ fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
         // Quantized rows run only in the device-resident layers (W8A8, in run_cuda_ep).
         let lowlatency = args.parallel.strategy == Some(moeflow::parallel::StrategyKind::LowLatency);
         gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && lowlatency && !args.host_staged)?;
+    }
+    if let Some(file) = &args.calibrate {
+        if !gpu || args.parallel.ep < 2 {
+            return Err(MoeError::Config(
+                "--calibrate times the strategies of --backend cuda with --ep 2 or more".into(),
+            ));
+        }
+        return calibrate::calibrate(args, host, file);
     }
     if gpu && !args.host_staged {
         let par = args.parallel.config(1)?;

@@ -214,6 +214,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn auto(self, _table: crate::auto_strategy::AutoStrategy) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn dual_batch(self, _comm: Option<NcclComm>) -> Result<CudaDualBatch> {
             Err(missing())
         }

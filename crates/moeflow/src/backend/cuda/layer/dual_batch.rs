@@ -45,11 +45,12 @@ impl CudaMoeLayer {
         let opened = Self::open(&self.config, self.gpu.ordinal, &self.opts)?;
         let mut twin = Self::assemble(&self.config, opened, self.w.clone(), link.take(), &self.opts)?;
         twin.w8a8 = self.w8a8;
-        // The twin exchanges tokens the same way.
-        twin.strategy = self.strategy.clone();
-        if let Some(m) = self.capacity() {
-            twin = twin.low_latency(m)?;
+        // The twin exchanges tokens the same way (a low-latency twin with buffers of its own).
+        match self.capacity() {
+            Some(m) => twin = twin.low_latency(m)?,
+            None => twin.strategy = self.strategy.clone(),
         }
+        twin.auto = self.auto.clone();
         Ok(CudaDualBatch { halves: [self, twin] })
     }
 }

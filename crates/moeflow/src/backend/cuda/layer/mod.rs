@@ -120,6 +120,14 @@ fn no_hook(_stage: usize, _stream: &cudarc::driver::CudaStream) -> Result<()> {
     Ok(())
 }
 
+/// What one run of the layer did: bytes dispatched to other ranks, the strategy and the
+/// experts' implementation.
+struct Ran {
+    sent: usize,
+    strategy: &'static str,
+    experts: &'static str,
+}
+
 /// The first and last events of a timed run.
 struct Span {
     first: cudarc::driver::CudaEvent,
@@ -151,6 +159,8 @@ pub struct CudaMoeLayer {
     ep: Option<EpLink>,
     /// How tokens reach the experts and their outputs come home.
     strategy: std::sync::Arc<dyn strategy::DevicePrepareFinalize>,
+    /// `--strategy auto`: the table that picks the strategy per batch instead.
+    auto: Option<std::sync::Arc<crate::auto_strategy::AutoStrategy>>,
     /// Return outputs holding NaN or infinity instead of an error (see `finite`).
     allow_nonfinite: bool,
 }
@@ -256,6 +266,7 @@ impl CudaMoeLayer {
             k,
             w,
             bufs: Mutex::new(None),
+            auto: None,
             strategy: match ep {
                 Some(_) => std::sync::Arc::new(strategy::All2AllV),
                 None => std::sync::Arc::new(strategy::Local),
@@ -601,7 +612,7 @@ impl CudaMoeLayer {
             }
             hook(n, s)
         };
-        let (sent, experts) = self.enqueue(b, t, &mark)?;
+        let ran = self.enqueue(b, t, &mark)?;
         match &self.ep {
             Some(link) => link.comm.wait("moe layer", s)?,
             None => s.synchronize().map_err(|e| err("synchronize", e))?,
@@ -623,10 +634,10 @@ impl CudaMoeLayer {
             combine: ms(7, 8)?,
             shared: ms(8, 9)?,
             total: ms(0, 9)?,
-            dispatch_bytes: sent,
+            dispatch_bytes: ran.sent,
             experts_used: self.experts_used(b)?,
-            strategy: self.strategy.name(),
-            experts,
+            strategy: ran.strategy,
+            experts: ran.experts,
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
@@ -644,8 +655,8 @@ impl CudaMoeLayer {
 
     /// Enqueues the whole layer on the `t` tokens in `b.x` (into `b.out`) on the layer's
     /// stream, calling `mark(0..=9)` between the stages; returns the bytes dispatched to other
-    /// ranks and the name of the experts' implementation that ran.
-    fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<(usize, &'static str)> {
+    /// ranks and the names of the strategy and the experts' implementation that ran.
+    fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<Ran> {
         let h = self.config.hidden;
         let g = &self.gpu;
         let s = &g.stream;
@@ -662,7 +673,7 @@ impl CudaMoeLayer {
             self.shared_on_side_stream(b, t)?;
         }
         // The modular kernel: prepare → experts → finalize.
-        let pf = &*self.strategy;
+        let pf = self.strategy_for(b, t)?;
         let pending = pf.prepare_begin(self, b, t, mark)?;
         let mut d = pf.prepare_finish(self, b, t, pending, mark)?;
         if d.rows.rows > 0 {
@@ -671,7 +682,7 @@ impl CudaMoeLayer {
             (4..=6).try_for_each(mark)?;
         }
         pf.finalize_begin(self, b, t, &mut d)?;
-        let (sent, experts) = (d.sent, d.rows.imp.name());
+        let ran = Ran { sent: d.sent, strategy: pf.name(), experts: d.rows.imp.name() };
         pf.finalize_finish(self, b, t, d, mark)?;
         mark(8)?;
         // Strategies that combine at home with one GPU's combine add the shared output in it;
@@ -694,7 +705,7 @@ impl CudaMoeLayer {
             }
         }
         mark(9)?;
-        Ok((sent, experts))
+        Ok(ran)
     }
 }
 

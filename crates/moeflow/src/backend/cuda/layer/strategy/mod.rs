@@ -38,6 +38,7 @@ pub(super) use multicast::Multicast;
 use super::experts::ExpertRows;
 use super::{Buffers, CudaMoeLayer};
 use crate::error::Result;
+use crate::parallel::StrategyKind;
 use std::any::Any;
 
 /// Called at a stage boundary (0..=9, see [`CudaMoeLayer::forward_timed_stages`]): 2 when the
@@ -136,8 +137,45 @@ impl CudaMoeLayer {
         Ok(self)
     }
 
-    /// The prepare/finalize strategy this layer composes (its name on the command line).
+    /// The prepare/finalize strategy this layer composes (its name on the command line;
+    /// `auto` when a table picks it per batch).
     pub fn strategy_name(&self) -> &'static str {
-        self.strategy.name()
+        match self.auto {
+            Some(_) => "auto",
+            None => self.strategy.name(),
+        }
+    }
+
+    /// This expert-parallel layer picking its strategy per batch from `table` (see
+    /// [`crate::auto_strategy`]): the largest batch of any rank, exchanged on the device
+    /// before each run, selects the row. Not in deterministic mode, whose all-to-all-v is
+    /// what makes the bits independent of the layout.
+    pub fn auto(mut self, table: crate::auto_strategy::AutoStrategy) -> Result<Self> {
+        table.validate()?;
+        if self.opts.deterministic {
+            return Err(crate::error::MoeError::Unsupported(
+                "strategy 'auto' picks gathering forms that sum partial outputs across ranks; deterministic mode dispatches by all-to-all-v".into(),
+            ));
+        }
+        if self.ep.is_none() || self.strategy.name() != All2AllV.name() {
+            return Err(crate::error::MoeError::Config(
+                "strategy 'auto' needs an expert-parallel layer that dispatches by all-to-all-v before it".into(),
+            ));
+        }
+        self.auto = Some(std::sync::Arc::new(table));
+        Ok(self)
+    }
+
+    /// The strategy of a run of `t` tokens here: the layer's own, or the auto table's row
+    /// for the largest batch of any rank (one small exchange on the device).
+    pub(super) fn strategy_for(&self, b: &mut Buffers, t: usize) -> Result<&dyn DevicePrepareFinalize> {
+        let (Some(table), Some(link)) = (&self.auto, &self.ep) else { return Ok(&*self.strategy) };
+        let largest = self.gather_counts(b, link, &[t as i32])?.into_iter().max().unwrap_or(0).max(0) as usize;
+        Ok(match table.pick(largest) {
+            StrategyKind::AllGather => &AllGather,
+            StrategyKind::AllGatherLogits => &AllGatherLogits,
+            StrategyKind::Multicast => &Multicast,
+            _ => &All2AllV,
+        })
     }
 }
