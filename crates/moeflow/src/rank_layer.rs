@@ -101,6 +101,8 @@ impl<'a> RankLayerSpec<'a> {
 pub struct RankLayer {
     inner: Inner,
     description: String,
+    /// The layer's hidden size H.
+    hidden: usize,
 }
 
 enum Inner {
@@ -161,6 +163,27 @@ impl RankLayer {
     /// every rank calls it, with its own batch, possibly empty).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         self.inner.forward(hidden)
+    }
+
+    /// `hidden [tokens, H]` f32 → `[tokens, H]` f32, as [`RankLayer::forward`]; a CPU layer
+    /// reads the rows in place (no copy of the caller's memory), a GPU layer copies them to the
+    /// device as `forward` does.
+    pub fn forward_f32(&self, hidden: &[f32], tokens: usize) -> Result<Vec<f32>> {
+        match &self.inner {
+            Inner::Host(l) => l.forward_f32(hidden, tokens),
+            inner => {
+                if tokens.checked_mul(self.hidden) != Some(hidden.len()) {
+                    let want = format!("[{tokens}, {}]", self.hidden);
+                    return Err(MoeError::shape("hidden_states", want, format!("{} values", hidden.len())));
+                }
+                Ok(inner.forward(&Tensor::from_f32(&[tokens, self.hidden], hidden.to_vec())?)?.to_f32_vec())
+            }
+        }
+    }
+
+    /// The layer's hidden size H.
+    pub fn hidden(&self) -> usize {
+        self.hidden
     }
 
     /// One line naming the backend, the path and why, the strategy, layout and options.
@@ -251,7 +274,7 @@ impl ParallelConfig {
                 } else {
                     Inner::Device(Box::new(layer))
                 };
-                Ok(RankLayer { inner, description: what })
+                Ok(RankLayer { inner, description: what, hidden: config.hidden })
             }
             GpuPath::HostStaged(why) => {
                 let what = format!(
@@ -290,7 +313,7 @@ impl ParallelConfig {
                 one.into_iter().next().expect("one rank")?
             }
         };
-        Ok(RankLayer { inner: Inner::Host(Box::new(layer)), description })
+        Ok(RankLayer { inner: Inner::Host(Box::new(layer)), description, hidden: spec.config.hidden })
     }
 
     /// The device-resident layer of this layout on `world`'s GPU (NCCL ranks only).
@@ -332,7 +355,7 @@ impl ParallelConfig {
         }
         let description =
             format!("cuda: device-resident, {} over NCCL; options: {}", self.layout(), spec.cuda.describe());
-        Ok(RankLayer { inner, description })
+        Ok(RankLayer { inner, description, hidden: spec.config.hidden })
     }
 
     /// The layout in words: strategy, EP, TP, dual-batch, placement.
@@ -427,6 +450,13 @@ mod tests {
         assert!(one.describe().starts_with("cpu: modular layer, local, EP 1"), "{}", one.describe());
         assert!(one.device_layer().is_none() && !one.tp_sliced());
         let want = one.forward(&x).unwrap().to_f32_vec();
+        assert_eq!(one.hidden(), 32);
+        let rows = one.forward_f32(x.as_f32().unwrap(), 5).unwrap();
+        assert!(rows.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let e = one.forward_f32(&x.as_f32().unwrap()[..40], 5).unwrap_err().to_string();
+        assert!(e.contains("[5, 32]") && e.contains("40 values"), "{e}");
+        let e = one.forward_f32(&[f32::NAN; 32], 1).unwrap_err().to_string();
+        assert!(e.contains("non-finite") && e.contains("hidden_states"), "{e}");
         let par = ParallelConfig {
             placement: PlacementKind::RoundRobin,
             ..ParallelConfig::new(2, 1, StrategyKind::All2AllV)
