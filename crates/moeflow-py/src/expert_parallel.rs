@@ -10,6 +10,7 @@ use crate::options::Options;
 use crate::tensors::{HostBuffer, HostData, Imported};
 use crate::world::World;
 use moeflow::dispatch::{DispatchInput, Local, PrepareFinalize, Prepared};
+use moeflow::parallel::StrategyKind;
 use moeflow::reduce::WeightedSum;
 use moeflow::router::{RouterConfig, TopK};
 use moeflow::MoeError;
@@ -49,6 +50,14 @@ fn owned(p: Prepared<'_>) -> Prepared<'static> {
         weights_applied: p.weights_applied,
         state: p.state,
     }
+}
+
+/// The error for a strategy that does not hand rows over with their routing.
+fn unsupported_strategy(name: &str) -> PyErr {
+    bad_input(format!(
+        "strategy '{name}' does not hand over rows with their routing (it routes after dispatch or packs \
+         fixed-capacity batches); the dispatch/combine API takes local, allgather, multicast or all2allv"
+    ))
 }
 
 impl ExpertParallel {
@@ -105,12 +114,17 @@ impl ExpertParallel {
         if par.quant != moeflow::quant::QuantConfig::None {
             return Err(bad_input("the dispatch/combine API moves f32 rows; quant must be 'none'"));
         }
+        if matches!(par.strategy, StrategyKind::LowLatency | StrategyKind::AllGatherLogits) {
+            return Err(unsupported_strategy(par.strategy.name()));
+        }
         let placement = Arc::new(par.placement(num_experts).py_err()?);
         let strategy: Box<dyn PrepareFinalize> = match &world {
-            None if par.ep != 1 => return Err(bad_input(format!(
+            None if par.ep != 1 => {
+                return Err(bad_input(format!(
                 "ep={} needs the ranks of a launched job (torchrun sets RANK and WORLD_SIZE); this process is alone",
                 par.ep
-            ))),
+            )))
+            }
             None => Box::new(Local),
             Some(w) => {
                 let w = w.get();
@@ -120,11 +134,7 @@ impl ExpertParallel {
         if strategy.routes_after_dispatch()
             || strategy.activation_format() != moeflow::experts::ActivationFormat::Standard
         {
-            return Err(bad_input(format!(
-                "strategy '{}' does not hand over rows with their routing (it routes after dispatch or packs \
-                 fixed-capacity batches); the dispatch/combine API takes local, allgather, multicast or all2allv",
-                strategy.name()
-            )));
+            return Err(unsupported_strategy(strategy.name()));
         }
         let local_experts = strategy.local_experts().unwrap_or_else(|| (0..num_experts).collect());
         Ok(ExpertParallel { strategy, num_experts, hidden, local_experts, world })
