@@ -61,6 +61,13 @@ fn unsupported_strategy(name: &str) -> PyErr {
 }
 
 impl ExpertParallel {
+    fn fail_on_error<T>(&self, result: PyResult<T>, py: Python<'_>) -> PyResult<T> {
+        match &self.world {
+            Some(w) => w.get().fail_on_error(result, py),
+            None => result,
+        }
+    }
+
     fn run<T>(&self, f: impl FnOnce() -> moeflow::Result<T>) -> moeflow::Result<T> {
         match &self.world {
             Some(w) => w.get().guard(f),
@@ -152,59 +159,62 @@ impl ExpertParallel {
         topk_ids: &Bound<'_, PyAny>,
         topk_weights: &Bound<'_, PyAny>,
     ) -> PyResult<(DispatchHandle, HostBuffer, HostBuffer)> {
-        let h = self.hidden;
-        let x = Imported::new(hidden, "hidden")?;
-        let (t, _) = x.matrix(Some(h), &format!("[T, {h}]"))?;
-        let ids = Imported::new(topk_ids, "topk_ids")?;
-        let (ti, k) = ids.matrix(None, "[T, k]")?;
-        let weights = Imported::new(topk_weights, "topk_weights")?;
-        let (tw, kw) = weights.matrix(None, "[T, k]")?;
-        if (ti, tw, kw) != (t, t, k) {
-            return Err(bad_input(format!(
-                "hidden has {t} tokens, topk_ids is [{ti}, {k}] and topk_weights [{tw}, {kw}]: expected [{t}, k] both"
-            )));
-        }
-        if k == 0 || k > self.num_experts {
-            return Err(bad_input(format!("top-k {k} must be in 1..={}", self.num_experts)));
-        }
-        let topk = TopK { tokens: t, k, ids: ids.ids()?, weights: weights.f32s()?.to_vec() };
-        topk.validate(self.num_experts).py_err()?;
-        moeflow::error::check_finite("hidden", x.f32s()?).py_err()?;
-        moeflow::error::check_finite("topk_weights", &topk.weights).py_err()?;
-        let rows = x.f32s()?;
-        let router = RouterConfig::Softmax { renormalize: false }.build(self.num_experts, k, None).py_err()?;
-        let (prepared, order, counts, grouped) = py
-            .detach(|| {
-                self.run(|| {
-                    let input = DispatchInput {
-                        hidden: rows,
-                        hidden_size: h,
-                        tokens: t,
-                        topk: &topk,
-                        logits: &[],
-                        router: router.as_ref(),
-                        extras: &[],
-                        weights_on_input: false,
-                        quant: moeflow::quant::QuantConfig::None,
-                    };
-                    let prepared = owned(self.strategy.prepare(input)?);
-                    let (order, counts) = self.group(&prepared);
-                    let mut grouped = Vec::with_capacity(order.len() * h);
-                    for &(r, _) in &order {
-                        grouped.extend_from_slice(&prepared.hidden[r * h..(r + 1) * h]);
-                    }
-                    Ok((prepared, order, counts, grouped))
+        let result = (|| {
+            let h = self.hidden;
+            let x = Imported::new(hidden, "hidden")?;
+            let (t, _) = x.matrix(Some(h), &format!("[T, {h}]"))?;
+            let ids = Imported::new(topk_ids, "topk_ids")?;
+            let (ti, k) = ids.matrix(None, "[T, k]")?;
+            let weights = Imported::new(topk_weights, "topk_weights")?;
+            let (tw, kw) = weights.matrix(None, "[T, k]")?;
+            if (ti, tw, kw) != (t, t, k) {
+                return Err(bad_input(format!(
+                    "hidden has {t} tokens, topk_ids is [{ti}, {k}] and topk_weights [{tw}, {kw}]: expected [{t}, k] both"
+                )));
+            }
+            if k == 0 || k > self.num_experts {
+                return Err(bad_input(format!("top-k {k} must be in 1..={}", self.num_experts)));
+            }
+            let topk = TopK { tokens: t, k, ids: ids.ids()?, weights: weights.f32s()?.to_vec() };
+            topk.validate(self.num_experts).py_err()?;
+            moeflow::error::check_finite("hidden", x.f32s()?).py_err()?;
+            moeflow::error::check_finite("topk_weights", &topk.weights).py_err()?;
+            let rows = x.f32s()?;
+            let router = RouterConfig::Softmax { renormalize: false }.build(self.num_experts, k, None).py_err()?;
+            let (prepared, order, counts, grouped) = py
+                .detach(|| {
+                    self.run(|| {
+                        let input = DispatchInput {
+                            hidden: rows,
+                            hidden_size: h,
+                            tokens: t,
+                            topk: &topk,
+                            logits: &[],
+                            router: router.as_ref(),
+                            extras: &[],
+                            weights_on_input: false,
+                            quant: moeflow::quant::QuantConfig::None,
+                        };
+                        let prepared = owned(self.strategy.prepare(input)?);
+                        let (order, counts) = self.group(&prepared);
+                        let mut grouped = Vec::with_capacity(order.len() * h);
+                        for &(r, _) in &order {
+                            grouped.extend_from_slice(&prepared.hidden[r * h..(r + 1) * h]);
+                        }
+                        Ok((prepared, order, counts, grouped))
+                    })
                 })
-            })
-            .py_err()?;
-        let n = order.len();
-        let handle = DispatchHandle { prepared: Mutex::new(Some(prepared)), order, tokens: t };
-        let counts_len = counts.len();
-        Ok((
-            handle,
-            HostBuffer::new(HostData::F32(grouped), &[n, h])?,
-            HostBuffer::new(HostData::I64(counts), &[counts_len])?,
-        ))
+                .py_err()?;
+            let n = order.len();
+            let handle = DispatchHandle { prepared: Mutex::new(Some(prepared)), order, tokens: t };
+            let counts_len = counts.len();
+            Ok((
+                handle,
+                HostBuffer::new(HostData::F32(grouped), &[n, h])?,
+                HostBuffer::new(HostData::I64(counts), &[counts_len])?,
+            ))
+        })();
+        self.fail_on_error(result, py)
     }
 
     /// Brings the experts' outputs `expert_out [N, H]` (float32, rows in the order `dispatch`
@@ -212,43 +222,46 @@ impl ExpertParallel {
     /// order: returns `[T, H]` for the tokens this rank dispatched. Collective; each handle
     /// combines once.
     fn combine(&self, py: Python<'_>, expert_out: &Bound<'_, PyAny>, handle: &DispatchHandle) -> PyResult<HostBuffer> {
-        let h = self.hidden;
-        let y = Imported::new(expert_out, "expert_out")?;
-        let n = handle.order.len();
-        y.matrix(Some(h), &format!("[{n}, {h}] (the rows dispatch handed out)")).and_then(|(rows, _)| {
-            if rows == n {
-                Ok(())
-            } else {
-                Err(bad_input(format!(
-                    "expert_out: expected shape [{n}, {h}] (the rows dispatch handed out), got [{rows}, {h}]"
-                )))
-            }
-        })?;
-        let values = y.f32s()?;
-        let prepared = handle
-            .prepared
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| bad_input("this dispatch handle was combined already"))?;
-        let t = handle.tokens;
-        let out = py
-            .detach(|| {
-                self.run(|| {
-                    let k = prepared.topk.k;
-                    // Every (row, slot) this rank did not compute holds -0.0, which the sums
-                    // at home leave exact (the combine contract, see moeflow::dispatch).
-                    let mut slots = vec![-0.0f32; prepared.topk.tokens * k * h];
-                    for (i, &(r, j)) in handle.order.iter().enumerate() {
-                        slots[(r * k + j) * h..(r * k + j + 1) * h].copy_from_slice(&values[i * h..(i + 1) * h]);
-                    }
-                    let mut out = vec![0f32; t * h];
-                    self.strategy.finalize(&prepared, &slots, &WeightedSum, &mut out)?;
-                    Ok::<_, MoeError>(out)
+        let result = (|| {
+            let h = self.hidden;
+            let y = Imported::new(expert_out, "expert_out")?;
+            let n = handle.order.len();
+            y.matrix(Some(h), &format!("[{n}, {h}] (the rows dispatch handed out)")).and_then(|(rows, _)| {
+                if rows == n {
+                    Ok(())
+                } else {
+                    Err(bad_input(format!(
+                        "expert_out: expected shape [{n}, {h}] (the rows dispatch handed out), got [{rows}, {h}]"
+                    )))
+                }
+            })?;
+            let values = y.f32s()?;
+            let prepared = handle
+                .prepared
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .take()
+                .ok_or_else(|| bad_input("this dispatch handle was combined already"))?;
+            let t = handle.tokens;
+            let out = py
+                .detach(|| {
+                    self.run(|| {
+                        let k = prepared.topk.k;
+                        // Every (row, slot) this rank did not compute holds -0.0, which the sums
+                        // at home leave exact (the combine contract, see moeflow::dispatch).
+                        let mut slots = vec![-0.0f32; prepared.topk.tokens * k * h];
+                        for (i, &(r, j)) in handle.order.iter().enumerate() {
+                            slots[(r * k + j) * h..(r * k + j + 1) * h].copy_from_slice(&values[i * h..(i + 1) * h]);
+                        }
+                        let mut out = vec![0f32; t * h];
+                        self.strategy.finalize(&prepared, &slots, &WeightedSum, &mut out)?;
+                        Ok::<_, MoeError>(out)
+                    })
                 })
-            })
-            .py_err()?;
-        HostBuffer::new(HostData::F32(out), &[t, h])
+                .py_err()?;
+            HostBuffer::new(HostData::F32(out), &[t, h])
+        })();
+        self.fail_on_error(result, py)
     }
 
     /// The logical expert ids of this rank's local experts, in the order `counts` lists them.

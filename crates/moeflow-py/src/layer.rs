@@ -236,25 +236,31 @@ impl Layer {
     /// and the result rounded back. On expert-parallel ranks every rank calls it with its own
     /// tokens (possibly none); an error on one rank fails every rank's call.
     fn forward(&self, py: Python<'_>, hidden: &Bound<'_, PyAny>) -> PyResult<HostBuffer> {
-        let x = Imported::new(hidden, "hidden")?;
-        let h = self.config.hidden;
-        let (t, _) = x.matrix(Some(h), &format!("[T, {h}]"))?;
-        let rows = x.floats()?;
-        let world = self.world.as_ref().map(|w| w.get());
-        let out = py
-            .detach(|| {
-                let run = || match &rows {
-                    crate::tensors::Floats::F32(v) => self.layer.forward_f32(v, t),
-                    other => self.layer.forward_f32(&other.to_f32(), t),
-                };
-                match world {
-                    Some(w) => w.guard(run),
-                    None => run(),
-                }
-                .map(|out| HostData::floats_like(out, &rows))
-            })
-            .py_err()?;
-        HostBuffer::new(out, &[t, h])
+        let result = (|| {
+            let x = Imported::new(hidden, "hidden")?;
+            let h = self.config.hidden;
+            let (t, _) = x.matrix(Some(h), &format!("[T, {h}]"))?;
+            let rows = x.floats()?;
+            let world = self.world.as_ref().map(|w| w.get());
+            let out = py
+                .detach(|| {
+                    let run = || match &rows {
+                        crate::tensors::Floats::F32(v) => self.layer.forward_f32(v, t),
+                        other => self.layer.forward_f32(&other.to_f32(), t),
+                    };
+                    match world {
+                        Some(w) => w.guard(run),
+                        None => run(),
+                    }
+                    .map(|out| HostData::floats_like(out, &rows))
+                })
+                .py_err()?;
+            HostBuffer::new(out, &[t, h])
+        })();
+        match &self.world {
+            Some(w) => w.get().fail_on_error(result, py),
+            None => result,
+        }
     }
 
     /// One line naming the backend, the path the library chose and why, and the layout.

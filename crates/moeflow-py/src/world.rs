@@ -71,6 +71,15 @@ impl World {
 }
 
 impl World {
+    /// Fails the job when `result` is an error (bad input refused before any communication
+    /// included), so the other ranks raise at once, naming this rank and the reason.
+    pub fn fail_on_error<T>(&self, result: PyResult<T>, py: Python<'_>) -> PyResult<T> {
+        if let Err(e) = &result {
+            self.comm.abort(&format!("rank {} failed: {}", self.comm.rank(), e.value(py)));
+        }
+        result
+    }
+
     /// Runs `f` on this rank: an error fails the whole job, so the other ranks stop waiting for
     /// this one and raise an error naming it.
     pub fn guard<T>(&self, f: impl FnOnce() -> moeflow::Result<T>) -> moeflow::Result<T> {
