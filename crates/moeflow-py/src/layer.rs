@@ -263,6 +263,25 @@ impl Layer {
         }
     }
 
+    /// Median seconds of `iterations` calls of the Rust layer's forward on `hidden` (float32),
+    /// timed in Rust with no Python in the loop: the baseline of the Python call's overhead.
+    fn rust_forward_seconds(&self, py: Python<'_>, hidden: &Bound<'_, PyAny>, iterations: usize) -> PyResult<f64> {
+        let x = Imported::new(hidden, "hidden")?;
+        let (t, _) = x.matrix(Some(self.config.hidden), "[T, H]")?;
+        let rows = x.f32s()?;
+        py.detach(|| {
+            let mut times = Vec::with_capacity(iterations.max(1));
+            for _ in 0..iterations.max(1) {
+                let start = std::time::Instant::now();
+                std::hint::black_box(self.layer.forward_f32(rows, t)?);
+                times.push(start.elapsed().as_secs_f64());
+            }
+            times.sort_by(f64::total_cmp);
+            Ok(times[times.len() / 2])
+        })
+        .py_err()
+    }
+
     /// One line naming the backend, the path the library chose and why, and the layout.
     fn describe(&self) -> String {
         self.layer.describe().to_string()
