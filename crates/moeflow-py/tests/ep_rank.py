@@ -1,6 +1,9 @@
 """One rank of the expert-parallel tests (started by test_expert_parallel_ranks.py with the
-torchrun variables set): runs the fixture's block, or dispatch/combine, on this rank's share of
-the tokens and saves the result as OUT (.npy)."""
+torchrun variables set, or by torchrun): runs the fixture's block, or dispatch/combine, on this
+rank's share of the tokens and saves the result as OUT (.npy).
+
+    python ep_rank.py MODE FIXTURE OUT [DEVICE]     # MODE: layer, dispatch or fail
+"""
 
 import sys
 
@@ -10,13 +13,15 @@ from conftest import fixture
 import moeflow
 
 mode, name, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
+device = sys.argv[4] if len(sys.argv) > 4 else "cpu"
 d, layer_index, x, _ = fixture(name)
-w = moeflow.world()
+w = moeflow.world(gpu=device.startswith("cuda"))
 half = (x.shape[0] + 1) // 2
 mine = x[:half] if w.rank == 0 else x[half:]
 
 if mode == "layer":
-    layer = moeflow.MoeLayer.from_pretrained(d, layer=layer_index, placement="round-robin", timeout=20)
+    layer = moeflow.MoeLayer.from_pretrained(d, layer=layer_index, placement="round-robin", timeout=20,
+                                             device=device)
     assert f"EP {w.size}" in layer.describe(), layer.describe()
     np.save(out_path, layer(mine))
 elif mode == "dispatch":

@@ -47,6 +47,9 @@ def test_bad_options_are_value_errors():
         moeflow.MoeLayer.from_pretrained(d, layer=layer_index, device="tpu")
     with pytest.raises(ValueError, match="unknown CUDA option 'warp_speed'"):
         moeflow.MoeLayer.from_pretrained(d, layer=layer_index, cuda={"warp_speed": "9"})
+    with pytest.raises(ValueError, match="MOEFLOW_GEMM_STREAMS"):
+        moeflow.MoeLayer.from_pretrained(d, layer=layer_index, cuda={"gemm_streams": 0})
+    assert "cpu" in moeflow.MoeLayer.from_pretrained(d, layer=layer_index, cuda={"cuda_graphs": False}).describe()
     with pytest.raises(ValueError, match="timeout"):
         moeflow.MoeLayer.from_pretrained(d, layer=layer_index, timeout=0)
     with pytest.raises(ValueError, match="weights load as f32 or bf16"):

@@ -27,6 +27,8 @@ _OPTION_DOC = """
 
 
 def _options(ep, device, options):
+    if "cuda" in options:
+        options["cuda"] = {k: str(int(v)) if isinstance(v, bool) else str(v) for k, v in options["cuda"].items()}
     timeout = options.get("timeout", 60.0)
     ep, world = resolve(ep, device, timeout)
     return _moeflow.Options(ep=ep, **options), world
