@@ -213,19 +213,42 @@ impl MoeLayer {
     pub fn forward_profiled(&self, hidden: &Tensor) -> Result<(Tensor, StageTimes)> {
         let x = self.check_hidden(hidden)?;
         let tokens = hidden.shape()[0];
+        let (out, times) = self.forward_checked(&x, tokens)?;
+        Ok((Tensor::from_f32(&[tokens, self.config.hidden], out)?, times))
+    }
+
+    /// `hidden_states [tokens, H]` f32, read in place, → `[tokens, H]` f32: [`MoeLayer::forward`]
+    /// for callers that hold the rows in memory of their own (the Python package reads the
+    /// caller's array through it without copying).
+    pub fn forward_f32(&self, hidden: &[f32], tokens: usize) -> Result<Vec<f32>> {
+        let h = self.config.hidden;
+        if tokens.checked_mul(h) != Some(hidden.len()) {
+            return Err(MoeError::shape(
+                "hidden_states",
+                format!("[{tokens}, {h}]"),
+                format!("{} values", hidden.len()),
+            ));
+        }
+        self.config.check_batch(tokens)?;
+        check_finite("hidden_states", hidden)?;
+        Ok(self.forward_checked(hidden, tokens)?.0)
+    }
+
+    /// The forward of checked rows `x [tokens, H]`, with its stage times.
+    fn forward_checked(&self, x: &[f32], tokens: usize) -> Result<(Vec<f32>, StageTimes)> {
         let mut times = StageTimes::default();
         let t0 = Instant::now();
         let (topk, logits) = if self.strategy.routes_after_dispatch() {
-            let logits = self.logits(&x, tokens);
+            let logits = self.logits(x, tokens);
             crate::error::check_finite("router logits", &logits)?;
             (TopK { tokens, k: self.config.top_k, ids: vec![], weights: vec![] }, logits)
         } else {
-            (self.route_f32(&x, tokens)?, Vec::new())
+            (self.route_f32(x, tokens)?, Vec::new())
         };
         times.route = t0.elapsed().as_secs_f64();
-        let out = self.forward_batches(&x, tokens, &topk, &logits, &mut times)?;
+        let out = self.forward_batches(x, tokens, &topk, &logits, &mut times)?;
         self.check_output(&out)?;
-        Ok((Tensor::from_f32(&[tokens, self.config.hidden], out)?, times))
+        Ok((out, times))
     }
 
     /// The routing this layer gives `hidden_states [T, H]`.

@@ -96,6 +96,8 @@ impl<'a> RankLayerSpec<'a> {
 pub struct RankLayer {
     inner: Inner,
     description: String,
+    /// The layer's hidden size H.
+    hidden: usize,
 }
 
 enum Inner {
@@ -156,6 +158,27 @@ impl RankLayer {
     /// every rank calls it, with its own batch, possibly empty).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         self.inner.forward(hidden)
+    }
+
+    /// `hidden [tokens, H]` f32 → `[tokens, H]` f32, as [`RankLayer::forward`]; a CPU layer
+    /// reads the rows in place (no copy of the caller's memory), a GPU layer copies them to the
+    /// device as `forward` does.
+    pub fn forward_f32(&self, hidden: &[f32], tokens: usize) -> Result<Vec<f32>> {
+        match &self.inner {
+            Inner::Host(l) => l.forward_f32(hidden, tokens),
+            inner => {
+                if tokens.checked_mul(self.hidden) != Some(hidden.len()) {
+                    let want = format!("[{tokens}, {}]", self.hidden);
+                    return Err(MoeError::shape("hidden_states", want, format!("{} values", hidden.len())));
+                }
+                Ok(inner.forward(&Tensor::from_f32(&[tokens, self.hidden], hidden.to_vec())?)?.to_f32_vec())
+            }
+        }
+    }
+
+    /// The layer's hidden size H.
+    pub fn hidden(&self) -> usize {
+        self.hidden
     }
 
     /// One line naming the backend, the path and why, the strategy, layout and options.
@@ -246,7 +269,7 @@ impl ParallelConfig {
                 } else {
                     Inner::Device(Box::new(layer))
                 };
-                Ok(RankLayer { inner, description: what })
+                Ok(RankLayer { inner, description: what, hidden: config.hidden })
             }
             GpuPath::HostStaged(why) => {
                 let what = format!(
@@ -285,7 +308,7 @@ impl ParallelConfig {
                 one.into_iter().next().expect("one rank")?
             }
         };
-        Ok(RankLayer { inner: Inner::Host(Box::new(layer)), description })
+        Ok(RankLayer { inner: Inner::Host(Box::new(layer)), description, hidden: spec.config.hidden })
     }
 
     /// The device-resident layer of this layout on `world`'s GPU (NCCL ranks only).
@@ -336,7 +359,7 @@ impl ParallelConfig {
             self.layout(),
             spec.cuda.describe()
         );
-        Ok(RankLayer { inner, description })
+        Ok(RankLayer { inner, description, hidden: spec.config.hidden })
     }
 
     /// The table `--strategy auto` follows: the layout's, or the built-in one for its EP size.
@@ -433,6 +456,13 @@ mod tests {
         assert!(one.describe().starts_with("cpu: modular layer, local, EP 1"), "{}", one.describe());
         assert!(one.device_layer().is_none() && !one.tp_sliced());
         let want = one.forward(&x).unwrap().to_f32_vec();
+        assert_eq!(one.hidden(), 32);
+        let rows = one.forward_f32(x.as_f32().unwrap(), 5).unwrap();
+        assert!(rows.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()));
+        let e = one.forward_f32(&x.as_f32().unwrap()[..40], 5).unwrap_err().to_string();
+        assert!(e.contains("[5, 32]") && e.contains("40 values"), "{e}");
+        let e = one.forward_f32(&[f32::NAN; 32], 1).unwrap_err().to_string();
+        assert!(e.contains("non-finite") && e.contains("hidden_states"), "{e}");
         let par = ParallelConfig {
             placement: PlacementKind::RoundRobin,
             ..ParallelConfig::new(2, 1, StrategyKind::All2AllV)
