@@ -9,9 +9,9 @@ use crate::placement::ExpertPlacement;
 /// destination, -1 for slots served elsewhere), where each token's row to each rank went, and
 /// the slots per physical expert.
 pub struct HostRoute {
-    /// Per destination rank, its tokens in order.
-    pub lists: Vec<Vec<usize>>,
-    /// The tokens of every sent row, destination after destination.
+    /// Tokens sent to each destination rank.
+    pub counts: Vec<usize>,
+    /// The tokens of every sent row, destination after destination, each in token order.
     pub send_idx: Vec<i32>,
     /// `[sent, k]`: the ids of every sent row, local to its destination.
     pub send_ids: Vec<i32>,
@@ -21,56 +21,83 @@ pub struct HostRoute {
     pub phys_counts: Vec<i32>,
 }
 
-impl HostRoute {
-    /// The route of `t` tokens whose logical expert ids `[t, k]` are `ids`.
-    pub fn new(placement: &ExpertPlacement, ids: &[i32], k: usize, t: usize) -> Self {
-        let n = placement.ranks();
-        // Experts with one replica (the common case) resolve through one lookup.
-        let single: Vec<Option<(usize, i32, usize)>> = (0..placement.num_experts())
+/// Where each logical expert with a single replica is served: (rank, local slot, physical
+/// id); `None` for experts with several replicas, whose replica depends on the token. Built
+/// once per placement.
+pub struct RouteTable {
+    single: Vec<Option<(u32, i32, u32)>>,
+}
+
+impl RouteTable {
+    /// The table of `placement`.
+    pub fn new(placement: &ExpertPlacement) -> Self {
+        let single = (0..placement.num_experts())
             .map(|e| match placement.replicas_of(e) {
                 &[p] => {
                     let (r, s) = placement.physical_slot(p);
-                    Some((r, s as i32, p))
+                    Some((r as u32, s as i32, p as u32))
                 }
                 _ => None,
             })
             .collect();
-        let mut lists: Vec<Vec<usize>> = (0..n).map(|_| Vec::with_capacity(t)).collect();
-        let mut row_ids: Vec<Vec<i32>> = (0..n).map(|_| Vec::with_capacity(t * k)).collect();
+        RouteTable { single }
+    }
+}
+
+impl HostRoute {
+    /// The route of `t` tokens whose logical expert ids `[t, k]` are `ids`, with `table` built
+    /// from `placement`. Two passes: each slot's destination and the tokens per destination,
+    /// then every row written at its place.
+    pub fn new(placement: &ExpertPlacement, table: &RouteTable, ids: &[i32], k: usize, t: usize) -> Self {
+        let n = placement.ranks();
         let mut phys_counts = vec![0i32; placement.num_physical()];
-        // This token's ids for each destination, and the destinations it touched.
-        let mut here = vec![-1i32; n * k];
-        let mut touched: Vec<usize> = Vec::with_capacity(k);
+        // Each slot's (destination, local slot), and the tokens per destination.
+        let mut dest = vec![(0u32, 0i32); t * k];
+        let mut counts = vec![0usize; n];
+        let mut seen = vec![usize::MAX; n];
         for (tok, row) in ids.chunks_exact(k).enumerate().take(t) {
             for (j, &id) in row.iter().enumerate() {
-                let (d, slot, p) = single[id as usize].unwrap_or_else(|| {
+                let (d, slot, p) = table.single[id as usize].unwrap_or_else(|| {
                     let p = placement.replica_for(id as usize, tok, j);
                     let (r, s) = placement.physical_slot(p);
-                    (r, s as i32, p)
+                    (r as u32, s as i32, p as u32)
                 });
-                phys_counts[p] += 1;
-                if !touched.contains(&d) {
-                    touched.push(d);
+                phys_counts[p as usize] += 1;
+                dest[tok * k + j] = (d, slot);
+                if seen[d as usize] != tok {
+                    seen[d as usize] = tok;
+                    counts[d as usize] += 1;
                 }
-                here[d * k + j] = slot;
-            }
-            touched.sort_unstable();
-            for &d in &touched {
-                lists[d].push(tok);
-                row_ids[d].extend_from_slice(&here[d * k..(d + 1) * k]);
-                here[d * k..(d + 1) * k].fill(-1);
-            }
-            touched.clear();
-        }
-        let sent: usize = lists.iter().map(Vec::len).sum();
-        let (mut send_idx, mut home_rows) = (Vec::with_capacity(sent), vec![-1i32; t * n]);
-        for (d, list) in lists.iter().enumerate() {
-            for &tok in list {
-                home_rows[tok * n + d] = send_idx.len() as i32;
-                send_idx.push(tok as i32);
             }
         }
-        HostRoute { lists, send_idx, send_ids: row_ids.concat(), home_rows, phys_counts }
+        let mut next: Vec<usize> = counts
+            .iter()
+            .scan(0, |acc, &c| {
+                let first = *acc;
+                *acc += c;
+                Some(first)
+            })
+            .collect();
+        let sent: usize = counts.iter().sum();
+        let (mut send_idx, mut send_ids, mut home_rows) = (vec![0i32; sent], vec![-1i32; sent * k], vec![-1i32; t * n]);
+        for tok in 0..t {
+            for j in 0..k {
+                let (d, slot) = dest[tok * k + j];
+                let d = d as usize;
+                let row = match home_rows[tok * n + d] {
+                    -1 => {
+                        let row = next[d];
+                        next[d] += 1;
+                        home_rows[tok * n + d] = row as i32;
+                        send_idx[row] = tok as i32;
+                        row
+                    }
+                    row => row as usize,
+                };
+                send_ids[row * k + j] = slot;
+            }
+        }
+        HostRoute { counts, send_idx, send_ids, home_rows, phys_counts }
     }
 
     /// `[t, k]`: where each `(token, slot)`'s expert row lands when every destination returns
@@ -102,7 +129,7 @@ mod tests {
         let p = ExpertPlacement::round_robin(5, 3).unwrap().with_replicas(&[1, 4]).unwrap();
         let (t, k) = (7, 3);
         let ids: Vec<i32> = (0..t * k).map(|i| ((i * 7 + i / k) % 5) as i32).collect();
-        let r = HostRoute::new(&p, &ids, k, t);
+        let r = HostRoute::new(&p, &RouteTable::new(&p), &ids, k, t);
         let mut served = vec![0; t * k];
         for (row, &tok) in r.send_idx.iter().enumerate() {
             let d = (0..3).find(|&d| r.home_rows[tok as usize * 3 + d] == row as i32).unwrap();
@@ -123,9 +150,15 @@ mod tests {
         rows.sort_unstable();
         assert_eq!(rows, (0..(t * k) as i32).collect::<Vec<_>>());
         assert_eq!(r.phys_counts.iter().sum::<i32>() as usize, t * k);
-        assert_eq!(r.lists.iter().map(Vec::len).sum::<usize>(), r.send_idx.len());
+        assert_eq!(r.counts.iter().sum::<usize>(), r.send_idx.len());
+        // Rows go destination after destination, each in token order.
+        let dests: Vec<usize> = (0..r.send_idx.len())
+            .map(|row| (0..3).find(|&d| r.home_rows[r.send_idx[row] as usize * 3 + d] == row as i32).unwrap())
+            .collect();
+        assert!(dests.windows(2).all(|w| w[0] <= w[1]), "{dests:?}");
+        assert!((1..r.send_idx.len()).all(|i| dests[i] != dests[i - 1] || r.send_idx[i] > r.send_idx[i - 1]));
         // No tokens: nothing sent.
-        let empty = HostRoute::new(&p, &[], k, 0);
+        let empty = HostRoute::new(&p, &RouteTable::new(&p), &[], k, 0);
         assert!(empty.send_idx.is_empty() && empty.home_rows.is_empty());
     }
 }

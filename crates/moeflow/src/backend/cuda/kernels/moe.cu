@@ -842,6 +842,50 @@ __global__ void router_partials_fixed(const float* x, const float* gate, int T, 
     }
 }
 
+// router_partials_fixed for large batches: 128 × 128 tiles, each thread 8 × 8 outputs (rows
+// ty·4.. and 64 + ty·4.., columns tx·4.. and 64 + tx·4..), read from shared memory as float4.
+// Every output is the same chain of fmaf over its block's columns in column order as in
+// router_partials_fixed, so the partials are bit for bit the same; only the tiling differs.
+__global__ void router_partials_fixed_wide(const float* x, const float* gate, int T, int E, int H, float* partial) {
+    __shared__ __align__(16) float xs[16][128];
+    __shared__ __align__(16) float gs[16][128];
+    int t0 = blockIdx.x * 128, e0 = blockIdx.y * 128;
+    int k_lo = blockIdx.z * ROUTER_FIXED_COLS, k_hi = min(H, k_lo + ROUTER_FIXED_COLS);
+    int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    float acc[8][8];
+    for (int i = 0; i < 8; i++)
+        for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
+    for (int k0 = k_lo; k0 < k_hi; k0 += 16) {
+        for (int q = threadIdx.x; q < 128 * 16; q += blockDim.x) {
+            int r = q / 16, kk = q % 16, k = k0 + kk;
+            int t = t0 + r, e = e0 + r;
+            xs[kk][r] = (t < T && k < k_hi) ? x[(long)t * H + k] : 0.0f;
+            gs[kk][r] = (e < E && k < k_hi) ? gate[(long)e * H + k] : 0.0f;
+        }
+        __syncthreads();
+        int depth = min(16, k_hi - k0);
+        for (int kk = 0; kk < depth; kk++) {
+            float4 a0 = *reinterpret_cast<const float4*>(&xs[kk][ty * 4]);
+            float4 a1 = *reinterpret_cast<const float4*>(&xs[kk][64 + ty * 4]);
+            float4 b0 = *reinterpret_cast<const float4*>(&gs[kk][tx * 4]);
+            float4 b1 = *reinterpret_cast<const float4*>(&gs[kk][64 + tx * 4]);
+            float a[8] = {a0.x, a0.y, a0.z, a0.w, a1.x, a1.y, a1.z, a1.w};
+            float b[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
+            for (int i = 0; i < 8; i++)
+                for (int j = 0; j < 8; j++) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+        }
+        __syncthreads();
+    }
+    float* out = partial + (long)blockIdx.z * T * E;
+    for (int i = 0; i < 8; i++) {
+        int t = t0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + i - 4);
+        for (int j = 0; j < 8; j++) {
+            int e = e0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
+            if (t < T && e < E) out[(long)t * E + e] = acc[i][j];
+        }
+    }
+}
+
 // Then logits[t, e] = the sum of the `blocks` partials in block order.
 __global__ void router_sum_fixed(const float* partial, int T, int E, int blocks, float* logits) {
     long n = (long)T * E;

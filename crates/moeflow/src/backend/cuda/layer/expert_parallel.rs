@@ -9,6 +9,7 @@ use super::hopper_gemm::Gather;
 use super::permute::Grouping;
 use super::placement::PlacementTables;
 use super::{dptr, err, grid, rows, Buffers, CudaMoeLayer};
+use crate::backend::host_route::RouteTable;
 use crate::config::MoeConfig;
 use crate::error::{MoeError, Result};
 use crate::placement::ExpertPlacement;
@@ -64,6 +65,8 @@ pub(super) struct EpLink {
     pub(super) phys_first: usize,
     /// The placement's tables on the device (uploaded when the layer is assembled).
     pub(super) tables: Option<PlacementTables>,
+    /// Where each expert with one replica is served, for the host's dispatch plan.
+    pub(super) route_table: RouteTable,
     pub(super) capacity: Option<usize>,
 }
 
@@ -104,7 +107,8 @@ impl CudaMoeLayer {
         }
         let phys_first = (0..rank).map(|r| placement.local_experts(r).len()).sum();
         let local = placement.local_experts(rank).len();
-        Ok(EpLink { placement, local, phys_first, tables: None, comm, capacity: None })
+        let route_table = RouteTable::new(&placement);
+        Ok(EpLink { placement, local, phys_first, tables: None, route_table, comm, capacity: None })
     }
 
     /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.

@@ -123,16 +123,20 @@ impl CudaMoeLayer {
         let partial = b.router_fixed.as_ref().expect("allocated for deterministic layers");
         let (xp, gp, lp, pp) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.logits, g), dptr(partial, g));
         let (ti, ei, hi, bi) = (t as i32, e as i32, h as i32, blocks as i32);
+        // Large batches take 128 × 128 tiles (the same sums in the same order, bit for bit;
+        // docs/tuning.md), small ones 64 × 64.
+        let (kernel, tile) =
+            if t >= 256 && e >= 128 { (&self.k.router_partials_wide, 128) } else { (&self.k.router_partials, 64) };
         let cfg = LaunchConfig {
-            grid_dim: (t.div_ceil(64) as u32, e.div_ceil(64) as u32, blocks as u32),
+            grid_dim: (t.div_ceil(tile) as u32, e.div_ceil(tile) as u32, blocks as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        // SAFETY: router_partials_fixed(float*, float*, int, int, int, float*) reads t · H and
+        // SAFETY: router_partials_fixed(_wide)(float*, float*, int, int, int, float*) reads t · H and
         // E · H floats and writes blocks · t · E partials, which `partial` holds;
         // router_sum_fixed(float*, int, int, int, float*) reads them and writes t · E logits.
         unsafe {
-            s.launch_builder(&self.k.router_partials)
+            s.launch_builder(kernel)
                 .arg(&xp)
                 .arg(&gp)
                 .arg(&ti)

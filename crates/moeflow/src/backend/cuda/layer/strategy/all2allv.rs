@@ -43,8 +43,8 @@ impl DevicePrepareFinalize for All2AllV {
         // destination) with its ids local to that rank (-1 for slots served elsewhere), and the
         // slots per physical expert: the one host read of the routing.
         let (ids, _) = l.read_routing(b, t)?;
-        let route = HostRoute::new(&link.placement, &ids, k, t);
-        let (send_tok, sent) = (route.lists.iter().map(Vec::len).collect::<Vec<_>>(), route.send_idx.len());
+        let route = HostRoute::new(&link.placement, &link.route_table, &ids, k, t);
+        let (send_tok, sent) = (route.counts.clone(), route.send_idx.len());
         // Every rank's slot counts per physical expert and token counts per destination.
         let np = link.placement.num_physical();
         let m = np + n;
