@@ -263,6 +263,27 @@ impl Layer {
         }
     }
 
+    /// `out [tokens, H]` = the layer on `x [tokens, H]`: float32 device addresses on this
+    /// layer's GPU (contiguous, the caller checks), ordered on the caller's raw CUDA `stream`
+    /// (PyTorch's current stream): no copy through host memory (see
+    /// `moeflow::RankLayer::forward_device`).
+    fn forward_device(&self, py: Python<'_>, x: u64, out: u64, tokens: usize, stream: u64) -> PyResult<()> {
+        let world = self.world.as_ref().map(|w| w.get());
+        let result = py
+            .detach(|| {
+                let run = || self.layer.forward_device(x, out, tokens, stream);
+                match world {
+                    Some(w) => w.guard(run),
+                    None => run(),
+                }
+            })
+            .py_err();
+        match &self.world {
+            Some(w) => w.get().fail_on_error(result, py),
+            None => result,
+        }
+    }
+
     /// Median seconds of `iterations` calls of the Rust layer's forward on `hidden` (float32),
     /// timed in Rust with no Python in the loop: the baseline of the Python call's overhead.
     fn rust_forward_seconds(&self, py: Python<'_>, hidden: &Bound<'_, PyAny>, iterations: usize) -> PyResult<f64> {

@@ -35,3 +35,26 @@ def test_cuda_tensors_in_and_out_match_moeflow_run(tmp_path):
     run = moeflow_run(tmp_path, d, layer_index, x, "--backend", "cuda")
     assert np.array_equal(got.view(np.uint32), run.view(np.uint32))
     assert np.array_equal(layer(x).view(np.uint32), run.view(np.uint32))
+
+
+def test_cuda_tensors_stay_on_the_device_and_follow_the_current_stream():
+    torch = require_gpu()
+    d, layer_index, x, want = fixture("qwen3_moe")
+    layer = moeflow.MoeLayer.from_pretrained(d, layer=layer_index, device="cuda:0")
+    host = layer(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        # Work queued on the stream before the call: the layer must see its result.
+        xt = torch.zeros(x.shape, dtype=torch.float32, device="cuda:0")
+        xt.copy_(torch.from_numpy(x).to("cuda:0", non_blocking=True))
+        out = layer(xt)
+        doubled = out * 2
+    stream.synchronize()
+    assert np.array_equal(out.cpu().numpy().view(np.uint32), host.view(np.uint32))
+    assert torch.equal(doubled, out * 2)
+    half = layer(torch.from_numpy(x).to("cuda:0", dtype=torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and half.shape == out.shape
+    with pytest.raises(ValueError, match="not contiguous"):
+        layer(torch.from_numpy(x).to("cuda:0").t().contiguous().t())
+    with pytest.raises(ValueError, match="hidden_states"):
+        layer(torch.zeros((3, layer.hidden_size + 1), device="cuda:0"))

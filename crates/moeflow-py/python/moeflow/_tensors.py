@@ -11,9 +11,8 @@ def host_input(x, device):
     """``x`` as the Rust half reads it (host memory, read in place), and a function that turns
     the result's buffer into the caller's kind of tensor on the caller's device.
 
-    torch tensors that require grad are detached (moeflow computes no gradients). A CUDA torch
-    tensor given to a CUDA layer is copied to the host on the current stream and the result
-    copied back (see the README); given to a CPU layer it is refused.
+    torch tensors that require grad are detached (moeflow computes no gradients). CUDA torch
+    tensors go through :func:`cuda_forward` instead; given to a CPU layer they are refused.
     """
     torch = _torch()
     if torch is not None and isinstance(x, torch.Tensor):
@@ -26,6 +25,31 @@ def host_input(x, device):
             return x.cpu(), lambda buf: torch.from_dlpack(buf).to(target)
         raise ValueError(f"hidden is on {x.device}, but this layer runs on {device}")
     return x, result_like(x)
+
+
+def cuda_forward(layer, x):
+    """The layer on a CUDA torch tensor ``x`` on the layer's own GPU, in device memory on
+    torch's current stream, without a copy through the host (float32 rows are read where they
+    are; other dtypes are converted on the device and the result converted back); ``None``
+    for any other input, which goes through :func:`host_input`."""
+    torch = _torch()
+    if torch is None or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
+        return None
+    if not layer.device.startswith("cuda"):
+        raise ValueError(f"hidden is on {x.device}, but this layer runs on {layer.device}")
+    if f"cuda:{x.device.index}" != layer.device:
+        raise ValueError(f"hidden is on {x.device}, but this layer runs on {layer.device}")
+    if x.dim() != 2 or x.shape[1] != layer.hidden:
+        raise ValueError(f"hidden_states: expected shape [T, {layer.hidden}], got {list(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError("hidden is not contiguous (call .contiguous() first)")
+    rows = x.detach()
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    out = torch.empty_like(rows)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    layer.forward_device(rows.data_ptr(), out.data_ptr(), rows.shape[0], stream)
+    return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
 def result_like(x):

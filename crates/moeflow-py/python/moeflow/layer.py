@@ -3,7 +3,7 @@
 import json
 
 from . import _moeflow
-from ._tensors import host_input, shape, weight
+from ._tensors import cuda_forward, host_input, shape, weight
 from .distributed import resolve
 
 _OPTION_DOC = """
@@ -114,6 +114,9 @@ class MoeLayer:
 
     def forward(self, hidden):
         """``hidden [T, H]`` → ``[T, H]``: see the class."""
+        out = cuda_forward(self._layer, hidden)
+        if out is not None:
+            return out
         x, result = host_input(hidden, self._layer.device)
         return result(self._layer.forward(x))
 

@@ -214,6 +214,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn forward_device(&self, _x: u64, _out: u64, _t: usize, _stream: u64) -> Result<()> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn auto(self, _table: crate::auto_strategy::AutoStrategy) -> Result<Self> {
             Err(missing())
         }

@@ -44,6 +44,17 @@ pub(crate) fn check_output(gpu: &Gpu, out: &CudaView<'_, f32>, hidden: usize) ->
     Err(MoeError::NonFiniteOutput { count, token: first / hidden, column: first % hidden, value: value[0] })
 }
 
+/// Checks an input already on the device, `x [T, hidden]`: the error [`crate::error::check_finite`]
+/// gives for host input, naming the first NaN or infinite value.
+pub(crate) fn check_input_on_device(gpu: &Gpu, x: &CudaView<'_, f32>, what: &str) -> Result<()> {
+    let Some((_count, first)) = count_nonfinite(gpu, x)? else {
+        return Ok(());
+    };
+    let mut value = [0f32];
+    gpu.stream.memcpy_dtoh(&x.slice(first..first + 1), &mut value).map_err(|e| err("reading a value", e))?;
+    Err(MoeError::NonFinite { what: what.to_string(), index: first, value: value[0] })
+}
+
 /// Refuses `bytes` for `what` on `gpu` when they exceed its free memory, before allocating.
 pub(crate) fn ensure_device_memory(gpu: &Gpu, what: &str, bytes: u128) -> Result<()> {
     if bytes > isize::MAX as u128 {

@@ -522,6 +522,58 @@ impl CudaMoeLayer {
         Tensor::from_f32(&[t, self.config.hidden], out)
     }
 
+    /// `out [t, H]` = the layer on `x [t, H]`, both f32 in this layer's GPU memory (device
+    /// addresses), ordered on the caller's `stream` (a raw `CUstream`, such as PyTorch's current
+    /// stream; 0 for the default stream): the layer starts after the work already enqueued
+    /// there, and work enqueued there afterwards starts after the output is written. Nothing
+    /// goes through host memory; the host returns once the layer's own run has completed, as
+    /// [`CudaMoeLayer::forward`] does.
+    pub fn forward_device(&self, x: u64, out: u64, t: usize, stream: u64) -> Result<()> {
+        let h = self.config.hidden;
+        let capacity = self.capacity();
+        self.check_capacity(t)?;
+        let g = &self.gpu;
+        g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        let s = &g.stream;
+        let caller = stream as drv::CUstream;
+        let ready = g.ctx.new_event(None).map_err(|e| err("event", e))?;
+        // SAFETY: records an event of this context on the caller's stream (same device).
+        let r = unsafe { drv::cuEventRecord(ready.cu_event(), caller) };
+        if r != drv::cudaError_enum::CUDA_SUCCESS {
+            return Err(err("waiting for the caller's stream", r));
+        }
+        s.wait(&ready).map_err(|e| err("waiting for the caller's stream", e))?;
+        let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let b = self.buffers(&mut guard, capacity.unwrap_or(t))?;
+        let bytes = t * h * std::mem::size_of::<f32>();
+        if bytes > 0 {
+            // SAFETY: `x` holds t · H floats (the caller's promise); `b.x` holds at least as many.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(dptr(&b.x, g), x, bytes, s.cu_stream()) }
+                .map_err(|e| err("copy in", e))?;
+            super::finite::check_input_on_device(g, &b.x.slice(0..t * h), "hidden_states")?;
+        }
+        match capacity {
+            Some(_) => self.ll_run(b, t, false)?,
+            None if self.takes_graph(t) => self.graph_run(b, t, false)?,
+            None => self.run_marks(b, t, false, &no_hook)?.0,
+        };
+        if !self.allow_nonfinite {
+            super::finite::check_output(g, &b.out.slice(0..t * h), h)?;
+        }
+        if bytes > 0 {
+            // SAFETY: `out` holds t · H floats (the caller's promise); the layer wrote as many.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(out, dptr(&b.out, g), bytes, s.cu_stream()) }
+                .map_err(|e| err("copy out", e))?;
+        }
+        let done = s.record_event(None).map_err(|e| err("event", e))?;
+        // SAFETY: the caller's stream waits for an event of this context (same device).
+        let r = unsafe { drv::cuStreamWaitEvent(caller, done.cu_event(), 0) };
+        if r != drv::cudaError_enum::CUDA_SUCCESS {
+            return Err(err("ordering the caller's stream", r));
+        }
+        Ok(())
+    }
+
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
     /// per-stage event times (for benchmarks). A low-latency layer, and a small batch on one
     /// GPU (see the `graph` module), replays its graph and times only the whole;
