@@ -842,25 +842,30 @@ __global__ void router_partials_fixed(const float* x, const float* gate, int T, 
     }
 }
 
-// router_partials_fixed for large batches: 128 × 128 tiles, each thread 8 × 8 outputs (rows
-// ty·4.. and 64 + ty·4.., columns tx·4.. and 64 + tx·4..), read from shared memory as float4.
-// Every output is the same chain of fmaf over its block's columns in column order as in
-// router_partials_fixed, so the partials are bit for bit the same; only the tiling differs.
+// router_partials_fixed for large batches, H a multiple of 4: 128 × 128 tiles, each thread
+// 8 × 8 outputs (rows ty·4.. and 64 + ty·4.., columns tx·4.. and 64 + tx·4..), tiles loaded
+// four columns at a time and read from shared memory as float4 (rows padded to 132 floats so
+// the transposing stores spread over the banks). Every output is the same chain of fmaf over
+// its block's columns in column order as in router_partials_fixed, so the partials are bit for
+// bit the same; only the tiling differs.
 __global__ void router_partials_fixed_wide(const float* x, const float* gate, int T, int E, int H, float* partial) {
-    __shared__ __align__(16) float xs[16][128];
-    __shared__ __align__(16) float gs[16][128];
+    __shared__ __align__(16) float xs[16][132];
+    __shared__ __align__(16) float gs[16][132];
     int t0 = blockIdx.x * 128, e0 = blockIdx.y * 128;
     int k_lo = blockIdx.z * ROUTER_FIXED_COLS, k_hi = min(H, k_lo + ROUTER_FIXED_COLS);
     int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     float acc[8][8];
     for (int i = 0; i < 8; i++)
         for (int j = 0; j < 8; j++) acc[i][j] = 0.0f;
+    const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     for (int k0 = k_lo; k0 < k_hi; k0 += 16) {
-        for (int q = threadIdx.x; q < 128 * 16; q += blockDim.x) {
-            int r = q / 16, kk = q % 16, k = k0 + kk;
+        for (int q = threadIdx.x; q < 128 * 4; q += blockDim.x) {
+            int r = q / 4, k4 = (q % 4) * 4, k = k0 + k4;
             int t = t0 + r, e = e0 + r;
-            xs[kk][r] = (t < T && k < k_hi) ? x[(long)t * H + k] : 0.0f;
-            gs[kk][r] = (e < E && k < k_hi) ? gate[(long)e * H + k] : 0.0f;
+            float4 xv = (t < T && k < k_hi) ? *reinterpret_cast<const float4*>(&x[(long)t * H + k]) : zero;
+            float4 gv = (e < E && k < k_hi) ? *reinterpret_cast<const float4*>(&gate[(long)e * H + k]) : zero;
+            xs[k4][r] = xv.x; xs[k4 + 1][r] = xv.y; xs[k4 + 2][r] = xv.z; xs[k4 + 3][r] = xv.w;
+            gs[k4][r] = gv.x; gs[k4 + 1][r] = gv.y; gs[k4 + 2][r] = gv.z; gs[k4 + 3][r] = gv.w;
         }
         __syncthreads();
         int depth = min(16, k_hi - k0);

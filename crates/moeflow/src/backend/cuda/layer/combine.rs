@@ -34,10 +34,7 @@ impl CudaMoeLayer {
         let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ys, xp, gp) = match &self.w.shared {
             Some(sh) => {
-                // Deterministic mode ran the shared expert on this stream.
-                if !self.opts.deterministic {
-                    self.side.join(s, [self.side.shared()])?;
-                }
+                self.side.join(s, [self.side.shared()])?;
                 (dptr(&b.sy, g), dptr(&b.x, g), opt(&sh.gate))
             }
             None => (0, 0, 0),

@@ -27,16 +27,18 @@ impl CudaMoeLayer {
         gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
     }
 
-    /// Deterministic mode's shared expert, on the layer's stream (the Hopper GEMM's tile
-    /// counter serves one stream): the up projection with the activation in its epilogue and
-    /// the down projection, each a one-expert Hopper GEMM, whose sums do not depend on the
-    /// batch.
+    /// Deterministic mode's shared expert, on side stream 0 beside the routed experts: the up
+    /// projection with the activation in its epilogue and the down projection, each a
+    /// one-expert Hopper GEMM (its own instance, whose tile counter no other stream shares),
+    /// whose sums do not depend on the batch.
     fn shared_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
         let Some(sh) = &self.w.shared else { return Ok(()) };
-        let hopper = self.k.hopper.as_ref().expect("deterministic layers have the Hopper GEMM");
+        let hopper = self.k.hopper_shared.as_ref().expect("deterministic layers have the Hopper GEMM");
         let (h, si) = (self.config.hidden, sh.inter);
         let g = &self.gpu;
-        let s = &g.stream;
+        let side = self.side.shared();
+        self.side.fork(&g.stream, [side])?;
+        let s = &side.stream;
         let rows = dptr(&b.shared_rows, g);
         // SAFETY: sets the two ints of `shared_rows` (t rows from offset 0), on the stream.
         unsafe {

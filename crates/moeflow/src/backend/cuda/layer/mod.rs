@@ -87,6 +87,9 @@ struct Kernels {
     quantize_bf16: CudaFunction,
     /// The wgmma grouped GEMM, on Hopper GPUs.
     hopper: Option<hopper_gemm::HopperGemm>,
+    /// Deterministic mode: a second instance (its own tile counter) for the shared expert, which
+    /// runs on a side stream beside the routed experts' GEMMs.
+    hopper_shared: Option<hopper_gemm::HopperGemm>,
 }
 
 struct SharedMlp {
@@ -236,6 +239,10 @@ impl CudaMoeLayer {
             quantize_fp8: f("quantize_weight_blocks_fp8")?,
             quantize_bf16: f("quantize_rows_bf16")?,
             hopper: hopper_gemm::HopperGemm::load(&gpu, opts)?,
+            hopper_shared: match opts.deterministic {
+                true => hopper_gemm::HopperGemm::load(&gpu, opts)?,
+                false => None,
+            },
         };
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;

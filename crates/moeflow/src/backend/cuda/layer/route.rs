@@ -125,8 +125,11 @@ impl CudaMoeLayer {
         let (ti, ei, hi, bi) = (t as i32, e as i32, h as i32, blocks as i32);
         // Large batches take 128 × 128 tiles (the same sums in the same order, bit for bit;
         // docs/tuning.md), small ones 64 × 64.
-        let (kernel, tile) =
-            if t >= 256 && e >= 128 { (&self.k.router_partials_wide, 128) } else { (&self.k.router_partials, 64) };
+        let (kernel, tile) = if t >= 256 && e >= 128 && h.is_multiple_of(4) {
+            (&self.k.router_partials_wide, 128)
+        } else {
+            (&self.k.router_partials, 64)
+        };
         let cfg = LaunchConfig {
             grid_dim: (t.div_ceil(tile) as u32, e.div_ceil(tile) as u32, blocks as u32),
             block_dim: (256, 1, 1),
