@@ -126,6 +126,9 @@ pub struct NcclComm {
     activity: Arc<Activity>,
 }
 
+/// How long a failing process rank waits for the liveness channel to name a lost peer.
+const PEER_NEWS: Duration = Duration::from_millis(500);
+
 fn nccl_name(r: nc::ncclResult_t) -> String {
     // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any result code.
     let s = unsafe { std::ffi::CStr::from_ptr(nc::ncclGetErrorString(r)) };
@@ -273,8 +276,14 @@ impl NcclComm {
         MoeError::Comm { rank: self.rank, op: op.into(), message }
     }
 
-    /// Aborts the communicator after `reason` and tells the peers.
+    /// Aborts the communicator after `reason` and tells the peers. A peer's death often
+    /// reaches NCCL (as a system error) before the liveness channel reports it: a process
+    /// rank waits up to [`PEER_NEWS`] for the channel to name the lost peer in the error.
     fn fail(&self, st: &mut State, op: &str, reason: String) -> MoeError {
+        let reason = match self.peer_failure_soon() {
+            Some(peer) => format!("{reason}; group failed: {peer}"),
+            None => reason,
+        };
         let first = format!("rank {} in {op}: {reason}", self.rank);
         self.failure.set(&first);
         if let Some(r) = &self.rendezvous {
@@ -282,6 +291,22 @@ impl NcclComm {
         }
         Self::abort_raw(self.device, st);
         self.error(op, reason)
+    }
+
+    /// The job's failure as the liveness channel reports it within [`PEER_NEWS`] (process
+    /// ranks only; `None` when none comes).
+    fn peer_failure_soon(&self) -> Option<String> {
+        self.rendezvous.as_ref()?;
+        let until = Instant::now() + PEER_NEWS;
+        loop {
+            if let Some(reason) = self.failure.get() {
+                return Some(reason);
+            }
+            if Instant::now() >= until {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     fn abort_raw(device: usize, st: &mut State) {
