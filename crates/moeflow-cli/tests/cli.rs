@@ -83,6 +83,8 @@ fn run_on_gpus_matches_transformers() {
             &["allgather-logits"],
             &["multicast"],
             &["lowlatency"],
+            &["lowlatency", "--dual-batch"],
+            &["auto"],
         ];
         for strategy in strategies {
             let args = [&["--backend", "cuda", "--dtype", "bf16", "--ep", "2", "--strategy"][..], strategy].concat();
