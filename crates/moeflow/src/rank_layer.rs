@@ -122,8 +122,13 @@ impl Inner {
                 let (t, h) = rows_of(x)?;
                 let (a, b) = share(t, tp.size(), tp.rank());
                 let xs = x.to_f32_vec();
-                let mine = inner.forward(&Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?)?;
-                let all = tp.all_gather_vec("tp.output", &mine.to_f32_vec())?;
+                let mine = Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?;
+                // A whole device layer all-gathers the shares' outputs on the device; the
+                // dual-batch halves return theirs to the host first.
+                if let (Inner::Device(layer), Some(nccl)) = (&**inner, tp.as_any().downcast_ref::<NcclComm>()) {
+                    return layer.forward_tp_share(&mine, t, nccl);
+                }
+                let all = tp.all_gather_vec("tp.output", &inner.forward(&mine)?.to_f32_vec())?;
                 Tensor::from_f32(&[t, h], all.concat())
             }
         }

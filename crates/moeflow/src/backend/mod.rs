@@ -214,6 +214,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn forward_tp_share(&self, _share: &Tensor, _t: usize, _tp: &NcclComm) -> Result<Tensor> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn forward_device(&self, _x: u64, _out: u64, _t: usize, _stream: u64) -> Result<()> {
             Err(missing())
         }

@@ -42,6 +42,8 @@ pub(super) struct Buffers {
     pub(super) shared_rows: CudaSlice<i32>,
     /// Deterministic mode's router partial sums, `[H / ROUTER_FIXED_COLS, T, E]`.
     pub(super) router_fixed: Option<CudaSlice<f32>>,
+    /// TP slicing: every TP rank's output share, gathered (see [`super::tp_slice`]).
+    pub(super) tp_gathered: Option<CudaSlice<f32>>,
     /// Low-latency buffers and the captured layer (see [`low_latency`]).
     pub(super) ll: Option<low_latency::LlBuffers>,
     /// One GPU: small batches' graphs and their cuBLAS workspaces (see [`graph`]).
@@ -103,6 +105,7 @@ impl CudaMoeLayer {
                 } else {
                     None
                 },
+                tp_gathered: None,
                 ll: None,
                 graphs,
             });

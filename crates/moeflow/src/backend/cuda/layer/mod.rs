@@ -46,6 +46,7 @@ mod side_streams;
 mod strategy;
 #[cfg(test)]
 mod top_k_tests;
+mod tp_slice;
 
 use buffers::Buffers;
 pub use dual_batch::CudaDualBatch;
