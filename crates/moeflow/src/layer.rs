@@ -7,6 +7,7 @@ use crate::config::{MoeConfig, MoeWeights};
 use crate::dispatch::{finalize_async, prepare_async, DispatchInput, Local, PrepareFinalize, Prepared};
 use crate::error::{check_finite, MoeError, Result};
 use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts, ReferenceExperts};
+use crate::load_stats::LoadStats;
 use crate::router::{Router, TopK};
 use crate::tensor::Tensor;
 use crate::DType;
@@ -118,6 +119,8 @@ pub struct MoeLayer {
     allow_nonfinite: bool,
     /// One workspace per micro-batch.
     workspace: [Mutex<Workspace>; 2],
+    /// Tokens per logical expert of this rank's recent forward calls.
+    load: Mutex<LoadStats>,
 }
 
 /// The result of a joined prepare thread.
@@ -190,12 +193,26 @@ impl MoeLayer {
             chunk_size: options.chunk_size,
             allow_nonfinite: options.allow_nonfinite,
             workspace: Default::default(),
+            load: Mutex::new(LoadStats::new(e, crate::load_stats::DEFAULT_WINDOW)),
         })
     }
 
     /// The layer's configuration.
     pub fn config(&self) -> &MoeConfig {
         &self.config
+    }
+
+    /// The same layer keeping the load statistics of the last `window` calls (default
+    /// [`crate::load_stats::DEFAULT_WINDOW`]).
+    pub fn with_load_window(self, window: usize) -> Self {
+        *lock(&self.load) = LoadStats::new(self.config.num_experts, window);
+        self
+    }
+
+    /// Tokens per logical expert of this rank's last forward calls (routed here, wherever
+    /// their experts run).
+    pub fn load_stats(&self) -> LoadStats {
+        lock(&self.load).clone()
     }
 
     /// Name of the dispatch strategy.
@@ -218,9 +235,14 @@ impl MoeLayer {
         let (topk, logits) = if self.strategy.routes_after_dispatch() {
             let logits = self.logits(&x, tokens);
             crate::error::check_finite("router logits", &logits)?;
+            // The strategy routes every rank's tokens after the dispatch; this rank's own
+            // routing, for the load statistics, is a top-k over its logits.
+            lock(&self.load).record(&self.router.route(&logits, tokens)?.ids);
             (TopK { tokens, k: self.config.top_k, ids: vec![], weights: vec![] }, logits)
         } else {
-            (self.route_f32(&x, tokens)?, Vec::new())
+            let topk = self.route_f32(&x, tokens)?;
+            lock(&self.load).record(&topk.ids);
+            (topk, Vec::new())
         };
         times.route = t0.elapsed().as_secs_f64();
         let out = self.forward_batches(&x, tokens, &topk, &logits, &mut times)?;
@@ -248,6 +270,7 @@ impl MoeLayer {
                 self.strategy.name()
             )));
         }
+        lock(&self.load).record(&topk.ids);
         let out = self.forward_batches(&x, tokens, topk, &[], &mut StageTimes::default())?;
         self.check_output(&out)?;
         Tensor::from_f32(&[tokens, self.config.hidden], out)

@@ -132,6 +132,17 @@ impl Inner {
         }
     }
 
+    fn load_stats(&self) -> Result<crate::load_stats::LoadStats> {
+        match self {
+            Inner::Host(l) => Ok(l.load_stats()),
+            Inner::Device(l) => l.load_stats(),
+            Inner::DeviceDual(_) => {
+                Err(MoeError::Unsupported("load statistics of the dual-batch GPU layer (count each half)".into()))
+            }
+            Inner::TpSlice { inner, .. } => inner.load_stats(),
+        }
+    }
+
     fn device(&self) -> Option<&CudaMoeLayer> {
         match self {
             Inner::Device(l) => Some(l),
@@ -161,6 +172,12 @@ impl RankLayer {
     /// every rank calls it, with its own batch, possibly empty).
     pub fn forward(&self, hidden: &Tensor) -> Result<Tensor> {
         self.inner.forward(hidden)
+    }
+
+    /// Tokens per logical expert of this rank's last forward calls (its own tokens, wherever
+    /// their experts run; with TP slicing, this TP rank's share).
+    pub fn load_stats(&self) -> Result<crate::load_stats::LoadStats> {
+        self.inner.load_stats()
     }
 
     /// One line naming the backend, the path and why, the strategy, layout and options.

@@ -179,6 +179,12 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let per_t = time_rank(args, &layer, comm, capacity.is_some())?;
+        if let Some(path) = &args.record_load {
+            let record = moeflow::LoadRecord::gather(&config, comm, &layer.0.load_stats()?)?;
+            if comm.rank() == 0 {
+                super::write_load(path, &record)?;
+            }
+        }
         Ok((per_t, layer.0.describe().to_string()))
     });
     bar0.finish_and_clear();
@@ -440,6 +446,9 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
             comm_gbps: None,
             bf16_matmul: None,
         });
+    }
+    if let Some(path) = &args.record_load {
+        super::write_load(path, &moeflow::LoadRecord::from_ranks(&config, vec![gpu.0.load_stats()?]))?;
     }
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
     if let Some(path) = &args.json {

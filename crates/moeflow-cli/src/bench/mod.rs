@@ -20,7 +20,7 @@ use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
 use moeflow::quant::QuantConfig;
 use moeflow::rank_layer::{gpu_path, GpuPath};
-use moeflow::{preset, DType, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor};
+use moeflow::{preset, DType, LoadRecord, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -61,6 +61,10 @@ pub struct BenchArgs {
     /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
     #[arg(long)]
     torch_baseline: bool,
+    /// Write every rank's tokens per logical expert over its last 64 forward calls (the load
+    /// statistics) as JSON to this file, the input of `moeflow eplb --load`.
+    #[arg(long)]
+    record_load: Option<PathBuf>,
     /// Whether `json` is a scratch file for the plot rather than the user's.
     #[arg(skip)]
     scratch_json: bool,
@@ -346,7 +350,17 @@ fn measure_one_rank(
             Ok((started.elapsed().as_secs_f64(), st, 0))
         })?);
     }
+    if let Some(path) = &args.record_load {
+        write_load(path, &LoadRecord::from_ranks(&s.config, vec![layer.load_stats()]))?;
+    }
     Ok((measured, errors))
+}
+
+/// Writes `record` to `path` and says so.
+pub(crate) fn write_load(path: &std::path::Path, record: &LoadRecord) -> Result<()> {
+    record.write(path)?;
+    println!("wrote the load statistics of {} ranks to {}", record.ranks.len(), path.display());
+    Ok(())
 }
 
 /// The largest difference between `got` and `want` relative to the largest `|want|`.
@@ -375,6 +389,12 @@ fn measure_ranks(args: &BenchArgs, s: &Setup, weights: &MoeWeights, host: &RankH
                 let all = comm.all_gather_vec("bench.time", &[started.elapsed().as_secs_f64()])?;
                 Ok((all.iter().map(|v| v[0]).fold(0.0, f64::max), st, layer.bytes_moved()))
             })?);
+        }
+        if let Some(path) = &args.record_load {
+            let record = LoadRecord::gather(&s.config, comm, &layer.load_stats())?;
+            if comm.rank() == 0 {
+                write_load(path, &record)?;
+            }
         }
         Ok(out)
     });
