@@ -55,6 +55,7 @@ pub mod rank_layer;
 pub mod reduce;
 pub mod reference;
 pub mod router;
+pub mod skew;
 pub mod tensor;
 
 pub use backend::cpu::dot::Bf16Matmul;
