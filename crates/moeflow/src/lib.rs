@@ -41,6 +41,7 @@ pub mod comm;
 pub mod config;
 pub mod dispatch;
 pub mod dtype;
+pub mod eplb;
 pub mod error;
 pub mod experts;
 pub mod layer;
