@@ -103,10 +103,10 @@ pub fn balance(load: &[f64], cfg: EplbConfig) -> Result<ExpertPlacement> {
     // A node cannot take more replicas than its experts fit on its ranks: move the excess on.
     let room = |n: usize| node_experts[n].len() * (per_node - 1);
     let mut excess: usize = (0..nodes).map(|n| budget[n].saturating_sub(room(n))).sum();
-    for n in 0..nodes {
-        budget[n] = budget[n].min(room(n));
-        let take = excess.min(room(n) - budget[n]);
-        budget[n] += take;
+    for (n, b) in budget.iter_mut().enumerate() {
+        *b = (*b).min(room(n));
+        let take = excess.min(room(n) - *b);
+        *b += take;
         excess -= take;
     }
     let mut slots: Vec<Vec<usize>> = vec![Vec::new(); ranks];

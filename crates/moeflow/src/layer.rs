@@ -6,13 +6,15 @@ use crate::backend::cpu::packed::PackedStack;
 use crate::config::{MoeConfig, MoeWeights};
 use crate::dispatch::{finalize_async, prepare_async, DispatchInput, Local, PrepareFinalize, Prepared};
 use crate::error::{check_finite, MoeError, Result};
-use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts, ReferenceExperts};
+use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts};
 use crate::load_stats::LoadStats;
 use crate::router::{Router, TopK};
 use crate::tensor::Tensor;
 use crate::DType;
 use std::sync::Mutex;
 use std::time::Instant;
+
+mod rebalance;
 
 /// Which expert implementation a layer runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -49,6 +51,10 @@ pub struct LayerOptions {
     pub bf16_matmul: Bf16Matmul,
     /// Return outputs holding NaN or infinity instead of an error (default: false).
     pub allow_nonfinite: bool,
+    /// Keep this rank's expert weights as given beside the packed ones, so that
+    /// [`MoeLayer::rebalance`] can send them to other ranks (default: false; costs one more
+    /// copy of the rank's experts).
+    pub rebalanceable: bool,
 }
 
 impl Default for LayerOptions {
@@ -62,6 +68,7 @@ impl Default for LayerOptions {
             defer_input_quant: false,
             bf16_matmul: Bf16Matmul::Auto,
             allow_nonfinite: false,
+            rebalanceable: false,
         }
     }
 }
@@ -121,6 +128,8 @@ pub struct MoeLayer {
     workspace: [Mutex<Workspace>; 2],
     /// Tokens per logical expert of this rank's recent forward calls.
     load: Mutex<LoadStats>,
+    /// What [`MoeLayer::rebalance`] rebuilds the experts from (rebalanceable layers only).
+    kept: Option<rebalance::KeptExperts>,
 }
 
 /// The result of a joined prepare thread.
@@ -145,15 +154,14 @@ impl MoeLayer {
             Some(ids) => weights.experts.select(&ids)?,
             None => weights.experts.clone(),
         };
-        let experts: Box<dyn Experts> = match options.experts {
-            ExpertsKind::Cpu => Box::new(
-                CpuExperts::new(&local, config.activation, options.bf16_matmul)?
-                    .with_input_quant(options.quant)
-                    .deferring_input_quant(options.defer_input_quant),
-            ),
-            ExpertsKind::Reference => Box::new(ReferenceExperts::new(&local, config.activation)?),
-            ExpertsKind::Cuda { device } => crate::backend::cuda::experts(&local, config.activation, device)?,
+        let recipe = rebalance::ExpertsRecipe {
+            kind: options.experts,
+            activation: config.activation,
+            quant: options.quant,
+            defer_input_quant: options.defer_input_quant,
+            bf16_matmul: options.bf16_matmul,
         };
+        let experts = recipe.build(&local)?;
         if experts.input_quant() != options.quant {
             return Err(MoeError::Config(format!(
                 "experts '{}' do not take {} input; quantized dispatch needs the cpu experts",
@@ -194,6 +202,7 @@ impl MoeLayer {
             allow_nonfinite: options.allow_nonfinite,
             workspace: Default::default(),
             load: Mutex::new(LoadStats::new(e, crate::load_stats::DEFAULT_WINDOW)),
+            kept: options.rebalanceable.then_some(rebalance::KeptExperts { weights: local, recipe }),
         })
     }
 

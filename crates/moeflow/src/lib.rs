@@ -56,6 +56,7 @@ pub mod rank_layer;
 pub mod reduce;
 pub mod reference;
 pub mod router;
+pub mod simulate;
 pub mod skew;
 pub mod tensor;
 

@@ -129,6 +129,9 @@ pub struct ParallelConfig {
     pub bf16_matmul: crate::Bf16Matmul,
     /// Return outputs holding NaN or infinity instead of an error.
     pub allow_nonfinite: bool,
+    /// Build layers that can take a new placement while running (CPU and host-staged layers
+    /// keep their experts' weights as given for it; see [`MoeLayer::rebalance`]).
+    pub rebalanceable: bool,
 }
 
 impl Default for ParallelConfig {
@@ -149,6 +152,7 @@ impl Default for ParallelConfig {
             defer_input_quant: false,
             bf16_matmul: crate::Bf16Matmul::Auto,
             allow_nonfinite: false,
+            rebalanceable: false,
         }
     }
 }
@@ -267,6 +271,7 @@ impl ParallelConfig {
                 defer_input_quant: self.defer_input_quant,
                 bf16_matmul: self.bf16_matmul,
                 allow_nonfinite: self.allow_nonfinite,
+                rebalanceable: self.rebalanceable,
             },
         )
     }

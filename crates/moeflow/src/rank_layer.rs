@@ -180,6 +180,24 @@ impl RankLayer {
         self.inner.load_stats()
     }
 
+    /// Takes `placement` between forward calls, moving expert weights between the ranks
+    /// (collective; see [`MoeLayer::rebalance`]). CPU and host-staged layers built with
+    /// [`ParallelConfig::rebalanceable`]; device-resident GPU layers refuse it.
+    pub fn rebalance(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        match &mut self.inner {
+            Inner::Host(l) => l.rebalance(placement),
+            _ => Err(MoeError::Unsupported("live rebalancing of device-resident GPU layers".into())),
+        }
+    }
+
+    /// The placement this rank's layer follows (`None` on one rank, or a device layer).
+    pub fn placement(&self) -> Option<Arc<ExpertPlacement>> {
+        match &self.inner {
+            Inner::Host(l) => l.placement(),
+            _ => None,
+        }
+    }
+
     /// One line naming the backend, the path and why, the strategy, layout and options.
     pub fn describe(&self) -> &str {
         &self.description
