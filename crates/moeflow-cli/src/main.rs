@@ -1,4 +1,4 @@
-//! The `moeflow` command line: `demo`, `bench`, `plot`, `check`, `eplb`, `inspect`, `run`, `launch`
+//! The `moeflow` command line: `demo`, `bench`, `plot`, `check`, `eplb`, `inspect`, `run`, `simulate`, `launch`
 //! (see `--help`).
 
 // First, so that its print macros replace std's in every module below.
@@ -14,6 +14,7 @@ mod eplb;
 mod inspect;
 mod launch;
 mod run;
+mod simulate;
 mod table;
 
 use clap::{Parser, Subcommand};
@@ -64,6 +65,9 @@ enum Command {
     Inspect(inspect::InspectArgs),
     /// Run one MoE block of a Hugging Face checkpoint on hidden states from a safetensors file.
     Run(run::RunArgs),
+    /// Predict the layer's time per stage for EP 1 to 256, NVLink domains and routings, with
+    /// and without EPLB, from measured ceilings (`bench --calibrate`, or built-in GPU figures).
+    Simulate(simulate::SimulateArgs),
     /// Start one process per GPU (RANK, WORLD_SIZE, ... set) running the moeflow command after `--`.
     Launch(launch::LaunchArgs),
 }
@@ -80,6 +84,7 @@ fn main() {
         Command::Eplb(args) => eplb::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),
+        Command::Simulate(args) => simulate::run(args),
         Command::Launch(args) => launch::run(args),
     };
     output::flush_stdout();

@@ -24,6 +24,11 @@ pub struct Ceilings {
     pub name: String,
     /// Sustained GEMM rate of the expert GEMMs, GFLOP/s.
     pub gemm_gflops: f64,
+    /// Measured expert GEMM rates by rows per expert `(rows, GFLOP/s)`, increasing in rows:
+    /// where given, the rate at a rank's rows per expert is interpolated in log(rows) (and
+    /// held constant beyond the ends) instead of `gemm_gflops`.
+    #[serde(default)]
+    pub gemm_curve: Vec<(f64, f64)>,
     /// GEMM rate of the router's (thin) GEMM, GFLOP/s.
     pub router_gflops: f64,
     /// Memory bandwidth for weight streaming and row copies, GB/s.
@@ -32,6 +37,11 @@ pub struct Ceilings {
     pub launch_us: f64,
     /// Bandwidth per rank inside a fast domain (NVLink; in-process memory on CPU), GB/s.
     pub intra_gbps: f64,
+    /// Measured exchange rates inside the domain by bytes per peer `(bytes, GB/s)`, increasing
+    /// in bytes: where given, the rate of a message is interpolated in log(bytes) (held
+    /// constant beyond the ends) instead of `intra_gbps` (NCCL's rate grows with the message).
+    #[serde(default)]
+    pub link_curve: Vec<(f64, f64)>,
     /// Latency of one message inside the domain, microseconds.
     pub intra_latency_us: f64,
     /// Bandwidth per rank between domains (InfiniBand), GB/s.
@@ -158,6 +168,33 @@ pub struct Prediction {
     pub imbalance: f64,
 }
 
+impl Ceilings {
+    /// The expert GEMM rate, GFLOP/s, with `rows` rows per expert.
+    pub fn gemm_rate(&self, rows: f64) -> f64 {
+        interpolate(&self.gemm_curve, rows).unwrap_or(self.gemm_gflops)
+    }
+
+    /// The rate inside the domain, GB/s, of messages of `bytes` per peer.
+    pub fn intra_rate(&self, bytes: f64) -> f64 {
+        interpolate(&self.link_curve, bytes).unwrap_or(self.intra_gbps)
+    }
+}
+
+/// `curve`'s value at `x`, linear in log(x) between its points, constant beyond its ends
+/// (`None` for an empty curve).
+fn interpolate(curve: &[(f64, f64)], x: f64) -> Option<f64> {
+    let (&(x0, y0), &(x1, y1)) = (curve.first()?, curve.last()?);
+    if x <= x0 {
+        return Some(y0);
+    }
+    if x >= x1 {
+        return Some(y1);
+    }
+    let i = curve.iter().position(|&(c, _)| c >= x)?;
+    let ((xa, ya), (xb, yb)) = (curve[i - 1], curve[i]);
+    Some(ya + (x.ln() - xa.ln()) / (xb.ln() - xa.ln()) * (yb - ya))
+}
+
 /// A time from FLOPs at `gflops` and bytes at `gbps`: the longer, in milliseconds.
 fn roofline(flops: f64, gflops: f64, bytes: f64, gbps: f64) -> f64 {
     (flops / (gflops * 1e6)).max(bytes / (gbps * 1e6))
@@ -201,8 +238,8 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         + launch;
     let permute = share_factor * roofline(0.0, 1.0, t * k * h * 4.0, c.mem_gbps) + launch;
     let expert_time = |r: usize| {
-        roofline(6.0 * rows[r] * h * i, c.gemm_gflops, touched[r] * 3.0 * h * i * shapes.weight_bytes, c.mem_gbps)
-            + 3.0 * launch
+        let rate = c.gemm_rate(rows[r] / touched[r].max(1e-9));
+        roofline(6.0 * rows[r] * h * i, rate, touched[r] * 3.0 * h * i * shapes.weight_bytes, c.mem_gbps) + 3.0 * launch
     };
     let gemms = if c.shared_device {
         (0..n).map(|r| expert_time(r) - 3.0 * launch).sum::<f64>() + 3.0 * launch
@@ -213,7 +250,7 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         0.0
     } else {
         let si = shapes.shared_inter as f64;
-        share_factor * roofline(6.0 * t * h * si, c.gemm_gflops, 3.0 * h * si * shapes.weight_bytes, c.mem_gbps)
+        share_factor * roofline(6.0 * t * h * si, c.gemm_rate(t), 3.0 * h * si * shapes.weight_bytes, c.mem_gbps)
             + launch
     };
     // An exchange: rows (or outputs) leaving for other ranks, the busiest rank's share arriving.
@@ -225,7 +262,8 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         let bytes_out = t * k * remote * h * shapes.row_bytes;
         let bytes = bytes_in.max(bytes_out);
         let inter_peers = n.saturating_sub(layout.domain) as f64 / (n - 1) as f64;
-        let link = (bytes * (1.0 - inter_peers) / (c.intra_gbps * 1e6)).max(bytes * inter_peers / (c.inter_gbps * 1e6));
+        let intra = c.intra_rate(bytes / (n - 1) as f64);
+        let link = (bytes * (1.0 - inter_peers) / (intra * 1e6)).max(bytes * inter_peers / (c.inter_gbps * 1e6));
         let latency = c.intra_latency_us + if inter_peers > 0.0 { c.inter_latency_us } else { 0.0 };
         let one = (2.0 * c.call_us + latency) * 1e-3 + link;
         // The combine also weights and sums k rows per token.
@@ -284,7 +322,18 @@ mod tests {
             inter_latency_us: 20.0,
             call_us: 10.0,
             shared_device: false,
+            gemm_curve: Vec::new(),
+            link_curve: Vec::new(),
         }
+    }
+
+    #[test]
+    fn the_gemm_rate_follows_its_curve() {
+        let c = Ceilings { gemm_curve: vec![(1.0, 10.0), (100.0, 110.0)], ..gpu() };
+        assert_eq!(c.gemm_rate(0.5), 10.0);
+        assert!((c.gemm_rate(10.0) - 60.0).abs() < 1e-9);
+        assert_eq!(c.gemm_rate(1e4), 110.0);
+        assert_eq!(gpu().gemm_rate(5.0), 600e3);
     }
 
     fn deepseek() -> Shapes {

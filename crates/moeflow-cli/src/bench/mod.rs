@@ -4,6 +4,7 @@
 //! records, [`cuda`] the device-resident GPU layers, [`torch`] the PyTorch baselines run beside
 //! them, [`plot`] the SVG plots drawn from the records.
 
+mod calibrate;
 mod cuda;
 pub mod plot;
 mod records;
@@ -65,6 +66,12 @@ pub struct BenchArgs {
     /// statistics) as JSON to this file, the input of `moeflow eplb --load`.
     #[arg(long)]
     record_load: Option<PathBuf>,
+    /// Instead of the table: measure this CPU's ceilings with the layer (the expert GEMM rate
+    /// at the largest --tokens, the weight-streaming rate at one token, the router's rate, a
+    /// stage's fixed cost, the in-process exchange) and write them as JSON for
+    /// `moeflow simulate --ceilings FILE`.
+    #[arg(long)]
+    calibrate: Option<PathBuf>,
     /// Whether `json` is a scratch file for the plot rather than the user's.
     #[arg(skip)]
     scratch_json: bool,
@@ -137,6 +144,14 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
+    if let Some(path) = &args.calibrate {
+        if gpu || args.parallel.ep != 1 {
+            return Err(MoeError::Config(
+                "--calibrate measures this CPU on one rank (GPU ceilings: simulate --ceilings h100)".into(),
+            ));
+        }
+        return calibrate::calibrate(&args, path);
+    }
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     if args.torch_baseline {
         check_torch_baseline(&args, gpu, &host)?;
