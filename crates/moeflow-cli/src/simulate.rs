@@ -57,24 +57,26 @@ pub struct SimulateArgs {
     plot: Option<PathBuf>,
 }
 
-/// H100 SXM figures: sustained bf16 GEMM under the power cap (646–700 TFLOP/s) at the expert
-/// GEMMs' 86–90 %, the f32 router GEMM, HBM read rate, NCCL over NV18 and 400 Gb/s InfiniBand.
+/// H100 SXM figures, fitted to moeflow's own records in docs/bench (one H100, 64 experts; 2 x
+/// H100 NV18, EP 2, 256 experts): the expert GEMM rate by rows per expert (weight-bound below),
+/// the weights streamed at 2.7 TB/s, the f32 router GEMM, the all-to-all-v's achieved rate by
+/// bytes per peer, and 400 Gb/s InfiniBand between nodes.
 fn h100() -> Ceilings {
     Ceilings {
         name: "H100 SXM (built-in figures)".into(),
-        gemm_gflops: 590e3,
+        gemm_gflops: 600e3,
+        gemm_curve: vec![(64.0, 350e3), (256.0, 520e3), (2048.0, 600e3)],
         router_gflops: 25e3,
-        mem_gbps: 3000.0,
-        launch_us: 6.0,
-        intra_gbps: 200.0,
+        mem_gbps: 2700.0,
+        launch_us: 12.0,
+        intra_gbps: 72.0,
+        link_curve: vec![(0.03 * MIB, 2.0), (1.7 * MIB, 30.0), (55.0 * MIB, 72.0)],
         intra_latency_us: 15.0,
         inter_gbps: 45.0,
         inter_latency_us: 10.0,
         call_us: 20.0,
         shared_device: false,
-        gemm_curve: Vec::new(),
-        // NCCL all-to-all on 2 x H100 NV18, per GPU outgoing, by MiB per peer (GPU.md).
-        link_curve: vec![(1.0 * MIB, 19.0), (4.0 * MIB, 81.0), (16.0 * MIB, 198.0), (64.0 * MIB, 246.0)],
+        rows_per_rank: true,
     }
 }
 

@@ -71,3 +71,58 @@ fn recorded_skewed_load_is_balanced_and_moved_to() {
         std::fs::remove_file(f).ok();
     }
 }
+
+#[test]
+fn simulate_predicts_from_built_in_and_calibrated_ceilings() {
+    let svg = tmp("sim.svg");
+    let s = svg.to_str().unwrap();
+    let out = ok(&[
+        "simulate",
+        "--routing",
+        "zipf:1.2",
+        "--eplb",
+        "16",
+        "--ep",
+        "1,2,8",
+        "--tokens",
+        "128,4096",
+        "--plot",
+        s,
+    ]);
+    assert!(out.contains("EPLB ms") && std::fs::read_to_string(&svg).unwrap().contains("<svg"), "{out}");
+    let row = out.lines().find(|l| l.split_whitespace().take(2).eq(["8", "4096"])).expect("EP 8, 4096 tokens");
+    assert!(row.contains('+') && !row.contains(" -"), "EPLB is faster at EP 8: {row}");
+
+    let (ceilings, bench) = (tmp("ceilings.json"), tmp("bench.json"));
+    let (c, b) = (ceilings.to_str().unwrap(), bench.to_str().unwrap());
+    let small = ["--experts", "8", "--min-runs", "1", "--min-seconds", "0"];
+    ok(&[&["bench", "--tokens", "16,32", "--calibrate", c][..], &small].concat());
+    let parsed: moeflow::simulate::Ceilings =
+        serde_json::from_str(&std::fs::read_to_string(&ceilings).unwrap()).unwrap();
+    assert!(parsed.shared_device && parsed.gemm_curve.len() == 2 && parsed.link_curve.len() == 2, "{parsed:?}");
+    ok(&[&["bench", "--tokens", "16", "--json", b][..], &small].concat());
+    let out = ok(&[
+        "simulate",
+        "--ceilings",
+        c,
+        "--preset",
+        "olmoe-1b-7b",
+        "--experts",
+        "8",
+        "--ep",
+        "1",
+        "--tokens",
+        "16",
+        "--compare",
+        b,
+    ]);
+    assert!(out.contains("largest error against the measured rows"), "{out}");
+
+    let bad = moeflow(&["simulate", "--routing", "gauss"]);
+    assert!(!bad.status.success() && text(&bad).contains("uniform, zipf:S or load:FILE"), "{}", text(&bad));
+    let bad = moeflow(&["bench", "--ep", "2", "--calibrate", c]);
+    assert!(!bad.status.success() && text(&bad).contains("one rank"), "{}", text(&bad));
+    for f in [svg, ceilings, bench] {
+        std::fs::remove_file(f).ok();
+    }
+}

@@ -52,6 +52,10 @@ pub struct Ceilings {
     pub call_us: f64,
     /// The ranks share one device (in-process CPU ranks): their compute adds up.
     pub shared_device: bool,
+    /// A token's row travels once to each rank serving any of its slots and comes back summed
+    /// (the device layer); otherwise once per (token, slot) both ways (the CPU layer).
+    #[serde(default)]
+    pub rows_per_rank: bool,
 }
 
 /// The layer's shapes, in the units the model counts.
@@ -258,9 +262,14 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         (0.0, 0.0)
     } else {
         let remote = (n - 1) as f64 / n as f64;
-        let bytes_in = busiest * remote * h * shapes.row_bytes;
-        let bytes_out = t * k * remote * h * shapes.row_bytes;
-        let bytes = bytes_in.max(bytes_out);
+        // Rows a rank sends: per (token, slot), or per (token, rank serving it).
+        let rows_out = if c.rows_per_rank {
+            t * rows.iter().map(|r| 1.0 - (1.0 - r / slots).powf(k)).sum::<f64>() * remote
+        } else {
+            t * k * remote
+        };
+        let bytes_out = rows_out * h * shapes.row_bytes;
+        let bytes = bytes_out * (busiest / mean.max(1e-300)).max(1.0);
         let inter_peers = n.saturating_sub(layout.domain) as f64 / (n - 1) as f64;
         let intra = c.intra_rate(bytes / (n - 1) as f64);
         let link = (bytes * (1.0 - inter_peers) / (intra * 1e6)).max(bytes * inter_peers / (c.inter_gbps * 1e6));
@@ -322,6 +331,7 @@ mod tests {
             inter_latency_us: 20.0,
             call_us: 10.0,
             shared_device: false,
+            rows_per_rank: true,
             gemm_curve: Vec::new(),
             link_curve: Vec::new(),
         }

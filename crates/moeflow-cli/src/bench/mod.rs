@@ -180,14 +180,6 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
 /// Runs the benchmark on the layer that the backend and the layout pick: one GPU, the
 /// device-resident expert-parallel GPU layer, or the modular layer (CPU, or host-staged GPUs).
 fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
-    let device_weights = gpu && (!args.host_staged || args.parallel.ep == 1);
-    if device_weights && args.layer.skew.skew.is_some() {
-        return Err(MoeError::Unsupported(
-            "--skew on GPU benchmarks: their weights are generated on the device, which takes no router bias yet \
-             (demo and check take --skew on GPUs)"
-                .into(),
-        ));
-    }
     if gpu && args.parallel.ep == 1 && *host == RankHost::Gpus {
         return run_cuda(args);
     }
