@@ -122,6 +122,9 @@ fn routing(s: &str, experts: usize) -> Result<Routing> {
     Err(MoeError::Config(format!("--routing {s}: uniform, zipf:S or load:FILE")))
 }
 
+/// One token count's predictions: (tokens, per EP: (EP, layer ms, layer ms with EPLB)).
+type Line = (usize, Vec<(usize, f64, Option<f64>)>);
+
 /// A measured layer time from bench records, keyed by (tokens, EP).
 struct Measured {
     tokens: usize,
@@ -192,7 +195,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     }
     let table = Table::new(&cols);
     println!("{}", table.header());
-    let mut lines: Vec<(usize, Vec<(usize, f64, Option<f64>)>)> = Vec::new();
+    let mut lines: Vec<Line> = Vec::new();
     let mut worst: f64 = 0.0;
     for &t in &args.tokens {
         let mut line = Vec::new();
@@ -251,7 +254,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
 }
 
 /// Layer ms against EP on log axes, one line per token count (dashed: with EPLB).
-fn draw(lines: &[(usize, Vec<(usize, f64, Option<f64>)>)], out: &Path, title: &str) -> Result<()> {
+fn draw(lines: &[Line], out: &Path, title: &str) -> Result<()> {
     let fail = |e: String| MoeError::Config(format!("drawing {}: {e}", out.display()));
     let root = SVGBackend::new(out, (900, 560)).into_drawing_area();
     root.fill(&WHITE).map_err(|e| fail(e.to_string()))?;
