@@ -37,6 +37,8 @@ pub struct CheckArgs {
     /// How CPU experts multiply bf16 weights: auto, widen or dot (as for `demo`).
     #[arg(long, default_value = "auto")]
     bf16_matmul: moeflow::Bf16Matmul,
+    #[command(flatten)]
+    skew: crate::common::SkewArg,
 }
 
 /// Tokens of DP group g: uneven, with empty groups.
@@ -51,7 +53,8 @@ pub fn run(args: CheckArgs) -> Result<()> {
     if let Some(&ep) = args.ep.iter().find(|&&ep| ep == 0 || ep > BATCHES.len()) {
         return Err(MoeError::Config(format!("--ep {ep}: EP sizes must be in 1..={} here", BATCHES.len())));
     }
-    let original = preset::try_random_weights(&config, args.dtype, args.seed)?;
+    let mut original = preset::try_random_weights(&config, args.dtype, args.seed)?;
+    args.skew.apply(&config, &mut original)?;
     let mut weights = original.clone();
     crate::common::quantize_weights(&mut weights, args.quant)?;
     let tolerance = crate::common::cpu_bound(args.quant, args.dtype, args.bf16_matmul);

@@ -28,6 +28,30 @@ pub struct LayerArgs {
     /// Rows given to the experts at a time.
     #[arg(long)]
     pub chunk_size: Option<usize>,
+    #[command(flatten)]
+    pub skew: SkewArg,
+}
+
+/// Skewed routing of the random weights (`demo`, `bench`, `check`).
+#[derive(clap::Args, Clone, Debug)]
+pub struct SkewArg {
+    /// Skew the routing by a bias on the router logits (added to the gate bias):
+    /// `zipf:S` adds -S·ln(1+e) to expert e's logit (softmax scores times (1+e)^-S, expert 0
+    /// hottest); `hot:E1,E2:P` adds one bias to the listed experts, fitted by bisection so
+    /// that they take a share P of all (token, slot) pairs of 512 calibration tokens.
+    #[arg(long)]
+    pub skew: Option<moeflow::skew::Skew>,
+}
+
+impl SkewArg {
+    /// Adds the skew's bias to `weights`, saying so.
+    pub fn apply(&self, config: &MoeConfig, weights: &mut MoeWeights) -> Result<()> {
+        if let Some(skew) = &self.skew {
+            skew.apply(config, weights)?;
+            println!("  routing skewed  {skew} (a bias on the router logits)");
+        }
+        Ok(())
+    }
 }
 
 impl LayerArgs {
@@ -65,8 +89,9 @@ impl LayerArgs {
             }
         }
         let bar = spinner(format!("generating {:.2} GiB of random {} weights", gib(bytes), self.dtype));
-        let w = preset::try_random_weights(config, self.dtype, self.seed)?;
+        let mut w = preset::try_random_weights(config, self.dtype, self.seed)?;
         bar.finish_and_clear();
+        self.skew.apply(config, &mut w)?;
         Ok(w)
     }
 }

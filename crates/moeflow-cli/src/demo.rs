@@ -30,6 +30,10 @@ pub struct DemoArgs {
     /// cpu, or cuda (one GPU; expert weights in bf16).
     #[arg(long, value_enum, default_value = "cpu")]
     backend: Backend,
+    /// After the timed runs, move the running CPU ranks' experts to this placement (a JSON
+    /// file, e.g. from `moeflow eplb`) and check the output is bit for bit the same after.
+    #[arg(long)]
+    rebalance: Option<std::path::PathBuf>,
 }
 
 /// The output of the timed runs: the tokens `lo..hi` of the batch that this process computed
@@ -47,8 +51,12 @@ struct Ran {
 pub fn run(args: DemoArgs) -> Result<()> {
     let (p, config) = args.layer.config()?;
     config.check_batch(args.tokens)?;
-    let par = args.parallel.config(args.tokens.div_ceil((args.parallel.ep / args.parallel.tp.max(1)).max(1)))?;
+    let mut par = args.parallel.config(args.tokens.div_ceil((args.parallel.ep / args.parallel.tp.max(1)).max(1)))?;
+    par.rebalanceable = args.rebalance.is_some();
     let gpu = args.backend == Backend::Cuda;
+    if args.rebalance.is_some() && (gpu || par.ep == 1) {
+        return Err(MoeError::Config("--rebalance moves experts between CPU ranks: it needs --ep > 1 on cpu".into()));
+    }
     args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
     println!(
         "moeflow demo: {} ({}), {} experts, top-{}, H {}, I {}, {} weights, {}, EP {} TP {} {}{}",
@@ -159,8 +167,16 @@ fn run_ranks(
         }
     };
     let bar = spinner(format!("running on {what}"));
+    let target = match &args.rebalance {
+        Some(path) => Some(std::sync::Arc::new(moeflow::placement::ExpertPlacement::from_json_file(
+            path,
+            spec.config.num_experts,
+            par.ep,
+        )?)),
+        None => None,
+    };
     let results = on_ranks(host, par.ep, par.timeout, |comm, kind| {
-        let layer = par.rank_layer(Some(comm), kind, spec)?;
+        let mut layer = par.rank_layer(Some(comm), kind, spec)?;
         if comm.rank() == 0 {
             bar.suspend(|| println!("  layer           {}", layer.describe()));
         }
@@ -174,6 +190,23 @@ fn run_ranks(
             out = layer.forward(&mine)?;
             let all = comm.all_gather_vec("demo.time", &[start.elapsed().as_secs_f64()])?;
             times.push(all.iter().map(|v| v[0]).fold(0.0, f64::max));
+        }
+        if let Some(placement) = &target {
+            layer.rebalance(placement.clone())?;
+            let after = layer.forward(&mine)?;
+            let same = after.to_f32_vec().iter().zip(out.to_f32_vec()).all(|(a, b)| a.to_bits() == b.to_bits());
+            let all_same = comm.all_gather_vec("demo.rebalanced", &[u8::from(same)])?.iter().all(|v| v[0] == 1);
+            if !all_same {
+                return Err(MoeError::Config("the output changed after rebalancing".into()));
+            }
+            if comm.rank() == 0 {
+                bar.suspend(|| {
+                    println!(
+                        "  rebalanced      {}: output bit-for-bit identical before and after",
+                        placement.describe()
+                    )
+                });
+            }
         }
         Ok((out, times))
     });

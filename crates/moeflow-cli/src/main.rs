@@ -1,4 +1,4 @@
-//! The `moeflow` command line: `demo`, `bench`, `plot`, `check`, `inspect`, `run`, `launch`
+//! The `moeflow` command line: `demo`, `bench`, `plot`, `check`, `eplb`, `inspect`, `run`, `simulate`, `launch`
 //! (see `--help`).
 
 // First, so that its print macros replace std's in every module below.
@@ -10,9 +10,11 @@ mod check;
 mod common;
 mod cuda_args;
 mod demo;
+mod eplb;
 mod inspect;
 mod launch;
 mod run;
+mod simulate;
 mod table;
 
 use clap::{Parser, Subcommand};
@@ -56,10 +58,16 @@ enum Command {
     Plot(bench::PlotArgs),
     /// Every strategy × EP × TP × chunking × dual-batch against one rank and the f64 reference.
     Check(check::CheckArgs),
+    /// A placement with replicas of the busiest experts from recorded load statistics,
+    /// minimising the busiest rank's load (groups within a node first).
+    Eplb(eplb::EplbArgs),
     /// Describe a Hugging Face MoE model directory (architecture, MoE layers, shapes, bytes).
     Inspect(inspect::InspectArgs),
     /// Run one MoE block of a Hugging Face checkpoint on hidden states from a safetensors file.
     Run(run::RunArgs),
+    /// Predict the layer's time per stage for EP 1 to 256, NVLink domains and routings, with
+    /// and without EPLB, from measured ceilings (`bench --calibrate`, or built-in GPU figures).
+    Simulate(simulate::SimulateArgs),
     /// Start one process per GPU (RANK, WORLD_SIZE, ... set) running the moeflow command after `--`.
     Launch(launch::LaunchArgs),
 }
@@ -73,8 +81,10 @@ fn main() {
         Command::Bench(args) => bench::run(args),
         Command::Plot(args) => bench::plot_file(args),
         Command::Check(args) => check::run(args),
+        Command::Eplb(args) => eplb::run(args),
         Command::Inspect(args) => inspect::run(args),
         Command::Run(args) => run::run(args),
+        Command::Simulate(args) => simulate::run(args),
         Command::Launch(args) => launch::run(args),
     };
     output::flush_stdout();

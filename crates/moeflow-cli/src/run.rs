@@ -5,7 +5,7 @@ use moeflow::comm::CommExt;
 use moeflow::model::{io, Checkpoint};
 use moeflow::parallel::{on_ranks, RankHost};
 use moeflow::quant::QuantConfig;
-use moeflow::{DType, ExpertsKind, MoeError, RankLayerSpec, Result, Tensor};
+use moeflow::{DType, ExpertsKind, LoadRecord, MoeError, RankLayerSpec, Result, Tensor};
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -39,6 +39,10 @@ pub struct RunArgs {
     /// naming their count and the first one's position, and nothing is written).
     #[arg(long)]
     allow_nonfinite: bool,
+    /// Write every rank's tokens per logical expert (the load statistics) as JSON to this file,
+    /// the input of `moeflow eplb --load`.
+    #[arg(long)]
+    record_load: Option<PathBuf>,
 }
 
 pub fn run(args: RunArgs) -> Result<()> {
@@ -86,10 +90,15 @@ fn run_block(args: RunArgs) -> Result<()> {
         ..RankLayerSpec::new(&block.config, &block.weights)
     };
     // The library picks each rank's layer; `path` is the line saying which.
-    let (out, path) = if par.ep == 1 && host.launched_rank().is_none() {
+    let (out, path, load) = if par.ep == 1 && host.launched_rank().is_none() {
         let experts = if gpu { ExpertsKind::Cuda { device: 0 } } else { ExpertsKind::Cpu };
         let layer = par.rank_layer(None, experts, &spec)?;
-        (layer.forward(&x)?, layer.describe().to_string())
+        let out = layer.forward(&x)?;
+        let load = match args.record_load {
+            Some(_) => Some(LoadRecord::from_ranks(&block.config, vec![layer.load_stats()?])),
+            None => None,
+        };
+        (out, layer.describe().to_string(), load)
     } else {
         let xs = x.to_f32_vec();
         let shares = split_tokens(t, par.ep / par.tp);
@@ -101,15 +110,19 @@ fn run_block(args: RunArgs) -> Result<()> {
             // Every rank gets the whole output: each DP group's rows, once (from its first TP
             // rank), in rank order, which is token order.
             let mine = if comm.rank() % par.tp == 0 { rows } else { Vec::new() };
-            Ok((comm.all_gather_vec("run.output", &mine)?.concat(), layer.describe().to_string()))
+            let load = match args.record_load {
+                Some(_) => Some(LoadRecord::gather(&block.config, comm, &layer.load_stats()?)?),
+                None => None,
+            };
+            Ok((comm.all_gather_vec("run.output", &mine)?.concat(), layer.describe().to_string(), load))
         });
         let mut full = None;
         for (_, r) in results {
             let r = r?;
             full.get_or_insert(r);
         }
-        let (rows, path) = full.ok_or_else(|| MoeError::Config("no ranks".into()))?;
-        (Tensor::from_f32(&[t, h], rows)?, path)
+        let (rows, path, load) = full.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+        (Tensor::from_f32(&[t, h], rows)?, path, load)
     };
     // In a launched job rank 0 writes the file.
     if host.launched_rank().is_some_and(|r| r != 0) {
@@ -120,6 +133,10 @@ fn run_block(args: RunArgs) -> Result<()> {
         moeflow::error::check_output(&out.to_f32_vec(), h)?;
     }
     io::write_f32_atomic(&args.output, &[("hidden_states", &out)])?;
+    if let (Some(file), Some(load)) = (&args.record_load, &load) {
+        load.write(file)?;
+        println!("wrote the load statistics of {} ranks to {}", load.ranks.len(), file.display());
+    }
     println!(
         "{} layer {}: {t} tokens through {} experts (top-{}), {:.2} ms -> {}\n  {path}",
         ckpt.architecture()?.name(),

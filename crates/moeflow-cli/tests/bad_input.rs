@@ -263,7 +263,7 @@ fn strategy_auto_is_refused_where_it_cannot_choose() {
     let missing = dir.join("missing.json").display().to_string();
     assert_error(&with(&["--strategy", "auto", "--strategy-table", &missing]), &["reading --strategy-table"]);
     let bench = ["bench", "--preset", "olmoe-1b-7b", "--experts", "8", "--tokens", "4", "--ep", "2"];
-    assert_error(&moeflow(&[&bench[..], &["--calibrate", &t]].concat()), &["--calibrate times the strategies"]);
+    assert_error(&moeflow(&[&bench[..], &["--calibrate", &t]].concat()), &["--calibrate measures this CPU's ceilings"]);
 }
 
 #[test]

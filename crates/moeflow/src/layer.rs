@@ -6,12 +6,15 @@ use crate::backend::cpu::packed::PackedStack;
 use crate::config::{MoeConfig, MoeWeights};
 use crate::dispatch::{finalize_async, prepare_async, DispatchInput, Local, PrepareFinalize, Prepared};
 use crate::error::{check_finite, MoeError, Result};
-use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts, ReferenceExperts};
+use crate::experts::{BatchedInput, CpuExperts, ExpertInput, Experts};
+use crate::load_stats::LoadStats;
 use crate::router::{Router, TopK};
 use crate::tensor::Tensor;
 use crate::DType;
 use std::sync::Mutex;
 use std::time::Instant;
+
+mod rebalance;
 
 /// Which expert implementation a layer runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -48,6 +51,10 @@ pub struct LayerOptions {
     pub bf16_matmul: Bf16Matmul,
     /// Return outputs holding NaN or infinity instead of an error (default: false).
     pub allow_nonfinite: bool,
+    /// Keep this rank's expert weights as given beside the packed ones, so that
+    /// [`MoeLayer::rebalance`] can send them to other ranks (default: false; costs one more
+    /// copy of the rank's experts).
+    pub rebalanceable: bool,
 }
 
 impl Default for LayerOptions {
@@ -61,6 +68,7 @@ impl Default for LayerOptions {
             defer_input_quant: false,
             bf16_matmul: Bf16Matmul::Auto,
             allow_nonfinite: false,
+            rebalanceable: false,
         }
     }
 }
@@ -118,6 +126,10 @@ pub struct MoeLayer {
     allow_nonfinite: bool,
     /// One workspace per micro-batch.
     workspace: [Mutex<Workspace>; 2],
+    /// Tokens per logical expert of this rank's recent forward calls.
+    load: Mutex<LoadStats>,
+    /// What [`MoeLayer::rebalance`] rebuilds the experts from (rebalanceable layers only).
+    kept: Option<rebalance::KeptExperts>,
 }
 
 /// The result of a joined prepare thread.
@@ -142,15 +154,14 @@ impl MoeLayer {
             Some(ids) => weights.experts.select(&ids)?,
             None => weights.experts.clone(),
         };
-        let experts: Box<dyn Experts> = match options.experts {
-            ExpertsKind::Cpu => Box::new(
-                CpuExperts::new(&local, config.activation, options.bf16_matmul)?
-                    .with_input_quant(options.quant)
-                    .deferring_input_quant(options.defer_input_quant),
-            ),
-            ExpertsKind::Reference => Box::new(ReferenceExperts::new(&local, config.activation)?),
-            ExpertsKind::Cuda { device } => crate::backend::cuda::experts(&local, config.activation, device)?,
+        let recipe = rebalance::ExpertsRecipe {
+            kind: options.experts,
+            activation: config.activation,
+            quant: options.quant,
+            defer_input_quant: options.defer_input_quant,
+            bf16_matmul: options.bf16_matmul,
         };
+        let experts = recipe.build(&local)?;
         if experts.input_quant() != options.quant {
             return Err(MoeError::Config(format!(
                 "experts '{}' do not take {} input; quantized dispatch needs the cpu experts",
@@ -190,12 +201,27 @@ impl MoeLayer {
             chunk_size: options.chunk_size,
             allow_nonfinite: options.allow_nonfinite,
             workspace: Default::default(),
+            load: Mutex::new(LoadStats::new(e, crate::load_stats::DEFAULT_WINDOW)),
+            kept: options.rebalanceable.then_some(rebalance::KeptExperts { weights: local, recipe }),
         })
     }
 
     /// The layer's configuration.
     pub fn config(&self) -> &MoeConfig {
         &self.config
+    }
+
+    /// The same layer keeping the load statistics of the last `window` calls (default
+    /// [`crate::load_stats::DEFAULT_WINDOW`]).
+    pub fn with_load_window(self, window: usize) -> Self {
+        *lock(&self.load) = LoadStats::new(self.config.num_experts, window);
+        self
+    }
+
+    /// Tokens per logical expert of this rank's last forward calls (routed here, wherever
+    /// their experts run).
+    pub fn load_stats(&self) -> LoadStats {
+        lock(&self.load).clone()
     }
 
     /// Name of the dispatch strategy.
@@ -241,9 +267,14 @@ impl MoeLayer {
         let (topk, logits) = if self.strategy.routes_after_dispatch() {
             let logits = self.logits(x, tokens);
             crate::error::check_finite("router logits", &logits)?;
+            // The strategy routes every rank's tokens after the dispatch; this rank's own
+            // routing, for the load statistics, is a top-k over its logits.
+            lock(&self.load).record(&self.router.route(&logits, tokens)?.ids);
             (TopK { tokens, k: self.config.top_k, ids: vec![], weights: vec![] }, logits)
         } else {
-            (self.route_f32(x, tokens)?, Vec::new())
+            let topk = self.route_f32(x, tokens)?;
+            lock(&self.load).record(&topk.ids);
+            (topk, Vec::new())
         };
         times.route = t0.elapsed().as_secs_f64();
         let out = self.forward_batches(x, tokens, &topk, &logits, &mut times)?;
@@ -271,6 +302,7 @@ impl MoeLayer {
                 self.strategy.name()
             )));
         }
+        lock(&self.load).record(&topk.ids);
         let out = self.forward_batches(&x, tokens, topk, &[], &mut StageTimes::default())?;
         self.check_output(&out)?;
         Tensor::from_f32(&[tokens, self.config.hidden], out)

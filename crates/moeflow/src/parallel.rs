@@ -135,6 +135,9 @@ pub struct ParallelConfig {
     pub allow_nonfinite: bool,
     /// `--strategy auto`'s table (`None`: the built-in one for this EP size).
     pub auto: Option<crate::auto_strategy::AutoStrategy>,
+    /// Build layers that can take a new placement while running (CPU and host-staged layers
+    /// keep their experts' weights as given for it; see [`MoeLayer::rebalance`]).
+    pub rebalanceable: bool,
 }
 
 impl Default for ParallelConfig {
@@ -156,6 +159,7 @@ impl Default for ParallelConfig {
             bf16_matmul: crate::Bf16Matmul::Auto,
             allow_nonfinite: false,
             auto: None,
+            rebalanceable: false,
         }
     }
 }
@@ -280,6 +284,7 @@ impl ParallelConfig {
                 defer_input_quant: self.defer_input_quant,
                 bf16_matmul: self.bf16_matmul,
                 allow_nonfinite: self.allow_nonfinite,
+                rebalanceable: self.rebalanceable,
             },
         )
     }

@@ -101,6 +101,19 @@ impl ExpertPlacement {
         Self::from_slots(num_experts, file.ranks)
     }
 
+    /// The JSON form ([`ExpertPlacement::from_json_file`] reads it back).
+    pub fn to_file(&self) -> PlacementFile {
+        PlacementFile { num_experts: self.num_experts, ranks: self.slots.clone() }
+    }
+
+    /// Writes the JSON form to `path`.
+    pub fn write_json(&self, path: &std::path::Path) -> Result<()> {
+        let text = serde_json::to_string(&self.to_file())
+            .map_err(|e| MoeError::Json { context: "writing a placement".into(), source: e })?;
+        std::fs::write(path, text + "\n")
+            .map_err(|e| MoeError::Io { context: format!("writing placement {}", path.display()), source: e })
+    }
+
     /// Adds one replica of each `hot` expert on the next rank (cyclically) that lacks it.
     pub fn with_replicas(&self, hot: &[usize]) -> Result<Self> {
         let mut slots = self.slots.clone();
@@ -247,6 +260,8 @@ mod tests {
         std::fs::write(&dir, r#"{"num_experts": 3, "ranks": [[2, 0], [1, 2]]}"#).unwrap();
         let p = ExpertPlacement::from_json_file(&dir, 3, 2).unwrap();
         assert_eq!(p.local_experts(0), &[2, 0]);
+        p.write_json(&dir).unwrap();
+        assert_eq!(ExpertPlacement::from_json_file(&dir, 3, 2).unwrap(), p);
         assert!(ExpertPlacement::from_json_file(&dir, 3, 3).unwrap_err().to_string().contains("on 2 ranks"));
         std::fs::write(&dir, "{").unwrap();
         assert!(ExpertPlacement::from_json_file(&dir, 3, 2).unwrap_err().to_string().contains("parsing placement"));

@@ -134,6 +134,17 @@ impl Inner {
         }
     }
 
+    fn load_stats(&self) -> Result<crate::load_stats::LoadStats> {
+        match self {
+            Inner::Host(l) => Ok(l.load_stats()),
+            Inner::Device(l) => l.load_stats(),
+            Inner::DeviceDual(_) => {
+                Err(MoeError::Unsupported("load statistics of the dual-batch GPU layer (count each half)".into()))
+            }
+            Inner::TpSlice { inner, .. } => inner.load_stats(),
+        }
+    }
+
     fn device(&self) -> Option<&CudaMoeLayer> {
         match self {
             Inner::Device(l) => Some(l),
@@ -199,6 +210,30 @@ impl RankLayer {
     /// The layer's hidden size H.
     pub fn hidden(&self) -> usize {
         self.hidden
+    }
+
+    /// Tokens per logical expert of this rank's last forward calls (its own tokens, wherever
+    /// their experts run; with TP slicing, this TP rank's share).
+    pub fn load_stats(&self) -> Result<crate::load_stats::LoadStats> {
+        self.inner.load_stats()
+    }
+
+    /// Takes `placement` between forward calls, moving expert weights between the ranks
+    /// (collective; see [`MoeLayer::rebalance`]). CPU and host-staged layers built with
+    /// [`ParallelConfig::rebalanceable`]; device-resident GPU layers refuse it.
+    pub fn rebalance(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        match &mut self.inner {
+            Inner::Host(l) => l.rebalance(placement),
+            _ => Err(MoeError::Unsupported("live rebalancing of device-resident GPU layers".into())),
+        }
+    }
+
+    /// The placement this rank's layer follows (`None` on one rank, or a device layer).
+    pub fn placement(&self) -> Option<Arc<ExpertPlacement>> {
+        match &self.inner {
+            Inner::Host(l) => l.placement(),
+            _ => None,
+        }
     }
 
     /// One line naming the backend, the path and why, the strategy, layout and options.

@@ -1,56 +1,163 @@
-//! `bench --calibrate FILE`: every strategy `--strategy auto` chooses among, timed on this
-//! machine's GPUs at each `--tokens` count (the slowest rank's layer time, median of the
-//! runs), and the fastest per count written as the crossover table `--strategy-table` reads.
+//! `bench --calibrate FILE`: the ceilings `moeflow simulate` predicts from, measured on this
+//! machine's CPU with the bench's layer: the expert GEMM rate by rows per expert and the
+//! weight-streaming rate from the layer's own expert stage (the `--tokens` batches, one token),
+//! the router's rate, the fixed cost of a stage from a tiny layer, and the in-process ranks'
+//! exchange latency and rate (two ranks at the largest batch against one).
 
-use super::cuda::{time_rank, Timed};
 use super::BenchArgs;
 use crate::common::median;
-use moeflow::auto_strategy::AutoStrategy;
-use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
-use moeflow::{MoeError, RankLayerSpec, Result};
+use moeflow::comm::{run_ranks, CommExt, Communicator};
+use moeflow::parallel::{ParallelConfig, StrategyKind};
+use moeflow::simulate::Ceilings;
+use moeflow::{preset, DType, LayerOptions, MoeError, MoeLayer, Result, StageTimes, Tensor};
 use std::path::Path;
+use std::sync::Arc;
+use std::time::Instant;
 
-/// Times each candidate strategy, prints their times and the table, and writes it to `file`.
-pub(super) fn calibrate(args: &BenchArgs, host: &RankHost, file: &Path) -> Result<()> {
+/// Median stage times of `runs` forwards of `t` tokens (after a warm-up).
+fn stages(layer: &MoeLayer, t: usize, h: usize, runs: usize) -> Result<(f64, StageTimes)> {
+    let x = Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, 17 ^ t as u64))?;
+    layer.forward(&x)?;
+    let mut all = Vec::new();
+    for _ in 0..runs {
+        let start = Instant::now();
+        let (_, st) = layer.forward_profiled(&x)?;
+        all.push((start.elapsed().as_secs_f64(), st));
+    }
+    let med = |f: fn(&(f64, StageTimes)) -> f64| median(&all.iter().map(f).collect::<Vec<_>>());
+    Ok((
+        med(|a| a.0),
+        StageTimes {
+            route: med(|a| a.1.route),
+            prepare: med(|a| a.1.prepare),
+            experts: med(|a| a.1.experts),
+            finalize: med(|a| a.1.finalize),
+            shared: med(|a| a.1.shared),
+        },
+    ))
+}
+
+/// Median seconds of an all-to-all of `bytes` per peer between two in-process ranks.
+fn exchange(bytes: usize, runs: usize) -> Result<f64> {
+    let times = run_ranks(2, None, |comm| {
+        let mut t = Vec::new();
+        for _ in 0..runs {
+            let parts = vec![vec![1u8; bytes]; 2];
+            comm.barrier()?;
+            let start = Instant::now();
+            comm.all_to_all_v("calibrate", parts)?;
+            let all = comm.all_gather_vec("calibrate.time", &[start.elapsed().as_secs_f64()])?;
+            t.push(all.iter().map(|v| v[0]).fold(0.0, f64::max));
+        }
+        Ok(median(&t))
+    });
+    times.into_iter().next().ok_or_else(|| MoeError::Config("no ranks".into()))?
+}
+
+/// Median seconds of a forward of `t` tokens per rank on two in-process all-to-all-v ranks.
+fn two_ranks(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    weights: &moeflow::MoeWeights,
+    t: usize,
+    runs: usize,
+) -> Result<f64> {
+    let par =
+        ParallelConfig { bf16_matmul: args.parallel.bf16_matmul, ..ParallelConfig::new(2, 1, StrategyKind::All2AllV) };
+    let placement = Arc::new(par.placement(config.num_experts)?);
+    let h = config.hidden;
+    let times = run_ranks(2, None, |comm| {
+        let layer = par.layer(comm, placement.clone(), config, weights, moeflow::ExpertsKind::Cpu, None)?;
+        let x = Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, 23 + comm.rank() as u64))?;
+        layer.forward(&x)?;
+        let mut all = Vec::new();
+        for _ in 0..runs {
+            comm.barrier()?;
+            let start = Instant::now();
+            layer.forward(&x)?;
+            let slowest = comm.all_gather_vec("calibrate.time", &[start.elapsed().as_secs_f64()])?;
+            all.push(slowest.iter().map(|v| v[0]).fold(0.0, f64::max));
+        }
+        Ok(median(&all))
+    });
+    times.into_iter().next().ok_or_else(|| MoeError::Config("no ranks".into()))?
+}
+
+/// Measures the ceilings with the bench's layer at its `--tokens` (one rank: the expert GEMM
+/// rate at each batch's rows per expert, the weight-streaming rate at one token, the router's
+/// rate at the largest; two in-process ranks at the largest batch: the exchange's rate) and
+/// writes them to `path`.
+pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     let (p, config) = args.layer.config()?;
-    let cuda = crate::cuda_args::cuda_options(false)?;
-    let base = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
-    let rank0 = host.launched_rank().is_none_or(|r| r == 0);
-    let mut measured = Vec::new();
-    let mut gpu = String::new();
-    if rank0 {
-        println!(
-            "moeflow bench --calibrate: {} on {} GPUs, {} experts; slowest rank's layer ms (median)",
-            p.name, base.ep, config.num_experts
-        );
-        println!("{:>18} {}", "strategy", args.tokens.iter().map(|t| format!("{t:>9}")).collect::<String>());
+    let weights = args.layer.weights(&config)?;
+    let options = LayerOptions { bf16_matmul: args.parallel.bf16_matmul, ..Default::default() };
+    let layer = MoeLayer::new(&config, &weights, options)?;
+    let (h, i, e, k) = (config.hidden, config.inter, config.num_experts, config.top_k);
+    let runs = args.min_runs.max(3);
+    let mut sizes = args.tokens.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    sizes.retain(|&t| t > 1);
+    let big = *sizes.last().ok_or_else(|| MoeError::Config("--calibrate needs a --tokens count above 1".into()))?;
+    let call = exchange(8, 200)?;
+    let mut gemm_curve = Vec::new();
+    let mut link_curve = Vec::new();
+    let mut big_route = 0.0;
+    for &t in &sizes {
+        let (total, st) = stages(&layer, t, h, runs)?;
+        // Uniform routing spreads t·k rows over the experts.
+        let rows = (t * k) as f64 / e.min(t * k) as f64;
+        gemm_curve.push((rows, config.expert_flops(t) / st.experts / 1e9));
+        big_route = st.route;
+        // Two ranks on these cores compute twice one rank's batch; the rest is the exchange
+        // of f32 rows out (half of each token's k rows leave) and back.
+        let ep2 = two_ranks(args, &config, &weights, t, runs)?;
+        let per_peer = (t * k * h * 4) as f64 / 2.0;
+        let exchange_s = (ep2 - 2.0 * total - 4.0 * call).max(1e-6);
+        link_curve.push((per_peer, 2.0 * per_peer / exchange_s / 1e9));
     }
-    for strategy in AutoStrategy::CANDIDATES {
-        let par = ParallelConfig { strategy, ..base.clone() };
-        let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
-            let spec =
-                RankLayerSpec { cuda: cuda.clone(), ..RankLayerSpec::random_on_device(&config, args.layer.seed) };
-            let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
-            let name = layer.0.device_layer().map(|l| l.device_name()).unwrap_or_default();
-            Ok((time_rank(args, &layer, comm, false)?, name))
-        });
-        let mut mine = None;
-        for (_, r) in results {
-            mine.get_or_insert(r?);
-        }
-        let (per_t, name) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
-        gpu = name;
-        let ms: Vec<f64> = per_t.iter().map(|(slowest, _)| median(slowest)).collect();
-        if rank0 {
-            println!("{:>18} {}", strategy.name(), ms.iter().map(|m| format!("{m:>9.3}")).collect::<String>());
-        }
-        measured.extend(args.tokens.iter().zip(ms).map(|(&t, m)| (t, strategy, m)));
-    }
-    let table = AutoStrategy::from_measurements(&format!("{} x {gpu}, {}", base.ep, p.name), &measured)?;
-    if rank0 {
-        std::fs::write(file, table.to_json() + "\n")
-            .map_err(|e| MoeError::Config(format!("writing {}: {e}", file.display())))?;
-        println!("auto: {}; wrote {}", table.describe(), file.display());
-    }
+    let (_, one) = stages(&layer, 1, h, runs)?;
+    let weight_bytes = args.layer.dtype.size_in_bytes() as f64;
+    // One token reads its k experts' weights; its FLOPs are negligible beside them.
+    let mem_gbps = (k.min(e) * 3 * h * i) as f64 * weight_bytes / one.experts / 1e9;
+    let router_gflops = (2 * big * h * e) as f64 / big_route / 1e9;
+    // A stage's fixed cost: a tiny layer's forward over its five stages.
+    let mut tiny_config = config.with_num_experts(8.min(e).max(k))?;
+    (tiny_config.hidden, tiny_config.inter, tiny_config.shared) = (64, 32, None);
+    let tiny = MoeLayer::new(&tiny_config, &preset::random_weights(&tiny_config, DType::F32, 1), Default::default())?;
+    let (tiny_total, _) = stages(&tiny, 1, 64, runs.max(50))?;
+    let c = Ceilings {
+        name: format!("this CPU ({} threads), {} {}", rayon::current_num_threads(), p.name, args.layer.dtype),
+        gemm_gflops: gemm_curve.last().map_or(0.0, |g| g.1),
+        gemm_curve,
+        router_gflops,
+        mem_gbps,
+        launch_us: tiny_total / 5.0 * 1e6,
+        intra_gbps: link_curve.last().map_or(0.0, |l| l.1),
+        link_curve,
+        intra_latency_us: 0.0,
+        inter_gbps: 1.0,
+        inter_latency_us: 0.0,
+        call_us: call / 2.0 * 1e6,
+        shared_device: true,
+        rows_per_rank: false,
+    };
+    let curve: Vec<String> = c.gemm_curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect();
+    let links: Vec<String> = c.link_curve.iter().map(|(b, g)| format!("{g:.2} at {:.1} MB", b / 1e6)).collect();
+    println!(
+        "calibration: expert GEMMs GFLOP/s by rows per expert: {}; weights streamed at {:.1} GB/s (one token); \
+         router {:.1} GFLOP/s; stage {:.1} µs; exchange {:.1} µs a call, GB/s by bytes per peer: {}",
+        curve.join(", "),
+        c.mem_gbps,
+        c.router_gflops,
+        c.launch_us,
+        c.call_us,
+        links.join(", ")
+    );
+    let text =
+        serde_json::to_string_pretty(&c).map_err(|e| MoeError::Json { context: "ceilings".into(), source: e })?;
+    std::fs::write(path, text)
+        .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
+    println!("wrote the ceilings to {}", path.display());
     Ok(())
 }

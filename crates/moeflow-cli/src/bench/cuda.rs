@@ -169,16 +169,23 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             copy_gbps
         );
     }
+    let skewed = skewed_weights(args, &config)?;
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
     let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
         let spec = RankLayerSpec {
             cuda: cuda.clone(),
             fp8_experts: fp8,
             fp8_rows: rows8,
-            ..RankLayerSpec::random_on_device(&config, args.layer.seed)
+            ..weight_source(&config, skewed.as_ref(), args.layer.seed)
         };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let per_t = time_rank(args, &layer, comm, capacity.is_some())?;
+        if let Some(path) = &args.record_load {
+            let record = moeflow::LoadRecord::gather(&config, comm, &layer.0.load_stats()?)?;
+            if comm.rank() == 0 {
+                super::write_load(path, &record)?;
+            }
+        }
         Ok((per_t, layer.0.describe().to_string()))
     });
     bar0.finish_and_clear();
@@ -348,6 +355,27 @@ impl EpTable<'_> {
     }
 }
 
+/// With `--skew`: the random weights generated on the host with the skew's router bias (the
+/// device generator takes no bias), else `None`.
+fn skewed_weights(args: &BenchArgs, config: &moeflow::MoeConfig) -> Result<Option<moeflow::MoeWeights>> {
+    if args.layer.skew.skew.is_none() {
+        return Ok(None);
+    }
+    args.layer.weights(config).map(Some)
+}
+
+/// The layer's weights: `skewed` ones from the host, else generated on the device from `seed`.
+fn weight_source<'a>(
+    config: &'a moeflow::MoeConfig,
+    skewed: Option<&'a moeflow::MoeWeights>,
+    seed: u64,
+) -> RankLayerSpec<'a> {
+    match skewed {
+        Some(w) => RankLayerSpec::new(config, w),
+        None => RankLayerSpec::random_on_device(config, seed),
+    }
+}
+
 /// `bench --backend cuda`: CUDA-event stage times (medians), TFLOP/s, HBM GB/s, and the
 /// fraction of the floor (FLOPs at the measured GEMM rate, bytes at the measured copy rate).
 pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
@@ -357,13 +385,14 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
     let rows8 = gpu_fp8_rows(args.parallel.quant, fp8)?;
+    let skewed = skewed_weights(args, &config)?;
     let bar0 = spinner("generating weights on the GPU".into());
     let par = args.parallel.config(1)?;
     let spec = RankLayerSpec {
         cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
         fp8_experts: fp8,
         fp8_rows: rows8,
-        ..RankLayerSpec::random_on_device(&config, args.layer.seed)
+        ..weight_source(&config, skewed.as_ref(), args.layer.seed)
     };
     let gpu = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
@@ -451,6 +480,9 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
             comm_gbps: None,
             bf16_matmul: None,
         });
+    }
+    if let Some(path) = &args.record_load {
+        super::write_load(path, &moeflow::LoadRecord::from_ranks(&config, vec![gpu.0.load_stats()?]))?;
     }
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
     if let Some(path) = &args.json {

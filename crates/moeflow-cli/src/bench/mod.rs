@@ -5,6 +5,7 @@
 //! them, [`plot`] the SVG plots drawn from the records.
 
 mod calibrate;
+mod calibrate_strategies;
 mod cuda;
 pub mod plot;
 mod records;
@@ -21,7 +22,7 @@ use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
 use moeflow::quant::QuantConfig;
 use moeflow::rank_layer::{gpu_path, GpuPath};
-use moeflow::{preset, DType, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor};
+use moeflow::{preset, DType, LoadRecord, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -62,8 +63,16 @@ pub struct BenchArgs {
     /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
     #[arg(long)]
     torch_baseline: bool,
-    /// With --backend cuda and --ep > 1: time every strategy `--strategy auto` chooses among
-    /// at each --tokens count and write the crossovers to this file, for `--strategy-table`.
+    /// Write every rank's tokens per logical expert over its last 64 forward calls (the load
+    /// statistics) as JSON to this file, the input of `moeflow eplb --load`.
+    #[arg(long)]
+    record_load: Option<PathBuf>,
+    /// Instead of the table, calibrate this machine and write JSON to this file. On one CPU
+    /// rank: its ceilings with the layer (the expert GEMM rate at the largest --tokens, the
+    /// weight-streaming rate at one token, the router's rate, a stage's fixed cost, the
+    /// in-process exchange) for `moeflow simulate --ceilings FILE`. With --backend cuda and
+    /// --ep 2 or more: every strategy `--strategy auto` chooses among, timed at each --tokens
+    /// count, and the crossovers for `--strategy-table FILE`.
     #[arg(long)]
     calibrate: Option<PathBuf>,
     /// Whether `json` is a scratch file for the plot rather than the user's.
@@ -138,6 +147,16 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
+    if let (Some(path), false) = (&args.calibrate, gpu) {
+        if args.parallel.ep != 1 {
+            return Err(MoeError::Config(
+                "--calibrate measures this CPU's ceilings on one rank, or the strategies of --backend cuda with --ep 2 \
+                 or more"
+                    .into(),
+            ));
+        }
+        return calibrate::calibrate(&args, path);
+    }
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     if args.torch_baseline {
         check_torch_baseline(&args, gpu, &host)?;
@@ -175,12 +194,14 @@ fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
         gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && lowlatency && !args.host_staged)?;
     }
     if let Some(file) = &args.calibrate {
-        if !gpu || args.parallel.ep < 2 {
+        if args.parallel.ep < 2 {
             return Err(MoeError::Config(
-                "--calibrate times the strategies of --backend cuda with --ep 2 or more".into(),
+                "--calibrate measures this CPU's ceilings on one rank, or the strategies of --backend cuda with --ep 2 \
+                 or more (GPU ceilings: simulate --ceilings h100)"
+                    .into(),
             ));
         }
-        return calibrate::calibrate(args, host, file);
+        return calibrate_strategies::calibrate(args, host, file);
     }
     if gpu && !args.host_staged {
         let par = args.parallel.config(1)?;
@@ -359,7 +380,17 @@ fn measure_one_rank(
             Ok((started.elapsed().as_secs_f64(), st, 0))
         })?);
     }
+    if let Some(path) = &args.record_load {
+        write_load(path, &LoadRecord::from_ranks(&s.config, vec![layer.load_stats()]))?;
+    }
     Ok((measured, errors))
+}
+
+/// Writes `record` to `path` and says so.
+pub(crate) fn write_load(path: &std::path::Path, record: &LoadRecord) -> Result<()> {
+    record.write(path)?;
+    println!("wrote the load statistics of {} ranks to {}", record.ranks.len(), path.display());
+    Ok(())
 }
 
 /// The largest difference between `got` and `want` relative to the largest `|want|`.
@@ -388,6 +419,12 @@ fn measure_ranks(args: &BenchArgs, s: &Setup, weights: &MoeWeights, host: &RankH
                 let all = comm.all_gather_vec("bench.time", &[started.elapsed().as_secs_f64()])?;
                 Ok((all.iter().map(|v| v[0]).fold(0.0, f64::max), st, layer.bytes_moved()))
             })?);
+        }
+        if let Some(path) = &args.record_load {
+            let record = LoadRecord::gather(&s.config, comm, &layer.load_stats())?;
+            if comm.rank() == 0 {
+                write_load(path, &record)?;
+            }
         }
         Ok(out)
     });

@@ -149,6 +149,11 @@ pub mod cuda {
         pub fn forward(&self, _hidden: &Tensor) -> Result<Tensor> {
             Err(missing())
         }
+
+        /// Always an error without the feature.
+        pub fn load_stats(&self) -> Result<crate::load_stats::LoadStats> {
+            Err(missing())
+        }
         /// Unreachable without the feature.
         pub fn allow_nonfinite(self, _allow: bool) -> Self {
             self

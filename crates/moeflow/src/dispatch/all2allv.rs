@@ -40,6 +40,12 @@ impl All2AllV {
 }
 
 impl PrepareFinalize for All2AllV {
+    fn ep(&self) -> Option<&Ep> {
+        Some(&self.ep)
+    }
+    fn ep_mut(&mut self) -> Option<&mut Ep> {
+        Some(&mut self.ep)
+    }
     fn name(&self) -> &'static str {
         "all2allv"
     }

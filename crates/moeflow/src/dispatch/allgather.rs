@@ -73,6 +73,12 @@ fn gather_padded<T: bytemuck::Pod>(
 }
 
 impl PrepareFinalize for AllGather {
+    fn ep(&self) -> Option<&Ep> {
+        Some(&self.ep)
+    }
+    fn ep_mut(&mut self) -> Option<&mut Ep> {
+        Some(&mut self.ep)
+    }
     fn name(&self) -> &'static str {
         match self.payload {
             Payload::TopK => "allgather",

@@ -75,6 +75,12 @@ fn message_len(m: usize, k: usize, row_words: usize, scales: usize, extras: &[Ex
 }
 
 impl PrepareFinalize for LowLatency {
+    fn ep(&self) -> Option<&Ep> {
+        Some(&self.ep)
+    }
+    fn ep_mut(&mut self) -> Option<&mut Ep> {
+        Some(&mut self.ep)
+    }
     fn name(&self) -> &'static str {
         "lowlatency"
     }

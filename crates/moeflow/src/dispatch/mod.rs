@@ -146,6 +146,16 @@ pub trait PrepareFinalize: Send + Sync {
     fn bytes_moved(&self) -> usize {
         0
     }
+    /// The expert-parallel group and placement this strategy dispatches over (`None`: one
+    /// rank holding every expert).
+    fn ep(&self) -> Option<&Ep> {
+        None
+    }
+    /// [`PrepareFinalize::ep`], to change the placement between forward calls (live
+    /// rebalancing: the layer moves the weights first).
+    fn ep_mut(&mut self) -> Option<&mut Ep> {
+        None
+    }
 }
 
 /// `hidden [T, H]` with each row multiplied by its (single) router weight.

@@ -40,6 +40,12 @@ fn multicast<T: bytemuck::Pod>(comm: &dyn Communicator, op: &str, data: &[T]) ->
 }
 
 impl PrepareFinalize for Multicast {
+    fn ep(&self) -> Option<&Ep> {
+        Some(&self.ep)
+    }
+    fn ep_mut(&mut self) -> Option<&mut Ep> {
+        Some(&mut self.ep)
+    }
     fn name(&self) -> &'static str {
         "multicast"
     }

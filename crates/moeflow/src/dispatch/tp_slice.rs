@@ -77,6 +77,12 @@ fn owned(p: Prepared<'_>) -> Prepared<'static> {
 }
 
 impl PrepareFinalize for TpSlice {
+    fn ep(&self) -> Option<&super::Ep> {
+        self.inner.ep()
+    }
+    fn ep_mut(&mut self) -> Option<&mut super::Ep> {
+        self.inner.ep_mut()
+    }
     fn name(&self) -> &'static str {
         self.inner.name()
     }

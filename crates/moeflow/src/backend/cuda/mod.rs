@@ -7,6 +7,7 @@ mod ceiling;
 mod experts;
 mod finite;
 mod layer;
+mod load_stats;
 mod nccl;
 mod quant;
 mod watchdog;
@@ -47,7 +48,8 @@ const KERNELS: &str = concat!(
     include_str!("kernels/low_latency.cu"),
     include_str!("kernels/masked_gemm.cu"),
     include_str!("kernels/grouped_gemm_sm90.cu"),
-    include_str!("kernels/finite.cu")
+    include_str!("kernels/finite.cu"),
+    include_str!("kernels/load_stats.cu")
 );
 
 /// A CUDA error while doing `what`; running out of device memory gets its own error.

@@ -168,6 +168,8 @@ pub struct CudaMoeLayer {
     auto: Option<std::sync::Arc<crate::auto_strategy::AutoStrategy>>,
     /// Return outputs holding NaN or infinity instead of an error (see `finite`).
     allow_nonfinite: bool,
+    /// Tokens per logical expert of the last calls, counted on the device (`load_stats.rs`).
+    pub(in crate::backend::cuda) load: super::load_stats::DeviceLoadStats,
 }
 
 fn bf16_bits(t: &Tensor) -> Vec<u16> {
@@ -265,6 +267,7 @@ impl CudaMoeLayer {
         let opts = &Self::effective_options(config, &k, opts)?;
         Ok(CudaMoeLayer {
             side: SideStreams::new(&gpu, opts)?,
+            load: super::load_stats::DeviceLoadStats::new(&gpu, config.num_experts)?,
             gpu,
             grouped: opts.expert_gemm == ExpertGemm::Grouped,
             masked: masked_gemm::masked_gemm_fits(config, opts.low_latency_gemm),
@@ -730,6 +733,7 @@ impl CudaMoeLayer {
         if t > 0 {
             self.route(b, t)?;
         }
+        self.load.record(dptr(&b.ids, g), t * self.config.top_k)?;
         mark(1)?;
         if t > 0 {
             self.shared_on_side_stream(b, t)?;

@@ -1,0 +1,43 @@
+//! Load statistics counted on the device by the GPU layer, against the CPU layer's routing.
+//! Needs the `cuda` feature and a GPU: without a GPU the test prints SKIPPED and checks nothing.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::*;
+use moeflow::backend::cuda::CudaMoeLayer;
+use moeflow::{preset, Activation, DType, MoeLayer, RouterConfig};
+
+#[test]
+fn the_device_counts_each_calls_routing_into_its_window() {
+    let config = small_config(256, 128, 32, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 3);
+    let gpu = match CudaMoeLayer::new(&config, &weights, &Default::default()) {
+        Ok(l) => l,
+        Err(e) if e.to_string().contains("no CUDA driver") || e.to_string().contains("device 0 requested") => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let cpu = MoeLayer::new(&config, &weights, Default::default()).unwrap();
+    // Small batches replay CUDA graphs: the counts must still land in successive rows.
+    let sizes: Vec<usize> = (0..70).map(|i| [1, 3, 64, 300, 1][i % 5]).collect();
+    let mut want = Vec::new();
+    for (i, &t) in sizes.iter().enumerate() {
+        let (_, x) = hidden(t, 256, 100 + i as u64);
+        gpu.forward(&x).unwrap();
+        let mut c = vec![0u64; 32];
+        cpu.route(&x).unwrap().ids.iter().for_each(|&e| c[e as usize] += 1);
+        want.push(c);
+    }
+    let stats = gpu.load_stats().unwrap();
+    assert_eq!(stats.calls_seen, 70);
+    assert_eq!(stats.calls.len(), moeflow::load_stats::DEFAULT_WINDOW);
+    for (got, (want, &t)) in stats.calls.iter().zip(want.iter().zip(&sizes).skip(70 - stats.calls.len())) {
+        assert_eq!(got.iter().sum::<u64>(), (t * 4) as u64);
+        // bf16 rows may flip a near-tie between the GPU's and the CPU's choice.
+        let moved: u64 = got.iter().zip(want).map(|(a, b)| a.abs_diff(*b)).sum();
+        assert!(moved <= 2 + (t as u64) / 50, "{t} tokens: {got:?} vs {want:?}");
+    }
+}
