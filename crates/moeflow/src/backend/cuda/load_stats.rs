@@ -42,23 +42,29 @@ impl DeviceLoadStats {
     }
 
     /// Enqueues the count of one call's `n` logical ids at device address `ids` on the layer's
-    /// stream (`n` may be 0: the call is counted with no tokens).
-    pub fn record(&self, ids: u64, n: usize) -> Result<()> {
+    /// stream (`n` may be 0: the call is counted with no tokens). With `live` (a device int,
+    /// the batch size of a low-latency layer, whose routing covers its whole capacity) only the
+    /// first `live · k` ids count.
+    pub fn record(&self, ids: u64, n: usize, live: Option<(u64, usize)>) -> Result<()> {
         let (ni, ei, wi) = (n as i32, self.num_experts as i32, self.window as i32);
+        let (live_ptr, ki) = live.map_or((0u64, 0i32), |(p, k)| (p, k as i32));
         let (rows, calls) = (dptr(&self.rows, &self.stream), dptr(&self.calls, &self.stream));
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (1024, 1, 1),
             shared_mem_bytes: (4 * self.num_experts) as u32,
         };
-        // SAFETY: count_expert_load(int*, int, int, unsigned*, int, unsigned long long*) reads n
-        // ids at `ids` (a buffer of the layer's top-k, sized for the batch), writes one row of
-        // `rows` ([window, E]) and the counter; E ≤ 4096 bins fit the shared memory asked for.
+        // SAFETY: count_expert_load(int*, int, int*, int, int, unsigned*, int, unsigned long
+        // long*) reads n ids at `ids` (a buffer of the layer's top-k, sized for the batch) and
+        // the live batch size when given, writes one row of `rows` ([window, E]) and the
+        // counter; E ≤ 4096 bins fit the shared memory asked for.
         unsafe {
             self.stream
                 .launch_builder(&self.count)
                 .arg(&ids)
                 .arg(&ni)
+                .arg(&live_ptr)
+                .arg(&ki)
                 .arg(&ei)
                 .arg(&rows)
                 .arg(&wi)

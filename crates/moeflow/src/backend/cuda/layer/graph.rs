@@ -211,7 +211,7 @@ impl CudaMoeLayer {
         if b.graphs.workspaces.is_empty() {
             b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
         }
-        self.run(b, t, false)?;
+        self.warm_up(b, t)?;
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
         match self.capture_layer(b, t) {
             Ok(graph) => {

@@ -125,7 +125,7 @@ impl CudaMoeLayer {
         if b.ll.as_ref().expect("allocated by low_latency()").graph.is_none() {
             // A direct run first: NCCL connects its peers, cuBLAS picks its kernels, the
             // modules load, none of which may happen inside a capture.
-            self.run(b, m, false)?;
+            self.warm_up(b, m)?;
             let graph = self.capture_layer(b, m)?;
             b.ll.as_mut().expect("allocated").graph = Some(graph);
         }

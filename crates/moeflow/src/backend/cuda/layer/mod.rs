@@ -170,6 +170,8 @@ pub struct CudaMoeLayer {
     allow_nonfinite: bool,
     /// Tokens per logical expert of the last calls, counted on the device (`load_stats.rs`).
     pub(in crate::backend::cuda) load: super::load_stats::DeviceLoadStats,
+    /// Set during the direct run before a graph's capture (see [`CudaMoeLayer::warm_up`]).
+    warming_up: std::sync::atomic::AtomicBool,
 }
 
 fn bf16_bits(t: &Tensor) -> Vec<u16> {
@@ -268,6 +270,7 @@ impl CudaMoeLayer {
         Ok(CudaMoeLayer {
             side: SideStreams::new(&gpu, opts)?,
             load: super::load_stats::DeviceLoadStats::new(&gpu, config.num_experts)?,
+            warming_up: std::sync::atomic::AtomicBool::new(false),
             gpu,
             grouped: opts.expert_gemm == ExpertGemm::Grouped,
             masked: masked_gemm::masked_gemm_fits(config, opts.low_latency_gemm),
@@ -650,6 +653,17 @@ impl CudaMoeLayer {
         self.run_marks(b, t, timed, &no_hook).map(|(times, _)| times)
     }
 
+    /// [`CudaMoeLayer::run`] before a graph's capture (modules load, cuBLAS picks its kernels,
+    /// NCCL connects): its routing is not counted in the load statistics, since the graph's
+    /// first replay runs the same call.
+    fn warm_up(&self, b: &mut Buffers, t: usize) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        self.warming_up.store(true, Ordering::Relaxed);
+        let ran = self.run(b, t, false);
+        self.warming_up.store(false, Ordering::Relaxed);
+        ran.map(|_| ())
+    }
+
     /// [`CudaMoeLayer::run`], calling `hook` at every stage boundary (after its event) and
     /// also returning the first and last events when timed.
     fn run_marks(
@@ -733,7 +747,12 @@ impl CudaMoeLayer {
         if t > 0 {
             self.route(b, t)?;
         }
-        self.load.record(dptr(&b.ids, g), t * self.config.top_k)?;
+        // A direct run before a graph's capture computes what the graph's first replay computes
+        // again: that call's routing is counted once, by the replay.
+        if !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
+            let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
+            self.load.record(dptr(&b.ids, g), t * self.config.top_k, live)?;
+        }
         mark(1)?;
         if t > 0 {
             self.shared_on_side_stream(b, t)?;
