@@ -15,25 +15,34 @@ use crate::error::Result;
 use cudarc::driver::CudaSlice;
 use cudarc::nccl::sys as nc;
 
-/// The collectives one gathering strategy moves its rows with; [`DevicePrepareFinalize`]
-/// comes with them.
+/// The collectives one gathering strategy moves its rows with (by default all-gather out,
+/// reduce-scatter back); [`DevicePrepareFinalize`] comes with them.
 pub(in crate::backend::cuda::layer) trait GatherForm: Send + Sync {
     /// Name on the command line.
     const NAME: &'static str;
     /// Router logits travel in place of ids and weights, and every rank routes every token.
     const LOGITS: bool = false;
+
     /// Enqueues on `cs`: `bytes` at `src` on each of the `n` ranks into `dst`, rank `r`'s at
     /// `dst + r · bytes`.
     fn gather(
         src: u64,
         dst: u64,
         bytes: usize,
-        n: usize,
+        _n: usize,
         comm: nc::ncclComm_t,
         cs: nc::cudaStream_t,
-    ) -> nc::ncclResult_t;
+    ) -> nc::ncclResult_t {
+        // SAFETY: `bytes` from every rank into n · bytes at `dst` (root r's at r · bytes); the
+        // buffers were sized for the group's largest batch.
+        unsafe { nc::ncclAllGather(src as _, dst as _, bytes, nc::ncclDataType_t::ncclUint8, comm, cs) }
+    }
+
     /// Where this rank's `rows` summed rows of `h` land: `back`, or inside `part`.
-    fn landing(part: u64, back: u64, rows: usize, h: usize, rank: usize) -> u64;
+    fn landing(_part: u64, back: u64, _rows: usize, _h: usize, _rank: usize) -> u64 {
+        back
+    }
+
     /// Enqueues on `cs` the sum over the `n` ranks of the `n · rows` bf16 rows of `h` at
     /// `part`, this rank's `rows` sums landing where [`GatherForm::landing`] says.
     fn sum(
@@ -41,10 +50,14 @@ pub(in crate::backend::cuda::layer) trait GatherForm: Send + Sync {
         back: u64,
         rows: usize,
         h: usize,
-        n: usize,
+        _n: usize,
         comm: nc::ncclComm_t,
         cs: nc::cudaStream_t,
-    ) -> nc::ncclResult_t;
+    ) -> nc::ncclResult_t {
+        let (bf16, sum) = (nc::ncclDataType_t::ncclBfloat16, nc::ncclRedOp_t::ncclSum);
+        // SAFETY: n · rows bf16 rows of h in; this rank's rows out, into `back`, sized for them.
+        unsafe { nc::ncclReduceScatter(part as _, back as _, rows * h, bf16, sum, comm, cs) }
+    }
 }
 
 /// What the halves share.
