@@ -104,7 +104,14 @@ pub trait CommExt: Communicator {
     }
     /// All-to-all of typed parts.
     fn all_to_all_vec<T: Pod>(&self, op: &str, parts: Vec<Vec<T>>) -> Result<Vec<Vec<T>>> {
-        let parts = parts.into_iter().map(|p| bytemuck::cast_slice(&p).to_vec()).collect();
+        // Byte parts travel as they are; others as a copy of their bytes.
+        let parts = parts
+            .into_iter()
+            .map(|p| {
+                bytemuck::allocation::try_cast_vec::<T, u8>(p)
+                    .unwrap_or_else(|(_, p)| bytemuck::cast_slice(&p).to_vec())
+            })
+            .collect();
         Ok(self.all_to_all_v(op, parts)?.into_iter().map(|b| from_bytes(&b)).collect())
     }
     /// Broadcast of a typed slice.

@@ -70,11 +70,16 @@ impl PrepareFinalize for All2AllV {
         let received: Vec<usize> =
             c.all_to_all_vec("all2allv.split_sizes", send_counts)?.into_iter().map(|v| v[0] as usize).collect();
         let (rb, sp) = (rows.config.row_bytes(h), rows.config.scales_per_row(h));
+        // Each destination's rows copied whole, one slice a slot.
         let part_rows = |d: usize| -> Vec<u8> {
-            sent[d].iter().flat_map(|&s| rows.data[(s / k) * rb..(s / k + 1) * rb].iter().copied()).collect()
+            let mut part = Vec::with_capacity(sent[d].len() * rb);
+            sent[d].iter().for_each(|&s| part.extend_from_slice(&rows.data[(s / k) * rb..(s / k + 1) * rb]));
+            part
         };
         let part_scales = |d: usize| -> Vec<f32> {
-            sent[d].iter().flat_map(|&s| rows.scales[(s / k) * sp..(s / k + 1) * sp].iter().copied()).collect()
+            let mut part = Vec::with_capacity(sent[d].len() * sp);
+            sent[d].iter().for_each(|&s| part.extend_from_slice(&rows.scales[(s / k) * sp..(s / k + 1) * sp]));
+            part
         };
         let got_rows = c.all_to_all_vec("all2allv.rows", (0..n).map(part_rows).collect())?;
         let got_scales = c.all_to_all_vec("all2allv.scales", (0..n).map(part_scales).collect())?;
