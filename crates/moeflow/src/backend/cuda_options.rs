@@ -52,6 +52,40 @@ impl ExpertGemm {
     pub fn allows_hopper(self) -> bool {
         matches!(self, ExpertGemm::Auto | ExpertGemm::Hopper)
     }
+
+    /// How cuBLAS takes `rows` rows over experts of `counts` rows each (read on the host), when
+    /// no GEMM that reads the sizes on the device runs: padded to the largest expert with
+    /// [`ExpertGemm::Padded`], or by default when that at most doubles the rows at up to 192
+    /// rows an expert; otherwise grouped, in one call ([`ExpertGemm::Grouped`]) or one GEMM per
+    /// expert.
+    pub fn cublas_layout(self, rows: usize, counts: &[usize]) -> CublasLayout {
+        let experts = counts.len().max(1);
+        let max = counts.iter().copied().max().unwrap_or(0);
+        let padded = match self {
+            ExpertGemm::Padded => true,
+            ExpertGemm::Auto | ExpertGemm::Cublas => rows / experts <= 192,
+            ExpertGemm::Loop | ExpertGemm::Grouped | ExpertGemm::Hopper => false,
+        };
+        match self {
+            _ if padded && max > 0 && experts * max <= 2 * rows => CublasLayout::Padded { cap: max },
+            ExpertGemm::Grouped => CublasLayout::Grouped,
+            _ => CublasLayout::PerExpert,
+        }
+    }
+}
+
+/// How cuBLAS runs the experts of a batch (see [`ExpertGemm::cublas_layout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CublasLayout {
+    /// Every expert padded to `cap` rows, one strided-batched GEMM.
+    Padded {
+        /// Rows per expert.
+        cap: usize,
+    },
+    /// The grouped rows in one grouped call.
+    Grouped,
+    /// The grouped rows, one GEMM per expert over the side streams.
+    PerExpert,
 }
 
 impl FromStr for ExpertGemm {
@@ -241,6 +275,26 @@ impl CudaOptions {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn cublas_takes_the_padded_layout_only_where_it_pays() {
+        use super::{CublasLayout as L, ExpertGemm as G};
+        // 8 experts, 64 rows: padding to the largest (10) gives 80 rows, under twice 64.
+        let even = [8, 8, 8, 8, 8, 8, 6, 10];
+        assert_eq!(G::Auto.cublas_layout(64, &even), L::Padded { cap: 10 });
+        assert_eq!(G::Cublas.cublas_layout(64, &even), L::Padded { cap: 10 });
+        // One hot expert: padding would give 8 · 57 rows, more than twice 64.
+        let hot = [57, 1, 1, 1, 1, 1, 1, 1];
+        assert_eq!(G::Auto.cublas_layout(64, &hot), L::PerExpert);
+        assert_eq!(G::Grouped.cublas_layout(64, &hot), L::Grouped);
+        assert_eq!(G::Padded.cublas_layout(64, &hot), L::PerExpert, "padding past twice the rows never runs");
+        // Many rows an expert: grouped, whatever the spread, unless padding is asked for.
+        assert_eq!(G::Auto.cublas_layout(8 * 400, &[400; 8]), L::PerExpert);
+        assert_eq!(G::Padded.cublas_layout(8 * 400, &[400; 8]), L::Padded { cap: 400 });
+        assert_eq!(G::Loop.cublas_layout(64, &even), L::PerExpert);
+        // No rows at all.
+        assert_eq!(G::Auto.cublas_layout(0, &[0; 8]), L::PerExpert);
+    }
+
     use super::*;
 
     #[test]

@@ -144,8 +144,6 @@ pub struct CudaMoeLayer {
     gpu: Gpu,
     /// Side streams, each with its own cuBLAS handle.
     side: SideStreams,
-    /// One grouped cuBLAS call per GEMM instead of one call per expert.
-    grouped: bool,
     /// Whether the masked GEMM takes this layer's shapes (see [`masked_gemm::masked_gemm_fits`]).
     masked: bool,
     /// How the layer runs (kernel choices, graphs, deterministic mode).
@@ -272,7 +270,6 @@ impl CudaMoeLayer {
             load: super::load_stats::DeviceLoadStats::new(&gpu, config.num_experts)?,
             warming_up: std::sync::atomic::AtomicBool::new(false),
             gpu,
-            grouped: opts.expert_gemm == ExpertGemm::Grouped,
             masked: masked_gemm::masked_gemm_fits(config, opts.low_latency_gemm),
             opts: opts.clone(),
             w8a8: false,

@@ -30,7 +30,8 @@ pub(super) use masked::Masked;
 
 use super::hopper_gemm::Gather;
 use super::strategy::Mark;
-use super::{dptr, Buffers, CudaMoeLayer, ExpertGemm};
+use super::{dptr, Buffers, CudaMoeLayer};
+use crate::backend::cuda_options::CublasLayout;
 use crate::error::Result;
 
 /// Rows for this rank's experts: `experts` local experts whose rows are grouped (expert `x`
@@ -107,22 +108,13 @@ impl CudaMoeLayer {
         }
     }
 
-    /// cuBLAS for `rows` rows over experts of `counts` rows each (read on the host): padded to
-    /// the largest (returned as the cap) with [`ExpertGemm::Padded`], or by default when that
-    /// at most doubles the rows at up to 192 rows an expert; otherwise grouped, in one call
-    /// ([`ExpertGemm::Grouped`]) or one GEMM per expert.
+    /// cuBLAS for `rows` rows over experts of `counts` rows each (read on the host), as
+    /// [`ExpertGemm::cublas_layout`] lays it out; the padded layout's cap with it (0: grouped).
     pub(super) fn host_counted(&self, rows: usize, counts: &[usize]) -> (&'static dyn DeviceExperts, usize) {
-        let experts = counts.len().max(1);
-        let max = counts.iter().copied().max().unwrap_or(0);
-        let padded = match self.opts.expert_gemm {
-            ExpertGemm::Padded => true,
-            ExpertGemm::Auto | ExpertGemm::Cublas => rows / experts <= 192,
-            ExpertGemm::Loop | ExpertGemm::Grouped | ExpertGemm::Hopper => false,
-        };
-        match () {
-            _ if padded && max > 0 && experts * max <= 2 * rows => (&CublasPadded, max),
-            _ if self.grouped => (&CublasGrouped, 0),
-            _ => (&CublasPerExpert, 0),
+        match self.opts.expert_gemm.cublas_layout(rows, counts) {
+            CublasLayout::Padded { cap } => (&CublasPadded, cap),
+            CublasLayout::Grouped => (&CublasGrouped, 0),
+            CublasLayout::PerExpert => (&CublasPerExpert, 0),
         }
     }
 
