@@ -2,7 +2,7 @@
 
 use indicatif::{ProgressBar, ProgressStyle};
 use moeflow::parallel::{ParallelConfig, PlacementKind, StrategyKind};
-use moeflow::quant::{QuantConfig, WeightQuant};
+use moeflow::quant::QuantConfig;
 use moeflow::{preset, Bf16Matmul, DType, MoeConfig, MoeError, MoeWeights, Result};
 use std::time::Duration;
 
@@ -206,18 +206,9 @@ pub struct ParallelArgs {
     pub deterministic: bool,
 }
 
-/// The weight format that goes with an activation format.
-pub fn weight_quant(quant: QuantConfig) -> Option<WeightQuant> {
-    match quant {
-        QuantConfig::None => None,
-        QuantConfig::Int8 => Some(WeightQuant::Int8Channel),
-        QuantConfig::Fp8 | QuantConfig::Fp8Block | QuantConfig::Mxfp8 => Some(WeightQuant::Fp8Block(128)),
-    }
-}
-
 /// Quantizes the routed experts of `weights` for `quant` unless they already are.
 pub fn quantize_weights(weights: &mut MoeWeights, quant: QuantConfig) -> Result<()> {
-    if let (Some(format), None) = (weight_quant(quant), &weights.experts.quant) {
+    if let (Some(format), None) = (quant.weight_format(), &weights.experts.quant) {
         weights.experts = weights.experts.quantized(format)?;
     }
     Ok(())
@@ -243,7 +234,7 @@ pub fn check_bf16_matmul(mode: Bf16Matmul, dtype: DType, quant: QuantConfig, gpu
 /// Relative error bound of a quantized layer: twice the activation and weight half-steps (see
 /// tests/quant.rs), plus f32 rounding.
 pub fn quant_bound(quant: QuantConfig) -> f64 {
-    2.0 * (quant.step() + weight_quant(quant).map_or(0.0, |w| w.step())) + F32_TOLERANCE
+    2.0 * (quant.step() + quant.weight_format().map_or(0.0, |w| w.step())) + F32_TOLERANCE
 }
 
 /// Relative error bound against the f64 reference of a layer whose arithmetic is f32:

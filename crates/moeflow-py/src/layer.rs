@@ -7,7 +7,7 @@ use crate::tensors::{HostBuffer, HostData, Imported};
 use crate::world::World;
 use moeflow::config::SharedWeights;
 use moeflow::model::Checkpoint;
-use moeflow::quant::{QuantConfig, WeightQuant};
+use moeflow::quant::QuantConfig;
 use moeflow::{DType, ExpertWeights, MoeConfig, MoeWeights, RankLayer, RankLayerSpec, Tensor};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -22,15 +22,6 @@ pub struct Layer {
     world: Option<Py<World>>,
 }
 
-/// The weight format `moeflow run` stores routed experts in for row format `quant`.
-fn weight_quant(quant: QuantConfig) -> Option<WeightQuant> {
-    match quant {
-        QuantConfig::None => None,
-        QuantConfig::Int8 => Some(WeightQuant::Int8Channel),
-        QuantConfig::Fp8 | QuantConfig::Fp8Block | QuantConfig::Mxfp8 => Some(WeightQuant::Fp8Block(128)),
-    }
-}
-
 impl Layer {
     fn build(
         py: Python<'_>,
@@ -41,7 +32,7 @@ impl Layer {
         world: Option<Py<World>>,
     ) -> PyResult<Layer> {
         let par = &options.parallel;
-        if let (Some(format), None) = (weight_quant(par.quant), &weights.experts.quant) {
+        if let (Some(format), None) = (par.quant.weight_format(), &weights.experts.quant) {
             weights.experts = weights.experts.quantized(format).py_err()?;
         }
         let default_gpu = world.as_ref().map_or(0, |w| w.get().env.local_rank);

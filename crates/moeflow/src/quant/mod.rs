@@ -41,6 +41,16 @@ pub enum QuantConfig {
 }
 
 impl QuantConfig {
+    /// The format the routed experts' weights are quantized to when rows travel in this one:
+    /// per-channel int8 with int8 rows, 128 × 128 fp8 blocks with any fp8 rows.
+    pub fn weight_format(self) -> Option<weights::WeightQuant> {
+        match self {
+            QuantConfig::None => None,
+            QuantConfig::Int8 => Some(weights::WeightQuant::Int8Channel),
+            QuantConfig::Fp8 | QuantConfig::Fp8Block | QuantConfig::Mxfp8 => Some(weights::WeightQuant::Fp8Block(128)),
+        }
+    }
+
     /// Every format.
     pub const ALL: [QuantConfig; 5] =
         [QuantConfig::None, QuantConfig::Int8, QuantConfig::Fp8, QuantConfig::Fp8Block, QuantConfig::Mxfp8];
