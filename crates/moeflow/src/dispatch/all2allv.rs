@@ -81,7 +81,7 @@ impl PrepareFinalize for All2AllV {
             sent[d].iter().for_each(|&s| part.extend_from_slice(&rows.scales[(s / k) * sp..(s / k + 1) * sp]));
             part
         };
-        let got_rows = c.all_to_all_vec("all2allv.rows", (0..n).map(part_rows).collect())?;
+        let got_rows = c.all_to_all_v("all2allv.rows", (0..n).map(part_rows).collect())?;
         let got_scales = c.all_to_all_vec("all2allv.scales", (0..n).map(part_scales).collect())?;
         let got_ids =
             c.all_to_all_vec("all2allv.ids", (0..n).map(|d| sent[d].iter().map(|&s| topk.ids[s]).collect()).collect())?;
@@ -127,28 +127,31 @@ impl PrepareFinalize for All2AllV {
         let st = prepared.state.downcast_ref::<State>().expect("all2allv state");
         let c = &*self.ep.comm;
         let h = st.hidden;
+        // Output rows travel as their bytes (one copy out, one into place on arrival).
         let mut start = 0;
         let parts = st
             .received
             .iter()
             .map(|&r| {
-                let p = expert_out[start * h..(start + r) * h].to_vec();
+                let p = bytemuck::cast_slice::<f32, u8>(&expert_out[start * h..(start + r) * h]).to_vec();
                 start += r;
                 p
             })
             .collect();
-        let back = c.all_to_all_vec::<f32>("all2allv.combine", parts)?;
+        let back = c.all_to_all_v("all2allv.combine", parts)?;
         let mut slots = vec![-0.0f32; st.tokens * st.k * h];
+        let row = 4 * h;
         for (d, rows) in back.iter().enumerate() {
-            if rows.len() != st.sent[d].len() * h {
+            if rows.len() != st.sent[d].len() * row {
                 return Err(MoeError::Comm {
                     rank: c.rank(),
                     op: "all2allv.combine".into(),
-                    message: format!("rank {d} returned {} values for {} rows", rows.len(), st.sent[d].len()),
+                    message: format!("rank {d} returned {} bytes for {} rows", rows.len(), st.sent[d].len()),
                 });
             }
+            let bytes = bytemuck::cast_slice_mut::<f32, u8>(&mut slots);
             for (i, &s) in st.sent[d].iter().enumerate() {
-                slots[s * h..(s + 1) * h].copy_from_slice(&rows[i * h..(i + 1) * h]);
+                bytes[s * row..(s + 1) * row].copy_from_slice(&rows[i * row..(i + 1) * row]);
             }
         }
         let remote: usize = st.received.iter().enumerate().filter(|&(s, _)| s != c.rank()).map(|(_, &r)| r).sum();
