@@ -197,9 +197,9 @@ impl RankLayer {
     /// [`CudaMoeLayer::forward_device`]): no copy through host memory. For layers that run
     /// whole on the device (one GPU, expert-parallel without dual-batch or TP slicing).
     pub fn forward_device(&self, x: u64, out: u64, tokens: usize, stream: u64) -> Result<()> {
-        match self.inner.device() {
-            Some(layer) => layer.forward_device(x, out, tokens, stream),
-            None => Err(MoeError::Unsupported(format!(
+        match &self.inner {
+            Inner::Device(layer) => layer.forward_device(x, out, tokens, stream),
+            _ => Err(MoeError::Unsupported(format!(
                 "device tensors run through layers whole on the device (one GPU, or expert-parallel without dual-batch \
                  or TP slicing); this one is: {}",
                 self.description

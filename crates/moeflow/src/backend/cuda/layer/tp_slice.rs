@@ -25,9 +25,10 @@ impl CudaMoeLayer {
         }
         let x = share.to_f32_vec();
         crate::error::check_finite("hidden_states", &x)?;
+        // Every rank checks the largest share, so all refuse a batch one of them cannot take.
         let most = t.div_ceil(n.max(1));
         let capacity = self.capacity();
-        self.check_capacity(b - a)?;
+        self.check_capacity(most)?;
         let g = &self.gpu;
         let st = &g.stream;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
