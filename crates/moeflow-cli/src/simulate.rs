@@ -76,6 +76,7 @@ fn h100() -> Ceilings {
         inter_latency_us: 10.0,
         call_us: 20.0,
         shared_device: false,
+        experts_in_turn: false,
         rows_per_rank: true,
     }
 }

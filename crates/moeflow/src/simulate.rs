@@ -52,6 +52,11 @@ pub struct Ceilings {
     pub call_us: f64,
     /// The ranks share one device (in-process CPU ranks): their compute adds up.
     pub shared_device: bool,
+    /// The experts' GEMMs run one after another, each at the rate of its own rows (the CPU
+    /// layer), rather than together at the rate of the rank's mean rows per expert (a grouped
+    /// GEMM on a GPU).
+    #[serde(default)]
+    pub experts_in_turn: bool,
     /// A token's row travels once to each rank serving any of its slots and comes back summed
     /// (the device layer); otherwise once per (token, slot) both ways (the CPU layer).
     #[serde(default)]
@@ -223,13 +228,17 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
     // Per rank: expected rows, and expected weights read (experts that receive a row).
     let mut rows = vec![0.0; n];
     let mut touched = vec![0.0; n];
+    // Per rank: each expert replica's expected rows and the chance it receives any.
+    let mut replicas: Vec<Vec<(f64, f64)>> = vec![Vec::new(); n];
     let p = &layout.placement;
     for (e, &s) in shares.iter().enumerate() {
         let reps = p.replicas_of(e);
         for &ph in reps {
             let q = s / reps.len() as f64;
+            let hit = 1.0 - (1.0 - q).powf(slots);
             rows[p.rank_of(ph)] += slots * q;
-            touched[p.rank_of(ph)] += 1.0 - (1.0 - q).powf(slots);
+            touched[p.rank_of(ph)] += hit;
+            replicas[p.rank_of(ph)].push((slots * q, hit));
         }
     }
     let mean = rows.iter().sum::<f64>() / n as f64;
@@ -241,9 +250,24 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         * roofline(2.0 * t * h * shapes.experts as f64, c.router_gflops, 4.0 * h * shapes.experts as f64, c.mem_gbps)
         + launch;
     let permute = share_factor * roofline(0.0, 1.0, t * k * h * 4.0, c.mem_gbps) + launch;
+    let weights = 3.0 * h * i * shapes.weight_bytes;
     let expert_time = |r: usize| {
-        let rate = c.gemm_rate(rows[r] / touched[r].max(1e-9));
-        roofline(6.0 * rows[r] * h * i, rate, touched[r] * 3.0 * h * i * shapes.weight_bytes, c.mem_gbps) + 3.0 * launch
+        let gemms = if c.experts_in_turn {
+            replicas[r]
+                .iter()
+                .map(|&(rows_e, hit)| {
+                    roofline(6.0 * rows_e * h * i, c.gemm_rate(rows_e / hit.max(1e-9)), hit * weights, c.mem_gbps)
+                })
+                .sum()
+        } else {
+            roofline(
+                6.0 * rows[r] * h * i,
+                c.gemm_rate(rows[r] / touched[r].max(1e-9)),
+                touched[r] * weights,
+                c.mem_gbps,
+            )
+        };
+        gemms + 3.0 * launch
     };
     let gemms = if c.shared_device {
         (0..n).map(|r| expert_time(r) - 3.0 * launch).sum::<f64>() + 3.0 * launch
@@ -331,6 +355,7 @@ mod tests {
             inter_latency_us: 20.0,
             call_us: 10.0,
             shared_device: false,
+            experts_in_turn: false,
             rows_per_rank: true,
             gemm_curve: Vec::new(),
             link_curve: Vec::new(),
@@ -356,6 +381,25 @@ mod tests {
             weight_bytes: 2.0,
             row_bytes: 2.0,
         }
+    }
+
+    #[test]
+    fn experts_in_turn_take_each_experts_own_rate() {
+        // A rate that rises with rows per expert: under skew the many small experts run slowly.
+        let curve = vec![(1.0, 50e3), (4096.0, 600e3)];
+        let grouped = Ceilings { gemm_curve: curve.clone(), ..gpu() };
+        let in_turn = Ceilings { experts_in_turn: true, ..grouped.clone() };
+        let s = deepseek();
+        let gemms = |c: &Ceilings, routing: &Routing| {
+            let placement = placement(&s, routing, 1, 8, None).unwrap();
+            predict(c, &s, routing, &Layout { ep: 1, domain: 8, tokens: 4096, placement }).unwrap().gemms
+        };
+        // Uniform routing: every expert has the mean rows, so both ways agree.
+        let (a, b) = (gemms(&grouped, &Routing::Uniform), gemms(&in_turn, &Routing::Uniform));
+        assert!((a - b).abs() < 1e-6 * a, "{a} vs {b}");
+        // Skewed: in turn, the cold experts' small GEMMs cost more than the mean rate says.
+        let zipf = Routing::Zipf(1.2);
+        assert!(gemms(&in_turn, &zipf) > 1.1 * gemms(&grouped, &zipf));
     }
 
     #[test]

@@ -140,6 +140,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         inter_latency_us: 0.0,
         call_us: call / 2.0 * 1e6,
         shared_device: true,
+        experts_in_turn: true,
         rows_per_rank: false,
     };
     let curve: Vec<String> = c.gemm_curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect();
