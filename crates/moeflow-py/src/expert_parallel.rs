@@ -15,7 +15,6 @@ use moeflow::reduce::WeightedSum;
 use moeflow::router::{RouterConfig, TopK};
 use moeflow::MoeError;
 use pyo3::prelude::*;
-use std::borrow::Cow;
 use std::sync::{Arc, Mutex};
 
 /// The dispatch/combine of one layout on this rank.
@@ -37,19 +36,6 @@ pub struct DispatchHandle {
     order: Vec<(usize, usize)>,
     /// Tokens this rank gave to dispatch.
     tokens: usize,
-}
-
-/// `p` owning everything it borrowed, so it can outlive the dispatch's input.
-fn owned(p: Prepared<'_>) -> Prepared<'static> {
-    Prepared {
-        hidden: Cow::Owned(p.hidden.into_owned()),
-        topk: Cow::Owned(p.topk.into_owned()),
-        expert_map: p.expert_map,
-        batched: p.batched,
-        extras: p.extras,
-        weights_applied: p.weights_applied,
-        state: p.state,
-    }
 }
 
 /// The error for a strategy that does not hand rows over with their routing.
@@ -195,7 +181,7 @@ impl ExpertParallel {
                             weights_on_input: false,
                             quant: moeflow::quant::QuantConfig::None,
                         };
-                        let prepared = owned(self.strategy.prepare(input)?);
+                        let prepared = self.strategy.prepare(input)?.into_owned();
                         let (order, counts) = self.group(&prepared);
                         let mut grouped = Vec::with_capacity(order.len() * h);
                         for &(r, _) in &order {

@@ -115,6 +115,21 @@ pub struct Prepared<'a> {
     pub state: Box<dyn Any + Send + Sync>,
 }
 
+impl Prepared<'_> {
+    /// The same, owning everything it borrowed, so it can outlive the dispatch's input.
+    pub fn into_owned(self) -> Prepared<'static> {
+        Prepared {
+            hidden: Cow::Owned(self.hidden.into_owned()),
+            topk: Cow::Owned(self.topk.into_owned()),
+            expert_map: self.expert_map,
+            batched: self.batched,
+            extras: self.extras,
+            weights_applied: self.weights_applied,
+            state: self.state,
+        }
+    }
+}
+
 /// Moves tokens to the experts (prepare) and expert output back to token rows (finalize).
 pub trait PrepareFinalize: Send + Sync {
     /// Name on the command line.

@@ -11,7 +11,6 @@ use super::{DispatchInput, Extra, PrepareFinalize, Prepared};
 use crate::comm::{CommExt, Communicator};
 use crate::error::{MoeError, Result};
 use crate::reduce::WeightAndReduce;
-use std::borrow::Cow;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
@@ -61,18 +60,6 @@ impl TpSlice {
     pub fn skipped(mut self) -> Self {
         self.skip = true;
         self
-    }
-}
-
-fn owned(p: Prepared<'_>) -> Prepared<'static> {
-    Prepared {
-        hidden: Cow::Owned(p.hidden.into_owned()),
-        topk: Cow::Owned(p.topk.into_owned()),
-        expert_map: p.expert_map,
-        batched: p.batched,
-        extras: p.extras,
-        weights_applied: p.weights_applied,
-        state: p.state,
     }
 }
 
@@ -126,7 +113,7 @@ impl PrepareFinalize for TpSlice {
             extras: &extras,
             ..input
         };
-        let prepared = owned(self.inner.prepare(sub)?);
+        let prepared = self.inner.prepare(sub)?.into_owned();
         self.pending.lock().unwrap_or_else(|p| p.into_inner()).push_back(Slice {
             tokens: t,
             start,
