@@ -204,6 +204,11 @@ pub struct ParallelArgs {
     /// expert rows summed at home in slot order; all2allv dispatch). CPU layers always are.
     #[arg(long)]
     pub deterministic: bool,
+    /// GPU expert parallelism: how rows move between GPUs. nvlink: kernels write them straight
+    /// into the peer GPUs' memory (peer access or CUDA IPC); nccl: NCCL send/receive; auto:
+    /// nvlink when every pair of GPUs has peer access, else nccl.
+    #[arg(long, default_value = "auto")]
+    pub transport: moeflow::backend::cuda_options::Transport,
 }
 
 /// Quantizes the routed experts of `weights` for `quant` unless they already are.

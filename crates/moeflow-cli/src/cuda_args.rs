@@ -6,11 +6,12 @@ use moeflow::backend::cuda_options::CUDA_VARIABLES;
 use moeflow::Result;
 
 /// The options the `MOEFLOW_*` variables of this process set (a clear error naming a
-/// variable whose value is not one it takes), deterministic where `deterministic` (the
-/// `--deterministic` flag) asks for it.
-pub fn cuda_options(deterministic: bool) -> Result<CudaOptions> {
+/// variable whose value is not one it takes), deterministic where `--deterministic` asks for
+/// it, with the `--transport` of `par`.
+pub fn cuda_options(par: &crate::common::ParallelArgs) -> Result<CudaOptions> {
     let mut o = CudaOptions::from_vars(std::env::vars())?;
-    o.deterministic |= deterministic;
+    o.deterministic |= par.deterministic;
+    o.transport = par.transport;
     Ok(o)
 }
 

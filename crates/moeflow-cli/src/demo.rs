@@ -112,7 +112,7 @@ pub fn run(args: DemoArgs) -> Result<()> {
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     let spec = moeflow::RankLayerSpec {
         chunk_size: args.layer.chunk_size,
-        cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
+        cuda: crate::cuda_args::cuda_options(&args.parallel)?,
         ..moeflow::RankLayerSpec::new(&config, weights)
     };
     let ran = if gpu && par.ep == 1 && host == RankHost::Gpus {

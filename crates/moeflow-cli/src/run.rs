@@ -86,7 +86,7 @@ fn run_block(args: RunArgs) -> Result<()> {
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     let spec = RankLayerSpec {
         chunk_size: args.chunk_size,
-        cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
+        cuda: crate::cuda_args::cuda_options(&args.parallel)?,
         ..RankLayerSpec::new(&block.config, &block.weights)
     };
     // The library picks each rank's layer; `path` is the line saying which.

@@ -409,8 +409,13 @@ impl ParallelConfig {
             s => s.name().to_string(),
         };
         let description = format!(
-            "cuda: device-resident, route → {strategy} → experts (GEMM per batch: {}) → {strategy} over NCCL; {}; options: {}",
+            "cuda: device-resident, route → {strategy} → experts (GEMM per batch: {}) → {strategy} over {}; {}; options: {}",
             spec.cuda.expert_gemm.name(),
+            match spec.cuda.transport {
+                crate::backend::cuda_options::Transport::Auto => "NVLink where every pair of GPUs has peer access, else NCCL",
+                crate::backend::cuda_options::Transport::NvLink => "NVLink (peer memory)",
+                crate::backend::cuda_options::Transport::Nccl => "NCCL",
+            },
             self.layout(),
             spec.cuda.describe()
         );

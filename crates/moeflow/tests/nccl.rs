@@ -705,3 +705,89 @@ fn auto_picks_the_tables_strategy_per_batch() {
         eprintln!("auto on rank {rank}: every batch ran its row's strategy and matches the reference");
     }
 }
+
+/// The NVLink transport moves exactly what NCCL moves: every case and placement, uneven and
+/// empty ranks, default and deterministic mode and the low-latency graph give NCCL's bits, run
+/// after run, and the layer says it took NVLink.
+#[test]
+fn nvlink_transport_gives_nccls_bits() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
+    let Some(n) = gpus("nvlink_transport_gives_nccls_bits") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    const M: usize = 64;
+    for (name, config, weights, (placed, placement)) in device_cases()
+        .into_iter()
+        .flat_map(|(name, c, w)| placements(c.num_experts, n).into_iter().map(move |p| (name, c.clone(), w.clone(), p)))
+    {
+        let h = config.hidden;
+        let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, M][r % 4]).collect();
+        let inputs: Vec<Vec<f32>> =
+            sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 90 + r as u64)).collect();
+        for (mode, deterministic, low_latency) in
+            [("default", false, false), ("deterministic", true, false), ("low-latency graph", false, true)]
+        {
+            let run = |transport: Transport| {
+                let opts = CudaOptions { deterministic, transport, ..Default::default() };
+                run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+                    let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &opts)?;
+                    if low_latency {
+                        layer = layer.low_latency(M)?;
+                    }
+                    let x = &inputs[c.rank()];
+                    let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
+                    let first = layer.forward(&xt)?.to_f32_vec();
+                    let again = layer.forward(&xt)?.to_f32_vec();
+                    Ok((first, again, layer.transport()))
+                })
+            };
+            let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
+            for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
+                let what = format!("{mode}, {name}, {placed}: rank {rank}");
+                let (want, _, t0) = a.unwrap_or_else(|e| panic!("{what}: NCCL: {e}"));
+                let (got, again, t1) = b.unwrap_or_else(|e| panic!("{what}: NVLink: {e}"));
+                assert_eq!((t0, t1), ("nccl", "nvlink"), "{what}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                assert!(bits(&got) == bits(&want), "{what}: NVLink differs from NCCL");
+                assert!(bits(&got) == bits(&again), "{what}: NVLink differs run to run");
+                let err = relative_error(&config, &weights, &inputs[rank], &got);
+                assert!(err <= BF16_TOL, "{what}: relative error {err:e}");
+            }
+            eprintln!("nvlink {mode:<18} {name:<30} {placed:<20} {sizes:?}: NCCL's bits on every rank");
+        }
+    }
+}
+
+/// A peer that stops answering in the middle of the NVLink transport's exchanges: the rank
+/// waiting for its rows fails within the deadline with an error naming the peer or the
+/// deadline, and the late peer fails too instead of waiting.
+#[test]
+fn nvlink_transport_reports_a_stalled_peer() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
+    let Some(n) = gpus("nvlink_transport_reports_a_stalled_peer") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    let (_, config, weights) = device_cases().remove(0);
+    let h = config.hidden;
+    let opts = CudaOptions { transport: Transport::NvLink, ..Default::default() };
+    let deadline = Duration::from_secs(3);
+    let results = run_ranks_nccl(&devices, deadline, |c| {
+        let layer =
+            CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?.low_latency(16)?;
+        let x = Tensor::from_f32(&[8, h], preset::uniform(8 * h, 1.0, 5))?;
+        layer.forward(&x)?;
+        if c.rank() == 1 {
+            std::thread::sleep(2 * deadline);
+        }
+        let start = std::time::Instant::now();
+        let r = layer.forward(&x).map(|_| ());
+        Ok((r.map_err(|e| e.to_string()), start.elapsed()))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let (r, took) = r.unwrap_or_else(|e| panic!("rank {rank} failed before the stall: {e}"));
+        let e = r.expect_err("an exchange with a stalled peer fails");
+        assert!(took < 2 * deadline, "rank {rank} took {took:?} to fail: {e}");
+        if rank == 0 {
+            assert!(e.contains("rank 1") || e.contains("timed out"), "rank 0: {e}");
+        }
+        eprintln!("stalled peer: rank {rank} failed after {took:?}: {e}");
+    }
+}

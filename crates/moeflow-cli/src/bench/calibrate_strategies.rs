@@ -13,7 +13,9 @@ use std::path::Path;
 /// Times each candidate strategy, prints their times and the table, and writes it to `file`.
 pub(super) fn calibrate(args: &BenchArgs, host: &RankHost, file: &Path) -> Result<()> {
     let (p, config) = args.layer.config()?;
-    let cuda = crate::cuda_args::cuda_options(false)?;
+    // Deterministic mode dispatches by all-to-all-v only: the table compares the default mode.
+    let plain = crate::common::ParallelArgs { deterministic: false, ..args.parallel.clone() };
+    let cuda = crate::cuda_args::cuda_options(&plain)?;
     let base = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let rank0 = host.launched_rank().is_none_or(|r| r == 0);
     let mut measured = Vec::new();

@@ -140,7 +140,7 @@ pub(super) fn time_rank(
 pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     use moeflow::backend::cuda::measure_ceilings;
     let (p, config) = args.layer.config()?;
-    let cuda = crate::cuda_args::cuda_options(args.parallel.deterministic)?;
+    let cuda = crate::cuda_args::cuda_options(&args.parallel)?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
     // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
@@ -155,18 +155,26 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
     let ceilings = measure_ceilings(device)?;
     let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
+    // The link's ceiling: a plain copy from this GPU into the next one's memory.
+    let gpus = moeflow::backend::cuda::device_count();
+    let peer_gbps = match (rank0, gpus > 1) {
+        (true, true) => moeflow::backend::cuda::measure_peer_copy(device, (device + 1) % gpus).ok(),
+        _ => None,
+    };
     bar0.finish_and_clear();
     if rank0 {
         println!(
-            "moeflow bench: {} on {} GPUs (device-resident {kind} over NCCL), {} experts ({} per GPU), top-{}, {dtype}; \
-             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU",
+            "moeflow bench: {} on {} GPUs (device-resident {kind}, transport {}), {} experts ({} per GPU), top-{}, {dtype}; \
+             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU{}",
             p.name,
             par.ep,
+            cuda.transport,
             config.num_experts,
             config.num_experts / par.ep,
             config.top_k,
             gemm_tflops,
-            copy_gbps
+            copy_gbps,
+            peer_gbps.map_or(String::new(), |g| format!(", peer copy {g:.0} GB/s one way"))
         );
     }
     let skewed = skewed_weights(args, &config)?;
@@ -200,7 +208,8 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     }
     println!("  layer: {path}");
     print_ep_header();
-    let ctx = EpTable { name: p.name, config: &config, par: &par, capacity, fp8, rows8, gemm_tflops, copy_gbps };
+    let ctx =
+        EpTable { name: p.name, config: &config, par: &par, capacity, fp8, rows8, gemm_tflops, copy_gbps, peer_gbps };
     let (mut records, (floor_inputs, ours, direct)) = ctx.rows(&args.tokens, measured);
     if capacity.is_some() {
         println!(
@@ -231,6 +240,8 @@ struct EpTable<'a> {
     rows8: bool,
     gemm_tflops: f64,
     copy_gbps: f64,
+    /// The peer copy between two of the GPUs, GB/s one way (where measured).
+    peer_gbps: Option<f64>,
 }
 
 /// Per token count: the slowest rank's layer ms of each run and rank 0's stage times.
@@ -260,7 +271,7 @@ fn print_ep_header() {
         "shared",
         "disp GB/s",
         "comb GB/s",
-        "strategy/experts"
+        "strategy/transport/experts"
     );
 }
 
@@ -293,7 +304,11 @@ impl EpTable<'_> {
             let experts = samples
                 .iter()
                 .find(|s| !s.experts.is_empty())
-                .map_or("-".to_string(), |s| format!("{}/{}", s.strategy, s.experts));
+                .map_or("-".to_string(), |s| format!("{}/{}/{}", s.strategy, s.transport, s.experts));
+            // Dispatch and combine against the link's ceiling.
+            let link = self.peer_gbps.map_or(String::new(), |p| {
+                format!(" ({:.0}% / {:.0}% of peer copy)", 100.0 * gbps(dispatch) / p, 100.0 * gbps(collect) / p)
+            });
             ours.push((t, ms, dispatch, collect));
             direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
             println!(
@@ -314,7 +329,7 @@ impl EpTable<'_> {
             med(|s| s.shared),
             gbps(dispatch),
             gbps(collect),
-            experts
+            format!("{experts}{link}")
         );
             records.push(Record {
                 preset: self.name.to_string(),
@@ -389,7 +404,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     let bar0 = spinner("generating weights on the GPU".into());
     let par = args.parallel.config(1)?;
     let spec = RankLayerSpec {
-        cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
+        cuda: crate::cuda_args::cuda_options(&args.parallel)?,
         fp8_experts: fp8,
         fp8_rows: rows8,
         ..weight_source(&config, skewed.as_ref(), args.layer.seed)

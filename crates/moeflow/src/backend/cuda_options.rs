@@ -109,6 +109,48 @@ pub enum LowLatencyGemm {
     Padded,
 }
 
+/// How the ranks of an expert-parallel layer on GPUs move rows between them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Transport {
+    /// NCCL grouped send/receive on the device.
+    Nccl,
+    /// Kernels that write rows straight into the peer GPUs' memory (peer access or CUDA IPC).
+    NvLink,
+    /// NVLink when every pair of ranks has peer access, else NCCL.
+    #[default]
+    Auto,
+}
+
+impl Transport {
+    /// Every transport, in `--help` order.
+    pub const ALL: [Transport; 3] = [Transport::Nccl, Transport::NvLink, Transport::Auto];
+
+    /// Name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Transport::Nccl => "nccl",
+            Transport::NvLink => "nvlink",
+            Transport::Auto => "auto",
+        }
+    }
+}
+
+impl std::fmt::Display for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for Transport {
+    type Err = MoeError;
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|t| t.name() == s)
+            .ok_or_else(|| MoeError::Config(format!("unknown transport '{s}' (known: nccl, nvlink, auto)")))
+    }
+}
+
 /// How the CUDA layer runs. `Default` is the fast choice everywhere.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CudaOptions {
@@ -137,6 +179,10 @@ pub struct CudaOptions {
     /// row home, where it is weighted and summed in slot order as on one GPU. Needs a Hopper
     /// GPU; the expert-parallel layer dispatches by all-to-all-v.
     pub deterministic: bool,
+    /// How expert-parallel ranks move rows between GPUs.
+    pub transport: Transport,
+    /// Thread blocks (one per SM) the NVLink transport's copy kernel takes.
+    pub transport_sms: u32,
 }
 
 impl Default for CudaOptions {
@@ -152,12 +198,14 @@ impl Default for CudaOptions {
             low_latency_gemm: LowLatencyGemm::Masked,
             nvrtc_options: Vec::new(),
             deterministic: false,
+            transport: Transport::Auto,
+            transport_sms: 32,
         }
     }
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 10] = [
+pub const CUDA_VARIABLES: [(&str, &str); 11] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -168,6 +216,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 10] = [
     ("MOEFLOW_LL_GEMM", "masked|padded: the low-latency layer's GEMMs (default masked)"),
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
+    ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 32)"),
 ];
 
 fn bad(key: &str, value: &str, want: &str) -> MoeError {
@@ -220,6 +269,13 @@ impl CudaOptions {
                 }
                 "MOEFLOW_NVRTC_OPTIONS" => self.nvrtc_options = value.split_whitespace().map(str::to_string).collect(),
                 "MOEFLOW_DETERMINISTIC" => self.deterministic = flag(key, value)?,
+                "MOEFLOW_TRANSPORT_SMS" => {
+                    self.transport_sms = value
+                        .parse()
+                        .ok()
+                        .filter(|&n| (1..=132).contains(&n))
+                        .ok_or_else(|| bad(key, value, "1 to 132"))?
+                }
                 _ => {}
             }
         }
@@ -261,6 +317,12 @@ impl CudaOptions {
         }
         if self.low_latency_gemm != d.low_latency_gemm {
             parts.push("padded low-latency GEMM".into());
+        }
+        if self.transport != d.transport {
+            parts.push(format!("transport {}", self.transport));
+        }
+        if self.transport_sms != d.transport_sms {
+            parts.push(format!("{} transport SMs", self.transport_sms));
         }
         if !self.nvrtc_options.is_empty() {
             parts.push(format!("NVRTC {}", self.nvrtc_options.join(" ")));
@@ -310,6 +372,7 @@ mod tests {
             ("MOEFLOW_LL_GEMM", "padded"),
             ("MOEFLOW_NVRTC_OPTIONS", " -lineinfo  -G "),
             ("MOEFLOW_DETERMINISTIC", "1"),
+            ("MOEFLOW_TRANSPORT_SMS", "16"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -324,6 +387,8 @@ mod tests {
             low_latency_gemm: LowLatencyGemm::Padded,
             nvrtc_options: vec!["-lineinfo".into(), "-G".into()],
             deterministic: true,
+            transport: Transport::Auto,
+            transport_sms: 16,
         };
         assert_eq!(o, want);
         for (name, _) in CUDA_VARIABLES {
@@ -351,6 +416,7 @@ mod tests {
             ("MOEFLOW_GEMM_STREAMS", "0"),
             ("MOEFLOW_GEMM_SM_TARGET", "-3"),
             ("MOEFLOW_LL_GEMM", "cublas"),
+            ("MOEFLOW_TRANSPORT_SMS", "0"),
         ] {
             let e = CudaOptions::from_vars([(k, v)]).unwrap_err().to_string();
             assert!(e.contains(v), "{k}: {e}");
@@ -368,5 +434,16 @@ mod tests {
             assert_eq!(g.name().parse::<ExpertGemm>().unwrap(), g);
         }
         assert!(ExpertGemm::Auto.allows_hopper() && !ExpertGemm::Cublas.allows_hopper());
+    }
+
+    #[test]
+    fn transports_parse_by_name() {
+        for t in Transport::ALL {
+            assert_eq!(t.name().parse::<Transport>().unwrap(), t);
+        }
+        let e = "shm".parse::<Transport>().unwrap_err().to_string();
+        assert!(e.contains("shm") && e.contains("nvlink"), "{e}");
+        let o = CudaOptions { transport: Transport::Nccl, ..CudaOptions::default() };
+        assert_eq!(o.describe(), "transport nccl");
     }
 }

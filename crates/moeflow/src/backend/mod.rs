@@ -36,6 +36,8 @@ pub struct GpuStageTimes {
     /// graph replay, which times only the whole).
     pub strategy: &'static str,
     pub experts: &'static str,
+    /// Expert-parallel: how rows moved between the GPUs ("nvlink" or "nccl").
+    pub transport: &'static str,
 }
 
 /// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds

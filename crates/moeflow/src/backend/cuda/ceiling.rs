@@ -106,3 +106,48 @@ fn measure_sustained(g: &Gpu, blas: &CudaBlas) -> Result<f64> {
     }
     Ok(tflops(span(g, 20, &mut gemm)? / 20.0))
 }
+
+/// Device memory from `cuMemAlloc` (which peer access reaches, unlike the stream-ordered
+/// pool's), freed on drop.
+struct Raw(u64);
+
+impl Raw {
+    fn new(bytes: usize) -> Result<Raw> {
+        let mut p = 0u64;
+        // SAFETY: allocates `bytes` bytes in the current context.
+        match unsafe { drv::cuMemAlloc_v2(&mut p, bytes) } {
+            drv::cudaError_enum::CUDA_SUCCESS => Ok(Raw(p)),
+            r => Err(err("allocating for the peer copy", r)),
+        }
+    }
+}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        // SAFETY: allocated by `Raw::new`, freed once.
+        unsafe { drv::cuMemFree_v2(self.0) };
+    }
+}
+
+/// GB/s of a 256 MiB copy from GPU `from` into GPU `to`'s memory over their link, one way,
+/// median of 5 after a warm-up: the ceiling of what expert parallelism moves between them.
+pub fn measure_peer_copy(from: usize, to: usize) -> Result<f64> {
+    let g = Gpu::new(from)?;
+    let peer = super::nccl::context(to)?;
+    let bytes = 256usize << 20;
+    peer.bind_to_thread().map_err(|e| err("binding context", e))?;
+    let dst = Raw::new(bytes)?;
+    g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+    // SAFETY: the source context is bound; enabling twice reports "already enabled".
+    let r = unsafe { drv::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
+    if !matches!(r, drv::cudaError_enum::CUDA_SUCCESS | drv::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        return Err(err("enabling peer access", r));
+    }
+    let src = Raw::new(bytes)?;
+    let ms = median_ms(&g, &mut || {
+        // SAFETY: both allocations hold `bytes` bytes; the copy is ordered on the stream.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst.0, src.0, bytes, g.stream.cu_stream()) }
+            .map_err(|e| err("peer copy", e))
+    })?;
+    Ok(bytes as f64 / ms / 1e6)
+}

@@ -9,12 +9,13 @@ mod finite;
 mod layer;
 mod load_stats;
 mod nccl;
+mod peer_window;
 mod quant;
 mod watchdog;
 
-pub use super::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm};
+pub use super::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm, Transport};
 pub use super::{GpuCeilings, GpuStageTimes};
-pub use ceiling::{measure_ceilings, measure_sustained_gemm};
+pub use ceiling::{measure_ceilings, measure_peer_copy, measure_sustained_gemm};
 pub use experts::CudaExperts;
 pub use layer::{CudaDualBatch, CudaMoeLayer};
 
@@ -49,7 +50,8 @@ const KERNELS: &str = concat!(
     include_str!("kernels/masked_gemm.cu"),
     include_str!("kernels/grouped_gemm_sm90.cu"),
     include_str!("kernels/finite.cu"),
-    include_str!("kernels/load_stats.cu")
+    include_str!("kernels/load_stats.cu"),
+    include_str!("kernels/nvlink.cu")
 );
 
 /// A CUDA error while doing `what`; running out of device memory gets its own error.

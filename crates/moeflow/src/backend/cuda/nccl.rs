@@ -664,6 +664,19 @@ impl NcclComm {
         self.wait_stream(&mut st, op, deadline, s)
     }
 
+    /// The deadline of each of its calls.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Fails the group after `reason`, found outside NCCL (a peer-memory transport's wait that
+    /// timed out): aborts the communicator, tells the peers, and returns the error naming this
+    /// rank and `op`.
+    pub(super) fn fail_with(&self, op: &str, reason: String) -> MoeError {
+        let mut st = self.lock();
+        self.fail(&mut st, op, reason)
+    }
+
     /// The GPU this rank runs on.
     pub fn device(&self) -> usize {
         self.device

@@ -68,6 +68,24 @@ pub(super) struct EpLink {
     /// Where each expert with one replica is served, for the host's dispatch plan.
     pub(super) route_table: RouteTable,
     pub(super) capacity: Option<usize>,
+    /// How rows travel between the ranks (see [`super::nvlink`]).
+    pub(super) transport: std::sync::Mutex<super::nvlink::LinkTransport>,
+}
+
+/// Where the rows a rank received lie, with their ids and weights: its buffers (NCCL), or its
+/// NVLink window's regions.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Landed {
+    pub(super) rows: u64,
+    pub(super) ids: u64,
+    pub(super) w: u64,
+}
+
+impl EpBuffers {
+    /// The received rows, ids and weights in these buffers.
+    pub(super) fn landed(&self, g: &super::Gpu) -> Landed {
+        Landed { rows: dptr(&self.recv_rows, g), ids: dptr(&self.recv_ids, g), w: dptr(&self.recv_w, g) }
+    }
 }
 
 /// How a rank finds the slots it serves among the received ones.
@@ -108,7 +126,8 @@ impl CudaMoeLayer {
         let phys_first = (0..rank).map(|r| placement.local_experts(r).len()).sum();
         let local = placement.local_experts(rank).len();
         let route_table = RouteTable::new(&placement);
-        Ok(EpLink { placement, local, phys_first, tables: None, route_table, comm, capacity: None })
+        let transport = std::sync::Mutex::new(super::nvlink::LinkTransport::Pending(Default::default()));
+        Ok(EpLink { placement, local, phys_first, tables: None, route_table, comm, capacity: None, transport })
     }
 
     /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
@@ -161,14 +180,15 @@ impl CudaMoeLayer {
         LocalPlan { imp, cap, rows: if cap > 0 { local.len() * cap } else { slots }, groups: groups_of(local) }
     }
 
-    /// Where the experts are: the slots of the `received` tokens in `b.ep` (rows, ids,
-    /// weights) that this rank serves, grouped by local expert as `plan` says, for the experts.
+    /// Where the experts are: the slots of the `received` tokens (rows and ids `at`) that this
+    /// rank serves, grouped by local expert as `plan` says, for the experts.
     pub(super) fn group_received(
         &self,
         b: &mut Buffers,
         received: usize,
         plan: LocalPlan,
         localize: Localize,
+        at: Landed,
     ) -> Result<ExpertRows> {
         use crate::comm::Communicator;
         let link = self.ep.as_ref().expect("an expert-parallel layer");
@@ -177,7 +197,7 @@ impl CudaMoeLayer {
         let s = &g.stream;
         let ep = b.ep.as_ref().expect("allocated by the caller");
         let (pi, pb) = (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
-        let (recv_rows, recv_ids, local_ids) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pi(&ep.local_ids));
+        let (recv_rows, recv_ids, local_ids) = (at.rows, at.ids, pi(&ep.local_ids));
         let (ecounts, eoffsets) = (pi(&ep.counts), pi(&ep.offsets));
         let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
         // Where the experts are: the received slots regrouped by local expert.
@@ -246,17 +266,14 @@ impl CudaMoeLayer {
     }
 
     /// Where the experts are: `part` = one bf16 row per received token, the weighted sum of
-    /// its slots served here in slot order (zeros where none is), from the experts' rows.
-    pub(super) fn partial_sums(&self, b: &Buffers, received: usize) -> Result<()> {
+    /// its slots served here in slot order (zeros where none is), from the experts' rows and
+    /// the received weights (`at`).
+    pub(super) fn partial_sums(&self, b: &Buffers, received: usize, at: Landed) -> Result<()> {
         let (h, k) = (self.config.hidden, self.config.top_k);
         let g = &self.gpu;
         let ep = b.ep.as_ref().expect("allocated by the caller");
-        let (y, b2, local_ids, recv_w) = (
-            dptr(&ep.y, g),
-            self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)),
-            dptr(&ep.local_ids, g),
-            dptr(&ep.recv_w, g),
-        );
+        let (y, b2, local_ids, recv_w) =
+            (dptr(&ep.y, g), self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)), dptr(&ep.local_ids, g), at.w);
         let (row_of_slot, part) = (dptr(&ep.row_of_slot, g), dptr(&ep.part, g));
         let (ri, ki, hi) = (received as i32, k as i32, h as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over

@@ -131,7 +131,7 @@ impl CudaMoeLayer {
         }
         let graph = b.ll.as_ref().expect("allocated").graph.as_ref().expect("captured above");
         let events = graph.launch(&self.gpu, timed)?;
-        link.comm.wait("moe layer", s)?;
+        link.check_transport(link.comm.wait("moe layer", s))?;
         let Some(events) = events else { return Ok(GpuStageTimes::default()) };
         Ok(GpuStageTimes {
             total: elapsed_ms(&events)?,

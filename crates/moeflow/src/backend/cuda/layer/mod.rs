@@ -39,6 +39,7 @@ mod graph;
 mod hopper_gemm;
 mod low_latency;
 mod masked_gemm;
+mod nvlink;
 mod permute;
 mod placement;
 mod route;
@@ -81,6 +82,8 @@ struct Kernels {
     ll_group: CudaFunction,
     ll_gather: CudaFunction,
     ll_combine: CudaFunction,
+    nvl_push: CudaFunction,
+    nvl_wait: CudaFunction,
     masked_gemm: CudaFunction,
     masked_gemm_fp8: CudaFunction,
     masked_gemm_w8a8: CudaFunction,
@@ -236,6 +239,8 @@ impl CudaMoeLayer {
             ll_group: f("ll_group")?,
             ll_gather: f("ll_gather")?,
             ll_combine: f("ll_combine")?,
+            nvl_push: f("nvl_push")?,
+            nvl_wait: f("nvl_wait")?,
             masked_gemm: f("masked_gemm")?,
             masked_gemm_fp8: f("masked_gemm_fp8")?,
             masked_gemm_w8a8: f("masked_gemm_w8a8")?,
@@ -263,6 +268,7 @@ impl CudaMoeLayer {
     ) -> Result<Self> {
         if let Some(link) = ep.as_mut() {
             link.tables = Some(placement::PlacementTables::upload(&link.placement, &gpu)?);
+            link.transport = Mutex::new(nvlink::LinkTransport::Pending(opts.transport));
         }
         let opts = &Self::effective_options(config, &k, opts)?;
         Ok(CudaMoeLayer {
@@ -690,7 +696,7 @@ impl CudaMoeLayer {
         };
         let ran = self.enqueue(b, t, &mark)?;
         match &self.ep {
-            Some(link) => link.comm.wait("moe layer", s)?,
+            Some(link) => link.check_transport(link.comm.wait("moe layer", s))?,
             None => s.synchronize().map_err(|e| err("synchronize", e))?,
         }
         if !timed {
@@ -714,6 +720,7 @@ impl CudaMoeLayer {
             experts_used: self.experts_used(b)?,
             strategy: ran.strategy,
             experts: ran.experts,
+            transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");

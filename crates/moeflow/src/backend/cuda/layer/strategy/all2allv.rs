@@ -6,7 +6,8 @@
 //! and sums them in slot order, as one GPU does, so the bits do not depend on the layout.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
-use crate::backend::cuda::layer::expert_parallel::Localize;
+use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, Localize};
+use crate::backend::cuda::layer::nvlink::{Lane, LinkTransport};
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::backend::host_route::HostRoute;
 use crate::comm::Communicator;
@@ -26,6 +27,24 @@ struct Plan {
     recv_tok: Vec<usize>,
     received: usize,
     plan: Option<crate::backend::cuda::layer::expert_parallel::LocalPlan>,
+    /// Where the rows landed, and, over NVLink, the window's regions of the returns.
+    landed: Landed,
+    nvlink: Option<Returns>,
+}
+
+/// The NVLink window's regions (see [`regions`]).
+const ROWS: usize = 0;
+const IDS: usize = 1;
+const WEIGHTS: usize = 2;
+const BACK: usize = 3;
+const SLOTS: usize = 4;
+
+/// Over NVLink: where the experts' outputs come home (partial sums, or deterministic mode's
+/// slot rows), and the rows each rank sends each rank in the dispatch (`[src · n + dst]`).
+struct Returns {
+    back: u64,
+    slots: u64,
+    counts: Vec<usize>,
 }
 
 impl DevicePrepareFinalize for All2AllV {
@@ -69,7 +88,26 @@ impl DevicePrepareFinalize for All2AllV {
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
         let (send_rows, send_idx, send_ids, send_w) =
             (pb(&ep.send_rows), pi(&ep.send_idx), pi(&ep.send_ids), pf(&ep.send_w));
-        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
+        let mut landed = ep.landed(g);
+        let counts: Vec<usize> = (0..n * n).map(|i| all[(i / n) * m + np + i % n] as usize).collect();
+        let mut state = Plan { route, all, send_tok, recv_tok, received, plan: Some(plan), landed, nvlink: None };
+        if let Some(mut t_guard) = l.nvlink(link, &regions(l, link, &state.all, &counts))? {
+            let LinkTransport::NvLink(nv) = &mut *t_guard else { unreachable!("nvlink() returns only NVLink") };
+            // The rows and weights gathered by token straight into the peers' windows.
+            mark(2)?;
+            let x_bf = pb(&b.x_bf);
+            let lanes = [
+                Lane { src: x_bf, idx: Some(send_idx), row_bytes: 2 * h, region: ROWS },
+                Lane { src: send_ids, idx: None, row_bytes: 4 * k, region: IDS },
+                Lane { src: dptr(&b.weights, g), idx: Some(send_idx), row_bytes: 4 * k, region: WEIGHTS },
+            ];
+            l.push(nv, link, 0, &lanes, &counts)?;
+            l.await_pushes(nv, link, 0)?;
+            landed = Landed { rows: nv.local(ROWS), ids: nv.local(IDS), w: nv.local(WEIGHTS) };
+            state.landed = landed;
+            state.nvlink = Some(Returns { back: nv.local(BACK), slots: nv.local(SLOTS), counts });
+            return Ok(Box::new(state));
+        }
         let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
         // The token rows and their weights (k 4-byte values = 2k 16-bit words a row).
         for (src, width, dst) in [(pb(&b.x_bf), hi, send_rows), (dptr(&b.weights, g), k2, send_w)] {
@@ -91,11 +129,11 @@ impl DevicePrepareFinalize for All2AllV {
             link,
             "moe dispatch",
             &[(send_rows, 2 * h), (send_ids, 4 * k), (send_w, 4 * k)],
-            &send_tok,
-            &[(recv_rows, 2 * h), (recv_ids, 4 * k), (recv_w, 4 * k)],
-            &recv_tok,
+            &state.send_tok,
+            &[(landed.rows, 2 * h), (landed.ids, 4 * k), (landed.w, 4 * k)],
+            &state.recv_tok,
         )?;
-        Ok(Box::new(Plan { route, all, send_tok, recv_tok, received, plan: Some(plan) }))
+        Ok(Box::new(state))
     }
 
     fn prepare_finish(
@@ -108,7 +146,7 @@ impl DevicePrepareFinalize for All2AllV {
     ) -> Result<Dispatched> {
         let mut p = state_of::<Plan>(pending, self.name())?;
         let plan = p.plan.take().expect("planned in prepare_begin");
-        let rows = l.group_received(b, p.received, plan, Localize::Resolved)?;
+        let rows = l.group_received(b, p.received, plan, Localize::Resolved, p.landed)?;
         mark(3)?;
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, k, rank) = (l.config.hidden, l.config.top_k, link.comm.rank());
@@ -124,27 +162,35 @@ impl DevicePrepareFinalize for All2AllV {
         if l.opts.deterministic {
             return return_slots(l, b, t, p, d.rows.y, d.rows.experts);
         }
-        l.partial_sums(b, p.received)?;
+        l.partial_sums(b, p.received, p.landed)?;
         let ep = b.ep.as_ref().expect("allocated");
         let (part, back) = (dptr(&ep.part, &l.gpu), dptr(&ep.back, &l.gpu));
+        if let Some(r) = &p.nvlink {
+            // The partial sums go home the way the rows came: the dispatch's counts transposed.
+            let n = link.comm.size();
+            let back_counts: Vec<usize> = (0..n * n).map(|i| r.counts[(i % n) * n + i / n]).collect();
+            return nvlink_return(l, link, Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK }, &back_counts);
+        }
         l.exchange_rows(link, "moe combine", &[(part, 2 * h)], &p.recv_tok, &[(back, 2 * h)], &p.send_tok)
     }
 
-    fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, _d: Dispatched, mark: Mark) -> Result<()> {
+    fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, d: Dispatched, mark: Mark) -> Result<()> {
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let g = &l.gpu;
         mark(7)?;
+        let p = state_of::<Plan>(d.state, self.name())?;
         let ep = b.ep.as_ref().expect("allocated");
         if l.opts.deterministic {
             if t == 0 {
                 return Ok(());
             }
-            let (back, slot_row) = (dptr(&ep.back_slots, g), dptr(&ep.slot_row, g));
+            let back = p.nvlink.as_ref().map_or(dptr(&ep.back_slots, g), |r| r.slots);
+            let slot_row = dptr(&ep.slot_row, g);
             let b2 = l.w.b2_all.as_ref().map_or(0u64, |x| dptr(x, g));
             return l.combine_rows(b, t, back, slot_row, b2);
         }
-        let (back, home_rows) = (dptr(&ep.back, g), dptr(&ep.home_rows, g));
-        l.sum_home(back, home_rows, t, link.comm.size(), dptr(&b.out, g))
+        let back = p.nvlink.as_ref().map_or(dptr(&ep.back, g), |r| r.back);
+        l.sum_home(back, dptr(&ep.home_rows, g), t, link.comm.size(), dptr(&b.out, g))
     }
 }
 
@@ -155,12 +201,10 @@ impl DevicePrepareFinalize for All2AllV {
 fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, experts: usize) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
-    let (g, placement) = (&l.gpu, &link.placement);
+    let (g, placement, rank) = (&l.gpu, &link.placement, link.comm.rank());
     let s = &g.stream;
-    let m = placement.num_physical() + n;
     // Rows served here for each source, and rows each destination serves for this rank.
-    let served_from: Vec<usize> =
-        (0..n).map(|src| (0..link.local).map(|j| p.all[src * m + link.phys_first + j] as usize).sum()).collect();
+    let served_from: Vec<usize> = (0..n).map(|src| served_by(link, &p.all, rank, src)).collect();
     let mut served_to = vec![0usize; n];
     for (phys, &c) in p.route.phys_counts.iter().enumerate() {
         served_to[placement.physical_slot(phys).0] += c as usize;
@@ -175,8 +219,7 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
     let (ret_idx, ret, back) = (dptr(&ep.ret_idx, g), dptr(&ep.ret, g), dptr(&ep.back_slots, g));
     let (n_slots, el_i, served_i, hi) = ((p.received * k) as i32, experts as i32, served as i32, h as i32);
     // SAFETY: compact_served(int*, int*, int, int, int*) reads the received · k local ids and
-    // slot rows and writes `served` row indices; take_rows copies those rows of y (h wide)
-    // into `ret`, which holds the plan's rows ≥ served rows.
+    // slot rows and writes `served` row indices.
     unsafe {
         s.launch_builder(&l.k.compact_served)
             .arg(&local_ids)
@@ -186,6 +229,16 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
             .arg(&ret_idx)
             .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
             .map_err(|e| err("compact_served", e))?;
+    }
+    if p.nvlink.is_some() {
+        // The served rows of y, gathered straight into their home's window: rank r serves
+        // rank s the slots of s on r's experts.
+        let counts: Vec<usize> = (0..n * n).map(|i| served_by(link, &p.all, i / n, i % n)).collect();
+        return nvlink_return(l, link, Lane { src: y, idx: Some(ret_idx), row_bytes: 2 * h, region: SLOTS }, &counts);
+    }
+    // SAFETY: take_rows copies the `served` rows of y (h wide) named by ret_idx into `ret`,
+    // which holds the plan's rows ≥ served rows.
+    unsafe {
         s.launch_builder(&l.k.take)
             .arg(&y)
             .arg(&ret_idx)
@@ -196,4 +249,43 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
             .map_err(|e| err("take_rows", e))?;
     }
     l.exchange_rows(link, "moe combine", &[(ret, 2 * h)], &served_from, &[(back, 2 * h)], &served_to)
+}
+
+/// Slots rank `server` serves for rank `src`: `src`'s slots on `server`'s experts (`all` holds
+/// every rank's slots per physical expert, then its tokens per destination).
+fn served_by(link: &EpLink, all: &[i32], server: usize, src: usize) -> usize {
+    let placement = &link.placement;
+    let m = placement.num_physical() + link.comm.size();
+    let first: usize = (0..server).map(|r| placement.local_experts(r).len()).sum();
+    (first..first + placement.local_experts(server).len()).map(|phys| all[src * m + phys] as usize).sum()
+}
+
+/// The NVLink window's region sizes in bytes, the same on every rank (from every rank's
+/// counts): the token rows, ids and weights the busiest receiver gets, the partial sums the
+/// busiest sender gets back, and in deterministic mode the slot rows of the largest batch.
+fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 5] {
+    let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
+    let np = link.placement.num_physical();
+    let received = (0..n).map(|d| (0..n).map(|s| counts[s * n + d]).sum::<usize>()).max().unwrap_or(0);
+    let sent = (0..n).map(|s| counts[s * n..(s + 1) * n].iter().sum::<usize>()).max().unwrap_or(0);
+    let slots = match l.opts.deterministic {
+        true => {
+            (0..n).map(|r| all[r * (np + n)..r * (np + n) + np].iter().map(|&c| c as usize).sum()).max().unwrap_or(0)
+        }
+        false => 0,
+    };
+    [received * 2 * h, received * 4 * k, received * 4 * k, sent * 2 * h, slots * 2 * h]
+}
+
+/// Pushes `lane` home over NVLink (`counts[s · n + d]` rows from rank s to rank d) and waits
+/// for what comes back here.
+fn nvlink_return(l: &CudaMoeLayer, link: &EpLink, lane: Lane, counts: &[usize]) -> Result<()> {
+    let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+    let LinkTransport::NvLink(nv) = &mut *guard else {
+        return Err(crate::error::MoeError::Unsupported(
+            "the NVLink window closed between dispatch and combine".into(),
+        ));
+    };
+    l.push(nv, link, 1, &[lane], counts)?;
+    l.await_pushes(nv, link, 1)
 }

@@ -194,7 +194,8 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
             }
         }
         let plan = p.plan.take().expect("planned in prepare_begin");
-        let rows = l.group_received(b, received, plan, Localize::Placed { period: t_max })?;
+        let at = b.ep.as_ref().expect("allocated").landed(&l.gpu);
+        let rows = l.group_received(b, received, plan, Localize::Placed { period: t_max }, at)?;
         mark(3)?;
         let row = if G::LOGITS { 2 * h + 4 * e } else { 2 * h + 8 * k };
         Ok(Dispatched { rows, sent: (n - 1) * t_max * row, state: p })
@@ -207,7 +208,7 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         }
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, n, rank) = (l.config.hidden, link.comm.size(), link.comm.rank());
-        l.partial_sums(b, p.received)?;
+        l.partial_sums(b, p.received, b.ep.as_ref().expect("allocated").landed(&l.gpu))?;
         let ep = b.ep.as_ref().expect("allocated");
         let (part, back, t_max) = (dptr(&ep.part, &l.gpu), dptr(&ep.back, &l.gpu), p.t_max);
         p.landed = G::landing(part, back, t_max, h, rank);

@@ -7,9 +7,11 @@
 //! them on the device; the weighted sum per message row goes back as one bf16 row, summed at
 //! home in rank order.
 
-use super::{DevicePrepareFinalize, Dispatched, Mark, State};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
+use crate::backend::cuda::layer::expert_parallel::EpLink;
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
 use crate::backend::cuda::layer::low_latency::row_stride;
+use crate::backend::cuda::layer::nvlink::{Lane, LinkTransport};
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -17,6 +19,28 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// Fixed-capacity messages to every rank.
 pub(in crate::backend::cuda::layer) struct LowLatency;
+
+/// Where the messages landed and where the returned rows come home: the layer's buffers over
+/// NCCL, the NVLink window's two regions otherwise.
+struct Landing {
+    recv: u64,
+    back: u64,
+    nvlink: bool,
+}
+
+/// Pushes `lane` (`m` rows to every rank) over NVLink and waits for every rank's (exchange
+/// `slot`: 0 dispatch, 1 combine).
+fn nvlink_exchange(l: &CudaMoeLayer, link: &EpLink, slot: usize, lane: Lane, m: usize) -> Result<()> {
+    let n = link.comm.size();
+    let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+    let LinkTransport::NvLink(nv) = &mut *guard else {
+        return Err(crate::error::MoeError::Unsupported(
+            "the NVLink window closed between dispatch and combine".into(),
+        ));
+    };
+    l.push(nv, link, slot, &[lane], &vec![m; n * n])?;
+    l.await_pushes(nv, link, slot as i32)
+}
 
 impl DevicePrepareFinalize for LowLatency {
     fn name(&self) -> &'static str {
@@ -49,13 +73,29 @@ impl DevicePrepareFinalize for LowLatency {
         }
         .map_err(|e| err("ll_pack", e))?;
         mark(2)?;
+        let regions = [n * m * stride, n * m * 2 * h];
+        if let Some(guard) = l.nvlink(link, &regions)? {
+            let LinkTransport::NvLink(nv) = &*guard else { unreachable!("nvlink() returns only NVLink") };
+            let landing = Landing { recv: nv.local(0), back: nv.local(1), nvlink: true };
+            drop(guard);
+            nvlink_exchange(l, link, 0, Lane { src: send, idx: None, row_bytes: stride, region: 0 }, m)?;
+            return Ok(Box::new(landing));
+        }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency dispatch", &[(send, stride)], &every, &[(recv, stride)], &every)?;
-        Ok(Box::new(()))
+        Ok(Box::new(Landing { recv, back: dptr(&ll.back, g), nvlink: false }))
     }
 
     /// Lays the received rows out `n·M` per local expert and counts them, on the device.
-    fn prepare_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, _: State, mark: Mark) -> Result<Dispatched> {
+    fn prepare_finish(
+        &self,
+        l: &CudaMoeLayer,
+        b: &mut Buffers,
+        _t: usize,
+        st: State,
+        mark: Mark,
+    ) -> Result<Dispatched> {
+        let landing = state_of::<Landing>(st, self.name())?;
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, k) = (l.config.hidden, l.config.top_k);
         let (n, el, m) = (link.comm.size(), link.local, link.capacity.expect("a low-latency layer"));
@@ -64,7 +104,7 @@ impl DevicePrepareFinalize for LowLatency {
         let s = &g.stream;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
         let (recv, row_of_slot, counts, a) =
-            (dptr(&ll.recv, g), dptr(&ll.row_of_slot, g), dptr(&ll.counts, g), dptr(&ll.a, g));
+            (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.counts, g), dptr(&ll.a, g));
         let (ki, hi, msg_i, cap_i) = (k as i32, h as i32, msg as i32, cap as i32);
         // SAFETY: row_of_slot holds msg · k ints; ll_group(u8*, long, int, int, int, int*, int*)
         // and ll_gather(u8*, long, int, int, int, int*, bf16*) read the msg received rows and
@@ -111,7 +151,7 @@ impl DevicePrepareFinalize for LowLatency {
             offsets: dptr(&ll.offsets, g),
             gather: None,
         };
-        Ok(Dispatched { rows, sent: l.ll_sent_bytes(), state: Box::new(()) })
+        Ok(Dispatched { rows, sent: l.ll_sent_bytes(), state: landing })
     }
 
     /// The weighted sum per message row, sent back to its rank.
@@ -122,8 +162,8 @@ impl DevicePrepareFinalize for LowLatency {
         let (msg, stride) = (n * m, row_stride(h, k) as i64);
         let g = &l.gpu;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
-        let (recv, row_of_slot, part, back) =
-            (dptr(&ll.recv, g), dptr(&ll.row_of_slot, g), dptr(&ll.part, g), dptr(&ll.back, g));
+        let landing = d.state.downcast_ref::<Landing>().expect("this strategy's state");
+        let (recv, row_of_slot, part, back) = (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.part, g), landing.back);
         let (b2, y) = (l.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)), d.rows.y);
         let (msg_i, ki, hi) = (msg as i32, k as i32, h as i32);
         // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, bf16*) over the msg
@@ -134,18 +174,22 @@ impl DevicePrepareFinalize for LowLatency {
             c.launch(rows(msg, 256))
         }
         .map_err(|e| err("ll_combine", e))?;
+        if landing.nvlink {
+            return nvlink_exchange(l, link, 1, Lane { src: part, idx: None, row_bytes: 2 * h, region: 1 }, m);
+        }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)
     }
 
     /// Sums each home token's returned rows in rank order into `b.out`.
-    fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, _: Dispatched, mark: Mark) -> Result<()> {
+    fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, d: Dispatched, mark: Mark) -> Result<()> {
         mark(7)?;
+        let landing = state_of::<Landing>(d.state, self.name())?;
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (n, m) = (link.comm.size(), link.capacity.expect("a low-latency layer"));
         let g = &l.gpu;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
-        let (back, home_rows, outp) = (dptr(&ll.back, g), dptr(&ll.home_rows, g), dptr(&b.out, g));
+        let (back, home_rows, outp) = (landing.back, dptr(&ll.home_rows, g), dptr(&b.out, g));
         let (mi, ni, hi) = (m as i32, n as i32, l.config.hidden as i32);
         // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds M · n
         // entries, each -1 or a row of `back`.

@@ -1,0 +1,283 @@
+//! The NVLink transport of an expert-parallel layer: rows written by this rank's kernel straight
+//! into the peer GPUs' memory, as DeepEP's intranode kernels do, instead of NCCL send/receive.
+//!
+//! Every rank holds one [`PeerWindow`] per layer, cut into regions (one per kind of rows a
+//! strategy receives: token rows, their ids, their weights, returned outputs), each sized for
+//! the most rows any rank receives, and reopened larger, by every rank at once, when a batch
+//! needs more. An exchange is one push kernel (every lane's rows to every rank, gathered by a
+//! row index where the strategy has one, so no staging copy; then a sequence number raised in
+//! each receiver's flags) and one wait kernel (until every sender's number arrived, or a clock
+//! deadline). Neither reads anything back to the host, so both are captured in CUDA graphs.
+//!
+//! A window region is written by the previous exchange's senders only after the receiver has
+//! sent its own next rows, which it does after reading the region: dispatch and combine
+//! alternate, so no rank overwrites rows a peer has not read yet.
+
+use super::super::peer_window::PeerWindow;
+use super::expert_parallel::EpLink;
+use super::{dptr, err, CudaMoeLayer};
+use crate::backend::cuda_options::Transport;
+use crate::comm::Communicator;
+use crate::error::{MoeError, Result};
+use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+
+/// How a link moves rows: decided at its first exchange (`Auto` falls back to NCCL when a
+/// pair of ranks lacks peer access; every rank decides alike).
+pub(super) enum LinkTransport {
+    /// Not decided yet: the option asked for.
+    Pending(Transport),
+    /// NCCL grouped send/receive.
+    Nccl,
+    /// Peer memory, with the window's regions.
+    NvLink(Box<NvLink>),
+}
+
+/// One link's peer window and the device state of its pushes and waits.
+pub(super) struct NvLink {
+    win: PeerWindow,
+    /// (byte offset, bytes) of each region in every rank's window.
+    regions: Vec<(usize, usize)>,
+    /// Pushes and waits so far, and the push kernel's count of blocks done.
+    counters: CudaSlice<u64>,
+    /// Each rank's flag for this rank, as this rank's kernels address them.
+    flags: CudaSlice<u64>,
+    /// Lane tables, one per exchange slot (dispatch, combine), and what they hold.
+    tables: [CudaSlice<u8>; 2],
+    held: [Vec<u8>; 2],
+}
+
+/// One kind of rows of a push: `row_bytes` each, at `src` grouped by destination rank (in
+/// rank order), or gathered through the row index `idx` (rows of `src` by source row);
+/// landing in window region `region` of each receiver, grouped by source rank.
+#[derive(Clone, Copy)]
+pub(super) struct Lane {
+    pub(super) src: u64,
+    pub(super) idx: Option<u64>,
+    pub(super) row_bytes: usize,
+    pub(super) region: usize,
+}
+
+/// Bytes of a lane record (`PushLane` in nvlink.cu).
+const LANE: usize = 32;
+/// Threads per block of the push kernel.
+const PUSH_THREADS: u32 = 512;
+
+/// Window regions start at multiples of this.
+const ALIGN: usize = 256;
+
+impl NvLink {
+    /// The start of region `r` of this rank's window.
+    pub(super) fn local(&self, r: usize) -> u64 {
+        self.win.local() + self.regions[r].0 as u64
+    }
+}
+
+impl CudaMoeLayer {
+    /// How this expert-parallel layer moves rows between GPUs: "nvlink" or "nccl" once its first
+    /// run decided, the option's name ("auto") before; empty on one GPU.
+    pub fn transport(&self) -> &'static str {
+        self.ep.as_ref().map_or("", |l| l.transport_name())
+    }
+
+    /// The link's NVLink transport with regions of at least `regions` bytes each (the same
+    /// on every rank: sized from every rank's counts), opened or reopened larger where needed;
+    /// `None` when the link moves rows over NCCL. Collective where it opens a window.
+    pub(super) fn nvlink<'a>(
+        &self,
+        link: &'a EpLink,
+        regions: &[usize],
+    ) -> Result<Option<std::sync::MutexGuard<'a, LinkTransport>>> {
+        let mut t = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let wanted = match &*t {
+            LinkTransport::Nccl => return Ok(None),
+            LinkTransport::Pending(Transport::Nccl) => {
+                *t = LinkTransport::Nccl;
+                return Ok(None);
+            }
+            LinkTransport::Pending(want) => Some(*want),
+            LinkTransport::NvLink(nv) => {
+                let fits = nv.regions.len() == regions.len() && nv.regions.iter().zip(regions).all(|(h, w)| h.1 >= *w);
+                if fits {
+                    return Ok(Some(t));
+                }
+                None
+            }
+        };
+        // Every region at least as large as before, rounded up to a power of two, so a
+        // growing batch reopens the window a few times at most.
+        let old: Vec<usize> = match &*t {
+            LinkTransport::NvLink(nv) => nv.regions.iter().map(|r| r.1).collect(),
+            _ => Vec::new(),
+        };
+        let sizes: Vec<usize> = regions
+            .iter()
+            .enumerate()
+            .map(|(i, &w)| w.max(old.get(i).copied().unwrap_or(0)).max(1).next_power_of_two())
+            .collect();
+        *t = LinkTransport::Pending(Transport::NvLink);
+        match self.open_nvlink(link, &sizes) {
+            Ok(nv) => *t = LinkTransport::NvLink(Box::new(nv)),
+            Err(e) if wanted == Some(Transport::Auto) && matches!(e, MoeError::Unsupported(_)) => {
+                *t = LinkTransport::Nccl;
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        }
+        Ok(Some(t))
+    }
+
+    /// A fresh window with regions of `sizes` bytes and its device state. Collective.
+    fn open_nvlink(&self, link: &EpLink, sizes: &[usize]) -> Result<NvLink> {
+        let (n, rank) = (link.comm.size(), link.comm.rank());
+        let mut regions = Vec::with_capacity(sizes.len());
+        let mut at = (8 * n).div_ceil(ALIGN) * ALIGN;
+        for &bytes in sizes {
+            regions.push((at, bytes));
+            at += bytes.div_ceil(ALIGN) * ALIGN;
+        }
+        super::super::finite::ensure_device_memory(&self.gpu, "the NVLink transport's window", at as u128)?;
+        let win = PeerWindow::open(&link.comm, at)?;
+        let s = &self.gpu.stream;
+        let flag_addrs: Vec<u64> = (0..n).map(|p| win.peer(p) + 8 * rank as u64).collect();
+        let flags = s.clone_htod(&flag_addrs).map_err(|e| err("upload", e))?;
+        let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("allocating workspace", e))?;
+        let table = || s.alloc_zeros::<u8>(8 * n * LANE).map_err(|e| err("allocating workspace", e));
+        Ok(NvLink { win, regions, counters, flags, tables: [table()?, table()?], held: [Vec::new(), Vec::new()] })
+    }
+
+    /// Pushes `lanes` to every rank: `counts[s · n + d]` rows go from rank `s` to rank `d`,
+    /// and land in each receiver's region after the rows of lower source ranks. `slot` picks
+    /// the lane table (0 dispatch, 1 combine): a table that holds these lanes already is not
+    /// uploaded again (a captured graph replays the same one).
+    pub(super) fn push(
+        &self,
+        nv: &mut NvLink,
+        link: &EpLink,
+        slot: usize,
+        lanes: &[Lane],
+        counts: &[usize],
+    ) -> Result<()> {
+        let (n, rank) = (link.comm.size(), link.comm.rank());
+        let g = &self.gpu;
+        let s = &g.stream;
+        let mut table = Vec::with_capacity(lanes.len() * n * LANE);
+        let mut records = 0usize;
+        for lane in lanes {
+            let (at, bytes) = nv.regions[lane.region];
+            let mut sent = 0usize;
+            for peer in 0..n {
+                let rows = counts[rank * n + peer];
+                let landed: usize = (0..rank).map(|src| counts[src * n + peer]).sum();
+                if (landed + rows) * lane.row_bytes > bytes {
+                    return Err(MoeError::Unsupported(format!(
+                        "rank {rank}: {} rows of {} bytes for rank {peer} overflow its NVLink window region of {bytes} bytes",
+                        landed + rows,
+                        lane.row_bytes
+                    )));
+                }
+                if rows > 0 {
+                    let (src, idx) = match lane.idx {
+                        Some(idx) => (lane.src, idx + 4 * sent as u64),
+                        None => (lane.src + (sent * lane.row_bytes) as u64, 0),
+                    };
+                    let dst = nv.win.peer(peer) + (at + landed * lane.row_bytes) as u64;
+                    for word in [src, idx, dst] {
+                        table.extend_from_slice(&word.to_le_bytes());
+                    }
+                    table.extend_from_slice(&(rows as u32).to_le_bytes());
+                    table.extend_from_slice(&(lane.row_bytes as u32).to_le_bytes());
+                    records += 1;
+                }
+                sent += rows;
+            }
+        }
+        if nv.tables[slot].len() < table.len() {
+            nv.tables[slot] = s.alloc_zeros::<u8>(table.len()).map_err(|e| err("allocating workspace", e))?;
+            nv.held[slot].clear();
+        }
+        if !table.is_empty() && nv.held[slot] != table {
+            s.memcpy_htod(&table, &mut nv.tables[slot].slice_mut(0..table.len())).map_err(|e| err("upload", e))?;
+            nv.held[slot] = table;
+        }
+        let (lanes_p, flags, counters) = (dptr(&nv.tables[slot], g), dptr(&nv.flags, g), dptr(&nv.counters, g));
+        let (nl, nf, done) = (records as i32, n as i32, counters + 16);
+        let blocks = self.opts.transport_sms.max(1);
+        // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*): `records` lanes whose
+        // sources lie in this rank's buffers and destinations inside peers' windows (checked
+        // above); `flags` holds n peer addresses; the counters live as long as the window.
+        unsafe {
+            s.launch_builder(&self.k.nvl_push)
+                .arg(&lanes_p)
+                .arg(&nl)
+                .arg(&flags)
+                .arg(&nf)
+                .arg(&counters)
+                .arg(&done)
+                .launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (PUSH_THREADS, 1, 1), shared_mem_bytes: 0 })
+        }
+        .map(|_| ())
+        .map_err(|e| err("nvl_push", e))
+    }
+
+    /// Waits on the device until every rank's push of this exchange has landed here (stage 0:
+    /// dispatch, 1: combine, in the timeout's report), at most the communicator's deadline.
+    pub(super) fn await_pushes(&self, nv: &NvLink, link: &EpLink, stage: i32) -> Result<()> {
+        let g = &self.gpu;
+        let (flags, received, status) = (nv.win.local(), dptr(&nv.counters, g) + 8, nv.win.status_device());
+        let (n, timeout) = (link.comm.size() as i32, link.comm.timeout().as_nanos().min(i64::MAX as u128) as i64);
+        // SAFETY: nvl_wait(u64*, int, u64*, long long, unsigned*, int): the first n words of this
+        // rank's window are its flags; `status` is the window's mapped host word.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.nvl_wait)
+                .arg(&flags)
+                .arg(&n)
+                .arg(&received)
+                .arg(&timeout)
+                .arg(&status)
+                .arg(&stage)
+                .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (n.max(1) as u32, 1, 1), shared_mem_bytes: 0 })
+        }
+        .map(|_| ())
+        .map_err(|e| err("nvl_wait", e))
+    }
+}
+
+impl EpLink {
+    /// After the layer's run completed (`ran`): an error naming the rank and stage when one of
+    /// the transport's waits timed out, and the transport's waits stopped when the run failed.
+    pub(super) fn check_transport(&self, ran: Result<()>) -> Result<()> {
+        let t = self.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let LinkTransport::NvLink(nv) = &*t else { return ran };
+        if ran.is_err() {
+            nv.win.stop_waits();
+            return ran;
+        }
+        match nv.win.status() {
+            0 => Ok(()),
+            u32::MAX => Err(self.comm.fail_with("nvlink", "the transport stopped after an earlier failure".into())),
+            code => {
+                let stage = if code >> 16 == 1 { "dispatch" } else { "combine" };
+                let src = (code & 0xffff) as usize - 1;
+                let e = link_failure(self, stage, src);
+                drop(t);
+                Err(self.comm.fail_with(&format!("nvlink {stage}"), e))
+            }
+        }
+    }
+
+    /// The transport that moves this link's rows, as `bench` prints it ("nvlink", "nccl", or
+    /// the option asked for before the first exchange).
+    pub(super) fn transport_name(&self) -> &'static str {
+        match &*self.transport.lock().unwrap_or_else(|p| p.into_inner()) {
+            LinkTransport::Pending(t) => t.name(),
+            LinkTransport::Nccl => "nccl",
+            LinkTransport::NvLink(_) => "nvlink",
+        }
+    }
+}
+
+/// The message of a wait that timed out on rank `src`'s rows.
+fn link_failure(link: &EpLink, stage: &str, src: usize) -> String {
+    format!("no {stage} rows from rank {src} within {:?} (stopped, or not scheduled)", link.comm.timeout())
+}
