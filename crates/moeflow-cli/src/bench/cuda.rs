@@ -157,9 +157,13 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
     // The link's ceiling: a plain copy from this GPU into the next one's memory.
     let gpus = moeflow::backend::cuda::device_count();
-    let peer_gbps = match (rank0, gpus > 1) {
-        (true, true) => moeflow::backend::cuda::measure_peer_copy(device, (device + 1) % gpus).ok(),
-        _ => None,
+    let (peer_gbps, push_gbps) = match (rank0, gpus > 1) {
+        (true, true) => {
+            let next = (device + 1) % gpus;
+            let push = moeflow::backend::cuda::measure_peer_push(device, next, cuda.transport_sms);
+            (moeflow::backend::cuda::measure_peer_copy(device, next).ok(), push.ok())
+        }
+        _ => (None, None),
     };
     bar0.finish_and_clear();
     if rank0 {
@@ -176,6 +180,13 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             copy_gbps,
             peer_gbps.map_or(String::new(), |g| format!(", peer copy {g:.0} GB/s one way"))
         );
+        if let (Some(copy), Some(push)) = (peer_gbps, push_gbps) {
+            println!(
+                "  NVLink transport's push kernel on {} SMs: {push:.0} GB/s one way ({:.0}% of the peer copy)",
+                cuda.transport_sms,
+                100.0 * push / copy
+            );
+        }
     }
     let skewed = skewed_weights(args, &config)?;
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));

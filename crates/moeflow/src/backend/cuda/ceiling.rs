@@ -151,3 +151,46 @@ pub fn measure_peer_copy(from: usize, to: usize) -> Result<f64> {
     })?;
     Ok(bytes as f64 / ms / 1e6)
 }
+
+/// GB/s of the NVLink transport's push kernel on `sms` SMs copying 16384 rows of 14336 bytes
+/// (DeepSeek-V3's bf16 rows) from GPU `from` into GPU `to`'s memory, median of 5 after a
+/// warm-up: what the transport's copy reaches against [`measure_peer_copy`].
+pub fn measure_peer_push(from: usize, to: usize, sms: u32) -> Result<f64> {
+    let (rows, row_bytes) = (16_384usize, 14_336usize);
+    let bytes = rows * row_bytes;
+    let g = Gpu::new(from)?;
+    let peer = super::nccl::context(to)?;
+    peer.bind_to_thread().map_err(|e| err("binding context", e))?;
+    let dst = Raw::new(bytes + 8)?;
+    g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+    // SAFETY: the source context is bound; enabling twice reports "already enabled".
+    let r = unsafe { drv::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
+    if !matches!(r, drv::cudaError_enum::CUDA_SUCCESS | drv::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        return Err(err("enabling peer access", r));
+    }
+    let src = Raw::new(bytes)?;
+    let s = &g.stream;
+    let mut lane = Vec::with_capacity(32);
+    for word in [src.0, 0, dst.0] {
+        lane.extend_from_slice(&word.to_le_bytes());
+    }
+    lane.extend_from_slice(&(rows as u32).to_le_bytes());
+    lane.extend_from_slice(&(row_bytes as u32).to_le_bytes());
+    let table = s.clone_htod(&lane).map_err(|e| err("upload", e))?;
+    let flags = s.clone_htod(&[dst.0 + bytes as u64]).map_err(|e| err("upload", e))?;
+    let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("alloc", e))?;
+    let push = g.function("nvl_push")?;
+    let (tp, fp, cp) = (table.device_ptr(s).0, flags.device_ptr(s).0, counters.device_ptr(s).0);
+    let (one, done) = (1i32, cp + 16);
+    let cfg = LaunchConfig { grid_dim: (sms.max(1), 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+    let ms = median_ms(&g, &mut || {
+        // SAFETY: nvl_push over one lane of `rows` rows inside `src` and `dst`; one flag word
+        // after the rows in `dst`; the counters are zeroed.
+        unsafe {
+            s.launch_builder(&push).arg(&tp).arg(&one).arg(&fp).arg(&one).arg(&cp).arg(&done).launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| err("nvl_push", e))
+    })?;
+    Ok(bytes as f64 / ms / 1e6)
+}

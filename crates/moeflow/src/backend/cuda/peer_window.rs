@@ -134,7 +134,9 @@ impl PeerWindow {
         let addr = u64::from_le_bytes(rec[8..16].try_into().expect("8 bytes"));
         if pid == std::process::id() {
             if device != self.ctx.ordinal() {
+                // Opening the peer's context makes it current: this rank's is bound again.
                 let peer = super::nccl::context(device)?;
+                self.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
                 let mut can = 0i32;
                 // SAFETY: queries two valid device handles.
                 check("querying peer access", unsafe {
