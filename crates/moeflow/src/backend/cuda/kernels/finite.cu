@@ -26,4 +26,22 @@ __global__ void count_nonfinite_f32(const float* __restrict__ x, long long n, un
     }
 }
 
+// Moves one call's count of non-finite values of x (call = {count, first index}, as
+// count_nonfinite_f32 left it) into a running record {count, latest first index, that value's
+// bits}: adds the count and, when the call found any, records where the first was and its
+// value; then resets call to {0, ~0} for the next call. One thread; stream-ordered after the
+// count, so a CUDA graph replays it as it replays the count.
+__global__ void latch_nonfinite_f32(const float* __restrict__ x, unsigned long long* call,
+                                    unsigned long long* record) {
+    if (blockIdx.x != 0 || threadIdx.x != 0) return;
+    unsigned long long count = call[0];
+    if (count > 0) {
+        record[0] += count;
+        record[1] = call[1];
+        record[2] = (unsigned long long)__float_as_uint(x[call[1]]);
+    }
+    call[0] = 0;
+    call[1] = ~0ull;
+}
+
 }  // extern "C"
