@@ -8,7 +8,9 @@
 //! the device instead, into running records that a copy at the end of every run mirrors into
 //! pinned host memory: the next call (once the earlier runs have finished; it never waits for
 //! them) or [`CudaMoeLayer::synchronize_device`] (which waits, up to a deadline) reports it.
-//! Device errors surface the same way, from the event queries.
+//! Device errors surface the same way, from the event queries. Non-finite input values are set
+//! to 0 in the layer's copy of the input before routing (whose choices index memory), so such a
+//! call computes something finite, which is not to be trusted and is reported.
 //!
 //! A captured graph points into the layer's scratch buffers: those buffers are kept for the
 //! layer's life once captured (a larger batch later gets new ones beside them). Replays and
@@ -17,8 +19,7 @@
 use super::{dptr, err, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
 use cudarc::driver::{
-    result, sys as drv, CudaEvent, CudaFunction, CudaSlice, CudaStream, CudaView, LaunchConfig, PinnedHostSlice,
-    PushKernelArg,
+    result, sys as drv, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
 };
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,7 @@ pub(super) struct DeviceCalls {
     /// Buffers that captured graphs point into, kept for the layer's life.
     kept: Vec<Buffers>,
     count: CudaFunction,
+    clear: CudaFunction,
     latch: CudaFunction,
 }
 
@@ -75,6 +77,7 @@ impl DeviceCalls {
             started: false,
             kept: Vec::new(),
             count: g.function("count_nonfinite_f32")?,
+            clear: g.function("clear_nonfinite_f32")?,
             latch: g.function("latch_nonfinite_f32")?,
         })
     }
@@ -84,10 +87,10 @@ impl DeviceCalls {
         self.kept.push(b);
     }
 
-    /// Enqueues the count of the non-finite values of `x` into record `which` (0: inputs,
-    /// 1: outputs) on `s`.
-    fn count(&self, layer: &CudaMoeLayer, s: &CudaStream, x: &CudaView<'_, f32>, which: usize) -> Result<()> {
-        let n = x.len();
+    /// Enqueues on `s` the count of the non-finite values of the `n` floats at `x` into record
+    /// `which` (0: inputs, with each of them set to 0 in `x`, so that routing never meets one;
+    /// 1: outputs), their values read at `values` (where `x` was copied from, for inputs).
+    fn count(&self, layer: &CudaMoeLayer, s: &CudaStream, x: u64, n: usize, values: u64, which: usize) -> Result<()> {
         if n == 0 {
             return Ok(());
         }
@@ -98,15 +101,23 @@ impl DeviceCalls {
             block_dim: (256, 1, 1),
             shared_mem_bytes: 0,
         };
-        let len = n as i64;
-        // SAFETY: count_nonfinite_f32(const float*, long long, unsigned long long*) reads the
-        // `n` floats of `x` and updates this call's two counts; latch_nonfinite_f32(const float*,
-        // unsigned long long*, unsigned long long*) reads them (and one value of `x`), updates
-        // the three values of the record and resets the counts. All live as long as the layer.
+        let (len, kernel) = (n as i64, if which == 0 { &self.clear } else { &self.count });
+        // SAFETY: clear_nonfinite_f32(float*, long long, unsigned long long*) and
+        // count_nonfinite_f32(const float*, ...) read (and the first writes) the `n` floats at
+        // `x` and update this call's two counts; latch_nonfinite_f32(const float*, unsigned long
+        // long*, unsigned long long*) reads them and one of the `n` floats at `values`, updates
+        // the three values of the record and resets the counts. The counts and records live as
+        // long as the layer; `x` and `values` hold `n` floats (a layer buffer, or the caller's
+        // input, read in stream order before the caller's stream goes on).
         unsafe {
-            s.launch_builder(&self.count).arg(x).arg(&len).arg(&call).launch(cfg).map_err(|e| err("count", e))?;
+            s.launch_builder(kernel).arg(&x).arg(&len).arg(&call).launch(cfg).map_err(|e| err("count", e))?;
             let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-            s.launch_builder(&self.latch).arg(x).arg(&call).arg(&record).launch(one).map_err(|e| err("latch", e))?;
+            s.launch_builder(&self.latch)
+                .arg(&values)
+                .arg(&call)
+                .arg(&record)
+                .launch(one)
+                .map_err(|e| err("latch", e))?;
         }
         Ok(())
     }
@@ -131,7 +142,8 @@ impl DeviceCalls {
             (0..6).map(|i| unsafe { std::ptr::read_volatile((self.mirror_at as *const u64).add(i)) }).collect();
         let hidden = hidden.max(1);
         if m[0] > self.reported[0] {
-            self.reported[0] = m[0];
+            // The outputs of calls on non-finite inputs are not reported on their own.
+            self.reported = [m[0], m[3]];
             return Err(MoeError::NonFinite {
                 what: "hidden_states (of an earlier call on device memory: its output is not to be trusted)".into(),
                 index: m[1] as usize,
@@ -297,12 +309,13 @@ impl CudaMoeLayer {
         let bytes = bytes_of(h, t);
         // SAFETY: `x` holds t · H floats (the caller's promise); `b.x` holds at least as many.
         unsafe { result::memcpy_dtod_async(dptr(&b.x, g), x, bytes, s.cu_stream()) }.map_err(|e| err("copy in", e))?;
-        c.count(self, s, &b.x.slice(0..t * h), 0)?;
+        c.count(self, s, dptr(&b.x, g), t * h, x, 0)?;
         if capture || !self.takes_graph(t) || !self.launch_graph(b, t)? {
             self.enqueue(b, t, &|_| Ok(()))?;
         }
         if !self.allow_nonfinite {
-            c.count(self, s, &b.out.slice(0..t * h), 1)?;
+            let o = dptr(&b.out, g);
+            c.count(self, s, o, t * h, o, 1)?;
         }
         // SAFETY: `out` holds t · H floats (the caller's promise); the layer wrote as many.
         unsafe { result::memcpy_dtod_async(out, dptr(&b.out, g), bytes, s.cu_stream()) }
