@@ -74,3 +74,25 @@ def test_dispatch_refuses_bad_routing():
         ep.combine(rows[:3], handle)
     with pytest.raises(ValueError, match="lowlatency"):
         moeflow.ExpertParallel(num_experts=8, hidden=32, strategy="lowlatency")
+
+
+def test_cuda_tensors_are_staged_through_the_host_to_the_same_bits():
+    from conftest import require_torch
+
+    torch = require_torch()
+    if not torch.cuda.is_available():
+        print("SKIPPED: no GPU for CUDA tensors")
+        pytest.skip("no GPU")
+    gate, w13, w2, x, _ = olmoe_weights()
+    ids, weights = route(gate, x, 2)
+    ep = moeflow.ExpertParallel(num_experts=8, hidden=32)
+    handle, rows, counts = ep.dispatch(x, ids, weights)
+    want = ep.combine(experts(rows, counts, ep.local_experts, w13, w2), handle)
+    gpu = [torch.from_numpy(a).to("cuda:0") for a in (x, ids, weights)]
+    handle, rows_d, counts_d = ep.dispatch(*gpu)
+    assert rows_d.device == counts_d.device == gpu[0].device and counts_d.dtype == torch.int64
+    assert np.array_equal(rows_d.cpu().numpy(), rows) and np.array_equal(counts_d.cpu().numpy(), counts)
+    expert_out = torch.from_numpy(experts(rows, counts, ep.local_experts, w13, w2)).to("cuda:0")
+    out = ep.combine(expert_out, handle)
+    assert out.device == gpu[0].device
+    assert np.array_equal(out.cpu().numpy().view(np.uint32), want.view(np.uint32))

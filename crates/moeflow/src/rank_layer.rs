@@ -207,6 +207,17 @@ impl RankLayer {
         }
     }
 
+    /// Waits, up to `timeout`, for this rank's calls of [`RankLayer::forward_device`] that
+    /// returned without waiting and for the work on the caller's raw CUDA `stream`, and reports
+    /// the non-finite inputs or outputs they found (see
+    /// [`CudaMoeLayer::synchronize_device`]). Nothing to wait for elsewhere.
+    pub fn synchronize_device(&self, stream: u64, timeout: std::time::Duration) -> Result<()> {
+        match &self.inner {
+            Inner::Device(layer) => layer.synchronize_device(stream, timeout),
+            _ => Ok(()),
+        }
+    }
+
     /// The layer's hidden size H.
     pub fn hidden(&self) -> usize {
         self.hidden

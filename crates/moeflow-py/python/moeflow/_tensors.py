@@ -31,7 +31,9 @@ def cuda_forward(layer, x):
     """The layer on a CUDA torch tensor ``x`` on the layer's own GPU, in device memory on
     torch's current stream, without a copy through the host (float32 rows are read where they
     are; other dtypes are converted on the device and the result converted back); ``None``
-    for any other input, which goes through :func:`host_input`."""
+    for any other input, which goes through :func:`host_input`. Where the layer's run stays on
+    the device the call returns without waiting for the GPU (and can be captured into a CUDA
+    graph); torch's stream order keeps ``x`` and the result safe to use and free."""
     torch = _torch()
     if torch is None or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return None
@@ -47,9 +49,32 @@ def cuda_forward(layer, x):
     if rows.dtype != torch.float32:
         rows = rows.float()
     out = torch.empty_like(rows)
-    stream = torch.cuda.current_stream(x.device).cuda_stream
+    stream = current_stream(x.device)
     layer.forward_device(rows.data_ptr(), out.data_ptr(), rows.shape[0], stream)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+def cuda_device(x):
+    """``x``'s device when it is a CUDA torch tensor, else ``None``."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor) and x.device.type == "cuda":
+        return x.device
+    return None
+
+
+def staged(x):
+    """``x`` in host memory: a CUDA torch tensor copied there (waiting for torch's current
+    stream), detached; anything else as it is."""
+    torch = _torch()
+    if torch is not None and isinstance(x, torch.Tensor):
+        x = x.detach()
+        return x.cpu() if x.device.type == "cuda" else x
+    return x
+
+
+def current_stream(device):
+    """torch's current raw CUDA stream on ``device`` (``"cuda:N"``)."""
+    return _torch().cuda.current_stream(device).cuda_stream
 
 
 def result_like(x):

@@ -2,7 +2,9 @@
 
 The launcher's variables are read here, once, and handed to the Rust half as typed values:
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (and moeflow's
-``MOEFLOW_JOB``, ``MOEFLOW_BIND``).
+``MOEFLOW_JOB``, ``MOEFLOW_BIND``). Under torchrun (``TORCHELASTIC_USE_AGENT_STORE``), whose
+agent listens on ``MASTER_PORT`` itself, rank 0 listens on a free port that it publishes
+through the agent's store.
 """
 
 import os
@@ -31,8 +33,33 @@ def world(gpu=False, timeout=60.0):
     key = bool(gpu)
     if key not in _worlds:
         vars = {k: os.environ[k] for k in LAUNCH_VARIABLES if k in os.environ}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            vars["MASTER_PORT"] = str(_port_beside_torchrun_store(vars, key, float(timeout)))
         _worlds[key] = World(vars, gpu=key, timeout=float(timeout))
     return _worlds[key]
+
+
+def _port_beside_torchrun_store(vars, gpu, timeout):
+    """The port rank 0 listens on for moeflow's rendezvous under torchrun, whose agent holds
+    ``MASTER_PORT`` itself (its TCPStore): rank 0 takes a free port of ``MASTER_ADDR`` and
+    publishes it in that store; the other ranks read it there (waiting up to ``timeout``)."""
+    import datetime
+    import socket
+
+    from torch.distributed import TCPStore
+
+    addr, rank = vars.get("MASTER_ADDR", "127.0.0.1"), int(vars["RANK"])
+    store = TCPStore(addr, int(vars["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=timeout))
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    name = f"moeflow/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{restart}/{'gpu' if gpu else 'cpu'}/port"
+    if rank == 0:
+        with socket.socket() as s:
+            s.bind((vars.get("MOEFLOW_BIND", addr), 0))
+            port = s.getsockname()[1]
+        store.set(name, str(port))
+        return port
+    return int(store.get(name))
 
 
 def resolve(ep, device, timeout):

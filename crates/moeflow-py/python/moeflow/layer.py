@@ -3,7 +3,7 @@
 import json
 
 from . import _moeflow
-from ._tensors import cuda_forward, host_input, shape, weight
+from ._tensors import cuda_forward, current_stream, host_input, shape, weight
 from .distributed import resolve
 
 _OPTION_DOC = """
@@ -20,7 +20,7 @@ _OPTION_DOC = """
         - ``quant``: ``none``, ``int8``, ``fp8``, ``fp8-block``, ``mxfp8``;
           ``defer_input_quant``; ``bf16_matmul``: ``auto``, ``widen``, ``dot``.
         - ``deterministic``: GPU outputs bit-identical whatever the layout (CPU ones always are).
-        - ``timeout``: deadline of every collective, seconds; ``allow_nonfinite``;
+        - ``timeout``: deadline of every collective and of :meth:`MoeLayer.synchronize`, seconds; ``allow_nonfinite``;
           ``chunk_size``; ``cuda``: a dict of GPU options (``expert_gemm``, ``cuda_graphs``,
           ... as the ``MOEFLOW_*`` variables, lower case without the prefix).
 """
@@ -43,6 +43,19 @@ class MoeLayer:
     the result's memory is handed over without a copy; bfloat16 and float16 rows are widened
     to float32 (the layer computes in float32) and the result rounded back. The GIL is
     released while the layer computes. No gradients: the result does not require grad.
+
+    CUDA torch tensors given to a ``device="cuda"`` layer stay on the device, ordered on
+    torch's current stream. On one GPU, where the layer's run reads nothing on the host (its
+    expert GEMMs read the expert sizes on the device: the Hopper grouped GEMM, compute
+    capability 9.0, ``cuda={"expert_gemm": "hopper"}`` at every batch size), the call returns
+    without waiting for the GPU, and ``torch.cuda.graph`` can capture it: call the layer once
+    on the captured batch size first (the warm-up torch asks for), keep the layer alive as long
+    as the graph, and order replays and direct calls (one stream, as torch does). Such a call's
+    non-finite inputs or outputs, and device errors, are raised by a later call once its work
+    has finished, or by :meth:`synchronize`. The first call of each batch size waits (the
+    layer captures its own graph). Elsewhere (cuBLAS expert GEMMs, expert-parallel ranks,
+    which exchange counts through the host) the call waits for the GPU and a capture is
+    refused with ``NotImplementedError`` saying why.
     """
 
     def __init__(self, layer):
@@ -119,6 +132,14 @@ class MoeLayer:
             return out
         x, result = host_input(hidden, self._layer.device)
         return result(self._layer.forward(x))
+
+    def synchronize(self):
+        """Waits (up to the layer's ``timeout``) for the layer's calls on CUDA tensors and the
+        work on torch's current stream, then raises what those calls found: ``ValueError`` for
+        a non-finite input, ``RuntimeError`` for a non-finite output or a device error,
+        ``CommunicationError`` when the deadline passes. Nothing to do on a CPU layer."""
+        if self._layer.device.startswith("cuda"):
+            self._layer.synchronize(current_stream(self._layer.device))
 
     def describe(self):
         """One line naming the backend, the path the library chose and why, and the layout."""

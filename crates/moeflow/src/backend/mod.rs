@@ -229,6 +229,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn synchronize_device(&self, _stream: u64, _timeout: std::time::Duration) -> Result<()> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn auto(self, _table: crate::auto_strategy::AutoStrategy) -> Result<Self> {
             Err(missing())
         }

@@ -48,6 +48,9 @@ pub(super) struct Buffers {
     pub(super) ll: Option<low_latency::LlBuffers>,
     /// One GPU: small batches' graphs and their cuBLAS workspaces (see [`graph`]).
     pub(super) graphs: graph::LocalGraphs,
+    /// Whether a graph the caller captured points into these buffers (they are then kept for
+    /// the layer's life: see [`super::device_calls`]).
+    pub(super) captured: bool,
 }
 
 impl CudaMoeLayer {
@@ -55,7 +58,19 @@ impl CudaMoeLayer {
     /// there are none yet or they hold fewer than `tokens` tokens.
     pub(super) fn buffers<'a>(&self, guard: &'a mut Option<Buffers>, tokens: usize) -> Result<&'a mut Buffers> {
         if guard.as_ref().is_none_or(|b| b.tokens < tokens) {
-            let graphs = guard.take().map(|b| b.graphs.carried_over()).unwrap_or_default();
+            let graphs = match guard.take() {
+                None => graph::LocalGraphs::default(),
+                Some(mut old) => {
+                    let graphs = std::mem::take(&mut old.graphs).carried_over();
+                    if old.captured {
+                        // A graph captured by the caller points into them: kept for good.
+                        if let Some(calls) = self.calls.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                            calls.keep(old);
+                        }
+                    }
+                    graphs
+                }
+            };
             let c = &self.config;
             let (t, h, e, i, k) = (tokens.max(1), c.hidden, c.num_experts, c.inter, c.top_k);
             let wide = i.max(c.shared.map_or(0, |s| s.inter));
@@ -108,6 +123,7 @@ impl CudaMoeLayer {
                 tp_gathered: None,
                 ll: None,
                 graphs,
+                captured: false,
             });
         }
         Ok(guard.as_mut().expect("allocated above"))

@@ -108,6 +108,11 @@ impl LocalGraphs {
         }
     }
 
+    /// Whether the layer's cuBLAS handles have their workspaces here.
+    pub(super) fn has_blas_workspaces(&self) -> bool {
+        !self.workspaces.is_empty()
+    }
+
     /// Whether the capture about to start is to be spoilt on purpose (tests of the fallback
     /// only); counts such captures down.
     fn spoils_this_capture(&mut self) -> bool {
@@ -175,6 +180,27 @@ impl CudaMoeLayer {
         })
     }
 
+    /// Gives the layer's cuBLAS handles their workspaces in `b`, once, so that no GEMM
+    /// allocates inside a capture.
+    pub(super) fn set_blas_workspaces(&self, b: &mut Buffers) -> Result<()> {
+        if b.graphs.workspaces.is_empty() {
+            b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
+        }
+        Ok(())
+    }
+
+    /// Launches the layer's graph for `t` tokens on its stream without waiting for it,
+    /// capturing it first (which waits, see [`CudaMoeLayer::graph_run`]); `false` when the
+    /// capture failed and nothing was launched.
+    pub(super) fn launch_graph(&self, b: &mut Buffers, t: usize) -> Result<bool> {
+        if !b.graphs.graphs.iter().any(|(n, _)| *n == t) && !self.capture(b, t)? {
+            return Ok(false);
+        }
+        let graph = &b.graphs.graphs.iter().find(|(n, _)| *n == t).expect("captured").1;
+        graph.launch(&self.gpu, false)?;
+        Ok(true)
+    }
+
     /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph.
     pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize) -> Result<LayerGraph> {
         let s = &self.gpu.stream;
@@ -208,9 +234,7 @@ impl CudaMoeLayer {
         if failed >= CAPTURE_TRIES {
             return Ok(false);
         }
-        if b.graphs.workspaces.is_empty() {
-            b.graphs.workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
-        }
+        self.set_blas_workspaces(b)?;
         self.warm_up(b, t)?;
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
         match self.capture_layer(b, t) {

@@ -28,6 +28,7 @@ use std::sync::Mutex;
 
 mod buffers;
 mod combine;
+mod device_calls;
 mod dual_batch;
 mod expert_gemm;
 mod expert_parallel;
@@ -173,6 +174,8 @@ pub struct CudaMoeLayer {
     pub(in crate::backend::cuda) load: super::load_stats::DeviceLoadStats,
     /// Set during the direct run before a graph's capture (see [`CudaMoeLayer::warm_up`]).
     warming_up: std::sync::atomic::AtomicBool,
+    /// Calls on device memory that do not wait: their non-finite records (see [`device_calls`]).
+    calls: Mutex<Option<device_calls::DeviceCalls>>,
 }
 
 fn bf16_bits(t: &Tensor) -> Vec<u16> {
@@ -275,6 +278,7 @@ impl CudaMoeLayer {
             side: SideStreams::new(&gpu, opts)?,
             load: super::load_stats::DeviceLoadStats::new(&gpu, config.num_experts)?,
             warming_up: std::sync::atomic::AtomicBool::new(false),
+            calls: Mutex::new(None),
             gpu,
             masked: masked_gemm::masked_gemm_fits(config, opts.low_latency_gemm),
             opts: opts.clone(),
@@ -543,14 +547,32 @@ impl CudaMoeLayer {
     /// addresses), ordered on the caller's `stream` (a raw `CUstream`, such as PyTorch's current
     /// stream; 0 for the default stream): the layer starts after the work already enqueued
     /// there, and work enqueued there afterwards starts after the output is written. Nothing
-    /// goes through host memory; the host returns once the layer's own run has completed, as
-    /// [`CudaMoeLayer::forward`] does.
+    /// goes through host memory.
+    ///
+    /// On one GPU, where the batch's whole run stays on the device (expert GEMMs that read the
+    /// expert sizes there: see [`device_calls`]), the host returns without waiting and a CUDA
+    /// graph capturing `stream` takes the layer in (after one call of that batch size outside
+    /// the capture); non-finite inputs and outputs are reported by a later call or
+    /// [`CudaMoeLayer::synchronize_device`]. Elsewhere the host returns once the layer's run
+    /// has completed, as [`CudaMoeLayer::forward`] does, and a capture is refused with an error
+    /// saying what reads the host.
     pub fn forward_device(&self, x: u64, out: u64, t: usize, stream: u64) -> Result<()> {
         let h = self.config.hidden;
         let capacity = self.capacity();
         self.check_capacity(t)?;
         let g = &self.gpu;
         g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        let capture = self.caller_capturing(stream)?;
+        match (self.host_read(t), capture) {
+            (None, _) => return self.forward_device_enqueued(x, out, t, stream, capture),
+            (Some(why), true) => {
+                return Err(MoeError::Unsupported(format!(
+                    "capturing this layer into a CUDA graph: {why}, so it waits for the GPU; call it outside the \
+                     capture"
+                )))
+            }
+            (Some(_), false) => {}
+        }
         let s = &g.stream;
         let caller = stream as drv::CUstream;
         let ready = g.ctx.new_event(None).map_err(|e| err("event", e))?;

@@ -1,0 +1,509 @@
+//! Calls on device memory that do not wait ([`CudaMoeLayer::forward_device`] on a one-GPU layer
+//! whose whole run reads nothing on the host: expert GEMMs that read the expert sizes on the
+//! device). The run is enqueued between the caller's stream and the layer's own and the host
+//! returns at once, so a CUDA graph capturing the caller's stream (`torch.cuda.graph`) takes the
+//! layer in.
+//!
+//! What the host checks after a run that waits, non-finite inputs and outputs, is counted on
+//! the device instead, into running records that a copy at the end of every run mirrors into
+//! pinned host memory: the next call (once the earlier runs have finished; it never waits for
+//! them) or [`CudaMoeLayer::synchronize_device`] (which waits, up to a deadline) reports it.
+//! Device errors surface the same way, from the event queries. Non-finite input values are set
+//! to 0 in the layer's copy of the input before routing (whose choices index memory), so such a
+//! call computes something finite, which is not to be trusted and is reported.
+//!
+//! A captured graph points into the layer's scratch buffers: those buffers are kept for the
+//! layer's life once captured (a larger batch later gets new ones beside them). Replays and
+//! direct calls of one layer share them, so they must be ordered, as work on one stream is.
+
+use super::{dptr, err, Buffers, CudaMoeLayer};
+use crate::error::{MoeError, Result};
+use cudarc::driver::{
+    result, sys as drv, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PinnedHostSlice, PushKernelArg,
+};
+use std::time::{Duration, Instant};
+
+/// The running records of non-finite values and what the host has reported of them.
+pub(super) struct DeviceCalls {
+    /// One call's `{count, first index}` of the input, then of the output (reset by the latch).
+    call: CudaSlice<u64>,
+    /// Running `{count, latest first index, its value's bits}` of inputs, then of outputs.
+    records: CudaSlice<u64>,
+    /// Pinned host copy of `records`, written by the copy that ends every run.
+    mirror: PinnedHostSlice<u64>,
+    /// `mirror`'s address (taken once: cudarc's accessors wait on an event of their own).
+    mirror_at: usize,
+    /// Counts of `records` already reported: inputs, outputs.
+    reported: [u64; 2],
+    /// Recorded on the caller's stream right before a direct run.
+    ready: CudaEvent,
+    /// Recorded on the layer's stream at the end of the latest direct run.
+    done: CudaEvent,
+    /// Whether `done` has been recorded.
+    started: bool,
+    /// Buffers that captured graphs point into, kept for the layer's life.
+    kept: Vec<Buffers>,
+    count: CudaFunction,
+    clear: CudaFunction,
+    latch: CudaFunction,
+}
+
+// SAFETY: `mirror_at` is the address of `mirror`, owned here; it is read with volatile reads
+// under the layer's mutex, and written only by the device.
+unsafe impl Send for DeviceCalls {}
+
+impl DeviceCalls {
+    fn new(layer: &CudaMoeLayer) -> Result<Self> {
+        let g = &layer.gpu;
+        let s = &g.stream;
+        let mut call = s.alloc_zeros::<u64>(4).map_err(|e| err("allocating the non-finite counts", e))?;
+        s.memcpy_htod(&[0, u64::MAX, 0, u64::MAX], &mut call).map_err(|e| err("resetting the non-finite counts", e))?;
+        let records = s.alloc_zeros::<u64>(6).map_err(|e| err("allocating the non-finite records", e))?;
+        // SAFETY: six u64 of page-locked host memory, zeroed right below before any use.
+        let mut mirror = unsafe { g.ctx.alloc_pinned_with_flags::<u64>(6, 0) }.map_err(|e| err("pinned memory", e))?;
+        let at = mirror.as_mut_ptr().map_err(|e| err("pinned memory", e))?;
+        // SAFETY: `at` points at the six u64 of `mirror`, which no copy writes yet.
+        unsafe { std::ptr::write_bytes(at, 0, 6) };
+        s.synchronize().map_err(|e| err("synchronize", e))?;
+        let event = || g.ctx.new_event(None).map_err(|e| err("event", e));
+        Ok(DeviceCalls {
+            call,
+            records,
+            mirror,
+            mirror_at: at as usize,
+            reported: [0; 2],
+            ready: event()?,
+            done: event()?,
+            started: false,
+            kept: Vec::new(),
+            count: g.function("count_nonfinite_f32")?,
+            clear: g.function("clear_nonfinite_f32")?,
+            latch: g.function("latch_nonfinite_f32")?,
+        })
+    }
+
+    /// Keeps `b` (which a captured graph points into) for the layer's life.
+    pub(super) fn keep(&mut self, b: Buffers) {
+        self.kept.push(b);
+    }
+
+    /// Enqueues on `s` the count of the non-finite values of the `n` floats at `x` into record
+    /// `which` (0: inputs, with each of them set to 0 in `x`, so that routing never meets one;
+    /// 1: outputs), their values read at `values` (where `x` was copied from, for inputs).
+    fn count(&self, layer: &CudaMoeLayer, s: &CudaStream, x: u64, n: usize, values: u64, which: usize) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let g = &layer.gpu;
+        let (call, record) = (dptr(&self.call, g) + 16 * which as u64, dptr(&self.records, g) + 24 * which as u64);
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (len, kernel) = (n as i64, if which == 0 { &self.clear } else { &self.count });
+        // SAFETY: clear_nonfinite_f32(float*, long long, unsigned long long*) and
+        // count_nonfinite_f32(const float*, ...) read (and the first writes) the `n` floats at
+        // `x` and update this call's two counts; latch_nonfinite_f32(const float*, unsigned long
+        // long*, unsigned long long*) reads them and one of the `n` floats at `values`, updates
+        // the three values of the record and resets the counts. The counts and records live as
+        // long as the layer; `x` and `values` hold `n` floats (a layer buffer, or the caller's
+        // input, read in stream order before the caller's stream goes on).
+        unsafe {
+            s.launch_builder(kernel).arg(&x).arg(&len).arg(&call).launch(cfg).map_err(|e| err("count", e))?;
+            let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+            s.launch_builder(&self.latch)
+                .arg(&values)
+                .arg(&call)
+                .arg(&record)
+                .launch(one)
+                .map_err(|e| err("latch", e))?;
+        }
+        Ok(())
+    }
+
+    /// Enqueues the copy of the records into the pinned mirror on `s`.
+    fn mirror(&self, layer: &CudaMoeLayer, s: &CudaStream) -> Result<()> {
+        // SAFETY: `mirror_at` holds six u64 of pinned memory owned by `self` (kept as long as
+        // the layer, which outlives its runs and graphs); the records hold six u64 too.
+        unsafe {
+            let dst = std::slice::from_raw_parts_mut(self.mirror_at as *mut u64, self.mirror.len());
+            result::memcpy_dtoh_async(dst, dptr(&self.records, &layer.gpu), s.cu_stream())
+        }
+        .map_err(|e| err("copying the non-finite records", e))
+    }
+
+    /// The error for non-finite values counted since the last report (none: `Ok`); reads the
+    /// mirror, which the caller makes sure the device has written.
+    fn report(&mut self, hidden: usize) -> Result<()> {
+        // SAFETY: six u64 of pinned memory owned by `self`; the device may be writing them
+        // (a graph's replay), hence volatile reads.
+        let m: Vec<u64> =
+            (0..6).map(|i| unsafe { std::ptr::read_volatile((self.mirror_at as *const u64).add(i)) }).collect();
+        let hidden = hidden.max(1);
+        if m[0] > self.reported[0] {
+            // The outputs of calls on non-finite inputs are not reported on their own.
+            self.reported = [m[0], m[3]];
+            return Err(MoeError::NonFinite {
+                what: "hidden_states (of an earlier call on device memory: its output is not to be trusted)".into(),
+                index: m[1] as usize,
+                value: f32::from_bits(m[2] as u32),
+            });
+        }
+        if m[3] > self.reported[1] {
+            let count = (m[3] - self.reported[1]) as usize;
+            self.reported[1] = m[3];
+            let first = m[4] as usize;
+            return Err(MoeError::NonFiniteOutput {
+                count,
+                token: first / hidden,
+                column: first % hidden,
+                value: f32::from_bits(m[5] as u32),
+            });
+        }
+        Ok(())
+    }
+
+    /// The errors of direct runs that have finished, without waiting for those still running.
+    fn finished_errors(&mut self, hidden: usize) -> Result<()> {
+        if !self.started || !self.done.try_is_complete().map_err(|e| err("an earlier call on the GPU", e))? {
+            return Ok(());
+        }
+        self.report(hidden)
+    }
+}
+
+/// Waits for `event` until `deadline`, polling (a device error comes back as it is).
+fn wait_until(event: &CudaEvent, deadline: Instant, timeout: Duration, what: &str) -> Result<()> {
+    let start = Instant::now();
+    loop {
+        if event.try_is_complete().map_err(|e| err(what, e))? {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(MoeError::Comm {
+                rank: 0,
+                op: what.to_string(),
+                message: format!("the GPU's work did not finish within {:.1} s", timeout.as_secs_f64()),
+            });
+        }
+        if start.elapsed() < Duration::from_millis(1) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    }
+}
+
+/// Whether `stream` is being captured into a CUDA graph (an invalidated capture counts).
+fn capturing(stream: drv::CUstream) -> Result<bool> {
+    // SAFETY: queries the capture status of the caller's stream, of this context.
+    let status = unsafe { result::stream::is_capturing(stream) }.map_err(|e| err("capture status", e))?;
+    Ok(status != drv::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+}
+
+impl CudaMoeLayer {
+    /// Why a batch of `t` tokens on this layer reads something on the host (it then waits, and
+    /// cannot be captured into a CUDA graph); `None` when its whole run stays on the device.
+    pub(super) fn host_read(&self, t: usize) -> Option<String> {
+        let (e, k) = (self.config.num_experts, self.config.top_k);
+        if self.ep.is_some() {
+            return Some("an expert-parallel rank exchanges its expert counts through the host".into());
+        }
+        if self.w.fp8.is_some() || self.w8a8 {
+            return Some("fp8 experts allocate their rows' codes on first use".into());
+        }
+        if self.hopper_for(t * k, e).is_none() {
+            return Some(format!(
+                "a batch of {t} tokens runs cuBLAS's expert GEMMs, whose shapes need the expert sizes on the host; \
+                 the Hopper grouped GEMM (expert_gemm=hopper, compute capability 9.0) reads them on the device"
+            ));
+        }
+        None
+    }
+
+    /// Whether `stream` (a raw `CUstream` of this layer's device) is being captured.
+    pub(super) fn caller_capturing(&self, stream: u64) -> Result<bool> {
+        capturing(stream as drv::CUstream)
+    }
+
+    /// [`CudaMoeLayer::forward_device`] where [`CudaMoeLayer::host_read`] is `None`: enqueued
+    /// without waiting (see the module), or captured when the caller's stream is.
+    pub(super) fn forward_device_enqueued(&self, x: u64, out: u64, t: usize, stream: u64, capture: bool) -> Result<()> {
+        let h = self.config.hidden;
+        let g = &self.gpu;
+        let s = &g.stream;
+        let caller = stream as drv::CUstream;
+        let warm_up = |what: &str| {
+            MoeError::Unsupported(format!(
+                "capturing a batch of {t} tokens into a CUDA graph before {what}: call the layer once on such a \
+                 batch outside the capture first (the warm-up torch.cuda.graphs asks for)"
+            ))
+        };
+        let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        let b = if capture {
+            match guard.as_mut() {
+                Some(b) if b.tokens >= t && b.graphs.has_blas_workspaces() => b,
+                _ => return Err(warm_up("the layer has its buffers")),
+            }
+        } else {
+            let b = self.buffers(&mut guard, t)?;
+            self.set_blas_workspaces(b)?;
+            b
+        };
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        if calls.is_none() {
+            if capture {
+                return Err(warm_up("the layer has run on device memory"));
+            }
+            *calls = Some(DeviceCalls::new(self)?);
+        }
+        let c = calls.as_mut().expect("made above");
+        if !capture {
+            c.finished_errors(h)?;
+        }
+        if t == 0 {
+            return Ok(());
+        }
+        b.captured |= capture;
+        let _no_blas_handle_changes = capture.then(super::super::blas_handle::capture_lock);
+        // Events recorded in a capture belong to it and cannot be queried after: fresh ones.
+        let event = || g.ctx.new_event(None).map_err(|e| err("event", e));
+        let fresh = if capture { Some((event()?, event()?)) } else { None };
+        let (ready, done) = match &fresh {
+            Some((r, d)) => (r, d),
+            None => (&c.ready, &c.done),
+        };
+        // SAFETY: records an event of this context on the caller's stream (same device).
+        unsafe { result::event::record(ready.cu_event(), caller) }
+            .map_err(|e| err("waiting for the caller's stream", e))?;
+        s.wait(ready).map_err(|e| err("waiting for the caller's stream", e))?;
+        let ran = self.enqueue_on_device(b, c, x, out, t, capture);
+        if ran.is_err() && capture {
+            // Streams forked into the capture must join it again for it to end.
+            let _ = self.side.join(s, self.side.all());
+        }
+        done.record(s).map_err(|e| err("event", e))?;
+        // SAFETY: the caller's stream waits for an event of this context (same device).
+        unsafe { result::stream::wait_event(caller, done.cu_event(), drv::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT) }
+            .map_err(|e| err("ordering the caller's stream", e))?;
+        ran?;
+        c.started |= !capture;
+        Ok(())
+    }
+
+    /// The run itself, on the layer's stream: copy in, input count, the layer (its own graph
+    /// replayed where it takes one and the caller is not capturing), output count, copy out,
+    /// records mirrored.
+    fn enqueue_on_device(
+        &self,
+        b: &mut Buffers,
+        c: &DeviceCalls,
+        x: u64,
+        out: u64,
+        t: usize,
+        capture: bool,
+    ) -> Result<()> {
+        let (g, h) = (&self.gpu, self.config.hidden);
+        let s = &g.stream;
+        let bytes = bytes_of(h, t);
+        // SAFETY: `x` holds t · H floats (the caller's promise); `b.x` holds at least as many.
+        unsafe { result::memcpy_dtod_async(dptr(&b.x, g), x, bytes, s.cu_stream()) }.map_err(|e| err("copy in", e))?;
+        c.count(self, s, dptr(&b.x, g), t * h, x, 0)?;
+        if capture || !self.takes_graph(t) || !self.launch_graph(b, t)? {
+            self.enqueue(b, t, &|_| Ok(()))?;
+        }
+        if !self.allow_nonfinite {
+            let o = dptr(&b.out, g);
+            c.count(self, s, o, t * h, o, 1)?;
+        }
+        // SAFETY: `out` holds t · H floats (the caller's promise); the layer wrote as many.
+        unsafe { result::memcpy_dtod_async(out, dptr(&b.out, g), bytes, s.cu_stream()) }
+            .map_err(|e| err("copy out", e))?;
+        c.mirror(self, s)
+    }
+
+    /// Waits, up to `timeout`, for this layer's calls on device memory enqueued so far and for
+    /// the work on the caller's `stream` (graph replays included), then reports the non-finite
+    /// inputs or outputs they found (see the module). Refused while `stream` is captured.
+    pub fn synchronize_device(&self, stream: u64, timeout: Duration) -> Result<()> {
+        let g = &self.gpu;
+        g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        if self.caller_capturing(stream)? {
+            return Err(MoeError::Unsupported("synchronizing a layer inside a CUDA graph capture".into()));
+        }
+        let deadline = Instant::now() + timeout;
+        let ev = || g.ctx.new_event(None).map_err(|e| err("event", e));
+        let (caller, own) = (ev()?, ev()?);
+        // SAFETY: records an event of this context on the caller's stream (same device).
+        unsafe { result::event::record(caller.cu_event(), stream as drv::CUstream) }
+            .map_err(|e| err("synchronize", e))?;
+        own.record(&g.stream).map_err(|e| err("synchronize", e))?;
+        wait_until(&caller, deadline, timeout, "synchronize")?;
+        wait_until(&own, deadline, timeout, "synchronize")?;
+        let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
+        match calls.as_mut() {
+            Some(c) => c.report(self.config.hidden),
+            None => Ok(()),
+        }
+    }
+}
+
+fn bytes_of(h: usize, t: usize) -> usize {
+    t * h * std::mem::size_of::<f32>()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::CudaMoeLayer;
+    use crate::backend::cuda_options::{CudaOptions, ExpertGemm};
+    use crate::config::{MoeConfig, SharedConfig};
+    use crate::experts::Activation;
+    use crate::router::RouterConfig;
+    use crate::tensor::Tensor;
+    use crate::{preset, DType, MoeError};
+    use cudarc::driver::{sys as drv, CudaSlice, CudaStream, DevicePtr};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    const H: usize = 128;
+
+    fn config() -> MoeConfig {
+        let shared = Some(SharedConfig { inter: 48, gated: true });
+        preset::config(H, 64, 8, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, shared)
+    }
+
+    /// The layer on GPU 0 with `gemm`, or `None` (saying loudly that `name` skipped) without a
+    /// GPU.
+    fn layer(name: &str, gemm: ExpertGemm) -> Option<CudaMoeLayer> {
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return None;
+        }
+        let config = config();
+        let weights = preset::random_weights(&config, DType::BF16, 7);
+        let opts = CudaOptions { expert_gemm: gemm, ..Default::default() };
+        Some(CudaMoeLayer::new(&config, &weights, &opts).unwrap())
+    }
+
+    fn input(t: usize, seed: u64) -> Vec<f32> {
+        preset::uniform(t * H, 1.0, seed)
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
+    /// The bits `forward` (host in, host out) gives for `x`.
+    fn host_bits(layer: &CudaMoeLayer, x: &[f32]) -> Vec<u32> {
+        bits(&layer.forward(&Tensor::from_f32(&[x.len() / H, H], x.to_vec()).unwrap()).unwrap().to_f32_vec())
+    }
+
+    fn addr<T>(s: &CudaSlice<T>, stream: &Arc<CudaStream>) -> u64 {
+        s.device_ptr(stream).0
+    }
+
+    /// Calls on device memory that read nothing on the host return without waiting, and a
+    /// graph captured from the caller's stream around one replays with new input values to the
+    /// bits of direct calls, also after a larger batch has replaced the layer's buffers.
+    /// Needs a Hopper GPU; says loudly when it skips.
+    #[test]
+    fn a_captured_call_replays_to_the_bits_of_direct_calls() {
+        let name = "a_captured_call_replays_to_the_bits_of_direct_calls";
+        let Some(layer) = layer(name, ExpertGemm::Hopper) else { return };
+        let t = 6;
+        if let Some(why) = layer.host_read(t) {
+            eprintln!("SKIPPED {name}: {why}");
+            return;
+        }
+        let caller = layer.gpu.ctx.new_stream().unwrap();
+        let raw = caller.cu_stream() as u64;
+        let mut x = caller.clone_htod(&input(t, 1)).unwrap();
+        let out = caller.alloc_zeros::<f32>(t * H).unwrap();
+        let (xp, op) = (addr(&x, &caller), addr(&out, &caller));
+        layer.forward_device(xp, op, t, raw).unwrap();
+        layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
+        assert_eq!(bits(&caller.clone_dtoh(&out).unwrap()), host_bits(&layer, &input(t, 1)), "a direct call");
+
+        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        let captured = layer.forward_device(xp, op, t, raw);
+        let graph = caller.end_capture(drv::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+        captured.unwrap();
+        for seed in [2, 3] {
+            caller.memcpy_htod(&input(t, seed), &mut x).unwrap();
+            graph.launch().unwrap();
+            caller.synchronize().unwrap();
+            assert_eq!(bits(&caller.clone_dtoh(&out).unwrap()), host_bits(&layer, &input(t, seed)), "replay {seed}");
+        }
+        // A larger batch replaces the buffers; the graph's stay.
+        let big = caller.clone_htod(&input(4 * t, 9)).unwrap();
+        let big_out = caller.alloc_zeros::<f32>(4 * t * H).unwrap();
+        layer.forward_device(addr(&big, &caller), addr(&big_out, &caller), 4 * t, raw).unwrap();
+        caller.memcpy_htod(&input(t, 4), &mut x).unwrap();
+        graph.launch().unwrap();
+        layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
+        assert_eq!(bits(&caller.clone_dtoh(&out).unwrap()), host_bits(&layer, &input(t, 4)), "replay after growth");
+        assert_eq!(bits(&caller.clone_dtoh(&big_out).unwrap()), host_bits(&layer, &input(4 * t, 9)), "larger batch");
+        eprintln!("a captured call replays to the bits of direct calls");
+    }
+
+    /// A non-finite input of a call that did not wait is reported by `synchronize_device`
+    /// (once), and a capture before any call outside one is refused with the warm-up it needs.
+    /// Needs a Hopper GPU; says loudly when it skips.
+    #[test]
+    fn nonfinite_values_of_calls_that_did_not_wait_are_reported_later() {
+        let name = "nonfinite_values_of_calls_that_did_not_wait_are_reported_later";
+        let Some(layer) = layer(name, ExpertGemm::Hopper) else { return };
+        let t = 3;
+        if let Some(why) = layer.host_read(t) {
+            eprintln!("SKIPPED {name}: {why}");
+            return;
+        }
+        let caller = layer.gpu.ctx.new_stream().unwrap();
+        let raw = caller.cu_stream() as u64;
+        let mut values = input(t, 5);
+        values[H + 7] = f32::NAN;
+        let x = caller.clone_htod(&values).unwrap();
+        let out = caller.alloc_zeros::<f32>(t * H).unwrap();
+        let (xp, op) = (addr(&x, &caller), addr(&out, &caller));
+
+        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        let refused = layer.forward_device(xp, op, t, raw);
+        assert!(caller.end_capture(drv::CUgraphInstantiate_flags(0)).is_ok(), "the capture still ends");
+        let e = refused.expect_err("a capture before any direct call");
+        assert!(e.to_string().contains("outside the capture first"), "{e}");
+
+        layer.forward_device(xp, op, t, raw).expect("the call does not wait to see its input");
+        match layer.synchronize_device(raw, Duration::from_secs(20)) {
+            Err(MoeError::NonFinite { index, .. }) => assert_eq!(index, H + 7),
+            other => panic!("expected the non-finite input, got {other:?}"),
+        }
+        layer.synchronize_device(raw, Duration::from_secs(20)).expect("reported once");
+        eprintln!("non-finite values of calls that did not wait are reported later");
+    }
+
+    /// A layer whose expert GEMMs read the expert sizes on the host refuses a capture with an
+    /// error saying so, leaving the capture intact, and runs (waiting) outside one. Says loudly
+    /// when it skips.
+    #[test]
+    fn a_layer_reading_the_host_refuses_a_capture() {
+        let name = "a_layer_reading_the_host_refuses_a_capture";
+        let Some(layer) = layer(name, ExpertGemm::Cublas) else { return };
+        let t = 4;
+        assert!(layer.host_read(t).is_some(), "cuBLAS experts read the expert sizes on the host");
+        let caller = layer.gpu.ctx.new_stream().unwrap();
+        let raw = caller.cu_stream() as u64;
+        let x = caller.clone_htod(&input(t, 8)).unwrap();
+        let out = caller.alloc_zeros::<f32>(t * H).unwrap();
+        let (xp, op) = (addr(&x, &caller), addr(&out, &caller));
+        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        let refused = layer.forward_device(xp, op, t, raw);
+        assert!(caller.end_capture(drv::CUgraphInstantiate_flags(0)).is_ok(), "the capture still ends");
+        let e = refused.expect_err("a capture of cuBLAS experts");
+        assert!(e.to_string().contains("CUDA graph") && e.to_string().contains("cuBLAS"), "{e}");
+        layer.forward_device(xp, op, t, raw).unwrap();
+        caller.synchronize().unwrap();
+        assert_eq!(bits(&caller.clone_dtoh(&out).unwrap()), host_bits(&layer, &input(t, 8)));
+        eprintln!("a layer reading the host refuses a capture");
+    }
+}
