@@ -425,7 +425,7 @@ mod tests {
         layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
         assert_eq!(bits(&caller.clone_dtoh(&out).unwrap()), host_bits(&layer, &input(t, 1)), "a direct call");
 
-        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
         let captured = layer.forward_device(xp, op, t, raw);
         let graph = caller.end_capture(drv::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
         captured.unwrap();
@@ -467,7 +467,7 @@ mod tests {
         let out = caller.alloc_zeros::<f32>(t * H).unwrap();
         let (xp, op) = (addr(&x, &caller), addr(&out, &caller));
 
-        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
         let refused = layer.forward_device(xp, op, t, raw);
         assert!(caller.end_capture(drv::CUgraphInstantiate_flags(0)).is_ok(), "the capture still ends");
         let e = refused.expect_err("a capture before any direct call");
@@ -496,7 +496,7 @@ mod tests {
         let x = caller.clone_htod(&input(t, 8)).unwrap();
         let out = caller.alloc_zeros::<f32>(t * H).unwrap();
         let (xp, op) = (addr(&x, &caller), addr(&out, &caller));
-        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL).unwrap();
+        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
         let refused = layer.forward_device(xp, op, t, raw);
         assert!(caller.end_capture(drv::CUgraphInstantiate_flags(0)).is_ok(), "the capture still ends");
         let e = refused.expect_err("a capture of cuBLAS experts");
