@@ -145,6 +145,26 @@ impl Inner {
         }
     }
 
+    fn rebalance(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        match self {
+            Inner::Host(l) => l.rebalance(placement),
+            Inner::Device(l) => l.rebalance(placement),
+            Inner::DeviceDual(_) => Err(MoeError::Unsupported(
+                "live rebalancing of the dual-batch GPU layer (its halves share one copy of the weights)".into(),
+            )),
+            Inner::TpSlice { inner, .. } => inner.rebalance(placement),
+        }
+    }
+
+    fn placement(&self) -> Option<Arc<ExpertPlacement>> {
+        match self {
+            Inner::Host(l) => l.placement(),
+            Inner::Device(l) => l.placement(),
+            Inner::DeviceDual(_) => None,
+            Inner::TpSlice { inner, .. } => inner.placement(),
+        }
+    }
+
     fn device(&self) -> Option<&CudaMoeLayer> {
         match self {
             Inner::Device(l) => Some(l),
@@ -219,21 +239,18 @@ impl RankLayer {
     }
 
     /// Takes `placement` between forward calls, moving expert weights between the ranks
-    /// (collective; see [`MoeLayer::rebalance`]). CPU and host-staged layers built with
-    /// [`ParallelConfig::rebalanceable`]; device-resident GPU layers refuse it.
+    /// (collective over the layer's expert-parallel group). CPU and host-staged layers built
+    /// with [`ParallelConfig::rebalanceable`] (see [`MoeLayer::rebalance`]); device-resident
+    /// GPU layers, TP-sliced or not, move their device buffers over NCCL (see
+    /// [`CudaMoeLayer::rebalance`]); the dual-batch GPU layer refuses it.
     pub fn rebalance(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
-        match &mut self.inner {
-            Inner::Host(l) => l.rebalance(placement),
-            _ => Err(MoeError::Unsupported("live rebalancing of device-resident GPU layers".into())),
-        }
+        self.inner.rebalance(placement)
     }
 
-    /// The placement this rank's layer follows (`None` on one rank, or a device layer).
+    /// The placement this rank's layer follows (`None` on one rank or one GPU, and for the
+    /// dual-batch GPU layer).
     pub fn placement(&self) -> Option<Arc<ExpertPlacement>> {
-        match &self.inner {
-            Inner::Host(l) => l.placement(),
-            _ => None,
-        }
+        self.inner.placement()
     }
 
     /// One line naming the backend, the path and why, the strategy, layout and options.

@@ -155,6 +155,14 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn placement(&self) -> Option<std::sync::Arc<crate::placement::ExpertPlacement>> {
+            None
+        }
+        /// Unreachable without the feature.
+        pub fn rebalance(&mut self, _placement: std::sync::Arc<crate::placement::ExpertPlacement>) -> Result<()> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn allow_nonfinite(self, _allow: bool) -> Self {
             self
         }

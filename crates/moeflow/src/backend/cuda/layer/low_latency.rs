@@ -81,10 +81,16 @@ impl CudaMoeLayer {
     }
 
     fn ll_buffers(&self, m: usize) -> Result<LlBuffers> {
+        self.ll_buffers_for(m, self.ep.as_ref().expect("checked by the caller").local)
+    }
+
+    /// Low-latency buffers of capacity `m` for `el` local experts (a rebalanced layer's
+    /// before it takes its new placement).
+    pub(super) fn ll_buffers_for(&self, m: usize, el: usize) -> Result<LlBuffers> {
         use crate::comm::Communicator;
         let link = self.ep.as_ref().expect("checked by the caller");
         let c = &self.config;
-        let (h, i, k, n, el) = (c.hidden, c.inter, c.top_k, link.comm.size(), link.local);
+        let (h, i, k, n) = (c.hidden, c.inter, c.top_k, link.comm.size());
         super::super::finite::ensure_low_latency(&self.gpu, m, [h, i, k, n, el])?;
         let (msg, cap) = (n * m, n * m);
         let s = &self.gpu.stream;

@@ -41,6 +41,7 @@ mod low_latency;
 mod masked_gemm;
 mod permute;
 mod placement;
+mod rebalance;
 mod route;
 mod side_streams;
 mod strategy;
