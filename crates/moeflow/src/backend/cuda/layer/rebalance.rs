@@ -304,9 +304,13 @@ impl CudaMoeLayer {
         if let Some(b) = guard.as_mut() {
             // Regrown at the next call for the new local count.
             b.ep = None;
-            // A fresh graph is captured at the next call, over the new buffers and weights.
-            if aside.ll.is_some() {
-                b.ll = aside.ll;
+            // A fresh graph is captured at the next call, over the new buffers and weights,
+            // with the cuBLAS workspaces the handles already use.
+            if let Some(mut ll) = aside.ll {
+                if let Some(old) = b.ll.as_mut() {
+                    ll.adopt_workspaces(old);
+                }
+                b.ll = Some(ll);
             }
         }
     }
