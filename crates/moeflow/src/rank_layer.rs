@@ -66,6 +66,10 @@ pub struct RankLayerSpec<'a> {
     pub fp8_experts: bool,
     /// GPU layers quantize their GEMM rows to fp8 too (W8A8; needs `fp8_experts`).
     pub fp8_rows: bool,
+    /// A routing skew added to the router bias of weights generated on the device
+    /// ([`WeightSource::DeviceRandom`]; see [`CudaMoeLayer::skew_router`]). Given weights
+    /// carry their own ([`crate::skew::Skew::apply`]) and refuse it.
+    pub skew: Option<crate::skew::Skew>,
 }
 
 impl<'a> RankLayerSpec<'a> {
@@ -88,6 +92,7 @@ impl<'a> RankLayerSpec<'a> {
             cuda: CudaOptions::default(),
             fp8_experts: false,
             fp8_rows: false,
+            skew: None,
         }
     }
 }
@@ -320,6 +325,13 @@ impl ParallelConfig {
             ExpertsKind::Cuda { device } => Some(device),
             _ => None,
         };
+        if spec.skew.is_some() && matches!(spec.weights, WeightSource::Given(_)) {
+            return Err(MoeError::Config(
+                "a skew in the layer spec is for weights generated on the device; given weights carry their own \
+                 (Skew::apply)"
+                    .into(),
+            ));
+        }
         if gpu.is_none() && (spec.fp8_experts || spec.fp8_rows) {
             return Err(MoeError::Config("fp8 experts and rows are options of GPU layers".into()));
         }
@@ -334,7 +346,7 @@ impl ParallelConfig {
                         CudaMoeLayer::random_on_device(config, seed, device, &spec.cuda)?
                     }
                 };
-                layer = fp8(layer, spec, self.allow_nonfinite)?;
+                layer = fp8(skewed(layer, spec)?, spec, self.allow_nonfinite)?;
                 let what = format!("cuda: one GPU, the whole layer on the device; options: {}", spec.cuda.describe());
                 let inner = if self.dual_batch {
                     Inner::DeviceDual(Box::new(layer.dual_batch(None)?))
@@ -403,7 +415,7 @@ impl ParallelConfig {
                 CudaMoeLayer::random_ep(spec.config, seed, comm, placement, &spec.cuda)?
             }
         };
-        layer = fp8(layer, spec, self.allow_nonfinite)?;
+        layer = fp8(skewed(layer, spec)?, spec, self.allow_nonfinite)?;
         layer = match self.strategy {
             StrategyKind::LowLatency => layer.low_latency(self.max_tokens_per_rank)?,
             StrategyKind::AllGather => layer.all_gather()?,
@@ -461,6 +473,14 @@ impl ParallelConfig {
             s += &format!(", replicas of experts {:?}", self.redundant);
         }
         s
+    }
+}
+
+/// `layer` with `spec`'s routing skew added to its router bias, if any.
+fn skewed(layer: CudaMoeLayer, spec: &RankLayerSpec<'_>) -> Result<CudaMoeLayer> {
+    match &spec.skew {
+        Some(skew) => layer.skew_router(skew),
+        None => Ok(layer),
     }
 }
 
@@ -560,6 +580,9 @@ mod tests {
         let fp8 = RankLayerSpec { fp8_experts: true, ..spec.clone() };
         let e = ParallelConfig::default().rank_layer(None, ExpertsKind::Cpu, &fp8);
         assert!(e.err().unwrap().to_string().contains("GPU layers"));
+        let skewed = RankLayerSpec { skew: Some(crate::skew::Skew::Zipf(1.2)), ..spec.clone() };
+        let e = ParallelConfig::default().rank_layer(None, ExpertsKind::Cpu, &skewed);
+        assert!(e.err().unwrap().to_string().contains("given weights carry their own"));
         let random = RankLayerSpec { weights: WeightSource::DeviceRandom(1), ..spec };
         let e = ParallelConfig::default().rank_layer(None, ExpertsKind::Cpu, &random);
         assert!(e.err().unwrap().to_string().contains("device layers"));

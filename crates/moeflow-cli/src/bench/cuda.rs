@@ -169,15 +169,13 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             copy_gbps
         );
     }
-    let skewed = skewed_weights(args, &config)?;
+    if rank0 {
+        print_skew(args);
+    }
+    let weights = device_weights(args, &config);
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
     let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
-        let spec = RankLayerSpec {
-            cuda: cuda.clone(),
-            fp8_experts: fp8,
-            fp8_rows: rows8,
-            ..weight_source(&config, skewed.as_ref(), args.layer.seed)
-        };
+        let spec = RankLayerSpec { cuda: cuda.clone(), fp8_experts: fp8, fp8_rows: rows8, ..weights.clone() };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let per_t = time_rank(args, &layer, comm, capacity.is_some())?;
         if let Some(path) = &args.record_load {
@@ -355,24 +353,16 @@ impl EpTable<'_> {
     }
 }
 
-/// With `--skew`: the random weights generated on the host with the skew's router bias (the
-/// device generator takes no bias), else `None`.
-fn skewed_weights(args: &BenchArgs, config: &moeflow::MoeConfig) -> Result<Option<moeflow::MoeWeights>> {
-    if args.layer.skew.skew.is_none() {
-        return Ok(None);
-    }
-    args.layer.weights(config).map(Some)
+/// The layer's weights, generated on the device from `args`' seed, with `--skew`'s bias added
+/// to the router's on the device (see `CudaMoeLayer::skew_router`).
+fn device_weights<'a>(args: &BenchArgs, config: &'a moeflow::MoeConfig) -> RankLayerSpec<'a> {
+    RankLayerSpec { skew: args.layer.skew.skew.clone(), ..RankLayerSpec::random_on_device(config, args.layer.seed) }
 }
 
-/// The layer's weights: `skewed` ones from the host, else generated on the device from `seed`.
-fn weight_source<'a>(
-    config: &'a moeflow::MoeConfig,
-    skewed: Option<&'a moeflow::MoeWeights>,
-    seed: u64,
-) -> RankLayerSpec<'a> {
-    match skewed {
-        Some(w) => RankLayerSpec::new(config, w),
-        None => RankLayerSpec::random_on_device(config, seed),
+/// Says how `--skew` skews the routing, if given.
+fn print_skew(args: &BenchArgs) {
+    if let Some(skew) = &args.layer.skew.skew {
+        println!("  routing skewed  {skew} (a bias on the router logits, added on the device)");
     }
 }
 
@@ -385,14 +375,13 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
     let rows8 = gpu_fp8_rows(args.parallel.quant, fp8)?;
-    let skewed = skewed_weights(args, &config)?;
     let bar0 = spinner("generating weights on the GPU".into());
     let par = args.parallel.config(1)?;
     let spec = RankLayerSpec {
         cuda: crate::cuda_args::cuda_options(args.parallel.deterministic)?,
         fp8_experts: fp8,
         fp8_rows: rows8,
-        ..weight_source(&config, skewed.as_ref(), args.layer.seed)
+        ..device_weights(args, &config)
     };
     let gpu = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
@@ -416,6 +405,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         copy_gbps
     );
     println!("  layer: {}", gpu.0.describe());
+    print_skew(args);
     print_one_gpu_header();
     let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();

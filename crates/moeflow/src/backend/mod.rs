@@ -155,6 +155,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn skew_router(self, _skew: &crate::skew::Skew) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn placement(&self) -> Option<std::sync::Arc<crate::placement::ExpertPlacement>> {
             None
         }

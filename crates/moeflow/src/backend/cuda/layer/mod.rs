@@ -43,6 +43,7 @@ mod permute;
 mod placement;
 mod rebalance;
 mod route;
+mod router_skew;
 mod side_streams;
 mod strategy;
 #[cfg(test)]
