@@ -184,7 +184,8 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
                 super::write_load(path, &record)?;
             }
         }
-        Ok((per_t, layer.0.describe().to_string()))
+        let recording = recording_ms(args, &layer, Some(comm))?;
+        Ok((per_t, layer.0.describe().to_string(), recording))
     });
     bar0.finish_and_clear();
     let mut mine = None;
@@ -192,10 +193,11 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let r = r?;
         mine.get_or_insert(r);
     }
-    let (measured, path) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+    let (measured, path, recording) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
     if !rank0 {
         return Ok(());
     }
+    let layer_ms: Vec<f64> = measured.iter().map(|(slowest, _)| median(slowest)).collect();
     println!("  layer: {path}");
     print_ep_header();
     let ctx = EpTable { name: p.name, config: &config, par: &par, capacity, fp8, rows8, gemm_tflops, copy_gbps };
@@ -207,6 +209,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             direct.join(", ")
         );
     }
+    print_recording_cost(&args.tokens, &layer_ms, recording.as_deref());
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
         moeflow::backend::cuda::measure_sustained_gemm(device)
     })?;
@@ -353,6 +356,36 @@ impl EpTable<'_> {
     }
 }
 
+/// Per token count, the device time of one call's load recording (the counting kernel; see
+/// `CudaMoeLayer::load_recording_ms`) on this rank, the slowest rank's with `comm`; `None`
+/// where the layer does not run whole on the device (dual-batch) or records nothing.
+fn recording_ms(
+    args: &BenchArgs,
+    layer: &Timed,
+    comm: Option<&dyn moeflow::comm::Communicator>,
+) -> Result<Option<Vec<f64>>> {
+    let Some(device) = layer.0.device_layer().filter(|l| l.options().load_stats) else { return Ok(None) };
+    let mine: Vec<f64> =
+        args.tokens.iter().map(|&t| device.load_recording_ms(layer.0.tokens_here(t))).collect::<Result<_>>()?;
+    let Some(comm) = comm else { return Ok(Some(mine)) };
+    let all = comm.all_gather_vec("bench.recording", &mine)?;
+    Ok(Some((0..mine.len()).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect()))
+}
+
+/// Prints what recording the load statistics adds to the layer's `layer_ms` per token count.
+fn print_recording_cost(tokens: &[usize], layer_ms: &[f64], recording: Option<&[f64]>) {
+    let Some(recording) = recording else { return };
+    let each: Vec<String> = tokens
+        .iter()
+        .zip(layer_ms.iter().zip(recording))
+        .map(|(t, (ms, rec))| format!("T={t}: {:.1} µs, {:.2} %", rec * 1e3, 100.0 * rec / ms))
+        .collect();
+    println!(
+        "load statistics: counting a call's tokens per expert on the device takes (share of the layer) {}",
+        each.join("; ")
+    );
+}
+
 /// The layer's weights, generated on the device from `args`' seed, with `--skew`'s bias added
 /// to the router's on the device (see `CudaMoeLayer::skew_router`).
 fn device_weights<'a>(args: &BenchArgs, config: &'a moeflow::MoeConfig) -> RankLayerSpec<'a> {
@@ -474,6 +507,8 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     if let Some(path) = &args.record_load {
         super::write_load(path, &moeflow::LoadRecord::from_ranks(&config, vec![gpu.0.load_stats()?]))?;
     }
+    let layer_ms: Vec<f64> = records.iter().map(|r| r.ms).collect();
+    print_recording_cost(&args.tokens, &layer_ms, recording_ms(args, &gpu, None)?.as_deref());
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;

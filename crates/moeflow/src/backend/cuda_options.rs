@@ -137,6 +137,9 @@ pub struct CudaOptions {
     /// row home, where it is weighted and summed in slot order as on one GPU. Needs a Hopper
     /// GPU; the expert-parallel layer dispatches by all-to-all-v.
     pub deterministic: bool,
+    /// Count each call's tokens per expert on the device ([`crate::load_stats`]; one small
+    /// kernel a call). Off, the load statistics stay empty (to measure what counting costs).
+    pub load_stats: bool,
 }
 
 impl Default for CudaOptions {
@@ -152,12 +155,13 @@ impl Default for CudaOptions {
             low_latency_gemm: LowLatencyGemm::Masked,
             nvrtc_options: Vec::new(),
             deterministic: false,
+            load_stats: true,
         }
     }
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 10] = [
+pub const CUDA_VARIABLES: [(&str, &str); 11] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -168,6 +172,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 10] = [
     ("MOEFLOW_LL_GEMM", "masked|padded: the low-latency layer's GEMMs (default masked)"),
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
+    ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
 ];
 
 fn bad(key: &str, value: &str, want: &str) -> MoeError {
@@ -220,6 +225,7 @@ impl CudaOptions {
                 }
                 "MOEFLOW_NVRTC_OPTIONS" => self.nvrtc_options = value.split_whitespace().map(str::to_string).collect(),
                 "MOEFLOW_DETERMINISTIC" => self.deterministic = flag(key, value)?,
+                "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
                 _ => {}
             }
         }
@@ -261,6 +267,9 @@ impl CudaOptions {
         }
         if self.low_latency_gemm != d.low_latency_gemm {
             parts.push("padded low-latency GEMM".into());
+        }
+        if !self.load_stats {
+            parts.push("no load statistics".into());
         }
         if !self.nvrtc_options.is_empty() {
             parts.push(format!("NVRTC {}", self.nvrtc_options.join(" ")));
@@ -310,6 +319,7 @@ mod tests {
             ("MOEFLOW_LL_GEMM", "padded"),
             ("MOEFLOW_NVRTC_OPTIONS", " -lineinfo  -G "),
             ("MOEFLOW_DETERMINISTIC", "1"),
+            ("MOEFLOW_LOAD_STATS", "0"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -324,8 +334,10 @@ mod tests {
             low_latency_gemm: LowLatencyGemm::Padded,
             nvrtc_options: vec!["-lineinfo".into(), "-G".into()],
             deterministic: true,
+            load_stats: false,
         };
         assert_eq!(o, want);
+        assert!(o.describe().contains("no load statistics"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",

@@ -37,6 +37,7 @@ mod fp8_weights;
 mod fused_route_tests;
 mod graph;
 mod hopper_gemm;
+mod load_recording;
 mod low_latency;
 mod masked_gemm;
 mod permute;
@@ -748,7 +749,7 @@ impl CudaMoeLayer {
         }
         // A direct run before a graph's capture computes what the graph's first replay computes
         // again: that call's routing is counted once, by the replay.
-        if !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.opts.load_stats && !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
             self.load.record(dptr(&b.ids, g), t * self.config.top_k, live)?;
         }
