@@ -11,8 +11,7 @@ use cudarc::driver::CudaSlice;
 
 impl CudaMoeLayer {
     /// Adds `skew`'s bias to this layer's router logits (see the module). Before the layer is
-    /// split for dual-batch overlap. An expert-parallel rank whose weights were generated on
-    /// the device has a router of its own, to which its bias is fitted.
+    /// split for dual-batch overlap.
     pub fn skew_router(mut self, skew: &Skew) -> Result<Self> {
         let s = &self.gpu.stream;
         let down = |x: &CudaSlice<f32>| s.clone_dtoh(x).map_err(|e| err("reading the router", e));
