@@ -49,6 +49,19 @@ fn recorded_skewed_load_is_balanced_and_moved_to() {
     let placed = moeflow::placement::ExpertPlacement::from_json_file(&placement, 16, 4).unwrap();
     assert_eq!(placed.num_physical(), 20);
 
+    // The EPLB speed check's sequence at EP 2 (docs/load-balancing.md): the bench runs the
+    // placement, replicas included, with the skew it was computed for.
+    let placement2 = tmp("placement2.json");
+    let p2 = placement2.to_str().unwrap();
+    ok(&["eplb", "--load", l, "--ep", "2", "--redundant", "4", "-o", p2]);
+    let mut bench = vec!["bench", "--ep", "2", "--tokens", "16", "--min-runs", "1", "--min-seconds", "0"];
+    bench.extend(SMALL);
+    bench.extend(["--skew", "zipf:1.2", "--placement", p2]);
+    let out = ok(&bench);
+    assert!(out.contains(&format!("placement from {p2}")), "{out}");
+    let row = out.lines().find(|l| l.split_whitespace().next() == Some("16")).expect("a row for 16 tokens");
+    assert!(row.split_whitespace().nth(1).and_then(|ms| ms.parse::<f64>().ok()).is_some_and(|ms| ms > 0.0), "{row}");
+
     let mut demo = vec!["demo", "--ep", "4", "--tokens", "24", "--runs", "1"];
     demo.extend(SMALL);
     demo.extend(["--skew", "zipf:1.2"]);
@@ -67,7 +80,7 @@ fn recorded_skewed_load_is_balanced_and_moved_to() {
     assert!(!bad.status.success() && text(&bad).contains("needs --ep > 1"), "{}", text(&bad));
     let bad = moeflow(&["demo", "--skew", "zipf:x"]);
     assert!(!bad.status.success() && text(&bad).contains("not a number"), "{}", text(&bad));
-    for f in [load, placement] {
+    for f in [load, placement, placement2] {
         std::fs::remove_file(f).ok();
     }
 }

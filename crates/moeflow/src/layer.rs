@@ -14,7 +14,7 @@ use crate::DType;
 use std::sync::Mutex;
 use std::time::Instant;
 
-mod rebalance;
+pub(crate) mod rebalance;
 
 /// Which expert implementation a layer runs.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

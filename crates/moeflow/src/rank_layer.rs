@@ -66,6 +66,10 @@ pub struct RankLayerSpec<'a> {
     pub fp8_experts: bool,
     /// GPU layers quantize their GEMM rows to fp8 too (W8A8; needs `fp8_experts`).
     pub fp8_rows: bool,
+    /// A routing skew added to the router bias of weights generated on the device
+    /// ([`WeightSource::DeviceRandom`]; see [`CudaMoeLayer::skew_router`]). Given weights
+    /// carry their own ([`crate::skew::Skew::apply`]) and refuse it.
+    pub skew: Option<crate::skew::Skew>,
 }
 
 impl<'a> RankLayerSpec<'a> {
@@ -88,6 +92,7 @@ impl<'a> RankLayerSpec<'a> {
             cuda: CudaOptions::default(),
             fp8_experts: false,
             fp8_rows: false,
+            skew: None,
         }
     }
 }
@@ -142,6 +147,26 @@ impl Inner {
                 Err(MoeError::Unsupported("load statistics of the dual-batch GPU layer (count each half)".into()))
             }
             Inner::TpSlice { inner, .. } => inner.load_stats(),
+        }
+    }
+
+    fn rebalance(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
+        match self {
+            Inner::Host(l) => l.rebalance(placement),
+            Inner::Device(l) => l.rebalance(placement),
+            Inner::DeviceDual(_) => Err(MoeError::Unsupported(
+                "live rebalancing of the dual-batch GPU layer (its halves share one copy of the weights)".into(),
+            )),
+            Inner::TpSlice { inner, .. } => inner.rebalance(placement),
+        }
+    }
+
+    fn placement(&self) -> Option<Arc<ExpertPlacement>> {
+        match self {
+            Inner::Host(l) => l.placement(),
+            Inner::Device(l) => l.placement(),
+            Inner::DeviceDual(_) => None,
+            Inner::TpSlice { inner, .. } => inner.placement(),
         }
     }
 
@@ -230,21 +255,18 @@ impl RankLayer {
     }
 
     /// Takes `placement` between forward calls, moving expert weights between the ranks
-    /// (collective; see [`MoeLayer::rebalance`]). CPU and host-staged layers built with
-    /// [`ParallelConfig::rebalanceable`]; device-resident GPU layers refuse it.
+    /// (collective over the layer's expert-parallel group). CPU and host-staged layers built
+    /// with [`ParallelConfig::rebalanceable`] (see [`MoeLayer::rebalance`]); device-resident
+    /// GPU layers, TP-sliced or not, move their device buffers over NCCL (see
+    /// [`CudaMoeLayer::rebalance`]); the dual-batch GPU layer refuses it.
     pub fn rebalance(&mut self, placement: Arc<ExpertPlacement>) -> Result<()> {
-        match &mut self.inner {
-            Inner::Host(l) => l.rebalance(placement),
-            _ => Err(MoeError::Unsupported("live rebalancing of device-resident GPU layers".into())),
-        }
+        self.inner.rebalance(placement)
     }
 
-    /// The placement this rank's layer follows (`None` on one rank, or a device layer).
+    /// The placement this rank's layer follows (`None` on one rank or one GPU, and for the
+    /// dual-batch GPU layer).
     pub fn placement(&self) -> Option<Arc<ExpertPlacement>> {
-        match &self.inner {
-            Inner::Host(l) => l.placement(),
-            _ => None,
-        }
+        self.inner.placement()
     }
 
     /// One line naming the backend, the path and why, the strategy, layout and options.
@@ -314,6 +336,13 @@ impl ParallelConfig {
             ExpertsKind::Cuda { device } => Some(device),
             _ => None,
         };
+        if spec.skew.is_some() && matches!(spec.weights, WeightSource::Given(_)) {
+            return Err(MoeError::Config(
+                "a skew in the layer spec is for weights generated on the device; given weights carry their own \
+                 (Skew::apply)"
+                    .into(),
+            ));
+        }
         if gpu.is_none() && (spec.fp8_experts || spec.fp8_rows) {
             return Err(MoeError::Config("fp8 experts and rows are options of GPU layers".into()));
         }
@@ -328,7 +357,7 @@ impl ParallelConfig {
                         CudaMoeLayer::random_on_device(config, seed, device, &spec.cuda)?
                     }
                 };
-                layer = fp8(layer, spec, self.allow_nonfinite)?;
+                layer = fp8(skewed(layer, spec)?, spec, self.allow_nonfinite)?;
                 let what = format!("cuda: one GPU, the whole layer on the device; options: {}", spec.cuda.describe());
                 let inner = if self.dual_batch {
                     Inner::DeviceDual(Box::new(layer.dual_batch(None)?))
@@ -397,7 +426,7 @@ impl ParallelConfig {
                 CudaMoeLayer::random_ep(spec.config, seed, comm, placement, &spec.cuda)?
             }
         };
-        layer = fp8(layer, spec, self.allow_nonfinite)?;
+        layer = fp8(skewed(layer, spec)?, spec, self.allow_nonfinite)?;
         layer = match self.strategy {
             StrategyKind::LowLatency => layer.low_latency(self.max_tokens_per_rank)?,
             StrategyKind::AllGather => layer.all_gather()?,
@@ -460,6 +489,14 @@ impl ParallelConfig {
             s += &format!(", replicas of experts {:?}", self.redundant);
         }
         s
+    }
+}
+
+/// `layer` with `spec`'s routing skew added to its router bias, if any.
+fn skewed(layer: CudaMoeLayer, spec: &RankLayerSpec<'_>) -> Result<CudaMoeLayer> {
+    match &spec.skew {
+        Some(skew) => layer.skew_router(skew),
+        None => Ok(layer),
     }
 }
 
@@ -559,6 +596,9 @@ mod tests {
         let fp8 = RankLayerSpec { fp8_experts: true, ..spec.clone() };
         let e = ParallelConfig::default().rank_layer(None, ExpertsKind::Cpu, &fp8);
         assert!(e.err().unwrap().to_string().contains("GPU layers"));
+        let skewed = RankLayerSpec { skew: Some(crate::skew::Skew::Zipf(1.2)), ..spec.clone() };
+        let e = ParallelConfig::default().rank_layer(None, ExpertsKind::Cpu, &skewed);
+        assert!(e.err().unwrap().to_string().contains("given weights carry their own"));
         let random = RankLayerSpec { weights: WeightSource::DeviceRandom(1), ..spec };
         let e = ParallelConfig::default().rank_layer(None, ExpertsKind::Cpu, &random);
         assert!(e.err().unwrap().to_string().contains("device layers"));

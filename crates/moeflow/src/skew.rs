@@ -77,9 +77,33 @@ impl std::fmt::Display for Skew {
     }
 }
 
+/// The router weights a skew's bias depends on (the `hot` form fits its bias to them).
+#[derive(Clone, Copy, Debug)]
+pub struct RouterWeights<'a> {
+    /// The gate `[E, H]`.
+    pub gate: &'a [f32],
+    /// The bias `[E]` added to the logits, if any.
+    pub gate_bias: Option<&'a [f32]>,
+    /// The selection-only bias `[E]` of DeepSeek's grouped router, if any.
+    pub correction_bias: Option<&'a [f32]>,
+}
+
 impl Skew {
     /// The bias `[E]` this skew adds to the router logits of `config` with `weights`.
     pub fn bias(&self, config: &MoeConfig, weights: &MoeWeights) -> Result<Vec<f32>> {
+        let (gate, gate_bias, correction_bias) = (
+            weights.gate.to_f32_vec(),
+            weights.gate_bias.as_ref().map(|b| b.to_f32_vec()),
+            weights.correction_bias.as_ref().map(|b| b.to_f32_vec()),
+        );
+        let router =
+            RouterWeights { gate: &gate, gate_bias: gate_bias.as_deref(), correction_bias: correction_bias.as_deref() };
+        self.bias_for_router(config, &router)
+    }
+
+    /// [`Skew::bias`] from the router's weights alone (all the bias depends on; a GPU layer
+    /// reads them from the device).
+    pub fn bias_for_router(&self, config: &MoeConfig, router: &RouterWeights<'_>) -> Result<Vec<f32>> {
         let e = config.num_experts;
         match self {
             Skew::Zipf(s) => Ok((0..e).map(|i| (-s * (1.0 + i as f64).ln()) as f32).collect()),
@@ -102,7 +126,10 @@ impl Skew {
                         config.top_k
                     )));
                 }
-                let delta = fit_hot_bias(config, weights, &hot, *share)?;
+                if router.gate.len() != e * config.hidden {
+                    return Err(MoeError::shape("gate", format!("[{e}, {}]", config.hidden), router.gate.len()));
+                }
+                let delta = fit_hot_bias(config, router, &hot, *share)?;
                 Ok(hot.iter().map(|&h| if h { delta } else { 0.0 }).collect())
             }
         }
@@ -119,12 +146,11 @@ impl Skew {
 }
 
 /// The router logits `[T, E]` of the calibration tokens (bias included).
-fn calibration_logits(config: &MoeConfig, weights: &MoeWeights) -> Vec<f32> {
+fn calibration_logits(config: &MoeConfig, router: &RouterWeights<'_>) -> Vec<f32> {
     use rayon::prelude::*;
     let (e, h) = (config.num_experts, config.hidden);
     let x = crate::preset::uniform(CALIBRATION_TOKENS * h, 1.0, CALIBRATION_SEED);
-    let gate = weights.gate.to_f32_vec();
-    let bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
+    let (gate, bias) = (router.gate, router.gate_bias);
     let mut logits = vec![0f32; CALIBRATION_TOKENS * e];
     logits.par_chunks_mut(e).zip(x.par_chunks(h)).for_each(|(row, xr)| {
         for (j, l) in row.iter_mut().enumerate() {
@@ -137,9 +163,9 @@ fn calibration_logits(config: &MoeConfig, weights: &MoeWeights) -> Vec<f32> {
 
 /// The bias on the `hot` experts' logits that routes `share` of the calibration tokens'
 /// (token, slot) pairs to them (bisection; the share grows with the bias).
-fn fit_hot_bias(config: &MoeConfig, weights: &MoeWeights, hot: &[bool], share: f64) -> Result<f32> {
+fn fit_hot_bias(config: &MoeConfig, weights: &RouterWeights<'_>, hot: &[bool], share: f64) -> Result<f32> {
     let e = config.num_experts;
-    let router = config.router.build(e, config.top_k, weights.correction_bias.as_ref().map(|b| b.to_f32_vec()))?;
+    let router = config.router.build(e, config.top_k, weights.correction_bias.map(|b| b.to_vec()))?;
     let base = calibration_logits(config, weights);
     let share_at = |delta: f32| -> Result<f64> {
         let mut logits = base.clone();

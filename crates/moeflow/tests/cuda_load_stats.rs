@@ -41,3 +41,35 @@ fn the_device_counts_each_calls_routing_into_its_window() {
         assert!(moved <= 2 + (t as u64) / 50, "{t} tokens: {got:?} vs {want:?}");
     }
 }
+
+/// `load_stats: false` leaves the window empty; `load_recording_ms` times the counting kernel
+/// alone without touching the layer's window.
+#[test]
+fn recording_can_be_turned_off_and_its_cost_is_timed_aside() {
+    use moeflow::backend::cuda::CudaOptions;
+    let config = small_config(256, 128, 32, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 3);
+    let off = CudaOptions { load_stats: false, ..Default::default() };
+    let quiet = match CudaMoeLayer::new(&config, &weights, &off) {
+        Ok(l) => l,
+        Err(e) if e.to_string().contains("no CUDA driver") || e.to_string().contains("device 0 requested") => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return;
+        }
+        Err(e) => panic!("{e}"),
+    };
+    let gpu = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
+    for t in [1, 300] {
+        let (_, x) = hidden(t, 256, 7);
+        let (a, b) = (quiet.forward(&x).unwrap(), gpu.forward(&x).unwrap());
+        assert_eq!(a, b, "recording changes no output");
+    }
+    assert_eq!(quiet.load_stats().unwrap().calls_seen, 0);
+    assert_eq!(gpu.load_stats().unwrap().calls_seen, 2);
+    for t in [1, 128, 4096] {
+        let ms = gpu.load_recording_ms(t).unwrap();
+        assert!(ms > 0.0 && ms < 1.0, "{t} tokens: {ms} ms");
+        eprintln!("load recording of {t} tokens: {:.2} µs", ms * 1e3);
+    }
+    assert_eq!(gpu.load_stats().unwrap().calls_seen, 2, "timing the recording counts no call");
+}

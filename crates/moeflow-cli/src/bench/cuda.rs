@@ -188,15 +188,13 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             );
         }
     }
-    let skewed = skewed_weights(args, &config)?;
+    if rank0 {
+        print_skew(args);
+    }
+    let weights = device_weights(args, &config);
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
     let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
-        let spec = RankLayerSpec {
-            cuda: cuda.clone(),
-            fp8_experts: fp8,
-            fp8_rows: rows8,
-            ..weight_source(&config, skewed.as_ref(), args.layer.seed)
-        };
+        let spec = RankLayerSpec { cuda: cuda.clone(), fp8_experts: fp8, fp8_rows: rows8, ..weights.clone() };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let per_t = time_rank(args, &layer, comm, capacity.is_some())?;
         if let Some(path) = &args.record_load {
@@ -205,7 +203,8 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
                 super::write_load(path, &record)?;
             }
         }
-        Ok((per_t, layer.0.describe().to_string()))
+        let recording = recording_ms(args, &layer, Some(comm))?;
+        Ok((per_t, layer.0.describe().to_string(), recording))
     });
     bar0.finish_and_clear();
     let mut mine = None;
@@ -213,10 +212,11 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let r = r?;
         mine.get_or_insert(r);
     }
-    let (measured, path) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+    let (measured, path, recording) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
     if !rank0 {
         return Ok(());
     }
+    let layer_ms: Vec<f64> = measured.iter().map(|(slowest, _)| median(slowest)).collect();
     println!("  layer: {path}");
     print_ep_header();
     let ctx =
@@ -229,6 +229,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
             direct.join(", ")
         );
     }
+    print_recording_cost(&args.tokens, &layer_ms, recording.as_deref());
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
         moeflow::backend::cuda::measure_sustained_gemm(device)
     })?;
@@ -381,24 +382,46 @@ impl EpTable<'_> {
     }
 }
 
-/// With `--skew`: the random weights generated on the host with the skew's router bias (the
-/// device generator takes no bias), else `None`.
-fn skewed_weights(args: &BenchArgs, config: &moeflow::MoeConfig) -> Result<Option<moeflow::MoeWeights>> {
-    if args.layer.skew.skew.is_none() {
-        return Ok(None);
-    }
-    args.layer.weights(config).map(Some)
+/// Per token count, the device time of one call's load recording (the counting kernel; see
+/// `CudaMoeLayer::load_recording_ms`) on this rank, the slowest rank's with `comm`; `None`
+/// where the layer does not run whole on the device (dual-batch) or records nothing.
+fn recording_ms(
+    args: &BenchArgs,
+    layer: &Timed,
+    comm: Option<&dyn moeflow::comm::Communicator>,
+) -> Result<Option<Vec<f64>>> {
+    let Some(device) = layer.0.device_layer().filter(|l| l.options().load_stats) else { return Ok(None) };
+    let mine: Vec<f64> =
+        args.tokens.iter().map(|&t| device.load_recording_ms(layer.0.tokens_here(t))).collect::<Result<_>>()?;
+    let Some(comm) = comm else { return Ok(Some(mine)) };
+    let all = comm.all_gather_vec("bench.recording", &mine)?;
+    Ok(Some((0..mine.len()).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect()))
 }
 
-/// The layer's weights: `skewed` ones from the host, else generated on the device from `seed`.
-fn weight_source<'a>(
-    config: &'a moeflow::MoeConfig,
-    skewed: Option<&'a moeflow::MoeWeights>,
-    seed: u64,
-) -> RankLayerSpec<'a> {
-    match skewed {
-        Some(w) => RankLayerSpec::new(config, w),
-        None => RankLayerSpec::random_on_device(config, seed),
+/// Prints what recording the load statistics adds to the layer's `layer_ms` per token count.
+fn print_recording_cost(tokens: &[usize], layer_ms: &[f64], recording: Option<&[f64]>) {
+    let Some(recording) = recording else { return };
+    let each: Vec<String> = tokens
+        .iter()
+        .zip(layer_ms.iter().zip(recording))
+        .map(|(t, (ms, rec))| format!("T={t}: {:.1} µs, {:.2} %", rec * 1e3, 100.0 * rec / ms))
+        .collect();
+    println!(
+        "load statistics: counting a call's tokens per expert on the device takes (share of the layer) {}",
+        each.join("; ")
+    );
+}
+
+/// The layer's weights, generated on the device from `args`' seed, with `--skew`'s bias added
+/// to the router's on the device (see `CudaMoeLayer::skew_router`).
+fn device_weights<'a>(args: &BenchArgs, config: &'a moeflow::MoeConfig) -> RankLayerSpec<'a> {
+    RankLayerSpec { skew: args.layer.skew.skew.clone(), ..RankLayerSpec::random_on_device(config, args.layer.seed) }
+}
+
+/// Says how `--skew` skews the routing, if given.
+fn print_skew(args: &BenchArgs) {
+    if let Some(skew) = &args.layer.skew.skew {
+        println!("  routing skewed  {skew} (a bias on the router logits, added on the device)");
     }
 }
 
@@ -411,14 +434,13 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     let fp8 = gpu_fp8_experts(args.layer.dtype, true)?;
     let rows8 = gpu_fp8_rows(args.parallel.quant, fp8)?;
-    let skewed = skewed_weights(args, &config)?;
     let bar0 = spinner("generating weights on the GPU".into());
     let par = args.parallel.config(1)?;
     let spec = RankLayerSpec {
         cuda: crate::cuda_args::cuda_options(&args.parallel)?,
         fp8_experts: fp8,
         fp8_rows: rows8,
-        ..weight_source(&config, skewed.as_ref(), args.layer.seed)
+        ..device_weights(args, &config)
     };
     let gpu = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
@@ -442,6 +464,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         copy_gbps
     );
     println!("  layer: {}", gpu.0.describe());
+    print_skew(args);
     print_one_gpu_header();
     let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
     let mut records = Vec::new();
@@ -510,6 +533,8 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     if let Some(path) = &args.record_load {
         super::write_load(path, &moeflow::LoadRecord::from_ranks(&config, vec![gpu.0.load_stats()?]))?;
     }
+    let layer_ms: Vec<f64> = records.iter().map(|r| r.ms).collect();
+    print_recording_cost(&args.tokens, &layer_ms, recording_ms(args, &gpu, None)?.as_deref());
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;

@@ -300,6 +300,9 @@ fn run_modular(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
     let rank0 = host.launched_rank().is_none_or(|r| r == 0);
     if rank0 {
         println!("{}", describe(args, &setup, host, &ceilings));
+        if setup.par.ep > 1 {
+            println!("  layout          {}", setup.par.layout());
+        }
     }
     let (measured, errors) = if setup.par.ep == 1 && !setup.par.dual_batch && *host == RankHost::Threads {
         measure_one_rank(args, &setup, &weights, f32_path.as_ref())?

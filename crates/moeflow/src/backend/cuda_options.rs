@@ -183,6 +183,9 @@ pub struct CudaOptions {
     pub transport: Transport,
     /// Thread blocks (one per SM) the NVLink transport's copy kernel takes.
     pub transport_sms: u32,
+    /// Count each call's tokens per expert on the device ([`crate::load_stats`]; one small
+    /// kernel a call). Off, the load statistics stay empty (to measure what counting costs).
+    pub load_stats: bool,
 }
 
 impl Default for CudaOptions {
@@ -200,12 +203,13 @@ impl Default for CudaOptions {
             deterministic: false,
             transport: Transport::Auto,
             transport_sms: 32,
+            load_stats: true,
         }
     }
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 11] = [
+pub const CUDA_VARIABLES: [(&str, &str); 12] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -217,6 +221,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 11] = [
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 32)"),
+    ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
 ];
 
 fn bad(key: &str, value: &str, want: &str) -> MoeError {
@@ -276,6 +281,7 @@ impl CudaOptions {
                         .filter(|&n| (1..=132).contains(&n))
                         .ok_or_else(|| bad(key, value, "1 to 132"))?
                 }
+                "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
                 _ => {}
             }
         }
@@ -323,6 +329,9 @@ impl CudaOptions {
         }
         if self.transport_sms != d.transport_sms {
             parts.push(format!("{} transport SMs", self.transport_sms));
+        }
+        if !self.load_stats {
+            parts.push("no load statistics".into());
         }
         if !self.nvrtc_options.is_empty() {
             parts.push(format!("NVRTC {}", self.nvrtc_options.join(" ")));
@@ -373,6 +382,7 @@ mod tests {
             ("MOEFLOW_NVRTC_OPTIONS", " -lineinfo  -G "),
             ("MOEFLOW_DETERMINISTIC", "1"),
             ("MOEFLOW_TRANSPORT_SMS", "16"),
+            ("MOEFLOW_LOAD_STATS", "0"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -389,8 +399,10 @@ mod tests {
             deterministic: true,
             transport: Transport::Auto,
             transport_sms: 16,
+            load_stats: false,
         };
         assert_eq!(o, want);
+        assert!(o.describe().contains("no load statistics"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",

@@ -157,6 +157,28 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn load_recording_ms(&self, _tokens: usize) -> Result<f64> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn options(&self) -> &crate::backend::cuda_options::CudaOptions {
+            static DEFAULTS: std::sync::OnceLock<crate::backend::cuda_options::CudaOptions> =
+                std::sync::OnceLock::new();
+            DEFAULTS.get_or_init(Default::default)
+        }
+        /// Unreachable without the feature.
+        pub fn skew_router(self, _skew: &crate::skew::Skew) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn placement(&self) -> Option<std::sync::Arc<crate::placement::ExpertPlacement>> {
+            None
+        }
+        /// Unreachable without the feature.
+        pub fn rebalance(&mut self, _placement: std::sync::Arc<crate::placement::ExpertPlacement>) -> Result<()> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn allow_nonfinite(self, _allow: bool) -> Self {
             self
         }

@@ -130,7 +130,7 @@ impl MoeLayer {
 }
 
 /// A hash of the placement's slots, equal on every rank for equal placements.
-fn fingerprint(p: &ExpertPlacement) -> u64 {
+pub(crate) fn fingerprint(p: &ExpertPlacement) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (p.num_experts(), p.ranks()).hash(&mut h);
@@ -140,7 +140,7 @@ fn fingerprint(p: &ExpertPlacement) -> u64 {
 
 /// Per destination rank: `(expert, source rank)` of each expert it newly holds, in its new slot
 /// order; the source is one of the expert's old holders, `holders[dst mod holders]`.
-fn transfers(old: &ExpertPlacement, new: &ExpertPlacement) -> Vec<Vec<(usize, usize)>> {
+pub(crate) fn transfers(old: &ExpertPlacement, new: &ExpertPlacement) -> Vec<Vec<(usize, usize)>> {
     (0..new.ranks())
         .map(|dst| {
             new.local_experts(dst)

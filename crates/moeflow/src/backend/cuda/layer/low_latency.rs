@@ -37,6 +37,14 @@ pub(super) struct LlBuffers {
     graph: Option<LayerGraph>,
 }
 
+impl LlBuffers {
+    /// Takes over `old`'s cuBLAS workspaces (set on the layer's handles), which these
+    /// buffers' graph will then use.
+    pub(super) fn adopt_workspaces(&mut self, old: &mut LlBuffers) {
+        self._workspaces = std::mem::take(&mut old._workspaces);
+    }
+}
+
 /// Bytes of one message row: `k` ids and `k` weights, padded to 16 bytes, then `h` bf16.
 pub(super) fn row_stride(h: usize, k: usize) -> usize {
     (8 * k).div_ceil(16) * 16 + (2 * h).div_ceil(16) * 16
@@ -81,17 +89,25 @@ impl CudaMoeLayer {
     }
 
     fn ll_buffers(&self, m: usize) -> Result<LlBuffers> {
+        let mut ll = self.ll_buffers_for(m, self.ep.as_ref().expect("checked by the caller").local)?;
+        ll._workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
+        Ok(ll)
+    }
+
+    /// Low-latency buffers of capacity `m` for `el` local experts, without cuBLAS workspaces
+    /// (a rebalanced layer's, built before it takes its new placement, which then adopt the
+    /// workspaces its handles already use: see [`LlBuffers::adopt_workspaces`]).
+    pub(super) fn ll_buffers_for(&self, m: usize, el: usize) -> Result<LlBuffers> {
         use crate::comm::Communicator;
         let link = self.ep.as_ref().expect("checked by the caller");
         let c = &self.config;
-        let (h, i, k, n, el) = (c.hidden, c.inter, c.top_k, link.comm.size(), link.local);
+        let (h, i, k, n) = (c.hidden, c.inter, c.top_k, link.comm.size());
         super::super::finite::ensure_low_latency(&self.gpu, m, [h, i, k, n, el])?;
         let (msg, cap) = (n * m, n * m);
         let s = &self.gpu.stream;
         let z16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z8 = |n: usize| s.alloc_zeros::<u8>(n.max(1)).map_err(|e| err("allocating workspace", e));
-        let workspaces = blas_workspaces(self, &[&self.blas, &self.side.shared().blas])?;
         Ok(LlBuffers {
             tokens: z32(1)?,
             send: z8(msg * row_stride(h, k))?,
@@ -108,7 +124,7 @@ impl CudaMoeLayer {
             y: z16(el * cap * h)?,
             part: z16(msg * h)?,
             back: z16(msg * h)?,
-            _workspaces: workspaces,
+            _workspaces: Vec::new(),
             graph: None,
         })
     }

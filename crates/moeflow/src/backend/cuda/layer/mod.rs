@@ -38,12 +38,15 @@ mod fp8_weights;
 mod fused_route_tests;
 mod graph;
 mod hopper_gemm;
+mod load_recording;
 mod low_latency;
 mod masked_gemm;
 mod nvlink;
 mod permute;
 mod placement;
+mod rebalance;
 mod route;
+mod router_skew;
 mod side_streams;
 mod strategy;
 #[cfg(test)]
@@ -429,11 +432,13 @@ impl CudaMoeLayer {
         let (e, h, i) = (config.num_experts, config.hidden, config.inter);
         // Routed experts held here (all of them on one GPU).
         let held = ep.as_ref().map_or(e, |l| l.local);
+        // One router for every rank, as a model has; each rank's experts its own.
+        let router_seed = seed;
         let seed = seed ^ ep.as_ref().map_or(0, |l| (l.phys_first as u64) << 20);
         let biases = matches!(config.router, RouterConfig::TopKSoftmax);
         let sh = 1.0 / (h as f32).sqrt();
         let mut n = 0u64;
-        let mut f32s = |len: usize, scale: f32| -> Result<CudaSlice<f32>> {
+        let mut f32s = |len: usize, scale: f32, seed: u64| -> Result<CudaSlice<f32>> {
             n += 1;
             let s = gpu.stream.alloc_zeros::<f32>(len).map_err(|e| err("alloc", e))?;
             let (ptr, lenl, seed) = (dptr(&s, &gpu), len as i64, seed ^ (n << 40));
@@ -444,13 +449,16 @@ impl CudaMoeLayer {
             .map_err(|e| err("fill", e))?;
             Ok(s)
         };
-        let gate = f32s(e * h, 3.0 * sh)?;
-        let gate_bias = if biases { Some(f32s(e, 0.5)?) } else { None };
-        let correction_bias =
-            if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) { Some(f32s(e, 0.05)?) } else { None };
-        let b13 = if biases { Some(f32s(held * 2 * i, 0.1)?) } else { None };
-        let b2 = if biases { Some(f32s(held * h, 0.1)?) } else { None };
-        let b2_all = if biases && ep.is_some() && opts.deterministic { Some(f32s(e * h, 0.1)?) } else { None };
+        let gate = f32s(e * h, 3.0 * sh, router_seed)?;
+        let gate_bias = if biases { Some(f32s(e, 0.5, router_seed)?) } else { None };
+        let correction_bias = if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) {
+            Some(f32s(e, 0.05, router_seed)?)
+        } else {
+            None
+        };
+        let b13 = if biases { Some(f32s(held * 2 * i, 0.1, seed)?) } else { None };
+        let b2 = if biases { Some(f32s(held * h, 0.1, seed)?) } else { None };
+        let b2_all = if biases && ep.is_some() && opts.deterministic { Some(f32s(e * h, 0.1, seed)?) } else { None };
         let mut m = 100u64;
         let mut bf16s = |len: usize, scale: f32| -> Result<CudaSlice<u16>> {
             m += 1;
@@ -775,7 +783,7 @@ impl CudaMoeLayer {
         }
         // A direct run before a graph's capture computes what the graph's first replay computes
         // again: that call's routing is counted once, by the replay.
-        if !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
+        if self.opts.load_stats && !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
             self.load.record(dptr(&b.ids, g), t * self.config.top_k, live)?;
         }
