@@ -135,7 +135,8 @@ impl CudaMoeLayer {
             regions.push((at, bytes));
             at += bytes.div_ceil(ALIGN) * ALIGN;
         }
-        super::super::finite::ensure_device_memory(&self.gpu, "the NVLink transport's window", at as u128)?;
+        // A rank that cannot allocate its window says so inside the collective open, so that
+        // every rank fails alike instead of waiting for it.
         let win = PeerWindow::open(&link.comm, at)?;
         let s = &self.gpu.stream;
         let flag_addrs: Vec<u64> = (0..n).map(|p| win.peer(p) + 8 * rank as u64).collect();
