@@ -65,7 +65,7 @@ pub mod cuda {
         MoeError::Unsupported("this moeflow was built without CUDA; rebuild with `--features cuda`".into())
     }
 
-    pub use crate::backend::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm};
+    pub use crate::backend::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm, Transport};
     pub use crate::backend::{GpuCeilings, GpuStageTimes};
 
     /// No devices without the feature.
@@ -80,6 +80,16 @@ pub mod cuda {
 
     /// Always an error without the feature.
     pub fn measure_sustained_gemm(_device: usize) -> Result<f64> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
+    pub fn measure_peer_copy(_from: usize, _to: usize) -> Result<f64> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
+    pub fn measure_peer_push(_from: usize, _to: usize, _sms: u32) -> Result<f64> {
         Err(missing())
     }
 
