@@ -84,6 +84,16 @@ pub mod cuda {
     }
 
     /// Always an error without the feature.
+    pub fn measure_peer_copy(_from: usize, _to: usize) -> Result<f64> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
+    pub fn measure_peer_push(_from: usize, _to: usize, _sms: u32) -> Result<f64> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
     pub fn experts(
         _weights: &crate::experts::ExpertWeights,
         _activation: crate::experts::Activation,

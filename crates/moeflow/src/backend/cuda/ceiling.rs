@@ -186,11 +186,9 @@ pub fn measure_peer_push(from: usize, to: usize, sms: u32) -> Result<f64> {
     let ms = median_ms(&g, &mut || {
         // SAFETY: nvl_push over one lane of `rows` rows inside `src` and `dst`; one flag word
         // after the rows in `dst`; the counters are zeroed.
-        unsafe {
-            s.launch_builder(&push).arg(&tp).arg(&one).arg(&fp).arg(&one).arg(&cp).arg(&done).launch(cfg)
-        }
-        .map(|_| ())
-        .map_err(|e| err("nvl_push", e))
+        unsafe { s.launch_builder(&push).arg(&tp).arg(&one).arg(&fp).arg(&one).arg(&cp).arg(&done).launch(cfg) }
+            .map(|_| ())
+            .map_err(|e| err("nvl_push", e))
     })?;
     Ok(bytes as f64 / ms / 1e6)
 }
