@@ -1,7 +1,8 @@
 //! `moeflow simulate`: the layer's predicted time per stage for EP sizes, token counts and
 //! routings (uniform, Zipf, a recorded load), with and without EPLB, from measured ceilings
-//! (`bench --calibrate FILE` here, or the built-in H100 and H200 figures); `--compare` puts
-//! bench records beside the prediction, `--plot` draws it.
+//! (`bench --calibrate FILE` on this CPU or one GPU; `h200`, the GPU calibration's file in
+//! docs/bench; `h100`, built-in figures); `--compare` puts bench records beside the
+//! prediction, `--plot` draws it.
 
 use crate::table::{num, right, Table};
 use moeflow::simulate::{placement, predict, Ceilings, Layout, Prediction, Routing, Shapes};
