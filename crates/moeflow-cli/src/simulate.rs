@@ -1,7 +1,8 @@
 //! `moeflow simulate`: the layer's predicted time per stage for EP sizes, token counts and
 //! routings (uniform, Zipf, a recorded load), with and without EPLB, from measured ceilings
-//! (`bench --calibrate FILE` here, or the built-in H100 and H200 figures); `--compare` puts
-//! bench records beside the prediction, `--plot` draws it.
+//! (`bench --calibrate FILE` on this CPU or one GPU; `h200`, the GPU calibration's file in
+//! docs/bench; `h100`, built-in figures); `--compare` puts bench records beside the
+//! prediction, `--plot` draws it.
 
 use crate::table::{num, right, Table};
 use moeflow::simulate::{placement, predict, Ceilings, Layout, Prediction, Routing, Shapes};
@@ -12,8 +13,9 @@ use std::path::{Path, PathBuf};
 /// Arguments of `moeflow simulate`.
 #[derive(clap::Args, Debug)]
 pub struct SimulateArgs {
-    /// Ceilings: a JSON file from `bench --calibrate`, or `h100` / `h200` (one GPU each, NVLink
-    /// domain, NCCL; figures from docs/tuning.md and the GPU machine's measurements).
+    /// Ceilings: a JSON file from `bench --calibrate`, or `h100` (built-in figures fitted to
+    /// moeflow's H100 records, NCCL) / `h200` (docs/bench/h200-simulator-ceilings.json: the GPU
+    /// calibration's ceilings of 2 x H200, NVLink transport).
     #[arg(long, default_value = "h100")]
     ceilings: String,
     /// Layer shape.
@@ -52,6 +54,9 @@ pub struct SimulateArgs {
     /// Bench JSON records to put beside the prediction (rows of the same tokens and EP).
     #[arg(long)]
     compare: Vec<PathBuf>,
+    /// Put the --compare records beside the prediction with EPLB (--eplb R) instead of without.
+    #[arg(long)]
+    compare_eplb: bool,
     /// Draw the predicted layer time against EP, one line per token count, as an SVG.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -78,6 +83,9 @@ fn h100() -> Ceilings {
         shared_device: false,
         experts_in_turn: false,
         rows_per_rank: true,
+        shared_overlaps: true,
+        host_plan_us: 0.0,
+        host_plan_ns_per_slot: 0.0,
     }
 }
 
@@ -86,10 +94,13 @@ const MIB: f64 = (1 << 20) as f64;
 fn builtin(name: &str) -> Option<Ceilings> {
     match name {
         "h100" => Some(h100()),
-        "h200" => Some(Ceilings { name: "H200 (built-in figures)".into(), mem_gbps: 4000.0, ..h100() }),
+        "h200" => serde_json::from_str(H200).ok(),
         _ => None,
     }
 }
+
+/// One H200's ceilings (two for the link), as `bench --backend cuda --calibrate` writes them.
+const H200: &str = include_str!("../../../docs/bench/h200-simulator-ceilings.json");
 
 /// Reads ceilings: a built-in name or a calibration file.
 fn ceilings(name: &str) -> Result<Ceilings> {
@@ -176,6 +187,9 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         c.name
     );
     let measured = measured(&args.compare)?;
+    if args.compare_eplb && args.eplb == 0 {
+        return Err(MoeError::Config("--compare-eplb compares with the EPLB prediction: give --eplb R".into()));
+    }
     let mut cols = vec![
         right("EP", 4),
         right("tokens", 7),
@@ -232,7 +246,12 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             if !measured.is_empty() {
                 match measured.iter().find(|m| m.tokens == t && m.ep == ep) {
                     Some(m) => {
-                        let err = base.total / m.ms - 1.0;
+                        let predicted = if args.compare_eplb {
+                            balanced.as_ref().map_or(base.total, |b| b.total)
+                        } else {
+                            base.total
+                        };
+                        let err = predicted / m.ms - 1.0;
                         worst = worst.max(err.abs());
                         row.extend([num(m.ms, 3), format!("{:+.1}%", 100.0 * err)]);
                     }
@@ -300,4 +319,14 @@ fn draw(lines: &[Line], out: &Path, title: &str) -> Result<()> {
         .draw()
         .map_err(|e| fail(e.to_string()))?;
     root.present().map_err(|e| fail(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_built_in_ceilings_parse() {
+        let h200 = super::builtin("h200").expect("docs/bench/h200-simulator-ceilings.json parses");
+        assert!(h200.shared_overlaps && h200.rows_per_rank && h200.gemm_curve.len() >= 2, "{h200:?}");
+        assert!(super::builtin("h100").is_some() && super::builtin("a100").is_none());
+    }
 }

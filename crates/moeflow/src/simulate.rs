@@ -61,6 +61,18 @@ pub struct Ceilings {
     /// (the device layer); otherwise once per (token, slot) both ways (the CPU layer).
     #[serde(default)]
     pub rows_per_rank: bool,
+    /// The shared expert runs on a side stream beside the dispatch and the routed GEMMs (the
+    /// GPU layer): the layer waits only for what outlasts them, and then adds its output;
+    /// otherwise it runs after them.
+    #[serde(default)]
+    pub shared_overlaps: bool,
+    /// A host-planned dispatch (EP 2 or more: the routing read to the host, the counts
+    /// gathered) costs this much per call, microseconds ...
+    #[serde(default)]
+    pub host_plan_us: f64,
+    /// ... and this much per (token, slot) of the rank's batch, nanoseconds.
+    #[serde(default)]
+    pub host_plan_ns_per_slot: f64,
 }
 
 /// The layer's shapes, in the units the model counts.
@@ -169,7 +181,7 @@ pub struct Prediction {
     pub gemms: f64,
     /// Rows sent home, weighted and summed.
     pub combine: f64,
-    /// The shared expert.
+    /// The shared expert (where it overlaps, the part the layer waits for and its sum).
     pub shared: f64,
     /// The layer: the stages' sum.
     pub total: f64,
@@ -249,7 +261,11 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
     let router = share_factor
         * roofline(2.0 * t * h * shapes.experts as f64, c.router_gflops, 4.0 * h * shapes.experts as f64, c.mem_gbps)
         + launch;
-    let permute = share_factor * roofline(0.0, 1.0, t * k * h * 4.0, c.mem_gbps) + launch;
+    // The CPU layer copies f32 rows per (token, slot); the device layer reads and writes each
+    // token's row once, and beyond one rank plans the dispatch on the host.
+    let permuted = if c.rows_per_rank { 2.0 * t * h * shapes.row_bytes } else { t * k * h * 4.0 };
+    let plan = if n > 1 { (c.host_plan_us + c.host_plan_ns_per_slot * 1e-3 * t * k) * 1e-3 } else { 0.0 };
+    let permute = share_factor * roofline(0.0, 1.0, permuted, c.mem_gbps) + launch + plan;
     let weights = 3.0 * h * i * shapes.weight_bytes;
     let expert_time = |r: usize| {
         let gemms = if c.experts_in_turn {
@@ -274,7 +290,7 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
     } else {
         (0..n).map(expert_time).fold(0.0, f64::max)
     };
-    let shared = if shapes.shared_inter == 0 {
+    let shared_alone = if shapes.shared_inter == 0 {
         0.0
     } else {
         let si = shapes.shared_inter as f64;
@@ -282,8 +298,15 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
             + launch
     };
     // An exchange: rows (or outputs) leaving for other ranks, the busiest rank's share arriving.
+    // The weighted sum of each token's k rows: the device layer reads them in the row format and
+    // writes f32 outputs (one rank too); the CPU layer's f32 rows only after an exchange.
+    let summed = if c.rows_per_rank {
+        roofline(0.0, 1.0, t * k * h * shapes.row_bytes + t * h * 4.0, c.mem_gbps) + launch
+    } else {
+        roofline(0.0, 1.0, t * k * h * 4.0, c.mem_gbps)
+    };
     let (dispatch, combine) = if n == 1 {
-        (0.0, 0.0)
+        (0.0, if c.rows_per_rank { summed } else { 0.0 })
     } else {
         let remote = (n - 1) as f64 / n as f64;
         // Rows a rank sends: per (token, slot), or per (token, rank serving it).
@@ -299,8 +322,14 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         let link = (bytes * (1.0 - inter_peers) / (intra * 1e6)).max(bytes * inter_peers / (c.inter_gbps * 1e6));
         let latency = c.intra_latency_us + if inter_peers > 0.0 { c.inter_latency_us } else { 0.0 };
         let one = (2.0 * c.call_us + latency) * 1e-3 + link;
-        // The combine also weights and sums k rows per token.
-        (one, one + roofline(0.0, 1.0, t * k * h * 4.0, c.mem_gbps))
+        (one, one + summed)
+    };
+    // On a side stream the shared expert hides behind the dispatch and the routed GEMMs; the
+    // layer then adds its output (f32 rows read twice, written once).
+    let shared = if c.shared_overlaps && shapes.shared_inter > 0 {
+        (shared_alone - dispatch - gemms).max(0.0) + roofline(0.0, 1.0, 3.0 * t * h * 4.0, c.mem_gbps) + launch
+    } else {
+        shared_alone
     };
     let total = router + permute + dispatch + gemms + combine + shared;
     Ok(Prediction {
@@ -357,6 +386,9 @@ mod tests {
             shared_device: false,
             experts_in_turn: false,
             rows_per_rank: true,
+            shared_overlaps: false,
+            host_plan_us: 0.0,
+            host_plan_ns_per_slot: 0.0,
             gemm_curve: Vec::new(),
             link_curve: Vec::new(),
         }
@@ -403,6 +435,27 @@ mod tests {
     }
 
     #[test]
+    fn a_side_stream_hides_the_shared_expert_and_the_host_plan_costs_beyond_one_rank() {
+        let s = deepseek();
+        let run = |c: &Ceilings, ep: usize, tokens: usize| {
+            let placement = placement(&s, &Routing::Uniform, ep, 8, None).unwrap();
+            predict(c, &s, &Routing::Uniform, &Layout { ep, domain: 8, tokens, placement }).unwrap()
+        };
+        let after = gpu();
+        let beside = Ceilings { shared_overlaps: true, ..gpu() };
+        for ep in [1, 2] {
+            let (a, b) = (run(&after, ep, 4096), run(&beside, ep, 4096));
+            // Beside the routed GEMMs only its output's sum remains.
+            assert!(b.shared < 0.25 * a.shared && b.total < a.total, "EP {ep}: {b:?} vs {a:?}");
+            assert_eq!((a.router, a.gemms), (b.router, b.gemms));
+        }
+        let planned = Ceilings { host_plan_us: 100.0, host_plan_ns_per_slot: 10.0, ..gpu() };
+        assert_eq!(run(&planned, 1, 4096).permute, run(&gpu(), 1, 4096).permute);
+        let grown = run(&planned, 2, 4096).permute - run(&gpu(), 2, 4096).permute;
+        assert!((grown - (0.1 + 10.0 * 4096.0 * 8.0 * 1e-6)).abs() < 1e-9, "{grown}");
+    }
+
+    #[test]
     fn shares_sum_to_one_and_respect_the_cap() {
         for r in [Routing::Uniform, Routing::Zipf(1.2), Routing::Zipf(4.0), Routing::Load(vec![5.0; 256])] {
             let s = r.shares(256, 8).unwrap();
@@ -435,8 +488,9 @@ mod tests {
             predict(&slow, &s, &Routing::Uniform, &l).unwrap().dispatch
                 > predict(&c, &s, &Routing::Uniform, &l).unwrap().dispatch
         );
-        // One rank moves nothing.
+        // One rank moves nothing: its combine is the weighted sum alone.
         let one = run(&Routing::Uniform, 1, None);
-        assert_eq!((one.dispatch, one.combine), (0.0, 0.0));
+        assert_eq!(one.dispatch, 0.0);
+        assert!(one.combine > 0.0 && one.combine < run(&Routing::Uniform, 2, None).combine, "{one:?}");
     }
 }

@@ -142,6 +142,9 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         shared_device: true,
         experts_in_turn: true,
         rows_per_rank: false,
+        shared_overlaps: false,
+        host_plan_us: 0.0,
+        host_plan_ns_per_slot: 0.0,
     };
     let curve: Vec<String> = c.gemm_curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect();
     let links: Vec<String> = c.link_curve.iter().map(|(b, g)| format!("{g:.2} at {:.1} MB", b / 1e6)).collect();

@@ -46,7 +46,7 @@ impl Timed {
     /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`); a TP rank
     /// times its share of them through the expert-parallel layer (the TP all-gather after it
     /// is not timed).
-    fn forward_timed(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
+    pub(super) fn forward_timed(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
         let tokens = self.0.tokens_here(tokens);
         match (self.0.device_layer(), self.0.device_dual()) {
             (Some(l), _) => l.forward_timed(tokens, seed),
@@ -414,7 +414,7 @@ fn print_recording_cost(tokens: &[usize], layer_ms: &[f64], recording: Option<&[
 
 /// The layer's weights, generated on the device from `args`' seed, with `--skew`'s bias added
 /// to the router's on the device (see `CudaMoeLayer::skew_router`).
-fn device_weights<'a>(args: &BenchArgs, config: &'a moeflow::MoeConfig) -> RankLayerSpec<'a> {
+pub(super) fn device_weights<'a>(args: &BenchArgs, config: &'a moeflow::MoeConfig) -> RankLayerSpec<'a> {
     RankLayerSpec { skew: args.layer.skew.skew.clone(), ..RankLayerSpec::random_on_device(config, args.layer.seed) }
 }
 
@@ -598,7 +598,7 @@ type OneGpuRuns = (Vec<moeflow::backend::GpuStageTimes>, Vec<moeflow::backend::G
 /// `runs` timed runs of `t` tokens after three warm-ups, and their stage times: a batch that
 /// replays its CUDA graph is timed as a whole, so its stages come from runs with events between
 /// them.
-fn time_one_gpu(gpu: &Timed, t: usize, runs: usize, seed: u64) -> Result<OneGpuRuns> {
+pub(super) fn time_one_gpu(gpu: &Timed, t: usize, runs: usize, seed: u64) -> Result<OneGpuRuns> {
     for _ in 0..3 {
         gpu.forward_timed(t, seed)?;
     }

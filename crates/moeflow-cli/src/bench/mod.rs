@@ -5,6 +5,7 @@
 //! them, [`plot`] the SVG plots drawn from the records.
 
 mod calibrate;
+mod calibrate_gpu;
 mod calibrate_strategies;
 mod cuda;
 pub mod plot;
@@ -70,9 +71,12 @@ pub struct BenchArgs {
     /// Instead of the table, calibrate this machine and write JSON to this file. On one CPU
     /// rank: its ceilings with the layer (the expert GEMM rate at the largest --tokens, the
     /// weight-streaming rate at one token, the router's rate, a stage's fixed cost, the
-    /// in-process exchange) for `moeflow simulate --ceilings FILE`. With --backend cuda and
-    /// --ep 2 or more: every strategy `--strategy auto` chooses among, timed at each --tokens
-    /// count, and the crossovers for `--strategy-table FILE`.
+    /// in-process exchange) for `moeflow simulate --ceilings FILE`. With --backend cuda on one
+    /// GPU: the GPU's ceilings for the same (sustained GEMM rate, HBM copy, the layer's expert
+    /// GEMM rate by rows per expert, its router, a launch's fixed cost at one token; with two
+    /// GPUs visible the push rate, and from the EP-2 layer the exchange's call cost and the host
+    /// round trip). With --backend cuda and --ep 2 or more: every strategy `--strategy auto`
+    /// chooses among, timed at each --tokens count, and the crossovers for `--strategy-table FILE`.
     #[arg(long)]
     calibrate: Option<PathBuf>,
     /// Whether `json` is a scratch file for the plot rather than the user's.
@@ -186,6 +190,9 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
 /// device-resident expert-parallel GPU layer, or the modular layer (CPU, or host-staged GPUs).
 fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
     if gpu && args.parallel.ep == 1 && *host == RankHost::Gpus {
+        if let Some(file) = &args.calibrate {
+            return calibrate_gpu::calibrate(args, file);
+        }
         return run_cuda(args);
     }
     if gpu && args.parallel.quant != QuantConfig::None {
@@ -196,8 +203,8 @@ fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
     if let Some(file) = &args.calibrate {
         if args.parallel.ep < 2 {
             return Err(MoeError::Config(
-                "--calibrate measures this CPU's ceilings on one rank, or the strategies of --backend cuda with --ep 2 \
-                 or more (GPU ceilings: simulate --ceilings h100)"
+                "--calibrate measures this CPU's ceilings on one rank, one GPU's with --backend cuda on one GPU, or \
+                 the strategies of --backend cuda with --ep 2 or more"
                     .into(),
             ));
         }
