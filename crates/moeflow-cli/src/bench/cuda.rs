@@ -121,12 +121,7 @@ pub(super) fn time_rank(
         let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
         let all = comm.all_gather_vec("bench.times", &totals)?;
         let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
-        // A low-latency layer's replays carry their stage times (the graph's own event nodes);
-        // a graph captured without them has its stages timed in direct runs.
-        if low_latency && samples.iter().all(|s| s.dispatch == 0.0) {
-            if comm.rank() == 0 {
-                println!("T={t}: the driver did not time the graph's event nodes; stages from direct runs");
-            }
+        if low_latency {
             let mut stages = Vec::with_capacity(runs);
             for r in 0..runs {
                 comm.barrier()?;
@@ -229,8 +224,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let (mut records, (floor_inputs, ours, direct)) = ctx.rows(&args.tokens, measured);
     if capacity.is_some() {
         println!(
-            "stages timed inside the graph's replays by its event nodes (all {} rows of the capacity move); \
-             the stages' own layer ms per rank (median): {}",
+            "stages from direct runs (no graph, all {} rows of the capacity); their layer ms per rank (median): {}",
             par.max_tokens_per_rank,
             direct.join(", ")
         );

@@ -29,16 +29,7 @@ static CAPTURING: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// A captured layer. CUDA graphs are not synchronised internally; these are only touched
 /// under the layer's buffer lock.
-pub(super) struct LayerGraph {
-    graph: CudaGraph,
-    /// Events the graph records at the stage boundaries 0..=9 (see
-    /// [`CudaMoeLayer::forward_timed_stages`]) when captured with them, for the stage times of
-    /// its replays; empty otherwise.
-    marks: Vec<CudaEvent>,
-    /// The strategy and the experts' implementation the captured run took.
-    strategy: &'static str,
-    experts: &'static str,
-}
+pub(super) struct LayerGraph(pub(super) CudaGraph);
 
 // SAFETY: a graph is used from one thread at a time (under the layer's buffer mutex), which
 // is all CUDA asks of graph objects.
@@ -58,23 +49,11 @@ impl LayerGraph {
         if let Some((start, _)) = &events {
             start.record(s).map_err(|e| err("event", e))?;
         }
-        self.graph.launch().map_err(|e| err("graph launch", e))?;
+        self.0.launch().map_err(|e| err("graph launch", e))?;
         if let Some((_, stop)) = &events {
             stop.record(s).map_err(|e| err("event", e))?;
         }
         Ok(events)
-    }
-}
-
-impl LayerGraph {
-    /// The stage times of the last replay, from the events the graph records (`None` for a
-    /// graph captured without them). Call once the stream has passed the replay.
-    pub(super) fn stage_times(&self) -> Result<Option<GpuStageTimes>> {
-        if self.marks.is_empty() {
-            return Ok(None);
-        }
-        let times = super::stage_times(&self.marks)?;
-        Ok(Some(GpuStageTimes { strategy: self.strategy, experts: self.experts, ..times }))
     }
 }
 
@@ -223,27 +202,15 @@ impl CudaMoeLayer {
     }
 
     /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph.
-    pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize, with_marks: bool) -> Result<LayerGraph> {
+    pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize) -> Result<LayerGraph> {
         let s = &self.gpu.stream;
-        let marks: Vec<CudaEvent> = match with_marks {
-            true => (0..10)
-                .map(|_| {
-                    self.gpu.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e))
-                })
-                .collect::<Result<_>>()?,
-            false => Vec::new(),
-        };
         let _no_blas_handle_changes = super::super::blas_handle::capture_lock();
         let spoil = b.graphs.spoils_this_capture();
         s.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL)
             .map_err(|e| err("begin capture", e))?;
         // A spoilt capture synchronises its stream after the up projection, with the shared
         // expert's side stream forked: CUDA forbids that during a capture and invalidates it.
-        // Marks recorded during the capture become event nodes of the graph.
         let enqueued = self.enqueue(b, rows, &|stage| {
-            if let Some(ev) = marks.get(stage) {
-                ev.record(s).map_err(|e| err("event", e))?;
-            }
             if spoil && stage == 4 {
                 let _ = s.synchronize();
             }
@@ -255,9 +222,9 @@ impl CudaMoeLayer {
             let _ = self.side.join(s, self.side.all());
         }
         let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
-        let ran = enqueued?;
+        enqueued?;
         let graph = captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
-        Ok(LayerGraph { graph, marks, strategy: ran.strategy, experts: ran.experts })
+        Ok(LayerGraph(graph))
     }
 
     /// Captures the layer for `t` tokens into `b`'s graphs; `false` when the capture failed
@@ -270,7 +237,7 @@ impl CudaMoeLayer {
         self.set_blas_workspaces(b)?;
         self.warm_up(b, t)?;
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
-        match self.capture_layer(b, t, false) {
+        match self.capture_layer(b, t) {
             Ok(graph) => {
                 if b.graphs.graphs.len() == GRAPHS_KEPT {
                     b.graphs.graphs.remove(0);

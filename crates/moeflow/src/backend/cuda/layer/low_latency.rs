@@ -142,21 +142,17 @@ impl CudaMoeLayer {
             // A direct run first: NCCL connects its peers, cuBLAS picks its kernels, the
             // modules load, none of which may happen inside a capture.
             self.warm_up(b, m)?;
-            let graph = self.capture_layer(b, m, true)?;
+            let graph = self.capture_layer(b, m)?;
             b.ll.as_mut().expect("allocated").graph = Some(graph);
         }
         let graph = b.ll.as_ref().expect("allocated").graph.as_ref().expect("captured above");
         let events = graph.launch(&self.gpu, timed)?;
         link.check_transport(link.comm.wait("moe layer", s))?;
         let Some(events) = events else { return Ok(GpuStageTimes::default()) };
-        // The stages as the graph's own event nodes timed them, inside the replay (none where
-        // the driver cannot time them: the caller then times the stages in direct runs).
-        let stages = graph.stage_times().ok().flatten().unwrap_or_default();
         Ok(GpuStageTimes {
             total: elapsed_ms(&events)?,
             dispatch_bytes: self.ll_sent_bytes(),
-            transport: link.transport_name(),
-            ..stages
+            ..GpuStageTimes::default()
         })
     }
 

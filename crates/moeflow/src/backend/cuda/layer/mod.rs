@@ -732,13 +732,25 @@ impl CudaMoeLayer {
         if !timed {
             return Ok((GpuStageTimes::default(), None));
         }
+        let ms = |a: usize, z: usize| -> Result<f64> {
+            Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
+        };
         let times = GpuStageTimes {
+            route: ms(0, 1)?,
+            permute: ms(1, 2)?,
+            dispatch: ms(2, 3)?,
+            gemm1: ms(3, 4)?,
+            act: ms(4, 5)?,
+            gemm2: ms(5, 6)?,
+            collect: ms(6, 7)?,
+            combine: ms(7, 8)?,
+            shared: ms(8, 9)?,
+            total: ms(0, 9)?,
             dispatch_bytes: ran.sent,
             experts_used: self.experts_used(b)?,
             strategy: ran.strategy,
             experts: ran.experts,
             transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
-            ..stage_times(&marks)?
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
@@ -814,27 +826,6 @@ impl CudaMoeLayer {
         mark(9)?;
         Ok(ran)
     }
-}
-
-/// The stage times between ten events recorded at the stage boundaries 0..=9 (the stream has
-/// passed them).
-fn stage_times(marks: &[cudarc::driver::CudaEvent]) -> Result<GpuStageTimes> {
-    let ms = |a: usize, z: usize| -> Result<f64> {
-        Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
-    };
-    Ok(GpuStageTimes {
-        route: ms(0, 1)?,
-        permute: ms(1, 2)?,
-        dispatch: ms(2, 3)?,
-        gemm1: ms(3, 4)?,
-        act: ms(4, 5)?,
-        gemm2: ms(5, 6)?,
-        collect: ms(6, 7)?,
-        combine: ms(7, 8)?,
-        shared: ms(8, 9)?,
-        total: ms(0, 9)?,
-        ..GpuStageTimes::default()
-    })
 }
 
 fn check(st: cb::cublasStatus_t, what: &str) -> Result<()> {
