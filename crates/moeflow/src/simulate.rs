@@ -247,7 +247,9 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         let reps = p.replicas_of(e);
         for &ph in reps {
             let q = s / reps.len() as f64;
-            let hit = 1.0 - (1.0 - q).powf(slots);
+            // A token picks k different experts, this one with chance k · q (shares are
+            // capped at 1 / k): the replica sits unread only if every token passes it by.
+            let hit = 1.0 - (1.0 - k * q).clamp(0.0, 1.0).powf(slots / k);
             rows[p.rank_of(ph)] += slots * q;
             touched[p.rank_of(ph)] += hit;
             replicas[p.rank_of(ph)].push((slots * q, hit));
@@ -453,6 +455,23 @@ mod tests {
         assert_eq!(run(&planned, 1, 4096).permute, run(&gpu(), 1, 4096).permute);
         let grown = run(&planned, 2, 4096).permute - run(&gpu(), 2, 4096).permute;
         assert!((grown - (0.1 + 10.0 * 4096.0 * 8.0 * 1e-6)).abs() < 1e-9, "{grown}");
+    }
+
+    #[test]
+    fn a_token_reads_its_k_different_experts() {
+        // Memory-bound experts: one token reads exactly k experts' weights (k different picks,
+        // not k independent ones, which would hit fewer), and many tokens read every expert.
+        let s = Shapes { experts: 16, top_k: 8, shared_inter: 0, ..deepseek() };
+        let c = Ceilings { gemm_gflops: 1e12, ..gpu() };
+        let run = |tokens: usize| {
+            let placement = placement(&s, &Routing::Uniform, 1, 8, None).unwrap();
+            predict(&c, &s, &Routing::Uniform, &Layout { ep: 1, domain: 8, tokens, placement }).unwrap().gemms
+        };
+        let expert = 3.0 * (s.hidden * s.inter) as f64 * s.weight_bytes / (c.mem_gbps * 1e6);
+        let launches = 3.0 * c.launch_us * 1e-3;
+        let read = |tokens: usize| (run(tokens) - launches) / expert;
+        assert!((read(1) - 8.0).abs() < 1e-6, "one token read {} experts", read(1));
+        assert!((read(64) - 16.0).abs() < 1e-6, "64 tokens read {} experts", read(64));
     }
 
     #[test]

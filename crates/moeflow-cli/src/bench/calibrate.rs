@@ -14,12 +14,16 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Median stage times of `runs` forwards of `t` tokens (after a warm-up).
-fn stages(layer: &MoeLayer, t: usize, h: usize, runs: usize) -> Result<(f64, StageTimes)> {
+/// Median stage times of at least `runs` forwards of `t` tokens, over at least `seconds` (after
+/// a warm-up).
+fn stages(layer: &MoeLayer, t: usize, h: usize, runs: usize, seconds: f64) -> Result<(f64, StageTimes)> {
     let x = Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, 17 ^ t as u64))?;
     layer.forward(&x)?;
     let mut all = Vec::new();
-    for _ in 0..runs {
+    let started = Instant::now();
+    // As `bench` measures: at least `runs` runs and `seconds` of them (a short burst streams
+    // weights faster than the sustained runs the bench times).
+    while all.len() < runs || (started.elapsed().as_secs_f64() < seconds && all.len() < 1000) {
         let start = Instant::now();
         let (_, st) = layer.forward_profiled(&x)?;
         all.push((start.elapsed().as_secs_f64(), st));
@@ -104,7 +108,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     let mut link_curve = Vec::new();
     let mut big_route = 0.0;
     for &t in &sizes {
-        let (total, st) = stages(&layer, t, h, runs)?;
+        let (total, st) = stages(&layer, t, h, runs, args.min_seconds)?;
         // Uniform routing spreads t·k rows over the experts.
         let rows = (t * k) as f64 / e.min(t * k) as f64;
         gemm_curve.push((rows, config.expert_flops(t) / st.experts / 1e9));
@@ -116,7 +120,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         let exchange_s = (ep2 - 2.0 * total - 4.0 * call).max(1e-6);
         link_curve.push((per_peer, 2.0 * per_peer / exchange_s / 1e9));
     }
-    let (_, one) = stages(&layer, 1, h, runs)?;
+    let (_, one) = stages(&layer, 1, h, runs, args.min_seconds)?;
     let weight_bytes = args.layer.dtype.size_in_bytes() as f64;
     // One token reads its k experts' weights; its FLOPs are negligible beside them.
     let mem_gbps = (k.min(e) * 3 * h * i) as f64 * weight_bytes / one.experts / 1e9;
@@ -125,7 +129,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     let mut tiny_config = config.with_num_experts(8.min(e).max(k))?;
     (tiny_config.hidden, tiny_config.inter, tiny_config.shared) = (64, 32, None);
     let tiny = MoeLayer::new(&tiny_config, &preset::random_weights(&tiny_config, DType::F32, 1), Default::default())?;
-    let (tiny_total, _) = stages(&tiny, 1, 64, runs.max(50))?;
+    let (tiny_total, _) = stages(&tiny, 1, 64, runs.max(50), args.min_seconds)?;
     let c = Ceilings {
         name: format!("this CPU ({} threads), {} {}", rayon::current_num_threads(), p.name, args.layer.dtype),
         gemm_gflops: gemm_curve.last().map_or(0.0, |g| g.1),
