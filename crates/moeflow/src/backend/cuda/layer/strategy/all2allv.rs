@@ -4,6 +4,9 @@
 //! sent back as one bf16 row per (token, rank) and summed at home in rank order. In
 //! deterministic mode the served slots' expert rows go back as they are and the home weights
 //! and sums them in slot order, as one GPU does, so the bits do not depend on the layout.
+//! Rows travel over the link's transport: NCCL send/receive from staged rows, or the NVLink
+//! transport's push, which gathers the token rows and weights by index straight into the peers'
+//! windows (see [`super::super::nvlink`]).
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, Localize};
@@ -88,7 +91,7 @@ impl DevicePrepareFinalize for All2AllV {
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
         let (send_rows, send_idx, send_ids, send_w) =
             (pb(&ep.send_rows), pi(&ep.send_idx), pi(&ep.send_ids), pf(&ep.send_w));
-        let mut landed = ep.landed(g);
+        let landed = ep.landed(g);
         let counts: Vec<usize> = (0..n * n).map(|i| all[(i / n) * m + np + i % n] as usize).collect();
         let mut state = Plan { route, all, send_tok, recv_tok, received, plan: Some(plan), landed, nvlink: None };
         if let Some(mut t_guard) = l.nvlink(link, &regions(l, link, &state.all, &counts))? {
@@ -103,8 +106,7 @@ impl DevicePrepareFinalize for All2AllV {
             ];
             l.push(nv, link, 0, &lanes, &counts)?;
             l.await_pushes(nv, link, 0)?;
-            landed = Landed { rows: nv.local(ROWS), ids: nv.local(IDS), w: nv.local(WEIGHTS) };
-            state.landed = landed;
+            state.landed = Landed { rows: nv.local(ROWS), ids: nv.local(IDS), w: nv.local(WEIGHTS) };
             state.nvlink = Some(Returns { back: nv.local(BACK), slots: nv.local(SLOTS), counts });
             return Ok(Box::new(state));
         }

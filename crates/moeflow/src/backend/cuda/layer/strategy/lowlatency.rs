@@ -5,7 +5,8 @@
 //! local ids | k weights | H bf16]`, ids -1 where the token has no expert there); the receiver
 //! lays the rows out `n·M` per local expert (a token reaches an expert at most once) and counts
 //! them on the device; the weighted sum per message row goes back as one bf16 row, summed at
-//! home in rank order.
+//! home in rank order. Over the NVLink transport both messages are pushed straight into the
+//! peers' windows, and the push and its wait are captured in the graph with the rest.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
 use crate::backend::cuda::layer::expert_parallel::EpLink;
