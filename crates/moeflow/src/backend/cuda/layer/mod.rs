@@ -3,8 +3,9 @@
 //! GEMMs with f32 accumulation (moeflow's grouped wgmma GEMM on Hopper, cuBLAS elsewhere),
 //! activation, and a weighted combine in slot order. On one GPU, or as one rank of an
 //! expert-parallel group ([`CudaMoeLayer::new_ep`]) whose tokens travel to the ranks holding
-//! their experts on the device, written into the peers' memory ([`nvlink`]) or over NCCL; [`low_latency`] holds its fixed-capacity form,
-//! captured in a CUDA graph, and [`fp8_weights`] its fp8 experts.
+//! their experts on the device, written into the peers' memory ([`nvlink`]) or over NCCL;
+//! [`low_latency`] holds its fixed-capacity form, captured in a CUDA graph, and
+//! [`fp8_weights`] its fp8 experts.
 //!
 //! This file builds the layer and runs it as the modular kernel does on the CPU: [`route`]
 //! (router GEMM and top-k; small batches in one launch), then a prepare/finalize strategy
