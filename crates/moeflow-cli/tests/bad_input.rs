@@ -388,3 +388,15 @@ mod flags {
         }
     }
 }
+
+#[test]
+fn an_unknown_transport_is_refused_naming_the_known_ones() {
+    // A usage error: clap's exit status 2, with the library's message.
+    let o = moeflow(&["demo", "--transport", "shm"]);
+    let t = text(&o);
+    assert_eq!(o.status.code(), Some(2), "{t}");
+    assert!(t.contains("unknown transport 'shm' (known: nccl, nvlink, auto)") && !t.contains("panicked"), "{t}");
+    // On CPU ranks the option is accepted and does not change the result.
+    let ok = moeflow(&["demo", "--experts", "8", "--tokens", "16", "--transport", "nccl"]);
+    assert!(ok.status.success(), "{}", text(&ok));
+}
