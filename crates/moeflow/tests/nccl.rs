@@ -791,3 +791,59 @@ fn nvlink_transport_reports_a_stalled_peer() {
         eprintln!("stalled peer: rank {rank} failed after {took:?}: {e}");
     }
 }
+
+/// The NVLink window grows with the batch: one layer takes batches that need larger regions
+/// (every rank reopens its window at once) and a smaller one after, in default and
+/// deterministic mode and, for the fixed-capacity windows, the low-latency graph, giving NCCL's
+/// bits on every batch.
+#[test]
+fn nvlink_window_grows_with_the_batch() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
+    let Some(n) = gpus("nvlink_window_grows_with_the_batch") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    let (_, config, weights) = device_cases().remove(2);
+    let h = config.hidden;
+    const M: usize = 64;
+    let batches: [Vec<usize>; 3] =
+        [(0..n).map(|r| [3, 0][r % 2]).collect(), (0..n).map(|r| [300, 41][r % 2]).collect(), vec![M; n]];
+    let inputs: Vec<Vec<Vec<f32>>> = batches
+        .iter()
+        .enumerate()
+        .map(|(i, sizes)| {
+            sizes
+                .iter()
+                .enumerate()
+                .map(|(r, &t)| preset::uniform(t * h, 1.0, 200 + 10 * i as u64 + r as u64))
+                .collect()
+        })
+        .collect();
+    for (mode, deterministic, low_latency) in
+        [("default", false, false), ("deterministic", true, false), ("low-latency", false, true)]
+    {
+        let run = |transport: Transport| {
+            let opts = CudaOptions { deterministic, transport, ..Default::default() };
+            run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+                let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?;
+                if low_latency {
+                    layer = layer.low_latency(M)?;
+                }
+                let order: &[usize] = if low_latency { &[0, 2, 0] } else { &[0, 1, 2, 0] };
+                order
+                    .iter()
+                    .map(|&i| {
+                        let x = &inputs[i][c.rank()];
+                        Ok(layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec())
+                    })
+                    .collect::<moeflow::Result<Vec<_>>>()
+            })
+        };
+        for (rank, (a, b)) in run(Transport::Nccl).into_iter().zip(run(Transport::NvLink)).enumerate() {
+            let (want, got) = (a.unwrap(), b.unwrap_or_else(|e| panic!("{mode}: rank {rank}: NVLink: {e}")));
+            let bits = |v: &Vec<Vec<f32>>| {
+                v.iter().map(|b| b.iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()
+            };
+            assert!(bits(&got) == bits(&want), "{mode}: rank {rank}: NVLink differs from NCCL on a batch");
+        }
+        eprintln!("nvlink window, {mode}: NCCL's bits on every batch, growing and shrinking");
+    }
+}

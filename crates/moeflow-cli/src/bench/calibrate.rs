@@ -162,8 +162,12 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         c.call_us,
         links.join(", ")
     );
-    let text =
-        serde_json::to_string_pretty(&c).map_err(|e| MoeError::Json { context: "ceilings".into(), source: e })?;
+    write_ceilings(&c, path)
+}
+
+/// Writes `c` as the JSON `moeflow simulate --ceilings` reads to `path`, and says so.
+pub(super) fn write_ceilings(c: &Ceilings, path: &Path) -> Result<()> {
+    let text = serde_json::to_string_pretty(c).map_err(|e| MoeError::Json { context: "ceilings".into(), source: e })?;
     std::fs::write(path, text)
         .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
     println!("wrote the ceilings to {}", path.display());

@@ -178,10 +178,5 @@ pub(super) fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         c.host_plan_us,
         c.host_plan_ns_per_slot
     );
-    let text =
-        serde_json::to_string_pretty(&c).map_err(|e| MoeError::Json { context: "ceilings".into(), source: e })?;
-    std::fs::write(path, text)
-        .map_err(|e| MoeError::Io { context: format!("writing {}", path.display()), source: e })?;
-    println!("wrote the ceilings to {}", path.display());
-    Ok(())
+    super::calibrate::write_ceilings(&c, path)
 }

@@ -67,7 +67,7 @@ const ALIGN: usize = 256;
 
 impl NvLink {
     /// The start of region `r` of this rank's window.
-    pub(super) fn local(&self, r: usize) -> u64 {
+    fn local(&self, r: usize) -> u64 {
         self.win.local() + self.regions[r].0 as u64
     }
 }
@@ -79,15 +79,12 @@ impl CudaMoeLayer {
         self.ep.as_ref().map_or("", |l| l.transport_name())
     }
 
-    /// The link's NVLink transport with regions of at least `regions` bytes each (the same
-    /// on every rank: sized from every rank's counts), opened or reopened larger where needed;
-    /// `None` when the link moves rows over NCCL. Collective where it opens a window.
-    pub(super) fn nvlink<'a>(
-        &self,
-        link: &'a EpLink,
-        regions: &[usize],
-    ) -> Result<Option<std::sync::MutexGuard<'a, LinkTransport>>> {
+    /// Where this rank's window regions start, each of at least `regions` bytes (the same on
+    /// every rank: sized from every rank's counts), the window opened or reopened larger where
+    /// needed; `None` when the link moves rows over NCCL. Collective where it opens a window.
+    pub(super) fn nvlink(&self, link: &EpLink, regions: &[usize]) -> Result<Option<Vec<u64>>> {
         let mut t = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let starts = |nv: &NvLink| (0..nv.regions.len()).map(|r| nv.local(r)).collect();
         let wanted = match &*t {
             LinkTransport::Nccl => return Ok(None),
             LinkTransport::Pending(Transport::Nccl) => {
@@ -98,7 +95,7 @@ impl CudaMoeLayer {
             LinkTransport::NvLink(nv) => {
                 let fits = nv.regions.len() == regions.len() && nv.regions.iter().zip(regions).all(|(h, w)| h.1 >= *w);
                 if fits {
-                    return Ok(Some(t));
+                    return Ok(Some(starts(nv)));
                 }
                 None
             }
@@ -116,14 +113,30 @@ impl CudaMoeLayer {
             .collect();
         *t = LinkTransport::Pending(Transport::NvLink);
         match self.open_nvlink(link, &sizes) {
-            Ok(nv) => *t = LinkTransport::NvLink(Box::new(nv)),
+            Ok(nv) => {
+                let at = starts(&nv);
+                *t = LinkTransport::NvLink(Box::new(nv));
+                Ok(Some(at))
+            }
             Err(e) if wanted == Some(Transport::Auto) && matches!(e, MoeError::Unsupported(_)) => {
                 *t = LinkTransport::Nccl;
-                return Ok(None);
+                Ok(None)
             }
-            Err(e) => return Err(e),
+            Err(e) => Err(e),
         }
-        Ok(Some(t))
+    }
+
+    /// One exchange over the link's NVLink window (opened by [`CudaMoeLayer::nvlink`]):
+    /// pushes `lanes` to every rank (`counts[s · n + d]` rows from rank `s` to rank `d`,
+    /// landing after the rows of lower source ranks) and waits on the device until every
+    /// rank's push has landed here. `slot` 0 is the dispatch, 1 the combine.
+    pub(super) fn exchange_nvlink(&self, link: &EpLink, slot: usize, lanes: &[Lane], counts: &[usize]) -> Result<()> {
+        let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let LinkTransport::NvLink(nv) = &mut *guard else {
+            return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
+        };
+        self.push(nv, link, slot, lanes, counts)?;
+        self.await_pushes(nv, link, slot as i32)
     }
 
     /// A fresh window with regions of `sizes` bytes and its device state. Collective.
@@ -150,14 +163,7 @@ impl CudaMoeLayer {
     /// and land in each receiver's region after the rows of lower source ranks. `slot` picks
     /// the lane table (0 dispatch, 1 combine): a table that holds these lanes already is not
     /// uploaded again (a captured graph replays the same one).
-    pub(super) fn push(
-        &self,
-        nv: &mut NvLink,
-        link: &EpLink,
-        slot: usize,
-        lanes: &[Lane],
-        counts: &[usize],
-    ) -> Result<()> {
+    fn push(&self, nv: &mut NvLink, link: &EpLink, slot: usize, lanes: &[Lane], counts: &[usize]) -> Result<()> {
         let (n, rank) = (link.comm.size(), link.comm.rank());
         let g = &self.gpu;
         let s = &g.stream;
@@ -222,7 +228,7 @@ impl CudaMoeLayer {
 
     /// Waits on the device until every rank's push of this exchange has landed here (stage 0:
     /// dispatch, 1: combine, in the timeout's report), at most the communicator's deadline.
-    pub(super) fn await_pushes(&self, nv: &NvLink, link: &EpLink, stage: i32) -> Result<()> {
+    fn await_pushes(&self, nv: &NvLink, link: &EpLink, stage: i32) -> Result<()> {
         let g = &self.gpu;
         let (flags, received, status) = (nv.win.local(), dptr(&nv.counters, g) + 8, nv.win.status_device());
         let (n, timeout) = (link.comm.size() as i32, link.comm.timeout().as_nanos().min(i64::MAX as u128) as i64);

@@ -10,7 +10,7 @@
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, Localize};
-use crate::backend::cuda::layer::nvlink::{Lane, LinkTransport};
+use crate::backend::cuda::layer::nvlink::Lane;
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::backend::host_route::HostRoute;
 use crate::comm::Communicator;
@@ -94,20 +94,17 @@ impl DevicePrepareFinalize for All2AllV {
         let landed = ep.landed(g);
         let counts: Vec<usize> = (0..n * n).map(|i| all[(i / n) * m + np + i % n] as usize).collect();
         let mut state = Plan { route, all, send_tok, recv_tok, received, plan: Some(plan), landed, nvlink: None };
-        if let Some(mut t_guard) = l.nvlink(link, &regions(l, link, &state.all, &counts))? {
-            let LinkTransport::NvLink(nv) = &mut *t_guard else { unreachable!("nvlink() returns only NVLink") };
+        if let Some(at) = l.nvlink(link, &regions(l, link, &state.all, &counts))? {
             // The rows and weights gathered by token straight into the peers' windows.
             mark(2)?;
-            let x_bf = pb(&b.x_bf);
             let lanes = [
-                Lane { src: x_bf, idx: Some(send_idx), row_bytes: 2 * h, region: ROWS },
+                Lane { src: pb(&b.x_bf), idx: Some(send_idx), row_bytes: 2 * h, region: ROWS },
                 Lane { src: send_ids, idx: None, row_bytes: 4 * k, region: IDS },
                 Lane { src: dptr(&b.weights, g), idx: Some(send_idx), row_bytes: 4 * k, region: WEIGHTS },
             ];
-            l.push(nv, link, 0, &lanes, &counts)?;
-            l.await_pushes(nv, link, 0)?;
-            state.landed = Landed { rows: nv.local(ROWS), ids: nv.local(IDS), w: nv.local(WEIGHTS) };
-            state.nvlink = Some(Returns { back: nv.local(BACK), slots: nv.local(SLOTS), counts });
+            l.exchange_nvlink(link, 0, &lanes, &counts)?;
+            state.landed = Landed { rows: at[ROWS], ids: at[IDS], w: at[WEIGHTS] };
+            state.nvlink = Some(Returns { back: at[BACK], slots: at[SLOTS], counts });
             return Ok(Box::new(state));
         }
         let (hi, sent_i, k2) = (h as i32, sent as i32, 2 * k as i32);
@@ -171,7 +168,8 @@ impl DevicePrepareFinalize for All2AllV {
             // The partial sums go home the way the rows came: the dispatch's counts transposed.
             let n = link.comm.size();
             let back_counts: Vec<usize> = (0..n * n).map(|i| r.counts[(i % n) * n + i / n]).collect();
-            return nvlink_return(l, link, Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK }, &back_counts);
+            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK };
+            return l.exchange_nvlink(link, 1, &[lane], &back_counts);
         }
         l.exchange_rows(link, "moe combine", &[(part, 2 * h)], &p.recv_tok, &[(back, 2 * h)], &p.send_tok)
     }
@@ -236,7 +234,8 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
         // The served rows of y, gathered straight into their home's window: rank r serves
         // rank s the slots of s on r's experts.
         let counts: Vec<usize> = (0..n * n).map(|i| served_by(link, &p.all, i / n, i % n)).collect();
-        return nvlink_return(l, link, Lane { src: y, idx: Some(ret_idx), row_bytes: 2 * h, region: SLOTS }, &counts);
+        let lane = Lane { src: y, idx: Some(ret_idx), row_bytes: 2 * h, region: SLOTS };
+        return l.exchange_nvlink(link, 1, &[lane], &counts);
     }
     // SAFETY: take_rows copies the `served` rows of y (h wide) named by ret_idx into `ret`,
     // which holds the plan's rows ≥ served rows.
@@ -277,17 +276,4 @@ fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [u
         false => 0,
     };
     [received * 2 * h, received * 4 * k, received * 4 * k, sent * 2 * h, slots * 2 * h]
-}
-
-/// Pushes `lane` home over NVLink (`counts[s · n + d]` rows from rank s to rank d) and waits
-/// for what comes back here.
-fn nvlink_return(l: &CudaMoeLayer, link: &EpLink, lane: Lane, counts: &[usize]) -> Result<()> {
-    let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
-    let LinkTransport::NvLink(nv) = &mut *guard else {
-        return Err(crate::error::MoeError::Unsupported(
-            "the NVLink window closed between dispatch and combine".into(),
-        ));
-    };
-    l.push(nv, link, 1, &[lane], counts)?;
-    l.await_pushes(nv, link, 1)
 }

@@ -9,10 +9,9 @@
 //! peers' windows, and the push and its wait are captured in the graph with the rest.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
-use crate::backend::cuda::layer::expert_parallel::EpLink;
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
 use crate::backend::cuda::layer::low_latency::row_stride;
-use crate::backend::cuda::layer::nvlink::{Lane, LinkTransport};
+use crate::backend::cuda::layer::nvlink::Lane;
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -27,20 +26,6 @@ struct Landing {
     recv: u64,
     back: u64,
     nvlink: bool,
-}
-
-/// Pushes `lane` (`m` rows to every rank) over NVLink and waits for every rank's (exchange
-/// `slot`: 0 dispatch, 1 combine).
-fn nvlink_exchange(l: &CudaMoeLayer, link: &EpLink, slot: usize, lane: Lane, m: usize) -> Result<()> {
-    let n = link.comm.size();
-    let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
-    let LinkTransport::NvLink(nv) = &mut *guard else {
-        return Err(crate::error::MoeError::Unsupported(
-            "the NVLink window closed between dispatch and combine".into(),
-        ));
-    };
-    l.push(nv, link, slot, &[lane], &vec![m; n * n])?;
-    l.await_pushes(nv, link, slot as i32)
 }
 
 impl DevicePrepareFinalize for LowLatency {
@@ -75,12 +60,10 @@ impl DevicePrepareFinalize for LowLatency {
         .map_err(|e| err("ll_pack", e))?;
         mark(2)?;
         let regions = [n * m * stride, n * m * 2 * h];
-        if let Some(guard) = l.nvlink(link, &regions)? {
-            let LinkTransport::NvLink(nv) = &*guard else { unreachable!("nvlink() returns only NVLink") };
-            let landing = Landing { recv: nv.local(0), back: nv.local(1), nvlink: true };
-            drop(guard);
-            nvlink_exchange(l, link, 0, Lane { src: send, idx: None, row_bytes: stride, region: 0 }, m)?;
-            return Ok(Box::new(landing));
+        if let Some(at) = l.nvlink(link, &regions)? {
+            let lane = Lane { src: send, idx: None, row_bytes: stride, region: 0 };
+            l.exchange_nvlink(link, 0, &[lane], &vec![m; n * n])?;
+            return Ok(Box::new(Landing { recv: at[0], back: at[1], nvlink: true }));
         }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency dispatch", &[(send, stride)], &every, &[(recv, stride)], &every)?;
@@ -176,7 +159,8 @@ impl DevicePrepareFinalize for LowLatency {
         }
         .map_err(|e| err("ll_combine", e))?;
         if landing.nvlink {
-            return nvlink_exchange(l, link, 1, Lane { src: part, idx: None, row_bytes: 2 * h, region: 1 }, m);
+            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: 1 };
+            return l.exchange_nvlink(link, 1, &[lane], &vec![m; n * n]);
         }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)
