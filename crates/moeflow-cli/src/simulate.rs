@@ -86,6 +86,7 @@ fn h100() -> Ceilings {
         shared_overlaps: true,
         host_plan_us: 0.0,
         host_plan_ns_per_slot: 0.0,
+        replica_min_rows: moeflow::backend::cuda_options::REPLICA_MIN_ROWS as f64,
     }
 }
 

@@ -4,6 +4,11 @@
 //! A logical expert has one or more replicas (physical ids); each (token, slot) picks one
 //! replica deterministically from its global token index, so the choice never depends on
 //! timing. Replicas hold identical weights, so the choice never changes a result.
+//!
+//! A replica costs a read of its expert's weights, which pays only when its expert has more
+//! rows than a GEMM can multiply in the time those weights take to stream. So a GPU layer may
+//! share an expert among its replicas only in batches that send it enough rows
+//! ([`ExpertPlacement::shared_replicas`]); in the others its first replica serves every pair.
 
 use crate::error::{MoeError, Result};
 use crate::router::TopK;
@@ -52,6 +57,21 @@ impl ExpertPlacement {
         }
         if let Some(e) = replicas.iter().position(|r| r.is_empty()) {
             return Err(MoeError::Config(format!("placement: expert {e} is on no rank")));
+        }
+        // The replica that serves an expert alone, where its replicas do not share a batch, goes
+        // first: the ranks should serve as nearly as possible as many experts alone. Experts
+        // with one replica stay where they are; each replicated expert, in id order, goes to its
+        // replica on the rank serving fewest so far (the lower rank on ties). The order of the
+        // others is kept (rotated).
+        let mut alone = vec![0usize; slots.len()];
+        for reps in replicas.iter().filter(|r| r.len() == 1) {
+            alone[physical[reps[0]].0] += 1;
+        }
+        for reps in replicas.iter_mut().filter(|r| r.len() > 1) {
+            let rank = |i: usize| physical[reps[i]].0;
+            let first = (0..reps.len()).min_by_key(|&i| (alone[rank(i)], rank(i))).expect("replicated");
+            alone[rank(first)] += 1;
+            reps.rotate_left(first);
         }
         Ok(ExpertPlacement { num_experts, slots, physical, replicas })
     }
@@ -176,8 +196,49 @@ impl ExpertPlacement {
     /// The physical id serving `slot` of token `token` routed to logical `expert`: its replica
     /// `(token + slot) mod replicas`.
     pub fn replica_for(&self, expert: usize, token: usize, slot: usize) -> usize {
+        self.replica_of(expert, token, slot, true)
+    }
+
+    /// [`ExpertPlacement::replica_for`] where `shared` says the expert's replicas share this
+    /// batch (see [`ExpertPlacement::shared_replicas`]); otherwise its first replica.
+    pub fn replica_of(&self, expert: usize, token: usize, slot: usize, shared: bool) -> usize {
         let reps = &self.replicas[expert];
-        reps[(token + slot) % reps.len()]
+        if shared {
+            reps[(token + slot) % reps.len()]
+        } else {
+            reps[0]
+        }
+    }
+
+    /// Per logical expert: whether its replicas share the (token, slot) pairs of one rank's
+    /// batch of logical ids `ids` (`-1` for none) in an expert-parallel group of `ranks`: it has
+    /// more than one replica and the batch sends it at least `min_rows / ranks` pairs (rounded
+    /// up), so that every rank's batch looking like this one would give it `min_rows` rows.
+    /// `min_rows` 0 shares every replicated expert.
+    pub fn shared_replicas(&self, ids: &[i32], ranks: usize, min_rows: usize) -> Vec<bool> {
+        let mut pairs = vec![0usize; self.num_experts];
+        for &id in ids {
+            if let Some(c) = usize::try_from(id).ok().and_then(|e| pairs.get_mut(e)) {
+                *c += 1;
+            }
+        }
+        self.shared_by_pairs(&pairs, ranks, min_rows)
+    }
+
+    /// [`ExpertPlacement::shared_replicas`] of a batch whose pairs per physical expert were
+    /// `served` (`[num_physical]`): a receiver's view of another rank's batch.
+    pub fn shared_by_served(&self, served: &[i32], ranks: usize, min_rows: usize) -> Vec<bool> {
+        let pairs: Vec<usize> = self
+            .replicas
+            .iter()
+            .map(|reps| reps.iter().map(|&p| served.get(p).map_or(0, |&c| c.max(0) as usize)).sum())
+            .collect();
+        self.shared_by_pairs(&pairs, ranks, min_rows)
+    }
+
+    fn shared_by_pairs(&self, pairs: &[usize], ranks: usize, min_rows: usize) -> Vec<bool> {
+        let least = min_rows.div_ceil(ranks.max(1));
+        pairs.iter().zip(&self.replicas).map(|(&c, reps)| reps.len() > 1 && c >= least).collect()
     }
 
     /// The (rank, local slot) of physical id `physical`.
@@ -245,6 +306,41 @@ mod tests {
         assert!(ExpertPlacement::contiguous(4, 2).unwrap().is_even_contiguous());
         assert!(!ExpertPlacement::contiguous(5, 2).unwrap().is_even_contiguous());
         assert!(!ExpertPlacement::round_robin(4, 2).unwrap().is_even_contiguous());
+    }
+
+    #[test]
+    fn replicas_share_only_batches_that_send_enough_rows() {
+        let p = ExpertPlacement::contiguous(4, 2).unwrap().with_replicas(&[0, 3]).unwrap();
+        // Expert 0: 3 pairs, expert 1: 2, expert 3: 1; over 2 ranks.
+        let ids = [0, 1, 0, 3, 0, 1, -1, 2];
+        assert_eq!(p.shared_replicas(&ids, 2, 0), vec![true, false, false, true]);
+        assert_eq!(p.shared_replicas(&ids, 2, 6), vec![true, false, false, false]);
+        assert_eq!(p.shared_replicas(&ids, 2, 7), vec![false; 4]);
+        assert_eq!(p.shared_replicas(&ids, 1, 3), vec![true, false, false, false]);
+        // A receiver sees the same from the pairs each replica served, however they were split.
+        let mut served = vec![0; p.num_physical()];
+        for (i, &id) in ids.iter().enumerate().filter(|(_, &id)| id >= 0) {
+            served[p.replica_for(id as usize, i, 0)] += 1;
+        }
+        for min_rows in [0, 6, 7] {
+            assert_eq!(p.shared_by_served(&served, 2, min_rows), p.shared_replicas(&ids, 2, min_rows));
+        }
+        // Unshared: every pair on the first replica; shared: the usual rule.
+        for (tok, slot) in [(0, 0), (1, 0), (0, 1), (5, 2)] {
+            assert_eq!(p.replica_of(0, tok, slot, false), 0);
+            assert_eq!(p.replica_of(0, tok, slot, true), p.replica_for(0, tok, slot));
+        }
+        assert_eq!(p.replica_of(0, 1, 0, true), 5);
+        // Alone, expert 0 stays on rank 0 and expert 3 on rank 1, so each rank serves two.
+        assert_eq!(p.replicas_of(0), &[0, 5]);
+        assert_eq!(p.replicas_of(3), &[4, 2]);
+        // Replicas of experts 0..2 of 8 all on rank 1: alone, they stay on rank 0.
+        let lopsided = ExpertPlacement::contiguous(8, 2).unwrap().with_replicas(&[0, 1, 2]).unwrap();
+        assert!((0..3).all(|e| lopsided.rank_of(lopsided.replicas_of(e)[0]) == 0));
+        // Replicas of 0, 1 and 4, 5 crossing: each rank serves four alone.
+        let even = ExpertPlacement::contiguous(8, 2).unwrap().with_replicas(&[0, 1, 4, 5]).unwrap();
+        let on_0 = (0..8).filter(|&e| even.rank_of(even.replicas_of(e)[0]) == 0).count();
+        assert_eq!(on_0, 4);
     }
 
     #[test]

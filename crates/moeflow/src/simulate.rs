@@ -6,7 +6,8 @@
 //! per-call latency, a per-hop latency, and its bytes over the slower of the links it crosses.
 //! The per-rank expert rows follow the routing distribution (uniform, Zipf or a recorded load)
 //! and the placement (replicas share an expert's rows equally, as
-//! [`crate::placement::ExpertPlacement::replica_for`] spreads them). Ranks synchronise at each
+//! [`crate::placement::ExpertPlacement::replica_for`] spreads them, where it has at least
+//! [`Ceilings::replica_min_rows`]). Ranks synchronise at each
 //! exchange, so the layer's time is the sum over stages of the slowest rank's stage time.
 //!
 //! When the ranks share one device (in-process CPU ranks on one machine), their compute
@@ -73,6 +74,11 @@ pub struct Ceilings {
     /// ... and this much per (token, slot) of the rank's batch, nanoseconds.
     #[serde(default)]
     pub host_plan_ns_per_slot: f64,
+    /// A replicated expert's replicas share its rows only where it has at least this many
+    /// (the GPU layer's [`crate::backend::cuda_options::CudaOptions::replica_min_rows`]);
+    /// below it the first replica takes them all. 0: always shared (the CPU layer).
+    #[serde(default)]
+    pub replica_min_rows: f64,
 }
 
 /// The layer's shapes, in the units the model counts.
@@ -245,6 +251,8 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
     let p = &layout.placement;
     for (e, &s) in shares.iter().enumerate() {
         let reps = p.replicas_of(e);
+        // Replicas share an expert's rows only where it has enough of them.
+        let reps = if slots * s >= c.replica_min_rows { reps } else { &reps[..1] };
         for &ph in reps {
             let q = s / reps.len() as f64;
             // A token picks k different experts, this one with chance k · q (shares are
@@ -391,6 +399,7 @@ mod tests {
             shared_overlaps: false,
             host_plan_us: 0.0,
             host_plan_ns_per_slot: 0.0,
+            replica_min_rows: 0.0,
             gemm_curve: Vec::new(),
             link_curve: Vec::new(),
         }
@@ -455,6 +464,25 @@ mod tests {
         assert_eq!(run(&planned, 1, 4096).permute, run(&gpu(), 1, 4096).permute);
         let grown = run(&planned, 2, 4096).permute - run(&gpu(), 2, 4096).permute;
         assert!((grown - (0.1 + 10.0 * 4096.0 * 8.0 * 1e-6)).abs() < 1e-9, "{grown}");
+    }
+
+    #[test]
+    fn replicas_share_only_experts_with_enough_rows() {
+        let s = deepseek();
+        let hot: Vec<usize> = (0..16).collect();
+        let gemms = |c: &Ceilings, replicas: bool, tokens: usize| {
+            let p = ExpertPlacement::contiguous(256, 2).unwrap();
+            let placement = if replicas { p.with_replicas(&hot).unwrap() } else { p };
+            predict(c, &s, &Routing::Uniform, &Layout { ep: 2, domain: 8, tokens, placement }).unwrap().gemms
+        };
+        let always = gpu();
+        let from_128 = Ceilings { replica_min_rows: 128.0, ..gpu() };
+        // 128 tokens a rank: 8 rows an expert, weight-bound: shared replicas read 16 more
+        // experts on the second rank; unshared, the layout costs what it costs without them.
+        assert!(gemms(&always, true, 128) > 1.05 * gemms(&always, false, 128));
+        assert_eq!(gemms(&from_128, true, 128), gemms(&from_128, false, 128));
+        // 4096 tokens: 256 rows an expert, shared either way.
+        assert_eq!(gemms(&from_128, true, 4096), gemms(&always, true, 4096));
     }
 
     #[test]

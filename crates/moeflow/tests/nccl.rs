@@ -7,6 +7,7 @@ mod common;
 
 use common::*;
 use moeflow::backend::cuda::run_ranks_nccl;
+use moeflow::backend::cuda_options::REPLICA_MIN_ROWS;
 use moeflow::comm::{CommExt, Communicator};
 use moeflow::parallel::{on_ranks, ParallelConfig, PlacementKind, RankHost, StrategyKind};
 use moeflow::placement::ExpertPlacement;
@@ -214,17 +215,22 @@ fn even(config: &moeflow::MoeConfig, n: usize) -> Arc<ExpertPlacement> {
 
 /// The placements the device layers are tested on, for `e` experts on `n` ranks: contiguous,
 /// round-robin, an explicit uneven one (rank 0 holds one expert, the last rank the most) and
-/// contiguous with two replicas.
-fn placements(e: usize, n: usize) -> Vec<(&'static str, Arc<ExpertPlacement>)> {
+/// contiguous with two replicas; each with the rows a replicated expert needs before its
+/// replicas share a batch (`CudaOptions::replica_min_rows`): the default, which these small
+/// batches never reach, and 12, which some experts of a rank's batch reach and others not.
+fn placements(e: usize, n: usize) -> Vec<(&'static str, Arc<ExpertPlacement>, usize)> {
     let mut slots: Vec<Vec<usize>> = vec![Vec::new(); n];
     for x in 0..e {
         slots[if x == 0 { 0 } else { 1 + (x - 1) * (n - 1) / (e - 1).max(1) }.min(n - 1)].push(x);
     }
+    let replicas = Arc::new(ExpertPlacement::contiguous(e, n).unwrap().with_replicas(&[0, 3]).unwrap());
+    let default = REPLICA_MIN_ROWS;
     vec![
-        ("contiguous", Arc::new(ExpertPlacement::contiguous(e, n).unwrap())),
-        ("round-robin", Arc::new(ExpertPlacement::round_robin(e, n).unwrap())),
-        ("explicit uneven", Arc::new(ExpertPlacement::from_slots(e, slots).unwrap())),
-        ("replicas of 0 and 3", Arc::new(ExpertPlacement::contiguous(e, n).unwrap().with_replicas(&[0, 3]).unwrap())),
+        ("contiguous", Arc::new(ExpertPlacement::contiguous(e, n).unwrap()), default),
+        ("round-robin", Arc::new(ExpertPlacement::round_robin(e, n).unwrap()), default),
+        ("explicit uneven", Arc::new(ExpertPlacement::from_slots(e, slots).unwrap()), default),
+        ("replicas of 0 and 3", replicas.clone(), default),
+        ("replicas, 12 rows", replicas, 12),
     ]
 }
 
@@ -238,7 +244,7 @@ fn device_layer_matches_the_reference(
 ) {
     use moeflow::backend::cuda::CudaMoeLayer;
     let devices: Vec<usize> = (0..n).collect();
-    for (name, config, weights, (placed, placement)) in device_cases()
+    for (name, config, weights, (placed, placement, min_rows)) in device_cases()
         .into_iter()
         .flat_map(|(name, c, w)| placements(c.num_experts, n).into_iter().map(move |p| (name, c.clone(), w.clone(), p)))
     {
@@ -246,9 +252,9 @@ fn device_layer_matches_the_reference(
         let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, 300][r % 4]).collect();
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 50 + r as u64)).collect();
+        let opts = moeflow::backend::cuda::CudaOptions { replica_min_rows: min_rows, ..Default::default() };
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer =
-                make(CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &Default::default())?)?;
+            let layer = make(CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &opts)?)?;
             let x = &inputs[c.rank()];
             let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
             Ok((layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec()))
@@ -377,11 +383,12 @@ fn low_latency_graph_matches_the_reference_and_replays() {
     let Some(n) = gpus("low_latency_graph_matches_the_reference_and_replays") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 64;
-    for (name, config, weights, (placed, placement)) in device_cases()
+    for (name, config, weights, (placed, placement, min_rows)) in device_cases()
         .into_iter()
         .flat_map(|(name, c, w)| placements(c.num_experts, n).into_iter().map(move |p| (name, c.clone(), w.clone(), p)))
     {
         let h = config.hidden;
+        let opts = moeflow::backend::cuda::CudaOptions { replica_min_rows: min_rows, ..Default::default() };
         // Two batches per rank under one captured graph: uneven, empty, and full to capacity.
         let sizes: [Vec<usize>; 2] =
             [(0..n).map(|r| [37, 0, 5, M][r % 4]).collect(), (0..n).map(|r| [M, 3, 0, 20][r % 4]).collect()];
@@ -390,8 +397,7 @@ fn low_latency_graph_matches_the_reference_and_replays() {
             .collect();
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
             let layer =
-                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &Default::default())?
-                    .low_latency(M)?;
+                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &opts)?.low_latency(M)?;
             let run = |i: usize| -> moeflow::Result<Vec<f32>> {
                 let x = &inputs[i][c.rank()];
                 Ok(layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec())
@@ -509,7 +515,8 @@ fn splits(total: usize, groups: usize) -> Vec<Vec<usize>> {
 fn rank_layouts(n: usize, e: usize, deterministic: bool) -> Vec<(String, ParallelConfig)> {
     let all2allv = ParallelConfig::new(n, 1, StrategyKind::All2AllV);
     let mut out = Vec::new();
-    for (name, placement) in placements(e, n) {
+    // Each placement once, with the default rows for sharing replicas.
+    for (name, placement, _) in placements(e, n).into_iter().filter(|p| p.2 == REPLICA_MIN_ROWS) {
         let slots: Vec<Vec<usize>> = (0..n).map(|r| placement.local_experts(r).to_vec()).collect();
         let file = std::env::temp_dir().join(format!("moeflow-nccl-{}-{e}-{name}.json", std::process::id()));
         let json = serde_json::json!({ "num_experts": e, "ranks": slots });
@@ -715,7 +722,7 @@ fn nvlink_transport_gives_nccls_bits() {
     let Some(n) = gpus("nvlink_transport_gives_nccls_bits") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 64;
-    for (name, config, weights, (placed, placement)) in device_cases()
+    for (name, config, weights, (placed, placement, replica_min_rows)) in device_cases()
         .into_iter()
         .flat_map(|(name, c, w)| placements(c.num_experts, n).into_iter().map(move |p| (name, c.clone(), w.clone(), p)))
     {
@@ -727,7 +734,7 @@ fn nvlink_transport_gives_nccls_bits() {
             [("default", false, false), ("deterministic", true, false), ("low-latency graph", false, true)]
         {
             let run = |transport: Transport| {
-                let opts = CudaOptions { deterministic, transport, ..Default::default() };
+                let opts = CudaOptions { deterministic, transport, replica_min_rows, ..Default::default() };
                 run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
                     let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &opts)?;
                     if low_latency {

@@ -149,6 +149,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         shared_overlaps: false,
         host_plan_us: 0.0,
         host_plan_ns_per_slot: 0.0,
+        replica_min_rows: 0.0,
     };
     let curve: Vec<String> = c.gemm_curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect();
     let links: Vec<String> = c.link_curve.iter().map(|(b, g)| format!("{g:.2} at {:.1} MB", b / 1e6)).collect();

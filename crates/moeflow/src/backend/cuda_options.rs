@@ -186,7 +186,17 @@ pub struct CudaOptions {
     /// Count each call's tokens per expert on the device ([`crate::load_stats`]; one small
     /// kernel a call). Off, the load statistics stay empty (to measure what counting costs).
     pub load_stats: bool,
+    /// Expert-parallel layers with replicas: a replicated expert shares a rank's batch among
+    /// its replicas only when the batch sends it at least `replica_min_rows / ranks` (token,
+    /// slot) pairs; otherwise its first replica serves them all, since below about this many
+    /// rows its GEMM waits on its weights, and a second replica would read them a second time
+    /// ([`crate::placement::ExpertPlacement::shared_replicas`]). 0 always shares.
+    pub replica_min_rows: usize,
 }
+
+/// [`CudaOptions::replica_min_rows`]'s default: about the rows per expert where a bf16 expert
+/// GEMM's FLOPs take as long as its weights' read on H100 and H200 (see `docs/tuning.md`).
+pub const REPLICA_MIN_ROWS: usize = 128;
 
 impl Default for CudaOptions {
     fn default() -> Self {
@@ -204,12 +214,13 @@ impl Default for CudaOptions {
             transport: Transport::Auto,
             transport_sms: 32,
             load_stats: true,
+            replica_min_rows: REPLICA_MIN_ROWS,
         }
     }
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 12] = [
+pub const CUDA_VARIABLES: [(&str, &str); 13] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -222,6 +233,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 12] = [
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 32)"),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
+    ("MOEFLOW_REPLICA_MIN_ROWS", "N: rows a replicated expert needs before its replicas share a batch (default 128)"),
 ];
 
 fn bad(key: &str, value: &str, want: &str) -> MoeError {
@@ -282,6 +294,9 @@ impl CudaOptions {
                         .ok_or_else(|| bad(key, value, "1 to 132"))?
                 }
                 "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
+                "MOEFLOW_REPLICA_MIN_ROWS" => {
+                    self.replica_min_rows = value.parse().map_err(|_| bad(key, value, "a count of rows"))?
+                }
                 _ => {}
             }
         }
@@ -333,6 +348,9 @@ impl CudaOptions {
         if !self.load_stats {
             parts.push("no load statistics".into());
         }
+        if self.replica_min_rows != d.replica_min_rows {
+            parts.push(format!("replicas shared from {} rows", self.replica_min_rows));
+        }
         if !self.nvrtc_options.is_empty() {
             parts.push(format!("NVRTC {}", self.nvrtc_options.join(" ")));
         }
@@ -383,6 +401,7 @@ mod tests {
             ("MOEFLOW_DETERMINISTIC", "1"),
             ("MOEFLOW_TRANSPORT_SMS", "16"),
             ("MOEFLOW_LOAD_STATS", "0"),
+            ("MOEFLOW_REPLICA_MIN_ROWS", "0"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -400,9 +419,11 @@ mod tests {
             transport: Transport::Auto,
             transport_sms: 16,
             load_stats: false,
+            replica_min_rows: 0,
         };
         assert_eq!(o, want);
         assert!(o.describe().contains("no load statistics"), "{}", o.describe());
+        assert!(o.describe().contains("replicas shared from 0 rows"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",

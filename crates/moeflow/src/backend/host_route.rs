@@ -46,9 +46,17 @@ impl RouteTable {
 
 impl HostRoute {
     /// The route of `t` tokens whose logical expert ids `[t, k]` are `ids`, with `table` built
-    /// from `placement`. Two passes: each slot's destination and the tokens per destination,
-    /// then every row written at its place.
-    pub fn new(placement: &ExpertPlacement, table: &RouteTable, ids: &[i32], k: usize, t: usize) -> Self {
+    /// from `placement` and `shared` saying which experts' replicas share this batch
+    /// ([`ExpertPlacement::shared_replicas`]). Two passes: each slot's destination and the
+    /// tokens per destination, then every row written at its place.
+    pub fn new(
+        placement: &ExpertPlacement,
+        table: &RouteTable,
+        ids: &[i32],
+        k: usize,
+        t: usize,
+        shared: &[bool],
+    ) -> Self {
         let n = placement.ranks();
         let mut phys_counts = vec![0i32; placement.num_physical()];
         // Each slot's (destination, local slot), and the tokens per destination.
@@ -58,7 +66,7 @@ impl HostRoute {
         for (tok, row) in ids.chunks_exact(k).enumerate().take(t) {
             for (j, &id) in row.iter().enumerate() {
                 let (d, slot, p) = table.single[id as usize].unwrap_or_else(|| {
-                    let p = placement.replica_for(id as usize, tok, j);
+                    let p = placement.replica_of(id as usize, tok, j, shared[id as usize]);
                     let (r, s) = placement.physical_slot(p);
                     (r as u32, s as i32, p as u32)
                 });
@@ -129,7 +137,7 @@ mod tests {
         let p = ExpertPlacement::round_robin(5, 3).unwrap().with_replicas(&[1, 4]).unwrap();
         let (t, k) = (7, 3);
         let ids: Vec<i32> = (0..t * k).map(|i| ((i * 7 + i / k) % 5) as i32).collect();
-        let r = HostRoute::new(&p, &RouteTable::new(&p), &ids, k, t);
+        let r = HostRoute::new(&p, &RouteTable::new(&p), &ids, k, t, &[true; 5]);
         let mut served = vec![0; t * k];
         for (row, &tok) in r.send_idx.iter().enumerate() {
             let d = (0..3).find(|&d| r.home_rows[tok as usize * 3 + d] == row as i32).unwrap();
@@ -158,7 +166,29 @@ mod tests {
         assert!(dests.windows(2).all(|w| w[0] <= w[1]), "{dests:?}");
         assert!((1..r.send_idx.len()).all(|i| dests[i] != dests[i - 1] || r.send_idx[i] > r.send_idx[i - 1]));
         // No tokens: nothing sent.
-        let empty = HostRoute::new(&p, &RouteTable::new(&p), &[], k, 0);
+        let empty = HostRoute::new(&p, &RouteTable::new(&p), &[], k, 0, &[true; 5]);
         assert!(empty.send_idx.is_empty() && empty.home_rows.is_empty());
+    }
+
+    /// An expert whose replicas do not share the batch has every slot on its first replica.
+    #[test]
+    fn unshared_replicas_send_every_slot_to_the_first() {
+        let p = ExpertPlacement::contiguous(4, 2).unwrap().with_replicas(&[0, 3]).unwrap();
+        let (t, k) = (6, 2);
+        let ids: Vec<i32> = (0..t * k).map(|i| [0, 3][i % 2]).collect();
+        // Six pairs each, fewer than 14 / 2.
+        let shared = p.shared_replicas(&ids, 2, 14);
+        assert_eq!(shared, vec![false, false, false, false]);
+        let r = HostRoute::new(&p, &RouteTable::new(&p), &ids, k, t, &shared);
+        // Expert 0 on rank 0 only, expert 3 on rank 1 only: every token once to each rank.
+        assert_eq!(r.counts, vec![t, t]);
+        let first = |e: usize| p.replicas_of(e)[0];
+        let mut want = vec![0; p.num_physical()];
+        want[first(0)] = t as i32;
+        want[first(3)] = t as i32;
+        assert_eq!(r.phys_counts, want);
+        // Shared, both replicas of each serve some slots.
+        let r = HostRoute::new(&p, &RouteTable::new(&p), &ids, k, t, &p.shared_replicas(&ids, 2, 0));
+        assert!(p.replicas_of(0).iter().chain(p.replicas_of(3)).all(|&ph| r.phys_counts[ph] > 0));
     }
 }

@@ -10,12 +10,12 @@ __device__ __forceinline__ long ll_row_offset(int k) { return ((8L * k + 15) / 1
 
 // At home, one block per (token t < M, destination d): message row (d, t) of `send` gets token
 // t when t < *tokens (the batch, read on the device) and rank d serves one of its slots (the
-// placement's tables, see placed_replica), with its ids local to d (-1 for slots served
-// elsewhere) and its weights; otherwise only ids of -1. home_rows[t n + d] = d M + t, or -1
+// placement's tables and `shared`, see placed_replica), with its ids local to d (-1 for slots
+// served elsewhere) and its weights; otherwise only ids of -1. home_rows[t n + d] = d M + t, or -1
 // when token t sent nothing to d.
 __global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
                         const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
-                        long stride, unsigned char* send, int* home_rows) {
+                        const int* shared, long stride, unsigned char* send, int* home_rows) {
     int t = blockIdx.x, d = blockIdx.y, n = gridDim.y, T = *tokens;
     unsigned char* row = send + ((long)d * M + t) * stride;
     int* rid = (int*)row;
@@ -23,11 +23,11 @@ __global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const i
     bool any = false;
     for (int j = 0; j < k; j++) {
         int id = t < T ? ids[t * k + j] : -1;
-        any |= id >= 0 && rep_rank[placed_replica(rep_first, rep_count, id, t, j)] == d;
+        any |= id >= 0 && rep_rank[placed_replica(rep_first, rep_count, shared, id, t, j)] == d;
     }
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
         int id = t < T ? ids[t * k + j] : -1;
-        int p = id >= 0 ? placed_replica(rep_first, rep_count, id, t, j) : 0;
+        int p = id >= 0 ? placed_replica(rep_first, rep_count, shared, id, t, j) : 0;
         bool here = id >= 0 && rep_rank[p] == d;
         rid[j] = here ? rep_slot[p] : -1;
         rw[j] = here ? w[t * k + j] : 0.0f;

@@ -93,9 +93,11 @@ impl EpBuffers {
 pub(super) enum Localize {
     /// The ids arrive as local slots already (-1: served elsewhere).
     Resolved,
-    /// The ids arrive as logical experts, row `r` being token `r mod period` of its rank; the
-    /// placement's tables say which slots this rank serves.
-    Placed { period: usize },
+    /// The ids arrive as logical experts, row `r` being token `r mod period` of rank
+    /// `r / period`; the placement's tables say which slots this rank serves, with `shared`
+    /// (a device `[ranks, E]` of flags, or 0 for every expert) whose replicas share each
+    /// rank's batch.
+    Placed { period: usize, shared: u64 },
 }
 
 /// How this rank's experts take the slots they received (see `CudaMoeLayer::local_plan`).
@@ -215,15 +217,17 @@ impl CudaMoeLayer {
                     .launch(grid(received * k))
                     .map_err(|e| err("localize_ids", e))?;
             },
-            Localize::Placed { period } => {
+            Localize::Placed { period, shared } => {
                 let tables = link.tables.as_ref().expect("uploaded when the layer was assembled").ptrs(g);
                 let (ki, period_i, rank_i) = (k as i32, period.max(1) as i32, link.comm.rank() as i32);
-                // SAFETY: localize_placed(int*, int, int, int, int* x4, int, int, int*) over the
-                // received * k logical ids (or -1); the tables cover every expert.
+                let ei = self.config.num_experts as i32;
+                // SAFETY: localize_placed(int*, int, int, int, int* x5, int, int, int, int*) over
+                // the received * k logical ids (or -1); the tables cover every expert, and
+                // `shared` (when not null) every rank's.
                 unsafe {
                     let mut l = s.launch_builder(&self.k.localize_placed);
                     l.arg(&recv_ids).arg(&rk).arg(&ki).arg(&period_i);
-                    l.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]);
+                    l.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared).arg(&ei);
                     l.arg(&rank_i).arg(&el_i).arg(&local_ids).launch(grid(received * k))
                 }
                 .map_err(|e| err("localize_placed", e))?;

@@ -1,6 +1,7 @@
 //! An expert placement on the device: the tables the kernels read to find which rank and local
 //! slot serve each (token, slot) — `placed_replica` in moe.cu, the same rule as
-//! [`ExpertPlacement::replica_for`] on the host.
+//! [`ExpertPlacement::replica_of`] on the host — and which experts' replicas share each rank's
+//! batch ([`ExpertPlacement::shared_replicas`], written per call).
 
 use super::super::Gpu;
 use super::{dptr, err};
@@ -15,6 +16,11 @@ pub(super) struct PlacementTables {
     rep_count: CudaSlice<i32>,
     rep_rank: CudaSlice<i32>,
     rep_slot: CudaSlice<i32>,
+    /// Whether some expert has more than one replica.
+    replicated: bool,
+    /// `[ranks, E]`: whether expert e's replicas share rank r's batch (1) or not (0), written
+    /// on the layer's stream for each call that needs it.
+    pub(super) shared: CudaSlice<i32>,
 }
 
 impl PlacementTables {
@@ -32,12 +38,22 @@ impl PlacementTables {
             }
         }
         let up = |v: &[i32]| gpu.stream.clone_htod(v).map_err(|e| err("uploading the placement", e));
+        let shared = placement.ranks() * placement.num_experts();
         Ok(PlacementTables {
             rep_first: up(&first)?,
             rep_count: up(&count)?,
             rep_rank: up(&rank)?,
             rep_slot: up(&slot)?,
+            replicated: placement.num_physical() > placement.num_experts(),
+            shared: gpu.stream.alloc_zeros(shared.max(1)).map_err(|e| err("allocating the placement", e))?,
         })
+    }
+
+    /// Whether the kernels need per-batch sharing flags: some expert has replicas and they
+    /// share a batch only from `min_rows` rows (otherwise a null pointer says "every expert
+    /// shares").
+    pub(super) fn needs_shares(&self, min_rows: usize) -> bool {
+        self.replicated && min_rows > 0
     }
 
     /// The four tables' device addresses: first, count, rank, slot.

@@ -65,7 +65,8 @@ impl DevicePrepareFinalize for All2AllV {
         // destination) with its ids local to that rank (-1 for slots served elsewhere), and the
         // slots per physical expert: the one host read of the routing.
         let (ids, _) = l.read_routing(b, t)?;
-        let route = HostRoute::new(&link.placement, &link.route_table, &ids, k, t);
+        let shared = link.placement.shared_replicas(&ids, n, l.opts.replica_min_rows);
+        let route = HostRoute::new(&link.placement, &link.route_table, &ids, k, t, &shared);
         let (send_tok, sent) = (route.counts.clone(), route.send_idx.len());
         // Every rank's slot counts per physical expert and token counts per destination.
         let np = link.placement.num_physical();

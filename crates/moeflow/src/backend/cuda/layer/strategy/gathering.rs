@@ -70,6 +70,8 @@ struct Plan {
     plan: Option<LocalPlan>,
     /// Where this rank's summed rows land.
     landed: u64,
+    /// The device flags of whose replicas share each rank's batch (0: every expert's).
+    shares: u64,
 }
 
 impl<G: GatherForm> DevicePrepareFinalize for G {
@@ -85,25 +87,42 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         let g = &l.gpu;
         let s = &g.stream;
         // Every rank's slots per physical expert (the placement's rule picks each slot's
-        // replica from its token's index in its rank's batch) and batch size: this rank's
-        // experts' rows, the padding.
+        // replica from its token's index in its rank's batch and whether the expert's replicas
+        // share it) and batch size: this rank's experts' rows, the padding.
         let (ids, _) = l.read_routing(b, t)?;
-        let np = link.placement.num_physical();
+        let p = &link.placement;
+        let (np, min_rows) = (p.num_physical(), l.opts.replica_min_rows);
+        let shared = p.shared_replicas(&ids, n, min_rows);
         let mut mine = vec![0i32; np + 1];
         for (i, &id) in ids.iter().enumerate() {
-            mine[link.placement.replica_for(id as usize, i / k, i % k)] += 1;
+            mine[p.replica_of(id as usize, i / k, i % k, shared[id as usize])] += 1;
         }
         mine[np] = t as i32;
         let all = l.gather_counts(b, link, &mine)?;
         let m = np + 1;
         let t_max = (0..n).map(|r| all[r * m + np] as usize).max().unwrap_or(0);
+        // Which experts' replicas share each rank's batch, for the receivers' kernel.
+        let tables = link.tables.as_ref().expect("uploaded when the layer was assembled");
+        let shares = if tables.needs_shares(min_rows) && t_max > 0 {
+            let flags: Vec<i32> =
+                (0..n).flat_map(|r| p.shared_by_served(&all[r * m..r * m + np], n, min_rows)).map(i32::from).collect();
+            let dst = dptr(&tables.shared, g);
+            // SAFETY: n · E flags into the table's [ranks, E] scratch, on the layer's stream
+            // (every earlier reader of it is ordered before); from pageable memory, the call
+            // returns once the flags are staged.
+            unsafe { cudarc::driver::result::memcpy_htod_async(dst, &flags, s.cu_stream()) }
+                .map_err(|e| err("upload", e))?;
+            dst
+        } else {
+            0
+        };
         let local: Vec<usize> =
             (0..el).map(|j| (0..n).map(|r| all[r * m + link.phys_first + j] as usize).sum()).collect();
         let plan = l.local_plan(&local);
         let received = n * t_max;
         l.grow_ep_buffers(b, [t_max, received, plan.rows, t], n)?;
         mark(2)?;
-        let state = Box::new(Plan { t_max, received, all, plan: Some(plan), landed: 0 });
+        let state = Box::new(Plan { t_max, received, all, plan: Some(plan), landed: 0, shares });
         if t_max == 0 {
             // No rank has tokens: nothing to move, every later stage empty.
             return Ok(state);
@@ -195,7 +214,7 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         }
         let plan = p.plan.take().expect("planned in prepare_begin");
         let at = b.ep.as_ref().expect("allocated").landed(&l.gpu);
-        let rows = l.group_received(b, received, plan, Localize::Placed { period: t_max }, at)?;
+        let rows = l.group_received(b, received, plan, Localize::Placed { period: t_max, shared: p.shares }, at)?;
         mark(3)?;
         let row = if G::LOGITS { 2 * h + 4 * e } else { 2 * h + 8 * k };
         Ok(Dispatched { rows, sent: (n - 1) * t_max * row, state: p })

@@ -46,14 +46,33 @@ impl DevicePrepareFinalize for LowLatency {
         let (xb, ids, w, tokens) = (dptr(&b.x_bf, g), dptr(&b.ids, g), dptr(&b.weights, g), dptr(&ll.tokens, g));
         let (send, recv, home_rows) = (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g));
         let (mi, ki, hi, stride_l) = (m as i32, k as i32, h as i32, stride as i64);
-        let tables = link.tables.as_ref().expect("uploaded when the layer was assembled").ptrs(g);
-        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x4, long, u8*, int*)
+        let placed = link.tables.as_ref().expect("uploaded when the layer was assembled");
+        let tables = placed.ptrs(g);
+        // Which replicated experts share this batch, counted on the device (null: all).
+        let min_rows = l.opts.replica_min_rows;
+        let shared = if placed.needs_shares(min_rows) {
+            let shared = dptr(&placed.shared, g);
+            let (ei, least) = (l.config.num_experts as i32, min_rows.div_ceil(n) as i32);
+            // SAFETY: replica_shares(int*, int*, int, int, int*, int, int*) over the batch's
+            // ids (`*tokens` ≤ M rows of k) into the table's first E flags; 4096 ints of
+            // shared memory for the counts.
+            unsafe {
+                let mut p = s.launch_builder(&l.k.replica_shares);
+                p.arg(&ids).arg(&tokens).arg(&ki).arg(&ei).arg(&tables[1]).arg(&least).arg(&shared);
+                p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 4 * 4096 })
+            }
+            .map_err(|e| err("replica_shares", e))?;
+            shared
+        } else {
+            0u64
+        };
+        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*)
         // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
-        // placement's tables cover every expert.
+        // placement's tables cover every expert, and `shared` (when not null) too.
         unsafe {
             let mut p = s.launch_builder(&l.k.ll_pack);
             p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
-            p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]);
+            p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
             p.arg(&stride_l).arg(&send).arg(&home_rows);
             p.launch(LaunchConfig { grid_dim: (m as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
         }
