@@ -203,6 +203,13 @@ impl PeerWindow {
 
 impl Drop for PeerWindow {
     fn drop(&mut self) {
+        // After a failure (a wait timed out or was stopped) a late peer may still push into
+        // this window, and a wait kernel of this rank may still be about to write the status
+        // word: both stay allocated, one window lost per failed group, rather than a late write
+        // becoming an illegal address that breaks the GPU's context for the whole process.
+        if !self.status.is_null() && self.status() != 0 {
+            return;
+        }
         let _ = self.ctx.bind_to_thread();
         // SAFETY: each address was opened, allocated or host-allocated by this window, once.
         unsafe {
