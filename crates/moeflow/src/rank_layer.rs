@@ -5,9 +5,10 @@
 //! - One GPU runs the whole layer on the device ([`CudaMoeLayer`]).
 //! - GPU ranks over NCCL run the device-resident expert-parallel layer wherever it covers the
 //!   layout ([`gpu_path`]): every strategy, placement, replica set and expert count, TP slicing
-//!   around it, dual-batch overlap. The layouts it does not cover run the modular layer with GPU
-//!   experts and rows staged through host memory, and `describe` says so with the reason: no
-//!   silent fallback.
+//!   around it ([`CudaMoeLayer::tp_slice`], the shares all-gathered on the device; around
+//!   dual-batch halves, through host memory), dual-batch overlap. The layouts it does not
+//!   cover run the modular layer with GPU experts and rows staged through host memory, and
+//!   `describe` says so with the reason: no silent fallback.
 
 use crate::backend::cuda::{CudaDualBatch, CudaMoeLayer, CudaOptions, NcclComm};
 use crate::comm::{CommExt, Communicator};
@@ -109,8 +110,9 @@ enum Inner {
     Host(Box<MoeLayer>),
     Device(Box<CudaMoeLayer>),
     DeviceDual(Box<CudaDualBatch>),
-    /// TP slicing around a device layer: this TP rank's contiguous share of its group's batch
-    /// goes through `inner`, then the shares are all-gathered over the TP group in rank order.
+    /// TP slicing around the dual-batch device layer: this TP rank's contiguous share of its
+    /// group's batch goes through `inner`, then the shares are all-gathered over the TP group in
+    /// rank order through host memory. (A whole device layer slices on the device itself.)
     TpSlice {
         inner: Box<Inner>,
         tp: Box<dyn Communicator>,
@@ -128,11 +130,6 @@ impl Inner {
                 let (a, b) = share(t, tp.size(), tp.rank());
                 let xs = x.to_f32_vec();
                 let mine = Tensor::from_f32(&[b - a, h], xs[a * h..b * h].to_vec())?;
-                // A whole device layer all-gathers the shares' outputs on the device; the
-                // dual-batch halves return theirs to the host first.
-                if let (Inner::Device(layer), Some(nccl)) = (&**inner, tp.as_any().downcast_ref::<NcclComm>()) {
-                    return layer.forward_tp_share(&mine, t, nccl);
-                }
                 let all = tp.all_gather_vec("tp.output", &inner.forward(&mine)?.to_f32_vec())?;
                 Tensor::from_f32(&[t, h], all.concat())
             }
@@ -194,6 +191,12 @@ pub fn share(t: usize, ranks: usize, rank: usize) -> (usize, usize) {
     (a, a + base + usize::from(rank < extra))
 }
 
+/// The largest of the [`share`]s of a batch of `t` over `ranks` ranks: what a TP all-gather
+/// pads every share to, and what every rank checks against its capacity.
+pub fn largest_share(t: usize, ranks: usize) -> usize {
+    t.div_ceil(ranks.max(1))
+}
+
 impl RankLayer {
     /// `hidden_states [T, H]` → `[T, H]` f32 on this rank (collective on expert-parallel ranks:
     /// every rank calls it, with its own batch, possibly empty).
@@ -220,13 +223,14 @@ impl RankLayer {
     /// `out [tokens, H]` = the layer on `x [tokens, H]`, both f32 device addresses on this
     /// rank's GPU, ordered on the caller's raw CUDA `stream` (see
     /// [`CudaMoeLayer::forward_device`]): no copy through host memory. For layers that run
-    /// whole on the device (one GPU, expert-parallel without dual-batch or TP slicing).
+    /// whole on the device (one GPU, or expert-parallel without dual-batch, TP-sliced or not;
+    /// a TP rank passes its group's whole batch).
     pub fn forward_device(&self, x: u64, out: u64, tokens: usize, stream: u64) -> Result<()> {
         match &self.inner {
             Inner::Device(layer) => layer.forward_device(x, out, tokens, stream),
             _ => Err(MoeError::Unsupported(format!(
-                "device tensors run through layers whole on the device (one GPU, or expert-parallel without dual-batch \
-                 or TP slicing); this one is: {}",
+                "device tensors run through layers whole on the device (one GPU, or expert-parallel without \
+                 dual-batch); this one is: {}",
                 self.description
             ))),
         }
@@ -287,19 +291,26 @@ impl RankLayer {
         }
     }
 
-    /// Whether this rank slices its batch over a TP group around the device layer.
+    /// Whether this rank slices its batch over a TP group: the device layer itself, or around
+    /// the dual-batch halves.
     pub fn tp_sliced(&self) -> bool {
-        matches!(self.inner, Inner::TpSlice { .. })
+        match &self.inner {
+            Inner::TpSlice { .. } => true,
+            Inner::Device(l) => l.tp_size() > 1,
+            _ => false,
+        }
     }
 
-    /// How many of a batch of `t` tokens this rank's expert-parallel layer takes: its TP
-    /// share when sliced, else all of them.
+    /// How many of a batch of `t` tokens this rank routes through its expert-parallel layer:
+    /// its TP share when sliced, else all of them. (A TP-sliced device layer is still called
+    /// with the whole batch: it slices the batch itself.)
     pub fn tokens_here(&self, t: usize) -> usize {
         match &self.inner {
             Inner::TpSlice { tp, .. } => {
                 let (a, b) = share(t, tp.size(), tp.rank());
                 b - a
             }
+            Inner::Device(l) => l.tokens_routed(t),
             _ => t,
         }
     }
@@ -417,8 +428,12 @@ impl ParallelConfig {
             MoeError::Config("GPU ranks of the device-resident layer need an NCCL communicator".into())
         })?;
         let rank = world.rank();
-        // The TP group: consecutive ranks, split before the layer's own communicators.
-        let tp = if self.tp > 1 { Some(world.split(rank / self.tp, rank)?) } else { None };
+        // The TP group: consecutive ranks, split before the layer's own communicators. The
+        // device layer all-gathers its shares over NCCL; around dual-batch halves the shares
+        // are all-gathered through host memory.
+        let (color, sliced) = (rank / self.tp, self.tp > 1);
+        let tp_device = if sliced && !self.dual_batch { Some(nccl.split_nccl(color, rank)?) } else { None };
+        let tp_host = if sliced && self.dual_batch { Some(world.split(color, rank)?) } else { None };
         let comm = nccl.duplicate()?;
         let mut layer = match spec.weights {
             WeightSource::Given(w) => CudaMoeLayer::new_ep(spec.config, w, comm, placement, &spec.cuda)?,
@@ -436,20 +451,28 @@ impl ParallelConfig {
             StrategyKind::Auto => layer.auto(self.auto_table())?,
             StrategyKind::Local => unreachable!("validate refuses local on EP > 1"),
         };
-        let mut inner = if self.dual_batch {
-            Inner::DeviceDual(Box::new(layer.dual_batch(Some(nccl.duplicate()?))?))
-        } else {
-            Inner::Device(Box::new(layer))
+        let inner = match (self.dual_batch, tp_device, tp_host) {
+            (true, _, tp_host) => {
+                let dual = Inner::DeviceDual(Box::new(layer.dual_batch(Some(nccl.duplicate()?))?));
+                match tp_host {
+                    Some(tp) => Inner::TpSlice { inner: Box::new(dual), tp },
+                    None => dual,
+                }
+            }
+            (false, Some(tp), _) => Inner::Device(Box::new(layer.tp_slice(tp)?)),
+            (false, None, _) => Inner::Device(Box::new(layer)),
         };
-        if let Some(tp) = tp {
-            inner = Inner::TpSlice { inner: Box::new(inner), tp };
-        }
+        let tp_slicing = match (sliced, self.dual_batch) {
+            (false, _) => "",
+            (true, false) => "; TP slicing on the device (shares all-gathered over NCCL)",
+            (true, true) => "; TP slicing around the dual-batch halves (shares all-gathered through host memory)",
+        };
         let strategy = match self.strategy {
             StrategyKind::Auto => format!("auto [{}]", self.auto_table().describe()),
             s => s.name().to_string(),
         };
         let description = format!(
-            "cuda: device-resident, route → {strategy} → experts (GEMM per batch: {}) → {strategy} over {}; {}; options: {}",
+            "cuda: device-resident, route → {strategy} → experts (GEMM per batch: {}) → {strategy} over {}{tp_slicing}; {}; options: {}",
             spec.cuda.expert_gemm.name(),
             match spec.cuda.transport {
                 crate::backend::cuda_options::Transport::Auto => "NVLink where every pair of GPUs has peer access, else NCCL",
@@ -549,6 +572,8 @@ mod tests {
                 assert!(shares.windows(2).all(|w| w[0].1 == w[1].0));
                 let sizes: Vec<_> = shares.iter().map(|(a, b)| b - a).collect();
                 assert!(sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1, "{t} over {ranks}");
+                // The TP all-gather pads every share to the largest, and capacity checks see it.
+                assert_eq!(largest_share(t, ranks), *sizes.iter().max().unwrap(), "{t} over {ranks}");
             }
         }
     }

@@ -854,3 +854,140 @@ fn nvlink_window_grows_with_the_batch() {
         eprintln!("nvlink window, {mode}: NCCL's bits on every batch, growing and shrinking");
     }
 }
+
+/// `layer` on `x [t, H]` through device memory: [`CudaMoeLayer::forward_device`] on a stream of
+/// GPU `device` (the layer's), the output read back.
+fn through_device(
+    layer: &moeflow::backend::cuda::CudaMoeLayer,
+    x: &[f32],
+    t: usize,
+    device: usize,
+) -> moeflow::Result<Vec<f32>> {
+    use cudarc::driver::{CudaContext, DevicePtr};
+    let cuda = |e: cudarc::driver::DriverError| moeflow::MoeError::Unsupported(format!("test buffers: {e:?}"));
+    let stream = CudaContext::new(device).map_err(cuda)?.new_stream().map_err(cuda)?;
+    let h = layer.config().hidden;
+    let mut input = vec![0f32; (t * h).max(1)];
+    input[..t * h].copy_from_slice(x);
+    let xd = stream.clone_htod(&input).map_err(cuda)?;
+    let out = stream.alloc_zeros::<f32>((t * h).max(1)).map_err(cuda)?;
+    {
+        let (xp, _x) = xd.device_ptr(&stream);
+        let (op, _o) = out.device_ptr(&stream);
+        layer.forward_device(xp, op, t, stream.cu_stream() as u64)?;
+    }
+    let mut got = stream.clone_dtoh(&out).map_err(cuda)?;
+    got.truncate(t * h);
+    Ok(got)
+}
+
+/// TP slicing on the device (the library's layer choice for TP 2 without dual-batch): around
+/// all2allv, lowlatency and auto, with batches not divisible by TP, smaller than TP and empty,
+/// through `forward`, `forward_device` and the timed run. Every rank of a TP group returns its
+/// group's whole batch, which matches the reference, repeats run to run and is the same through
+/// device memory. A low-latency rank takes a batch above its capacity when its share fits, and
+/// every rank refuses one whose largest share does not.
+#[test]
+fn tp_sliced_device_layers_take_any_batch() {
+    let Some(n) = gpus("tp_sliced_device_layers_take_any_batch") else { return };
+    // The capacity a rank's share of the largest batch fills exactly.
+    const M: usize = 171;
+    let batches = [7usize, 1, 0, 2 * M];
+    for (name, config, weights) in device_cases() {
+        let h = config.hidden;
+        let x = preset::uniform((2 * M + 1) * h, 1.0, 81);
+        let spec = moeflow::RankLayerSpec::new(&config, &weights);
+        for s in [StrategyKind::All2AllV, StrategyKind::LowLatency, StrategyKind::Auto] {
+            let par = ParallelConfig { max_tokens_per_rank: M, ..ParallelConfig::new(n, 2, s) };
+            let runs = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
+                let layer = par.rank_layer(Some(comm), kind, &spec)?;
+                let device = match kind {
+                    moeflow::ExpertsKind::Cuda { device } => device,
+                    _ => unreachable!("GPU ranks"),
+                };
+                let path = layer.describe().to_string();
+                let cuda = layer.device_layer().expect("a TP-sliced layer runs whole on the device");
+                let mut seen = Vec::new();
+                for &t in &batches {
+                    let xt = Tensor::from_f32(&[t, h], x[..t * h].to_vec())?;
+                    let a = layer.forward(&xt)?.to_f32_vec();
+                    let b = layer.forward(&xt)?.to_f32_vec();
+                    let d = through_device(cuda, &x[..t * h], t, device)?;
+                    let timed = cuda.forward_timed_stages(t, 9)?;
+                    seen.push((a, b, d, timed.strategy, layer.tokens_here(t)));
+                }
+                // One token more: the first TP rank's share exceeds the low-latency capacity.
+                let over = Tensor::from_f32(&[2 * M + 1, h], x.clone())?;
+                let refused = layer.forward(&over).err().map(|e| e.to_string());
+                Ok((path, layer.tp_sliced(), seen, refused))
+            });
+            for (rank, r) in runs {
+                let (path, sliced, seen, refused) = r.unwrap_or_else(|e| panic!("{name}, {s}: rank {rank}: {e}"));
+                assert!(sliced && path.contains("TP slicing on the device"), "{s}: {path}");
+                for (&t, (a, b, d, ran, here)) in batches.iter().zip(seen) {
+                    let label = format!("{name}, {s}, {t} tokens: rank {rank}");
+                    assert_eq!(a.len(), t * h, "{label}: the whole batch comes back");
+                    assert_eq!(here, t / 2 + usize::from(rank % 2 < t % 2), "{label}: its TP share");
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+                    assert!(bits(&a) == bits(&b), "{label}: differs run to run");
+                    assert!(bits(&a) == bits(&d), "{label}: forward_device differs from forward");
+                    if s != StrategyKind::Auto {
+                        assert_eq!(ran, s.name(), "{label}: the timed run's strategy");
+                    }
+                    if t > 0 {
+                        let err = relative_error(&config, &weights, &x[..t * h], &a);
+                        assert!(err <= BF16_TOL, "{label}: relative error {err:e}");
+                        eprintln!("tp-sliced {label}: relative error {err:.2e}");
+                    }
+                }
+                match (s, refused) {
+                    (StrategyKind::LowLatency, Some(e)) => {
+                        assert!(e.contains("exceeds the low-latency capacity of 171"), "rank {rank}: {e}")
+                    }
+                    (StrategyKind::LowLatency, None) => panic!("{name}: rank {rank} took a share above its capacity"),
+                    (_, Some(e)) => panic!("{name}, {s}: rank {rank}: {e}"),
+                    (_, None) => {}
+                }
+            }
+        }
+    }
+}
+
+/// Deterministic mode with TP slicing on the device: batches not divisible by TP and smaller
+/// than TP give every rank one GPU's bits for its group's whole batch.
+#[test]
+fn tp_sliced_deterministic_layers_give_one_gpus_bits() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
+    let Some(n) = gpus("tp_sliced_deterministic_layers_give_one_gpus_bits") else { return };
+    let det = CudaOptions { deterministic: true, ..Default::default() };
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    for (name, config, weights) in device_cases() {
+        let h = config.hidden;
+        let x = preset::uniform(341 * h, 1.0, 82);
+        let one = CudaMoeLayer::new(&config, &weights, &det).unwrap();
+        let batches = [1usize, 7, 341];
+        let want: Vec<Vec<u32>> = batches
+            .iter()
+            .map(|&t| {
+                bits(&one.forward(&Tensor::from_f32(&[t, h], x[..t * h].to_vec()).unwrap()).unwrap().to_f32_vec())
+            })
+            .collect();
+        drop(one);
+        let spec = moeflow::RankLayerSpec { cuda: det.clone(), ..moeflow::RankLayerSpec::new(&config, &weights) };
+        let par = ParallelConfig::new(n, 2, StrategyKind::All2AllV);
+        let runs = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
+            let layer = par.rank_layer(Some(comm), kind, &spec)?;
+            batches
+                .iter()
+                .map(|&t| Ok(layer.forward(&Tensor::from_f32(&[t, h], x[..t * h].to_vec())?)?.to_f32_vec()))
+                .collect::<moeflow::Result<Vec<_>>>()
+        });
+        for (rank, r) in runs {
+            let got = r.unwrap_or_else(|e| panic!("{name}: rank {rank}: {e}"));
+            for ((t, got), want) in batches.iter().zip(got).zip(&want) {
+                assert!(bits(&got) == *want, "{name}, {t} tokens: rank {rank} differs from one GPU");
+            }
+            eprintln!("tp-sliced deterministic {name}: rank {rank} has one GPU's bits for {batches:?} tokens");
+        }
+    }
+}

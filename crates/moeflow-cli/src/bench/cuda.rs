@@ -43,14 +43,14 @@ pub(super) fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool
 pub(super) struct Timed(pub(super) moeflow::RankLayer);
 
 impl Timed {
-    /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`); a TP rank
-    /// times its share of them through the expert-parallel layer (the TP all-gather after it
-    /// is not timed).
+    /// One timed run of `tokens` random tokens (see `CudaMoeLayer::forward_timed`): a
+    /// TP-sliced device layer times the whole layer on its TP group's batch, the all-gather of
+    /// the shares included; around dual-batch halves a TP rank times its share of them (the
+    /// host all-gather after it is not timed).
     pub(super) fn forward_timed(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
-        let tokens = self.0.tokens_here(tokens);
         match (self.0.device_layer(), self.0.device_dual()) {
             (Some(l), _) => l.forward_timed(tokens, seed),
-            (None, Some(d)) => d.forward_timed(tokens, seed),
+            (None, Some(d)) => d.forward_timed(self.0.tokens_here(tokens), seed),
             _ => Err(MoeError::Config(format!("this layout is timed whole, not on the device: {}", self.0.describe()))),
         }
     }
@@ -58,7 +58,7 @@ impl Timed {
     /// A run with every stage timed (a low-latency layer's stages run outside its graph).
     fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
         match self.0.device_layer() {
-            Some(l) => l.forward_timed_stages(self.0.tokens_here(tokens), seed),
+            Some(l) => l.forward_timed_stages(tokens, seed),
             None => self.forward_timed(tokens, seed),
         }
     }

@@ -113,6 +113,10 @@ pub mod cuda {
         pub fn duplicate(&self) -> Result<NcclComm> {
             Err(missing())
         }
+        /// Unreachable without the feature.
+        pub fn split_nccl(&self, _color: usize, _key: usize) -> Result<NcclComm> {
+            Err(missing())
+        }
     }
 
     impl CudaMoeLayer {
@@ -253,8 +257,16 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
-        pub fn forward_tp_share(&self, _share: &Tensor, _t: usize, _tp: &NcclComm) -> Result<Tensor> {
+        pub fn tp_slice(self, _tp: NcclComm) -> Result<Self> {
             Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn tp_size(&self) -> usize {
+            1
+        }
+        /// Unreachable without the feature.
+        pub fn tokens_routed(&self, t: usize) -> usize {
+            t
         }
         /// Unreachable without the feature.
         pub fn forward_device(&self, _x: u64, _out: u64, _t: usize, _stream: u64) -> Result<()> {

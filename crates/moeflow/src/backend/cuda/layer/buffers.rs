@@ -9,6 +9,9 @@ use cudarc::driver::CudaSlice;
 /// Scratch buffers for up to `tokens` tokens.
 pub(super) struct Buffers {
     pub(super) tokens: usize,
+    /// Tokens of the batch the current call serves: the rows routed here are its
+    /// [`super::strategy::DevicePrepareFinalize::token_window`], and `out` holds all of them.
+    pub(super) batch: usize,
     pub(super) x: CudaSlice<f32>,
     pub(super) x_bf: CudaSlice<u16>,
     pub(super) logits: CudaSlice<f32>,
@@ -42,7 +45,7 @@ pub(super) struct Buffers {
     pub(super) shared_rows: CudaSlice<i32>,
     /// Deterministic mode's router partial sums, `[H / ROUTER_FIXED_COLS, T, E]`.
     pub(super) router_fixed: Option<CudaSlice<f32>>,
-    /// TP slicing: every TP rank's output share, gathered (see [`super::tp_slice`]).
+    /// TP slicing: every TP rank's output share, gathered (see [`super::strategy`]).
     pub(super) tp_gathered: Option<CudaSlice<f32>>,
     /// Low-latency buffers and the captured layer (see [`low_latency`]).
     pub(super) ll: Option<low_latency::LlBuffers>,
@@ -91,6 +94,7 @@ impl CudaMoeLayer {
             }
             *guard = Some(Buffers {
                 tokens: t,
+                batch: 0,
                 x: z!(f32, t * h),
                 x_bf: z!(u16, t * h),
                 logits: z!(f32, t * e),

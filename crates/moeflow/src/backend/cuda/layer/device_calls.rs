@@ -251,6 +251,7 @@ impl CudaMoeLayer {
             self.set_blas_workspaces(b)?;
             b
         };
+        b.batch = t;
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         if calls.is_none() {
             if capture {

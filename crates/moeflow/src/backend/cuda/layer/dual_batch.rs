@@ -30,6 +30,13 @@ impl CudaMoeLayer {
     /// same order (e.g. [`super::super::NcclComm::duplicate`] of the first); one GPU takes
     /// `None`. A low-latency layer's halves each take up to its capacity, each its own graph.
     pub fn dual_batch(self, comm: Option<super::super::NcclComm>) -> Result<CudaDualBatch> {
+        if self.tp_size() > 1 {
+            return Err(MoeError::Config(
+                "dual-batch halves of a TP-sliced layer: split the layer into halves first and slice the batch \
+                 around them (the halves cannot share one TP communicator)"
+                    .into(),
+            ));
+        }
         let mut link = match (&self.ep, comm) {
             (Some(mine), Some(c)) => Some(Self::link(&self.config, c, mine.placement.clone())?),
             (None, None) => None,

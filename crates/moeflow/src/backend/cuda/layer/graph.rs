@@ -154,6 +154,7 @@ impl CudaMoeLayer {
             && !self.w8a8
             && self.hopper_for(t * k, e).is_some()
             && self.opts.cuda_graphs
+            && self.strategy.captures()
     }
 
     /// Runs the layer on the `t` tokens in `b.x` (into `b.out`) from its graph for `t` tokens,

@@ -56,6 +56,7 @@ impl CudaMoeLayer {
     /// captures it in a CUDA graph, every call replays that graph. Collective like the layer's
     /// other calls: every rank switches with the same capacity.
     pub fn low_latency(self, max_tokens_per_rank: usize) -> Result<Self> {
+        self.not_yet_tp_sliced("lowlatency")?;
         if self.opts.deterministic {
             return Err(MoeError::Unsupported(
                 "the low-latency layer sums partial outputs across ranks; deterministic mode dispatches by all-to-all-v"
@@ -132,12 +133,17 @@ impl CudaMoeLayer {
     /// Runs the low-latency layer on the first `t` of the capacity's rows of `b.x` (into
     /// `b.out`): sets the batch size on the device, replays the layer's graph (capturing it on
     /// the first call, after one direct run), and waits. With `timed`, only the total is
-    /// measured (events around the replay).
+    /// measured (events around the replay). A strategy the layer does not capture (TP
+    /// slicing) runs the stages directly instead, every stage timed.
     pub(super) fn ll_run(&self, b: &mut super::Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
         let link = self.ep.as_ref().expect("low-latency layers are expert-parallel");
         let m = link.capacity.expect("low-latency layers have a capacity");
         let s = &self.gpu.stream;
         self.ll_set_tokens(b, t)?;
+        if !self.strategy.captures() {
+            // TP slicing: the same stages on all `M` rows, run directly.
+            return self.run(b, m, timed);
+        }
         if b.ll.as_ref().expect("allocated by low_latency()").graph.is_none() {
             // A direct run first: NCCL connects its peers, cuBLAS picks its kernels, the
             // modules load, none of which may happen inside a capture.

@@ -9,9 +9,9 @@
 //!
 //! This file builds the layer and runs it as the modular kernel does on the CPU: [`route`]
 //! (router GEMM and top-k; small batches in one launch), then a prepare/finalize strategy
-//! ([`strategy`]: one GPU's permute, all-to-all-v, the gathering forms, low-latency) around
-//! the experts ([`experts`]: the Hopper, masked and cuBLAS GEMMs behind one contract), with
-//! the shared experts ([`expert_gemm`]) beside them. [`permute`], [`combine`] and
+//! ([`strategy`]: one GPU's permute, all-to-all-v, the gathering forms, low-latency, and TP
+//! slicing around any of them) around the experts ([`experts`]: the Hopper, masked and cuBLAS
+//! GEMMs behind one contract), with the shared experts ([`expert_gemm`]) beside them. [`permute`], [`combine`] and
 //! [`expert_parallel`] hold the kernels and exchanges the strategies share; [`buffers`] the
 //! scratch memory of a run.
 
@@ -52,7 +52,6 @@ mod side_streams;
 mod strategy;
 #[cfg(test)]
 mod top_k_tests;
-mod tp_slice;
 
 use buffers::Buffers;
 pub use dual_batch::CudaDualBatch;
@@ -529,19 +528,21 @@ impl CudaMoeLayer {
         }
         let x = hidden.to_f32_vec();
         crate::error::check_finite("hidden_states", &x)?;
-        let t = s[0];
+        let (t, h) = (s[0], self.config.hidden);
+        // This rank's rows of the batch (a TP share, or all of them).
+        let (a, z) = self.strategy.token_window(t);
         let capacity = self.capacity();
-        self.check_capacity(t)?;
+        self.check_capacity(self.strategy.largest_window(t))?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.buffers(&mut guard, capacity.unwrap_or(t))?;
+        let b = self.batch_buffers(&mut guard, t)?;
         self.gpu
             .stream
-            .memcpy_htod(&x, &mut b.x.slice_mut(0..t * self.config.hidden))
+            .memcpy_htod(&x[a * h..z * h], &mut b.x.slice_mut(0..(z - a) * h))
             .map_err(|e| err("copy in", e))?;
         match capacity {
-            Some(_) => self.ll_run(b, t, false)?,
-            None if graph && self.takes_graph(t) => self.graph_run(b, t, false)?,
-            None => self.run_marks(b, t, false, hook)?.0,
+            Some(_) => self.ll_run(b, z - a, false)?,
+            None if graph && self.takes_graph(z - a) => self.graph_run(b, z - a, false)?,
+            None => self.run_marks(b, z - a, false, hook)?.0,
         };
         if !self.allow_nonfinite {
             super::finite::check_output(&self.gpu, &b.out.slice(0..t * self.config.hidden), self.config.hidden)?;
@@ -567,10 +568,14 @@ impl CudaMoeLayer {
     /// [`CudaMoeLayer::synchronize_device`]. Elsewhere the host returns once the layer's run
     /// has completed, as [`CudaMoeLayer::forward`] does, and a capture is refused with an error
     /// saying what reads the host.
+    ///
+    /// A TP-sliced layer ([`CudaMoeLayer::tp_slice`]) copies in only its share's rows of `x`
+    /// and writes every row of `out`.
     pub fn forward_device(&self, x: u64, out: u64, t: usize, stream: u64) -> Result<()> {
         let h = self.config.hidden;
+        let (a, z) = self.strategy.token_window(t);
         let capacity = self.capacity();
-        self.check_capacity(t)?;
+        self.check_capacity(self.strategy.largest_window(t))?;
         let g = &self.gpu;
         g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
         let capture = self.caller_capturing(stream)?;
@@ -594,18 +599,27 @@ impl CudaMoeLayer {
         }
         s.wait(&ready).map_err(|e| err("waiting for the caller's stream", e))?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.buffers(&mut guard, capacity.unwrap_or(t))?;
-        let bytes = t * h * std::mem::size_of::<f32>();
-        if bytes > 0 {
-            // SAFETY: `x` holds t · H floats (the caller's promise); `b.x` holds at least as many.
-            unsafe { cudarc::driver::result::memcpy_dtod_async(dptr(&b.x, g), x, bytes, s.cu_stream()) }
-                .map_err(|e| err("copy in", e))?;
-            super::finite::check_input_on_device(g, &b.x.slice(0..t * h), "hidden_states")?;
+        let b = self.batch_buffers(&mut guard, t)?;
+        let (row, rows) = (h * std::mem::size_of::<f32>(), z - a);
+        let bytes = t * row;
+        if rows > 0 {
+            // SAFETY: `x` holds t · H floats (the caller's promise), of which rows [a, z) are
+            // read; `b.x` holds at least z - a rows.
+            unsafe {
+                cudarc::driver::result::memcpy_dtod_async(
+                    dptr(&b.x, g),
+                    x + (a * row) as u64,
+                    rows * row,
+                    s.cu_stream(),
+                )
+            }
+            .map_err(|e| err("copy in", e))?;
+            super::finite::check_input_on_device(g, &b.x.slice(0..rows * h), "hidden_states")?;
         }
         match capacity {
-            Some(_) => self.ll_run(b, t, false)?,
-            None if self.takes_graph(t) => self.graph_run(b, t, false)?,
-            None => self.run_marks(b, t, false, &no_hook)?.0,
+            Some(_) => self.ll_run(b, rows, false)?,
+            None if self.takes_graph(rows) => self.graph_run(b, rows, false)?,
+            None => self.run_marks(b, rows, false, &no_hook)?.0,
         };
         if !self.allow_nonfinite {
             super::finite::check_output(g, &b.out.slice(0..t * h), h)?;
@@ -627,7 +641,9 @@ impl CudaMoeLayer {
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
     /// per-stage event times (for benchmarks). A low-latency layer, and a small batch on one
     /// GPU (see the `graph` module), replays its graph and times only the whole;
-    /// [`CudaMoeLayer::forward_timed_stages`] times the stages.
+    /// [`CudaMoeLayer::forward_timed_stages`] times the stages. A TP-sliced layer runs its
+    /// share of the batch and times the whole layer, the TP all-gather included (in the
+    /// combine stage).
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         self.timed(tokens, seed, true)
     }
@@ -651,11 +667,15 @@ impl CudaMoeLayer {
         graph: bool,
         hook: &StageHook<'_>,
     ) -> Result<(GpuStageTimes, Option<Span>)> {
+        let (a, z) = self.strategy.token_window(tokens);
+        let rows = z - a;
         let capacity = self.capacity();
-        self.check_capacity(tokens)?;
+        self.check_capacity(self.strategy.largest_window(tokens))?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
-        let b = self.buffers(&mut guard, capacity.unwrap_or(tokens))?;
-        let n = tokens * self.config.hidden;
+        let b = self.batch_buffers(&mut guard, tokens)?;
+        let n = rows * self.config.hidden;
+        // The TP ranks of a group pass the same seed: each share gets values of its own.
+        let seed = seed ^ ((a as u64) << 32);
         let (ptr, len, scale) = (dptr(&b.x, &self.gpu), n as i64, 1.0f32);
         // SAFETY: fills the first `n` floats of the input buffer, which holds at least `n`.
         unsafe {
@@ -664,13 +684,29 @@ impl CudaMoeLayer {
         .map_err(|e| err("fill", e))?;
         match capacity {
             Some(m) if !graph => {
-                self.ll_set_tokens(b, tokens)?;
+                self.ll_set_tokens(b, rows)?;
                 self.run_marks(b, m, true, hook)
             }
-            Some(_) => Ok((self.ll_run(b, tokens, true)?, None)),
-            None if graph && self.takes_graph(tokens) => Ok((self.graph_run(b, tokens, true)?, None)),
-            None => self.run_marks(b, tokens, true, hook),
+            Some(_) => Ok((self.ll_run(b, rows, true)?, None)),
+            None if graph && self.takes_graph(rows) => Ok((self.graph_run(b, rows, true)?, None)),
+            None => self.run_marks(b, rows, true, hook),
         }
+    }
+
+    /// The buffers for a batch of `t` tokens: room for the rows any rank sharing the batch
+    /// routes (at least the low-latency capacity), an output of all `t` rows, and `b.batch`
+    /// set to `t`.
+    fn batch_buffers<'a>(&self, guard: &'a mut Option<Buffers>, t: usize) -> Result<&'a mut Buffers> {
+        let most = self.strategy.largest_window(t);
+        let b = self.buffers(guard, self.capacity().unwrap_or(most).max(most))?;
+        let h = self.config.hidden;
+        // Only a TP-sliced layer routes fewer rows than it returns; it captures no graph that
+        // could point into the output it replaces.
+        if b.out.len() < t * h {
+            b.out = self.gpu.stream.alloc_zeros::<f32>(t * h).map_err(|e| err("allocating workspace", e))?;
+        }
+        b.batch = t;
+        Ok(b)
     }
 
     /// Measured ceilings of this GPU: see [`super::measure_ceilings`].
@@ -728,10 +764,7 @@ impl CudaMoeLayer {
             hook(n, s)
         };
         let ran = self.enqueue(b, t, &mark)?;
-        match &self.ep {
-            Some(link) => link.check_transport(link.comm.wait("moe layer", s))?,
-            None => s.synchronize().map_err(|e| err("synchronize", e))?,
-        }
+        self.strategy.wait(self)?;
         if !timed {
             return Ok((GpuStageTimes::default(), None));
         }
@@ -760,6 +793,16 @@ impl CudaMoeLayer {
         Ok((times, Some(Span { first: marks.swap_remove(0), last })))
     }
 
+    /// Waits for the run enqueued on the layer's stream: against the expert-parallel
+    /// communicator's deadline (naming the transport's failed waits), or for one GPU's stream.
+    fn wait_run(&self) -> Result<()> {
+        let s = &self.gpu.stream;
+        match &self.ep {
+            Some(link) => link.check_transport(link.comm.wait("moe layer", s)),
+            None => s.synchronize().map_err(|e| err("synchronize", e)),
+        }
+    }
+
     /// One GPU: the experts that received rows in the last run on `b` (0 elsewhere).
     fn experts_used(&self, b: &Buffers) -> Result<usize> {
         if self.ep.is_some() {
@@ -773,12 +816,7 @@ impl CudaMoeLayer {
     /// stream, calling `mark(0..=9)` between the stages; returns the bytes dispatched to other
     /// ranks and the names of the strategy and the experts' implementation that ran.
     fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<Ran> {
-        let h = self.config.hidden;
         let g = &self.gpu;
-        let s = &g.stream;
-        let p = |x: &CudaSlice<f32>| dptr(x, g);
-        let pb = |x: &CudaSlice<u16>| dptr(x, g);
-        let opt = |x: &Option<CudaSlice<f32>>| x.as_ref().map_or(0u64, |x| dptr(x, g));
         mark(0)?;
         // An expert-parallel rank without tokens still takes part in every exchange.
         if t > 0 {
@@ -809,25 +847,37 @@ impl CudaMoeLayer {
         mark(8)?;
         // Strategies that combine at home with one GPU's combine add the shared output in it;
         // the others get it here.
-        if let (Some(sh), true, false) = (&self.w.shared, t > 0, pf.adds_shared(self)) {
-            self.side.join(s, [self.side.shared()])?;
-            let (yp, xp2, gp, ti, hi, outp) = (pb(&b.sy), p(&b.x), opt(&sh.gate), t as i32, h as i32, p(&b.out));
-            // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
-            // shared output was computed on the side stream joined above.
-            unsafe {
-                s.launch_builder(&self.k.add_shared)
-                    .arg(&outp)
-                    .arg(&yp)
-                    .arg(&xp2)
-                    .arg(&gp)
-                    .arg(&ti)
-                    .arg(&hi)
-                    .launch(rows(t, 256))
-                    .map_err(|e| err("add_shared", e))?;
-            }
+        if !pf.adds_shared(self) {
+            self.add_shared_output(b, t)?;
         }
         mark(9)?;
         Ok(ran)
+    }
+
+    /// Adds the shared experts' output, computed on the side stream (joined here), to the
+    /// first `t` rows of `b.out`; nothing without shared experts or tokens.
+    fn add_shared_output(&self, b: &mut Buffers, t: usize) -> Result<()> {
+        let (Some(sh), true) = (&self.w.shared, t > 0) else { return Ok(()) };
+        let g = &self.gpu;
+        let s = &g.stream;
+        self.side.join(s, [self.side.shared()])?;
+        let gate = sh.gate.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (yp, xp, ti, hi, outp) =
+            (dptr(&b.sy, g), dptr(&b.x, g), t as i32, self.config.hidden as i32, dptr(&b.out, g));
+        // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
+        // shared output was computed on the side stream joined above.
+        unsafe {
+            s.launch_builder(&self.k.add_shared)
+                .arg(&outp)
+                .arg(&yp)
+                .arg(&xp)
+                .arg(&gate)
+                .arg(&ti)
+                .arg(&hi)
+                .launch(rows(t, 256))
+                .map_err(|e| err("add_shared", e))?;
+        }
+        Ok(())
     }
 }
 

@@ -16,9 +16,7 @@
 //! | [`AllGatherLogits`] | rows and router logits, routing after the gather | reduce-scatter |
 //! | [`Multicast`] | one broadcast per rank | all-reduce, own rows kept |
 //! | [`LowLatency`] | fixed-capacity messages, counts on the device, capturable | fixed-capacity return |
-//!
-//! TP slicing wraps a whole rank's layer ([`crate::rank_layer`]): its tokens are split over the
-//! TP group before any of these and all-gathered after.
+//! | [`TpSlice`](tp_slice::TpSlice) | around any of the above: this TP rank's contiguous share of the batch only ([`DevicePrepareFinalize::token_window`]) | the inner's, then the shares all-gathered over the TP group into the whole batch |
 
 mod all2allv;
 mod allgather;
@@ -27,6 +25,7 @@ mod gathering;
 mod local;
 mod lowlatency;
 mod multicast;
+mod tp_slice;
 
 pub(super) use all2allv::All2AllV;
 pub(super) use allgather::AllGather;
@@ -40,6 +39,7 @@ use super::{Buffers, CudaMoeLayer};
 use crate::error::Result;
 use crate::parallel::StrategyKind;
 use std::any::Any;
+use std::sync::Arc;
 
 /// Called at a stage boundary (0..=9, see [`CudaMoeLayer::forward_timed_stages`]): 2 when the
 /// rows are staged to leave, 3 when they are grouped for the experts, 7 when the experts'
@@ -63,9 +63,41 @@ pub(super) struct Dispatched {
 /// (finalize), on the layer's stream, for the `t` tokens routed into `b` (`ids`, `weights`
 /// `[t, k]`, rows in `x_bf`). Every rank of an expert-parallel group calls every half in the
 /// same order, also with no tokens.
+///
+/// The layer routes the rows [`DevicePrepareFinalize::token_window`] gives of the batch of
+/// `b.batch` tokens its caller passed (all of them but for [`tp_slice::TpSlice`]'s share, whose finalize leaves
+/// the whole batch's `[b.batch, H]` in `b.out`).
 pub(super) trait DevicePrepareFinalize: Send + Sync {
-    /// Name on the command line.
+    /// Name on the command line (TP slicing takes its inner strategy's: it is a separate option).
     fn name(&self) -> &'static str;
+    /// Tokens `[a, b)` of a batch of `t` that this rank routes and dispatches: all of them, or
+    /// TP slicing's share. The layer copies in only those rows.
+    fn token_window(&self, t: usize) -> (usize, usize) {
+        (0, t)
+    }
+    /// The most tokens of a batch of `t` that any rank sharing it routes: every rank checks
+    /// this against its capacity, so all of them refuse a batch one of them cannot take.
+    fn largest_window(&self, t: usize) -> usize {
+        t
+    }
+    /// Whether the layer may capture its runs with this strategy into a CUDA graph.
+    fn captures(&self) -> bool {
+        true
+    }
+    /// Ranks that share each batch (the TP group's size; 1 unless sliced).
+    fn tp_size(&self) -> usize {
+        1
+    }
+    /// `base` wrapped as this strategy wraps its own inner one (an auto table's pick runs TP
+    /// sliced when the layer is); `base` itself for the strategies that wrap none.
+    fn around(&self, base: Arc<dyn DevicePrepareFinalize>) -> Arc<dyn DevicePrepareFinalize> {
+        base
+    }
+    /// Waits for the run enqueued on the layer's stream, against the deadline of every
+    /// communicator the strategy used (see [`CudaMoeLayer::wait_run`]).
+    fn wait(&self, layer: &CudaMoeLayer) -> Result<()> {
+        layer.wait_run()
+    }
     /// Plans the dispatch, stages the rows and enqueues their transfer (marks 2).
     fn prepare_begin(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State>;
     /// Groups the arrived rows by local expert for the experts (marks 3).
@@ -101,23 +133,24 @@ impl CudaMoeLayer {
     /// This expert-parallel layer dispatching by all-gather and combining by reduce-scatter
     /// ([`AllGather`]) instead of all-to-all-v. Not with the low-latency form.
     pub fn all_gather(self) -> Result<Self> {
-        self.gathering(std::sync::Arc::new(AllGather))
+        self.gathering(Arc::new(AllGather))
     }
 
     /// This expert-parallel layer all-gathering router logits with the rows, every rank
     /// routing every token, and combining by reduce-scatter ([`AllGatherLogits`]).
     pub fn all_gather_logits(self) -> Result<Self> {
-        self.gathering(std::sync::Arc::new(AllGatherLogits))
+        self.gathering(Arc::new(AllGatherLogits))
     }
 
     /// This expert-parallel layer dispatching by one broadcast per rank and combining by
     /// all-reduce ([`Multicast`]) instead of all-to-all-v. Not with the low-latency form.
     pub fn multicast(self) -> Result<Self> {
-        self.gathering(std::sync::Arc::new(Multicast))
+        self.gathering(Arc::new(Multicast))
     }
 
-    fn gathering(mut self, how: std::sync::Arc<dyn DevicePrepareFinalize>) -> Result<Self> {
+    fn gathering(mut self, how: Arc<dyn DevicePrepareFinalize>) -> Result<Self> {
         let name = how.name();
+        self.not_yet_tp_sliced(name)?;
         if self.opts.deterministic {
             return Err(crate::error::MoeError::Unsupported(format!(
                 "{name} sums partial outputs across ranks; deterministic mode dispatches by all-to-all-v"
@@ -152,6 +185,7 @@ impl CudaMoeLayer {
     /// what makes the bits independent of the layout.
     pub fn auto(mut self, table: crate::auto_strategy::AutoStrategy) -> Result<Self> {
         table.validate()?;
+        self.not_yet_tp_sliced("strategy 'auto'")?;
         if self.opts.deterministic {
             return Err(crate::error::MoeError::Unsupported(
                 "strategy 'auto' picks gathering forms that sum partial outputs across ranks; deterministic mode dispatches by all-to-all-v".into(),
@@ -162,20 +196,33 @@ impl CudaMoeLayer {
                 "strategy 'auto' needs an expert-parallel layer that dispatches by all-to-all-v before it".into(),
             ));
         }
-        self.auto = Some(std::sync::Arc::new(table));
+        self.auto = Some(Arc::new(table));
         Ok(self)
     }
 
+    /// An error naming `what` when the layer is TP-sliced already: TP slicing wraps the
+    /// strategy the layer has, so the strategy is chosen first.
+    pub(super) fn not_yet_tp_sliced(&self, what: &str) -> Result<()> {
+        match self.strategy.tp_size() {
+            1 => Ok(()),
+            _ => Err(crate::error::MoeError::Config(format!(
+                "{what} after tp_slice: TP slicing wraps the layer's strategy, so choose the strategy first"
+            ))),
+        }
+    }
+
     /// The strategy of a run of `t` tokens here: the layer's own, or the auto table's row
-    /// for the largest batch of any rank (one small exchange on the device).
-    pub(super) fn strategy_for(&self, b: &mut Buffers, t: usize) -> Result<&dyn DevicePrepareFinalize> {
-        let (Some(table), Some(link)) = (&self.auto, &self.ep) else { return Ok(&*self.strategy) };
+    /// for the largest batch of any rank (one small exchange on the device), wrapped as the
+    /// layer's own is.
+    pub(super) fn strategy_for(&self, b: &mut Buffers, t: usize) -> Result<Arc<dyn DevicePrepareFinalize>> {
+        let (Some(table), Some(link)) = (&self.auto, &self.ep) else { return Ok(self.strategy.clone()) };
         let largest = self.gather_counts(b, link, &[t as i32])?.into_iter().max().unwrap_or(0).max(0) as usize;
-        Ok(match table.pick(largest) {
-            StrategyKind::AllGather => &AllGather,
-            StrategyKind::AllGatherLogits => &AllGatherLogits,
-            StrategyKind::Multicast => &Multicast,
-            _ => &All2AllV,
-        })
+        let pick: Arc<dyn DevicePrepareFinalize> = match table.pick(largest) {
+            StrategyKind::AllGather => Arc::new(AllGather),
+            StrategyKind::AllGatherLogits => Arc::new(AllGatherLogits),
+            StrategyKind::Multicast => Arc::new(Multicast),
+            _ => Arc::new(All2AllV),
+        };
+        Ok(self.strategy.around(pick))
     }
 }
