@@ -89,18 +89,31 @@ pub(super) fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let (e, k, h) = (config.num_experts, config.top_k, config.hidden);
     let shapes = Shapes::of(&config, 2.0, 2.0);
-    let bar = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
+    // The one-token layers first, on a GPU that has not yet run the long GEMM loads, as `bench`
+    // meets them (its batches run smallest first): after a sustained load the clocks sit lower
+    // and a latency-bound layer runs slower than the same layer in a fresh run.
+    let bar = spinner("timing the one-GPU layer at one token".into());
+    let spec = RankLayerSpec { cuda: crate::cuda_args::cuda_options(&args.parallel)?, ..device_weights(args, &config) };
+    let gpu = Timed(args.parallel.config(1)?.rank_layer(None, ExpertsKind::Cuda { device: 0 }, &spec)?);
+    let runs = args.min_runs.max(20);
+    let (one, _) = time_one_gpu(&gpu, 1, runs, args.layer.seed)?;
+    let one_ms = median(&one.iter().map(|s| s.total).collect::<Vec<_>>());
+    let two_gpus = device_count() > 1;
+    let ep2 = if two_gpus {
+        bar.set_message("timing the EP-2 layer at one token and at 4096");
+        Some(ep2_runs(args, &config, &[1, EP2_BATCH])?)
+    } else {
+        None
+    };
+    bar.set_message("measuring the GPU's GEMM rate and copy bandwidth");
     let cool = measure_ceilings(0)?;
     let sustained = measure_sustained_gemm(0)?;
-    let push = if device_count() > 1 {
+    let push = if two_gpus {
         Some(measure_peer_push(0, 1, crate::cuda_args::cuda_options(&args.parallel)?.transport_sms)?)
     } else {
         None
     };
     bar.set_message("timing the one-GPU layer by rows per expert");
-    let spec = RankLayerSpec { cuda: crate::cuda_args::cuda_options(&args.parallel)?, ..device_weights(args, &config) };
-    let gpu = Timed(args.parallel.config(1)?.rank_layer(None, ExpertsKind::Cuda { device: 0 }, &spec)?);
-    let runs = args.min_runs.max(20);
     let mut gemm_curve = Vec::new();
     let mut router_gflops = 0.0;
     for rows in CURVE_ROWS {
@@ -118,8 +131,6 @@ pub(super) fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
             "--calibrate: no batch of {CURVE_ROWS:?} rows per expert fits this layer"
         )));
     }
-    let (one, _) = time_one_gpu(&gpu, 1, runs, args.layer.seed)?;
-    let one_ms = median(&one.iter().map(|s| s.total).collect::<Vec<_>>());
     let device = gpu.0.device_layer().map_or_else(|| "GPU 0".to_string(), |l| l.device_name());
     drop(gpu);
     let mut c = Ceilings {
@@ -145,9 +156,7 @@ pub(super) fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     };
     // The fixed cost per launch: what the one-token layer takes beyond its weight reads.
     c.launch_us = fit(&c, &shapes, (1, 1), one_ms, |c, v| c.launch_us = v)?;
-    if push.is_some() {
-        bar.set_message("timing the EP-2 layer at one token and at 4096");
-        let ep2 = ep2_runs(args, &config, &[1, EP2_BATCH])?;
+    if let Some(ep2) = ep2 {
         let ((one2, small), (_, big)) = (ep2[0], ep2[1]);
         // An exchange costs two calls: the dispatch at one token is the per-call cost.
         c.call_us = small.dispatch * 1e3 / 2.0;
