@@ -1,9 +1,9 @@
 //! `moeflow._moeflow`: the Rust half of the Python package `moeflow` (see `python/moeflow`).
 //!
-//! [`layer::Layer`] runs one MoE block, [`expert_parallel::ExpertParallel`] dispatches rows to
+//! `layer::Layer` runs one MoE block, `expert_parallel::ExpertParallel` dispatches rows to
 //! their experts and combines the results for experts the caller computes,
-//! [`world::World`] joins the ranks of a launched job. Tensors come in and go out through
-//! DLPack ([`tensors`]); library errors become Python exceptions ([`errors`]).
+//! `world::World` joins the ranks of a launched job. Tensors come in and go out through
+//! DLPack (`tensors`); library errors become Python exceptions (`errors`).
 
 mod errors;
 mod expert_parallel;

@@ -562,7 +562,7 @@ impl CudaMoeLayer {
     /// goes through host memory.
     ///
     /// On one GPU, where the batch's whole run stays on the device (expert GEMMs that read the
-    /// expert sizes there: see [`device_calls`]), the host returns without waiting and a CUDA
+    /// expert sizes there: see `layer/device_calls.rs`), the host returns without waiting and a CUDA
     /// graph capturing `stream` takes the layer in (after one call of that batch size outside
     /// the capture); non-finite inputs and outputs are reported by a later call or
     /// [`CudaMoeLayer::synchronize_device`]. Elsewhere the host returns once the layer's run

@@ -131,19 +131,19 @@ pub(super) fn state_of<T: 'static>(state: State, strategy: &str) -> Result<Box<T
 
 impl CudaMoeLayer {
     /// This expert-parallel layer dispatching by all-gather and combining by reduce-scatter
-    /// ([`AllGather`]) instead of all-to-all-v. Not with the low-latency form.
+    /// (`strategy/allgather.rs`) instead of all-to-all-v. Not with the low-latency form.
     pub fn all_gather(self) -> Result<Self> {
         self.gathering(Arc::new(AllGather))
     }
 
     /// This expert-parallel layer all-gathering router logits with the rows, every rank
-    /// routing every token, and combining by reduce-scatter ([`AllGatherLogits`]).
+    /// routing every token, and combining by reduce-scatter (`strategy/allgather_logits.rs`).
     pub fn all_gather_logits(self) -> Result<Self> {
         self.gathering(Arc::new(AllGatherLogits))
     }
 
     /// This expert-parallel layer dispatching by one broadcast per rank and combining by
-    /// all-reduce ([`Multicast`]) instead of all-to-all-v. Not with the low-latency form.
+    /// all-reduce (`strategy/multicast.rs`) instead of all-to-all-v. Not with the low-latency form.
     pub fn multicast(self) -> Result<Self> {
         self.gathering(Arc::new(Multicast))
     }

@@ -148,7 +148,7 @@ impl DevicePrepareFinalize for TpSlice {
 }
 
 impl CudaMoeLayer {
-    /// This expert-parallel layer TP-sliced over `tp` ([`TpSlice`] around the strategy it has,
+    /// This expert-parallel layer TP-sliced over `tp` (`strategy/tp_slice.rs` around the strategy it has,
     /// and around each pick of its auto table): the ranks of `tp` pass the same batch `[t, H]`
     /// to every forward call, each runs its contiguous share through the layer, and every rank
     /// gets the whole batch's output, all-gathered over `tp` on the device. Choose the strategy
