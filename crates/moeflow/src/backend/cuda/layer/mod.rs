@@ -11,9 +11,9 @@
 //! (router GEMM and top-k; small batches in one launch), then a prepare/finalize strategy
 //! ([`strategy`]: one GPU's permute, all-to-all-v, the gathering forms, low-latency, and TP
 //! slicing around any of them) around the experts ([`experts`]: the Hopper, masked and cuBLAS
-//! GEMMs behind one contract), with the shared experts ([`expert_gemm`]) beside them. [`permute`], [`combine`] and
-//! [`expert_parallel`] hold the kernels and exchanges the strategies share; [`buffers`] the
-//! scratch memory of a run.
+//! GEMMs behind one contract), with the shared experts ([`expert_gemm`]) beside them.
+//! [`permute`], [`combine`] and [`expert_parallel`] hold the kernels and exchanges the
+//! strategies share; [`buffers`] the scratch memory of a run.
 
 use super::blas_handle::BlasHandle;
 use super::{err, CudaOptions, ExpertGemm, Gpu};
@@ -562,9 +562,9 @@ impl CudaMoeLayer {
     /// goes through host memory.
     ///
     /// On one GPU, where the batch's whole run stays on the device (expert GEMMs that read the
-    /// expert sizes there: see `layer/device_calls.rs`), the host returns without waiting and a CUDA
-    /// graph capturing `stream` takes the layer in (after one call of that batch size outside
-    /// the capture); non-finite inputs and outputs are reported by a later call or
+    /// expert sizes there: see `layer/device_calls.rs`), the host returns without waiting and a
+    /// CUDA graph capturing `stream` takes the layer in (after one call of that batch size
+    /// outside the capture); non-finite inputs and outputs are reported by a later call or
     /// [`CudaMoeLayer::synchronize_device`]. Elsewhere the host returns once the layer's run
     /// has completed, as [`CudaMoeLayer::forward`] does, and a capture is refused with an error
     /// saying what reads the host.

@@ -65,8 +65,8 @@ pub(super) struct Dispatched {
 /// same order, also with no tokens.
 ///
 /// The layer routes the rows [`DevicePrepareFinalize::token_window`] gives of the batch of
-/// `b.batch` tokens its caller passed (all of them but for [`tp_slice::TpSlice`]'s share, whose finalize leaves
-/// the whole batch's `[b.batch, H]` in `b.out`).
+/// `b.batch` tokens its caller passed: all of them but for [`tp_slice::TpSlice`]'s share, whose
+/// finalize leaves the whole batch's `[b.batch, H]` in `b.out`.
 pub(super) trait DevicePrepareFinalize: Send + Sync {
     /// Name on the command line (TP slicing takes its inner strategy's: it is a separate option).
     fn name(&self) -> &'static str;
