@@ -5,13 +5,12 @@
 //! transport's push rate and, from the EP-2 layer, the exchange's per-call cost and the host
 //! round trip of its host-planned dispatch.
 
-use super::cuda::{device_weights, time_one_gpu, Timed};
+use super::cuda::{device_weights, time_one_gpu, time_rank, Timed};
 use super::BenchArgs;
 use crate::common::{median, spinner};
 use moeflow::backend::cuda::{
     device_count, measure_ceilings, measure_peer_push, measure_sustained_gemm, GpuStageTimes,
 };
-use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, ParallelConfig, RankHost, StrategyKind};
 use moeflow::simulate::{placement, predict, Ceilings, Layout, Routing, Shapes};
 use moeflow::{ExpertsKind, MoeConfig, MoeError, RankLayerSpec, Result};
@@ -53,28 +52,17 @@ fn ep2_runs(args: &BenchArgs, config: &MoeConfig, tokens: &[usize]) -> Result<Ve
     let timeout = args.parallel.config(1)?.timeout;
     let par = ParallelConfig { timeout, ..ParallelConfig::new(2, 1, StrategyKind::All2AllV) };
     let spec = RankLayerSpec { cuda: crate::cuda_args::cuda_options(&args.parallel)?, ..device_weights(args, config) };
-    let runs = args.min_runs.max(20);
     let results = on_ranks(&RankHost::Gpus, 2, timeout, |comm, experts| {
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
-        let mut out = Vec::new();
-        for &t in tokens {
-            let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
-            for w in 0..3 {
-                layer.forward_timed(t, seed + w)?;
-            }
-            let mut samples = Vec::with_capacity(runs);
-            for r in 0..runs {
-                comm.barrier()?;
-                samples.push(layer.forward_timed(t, seed + 100 + r as u64)?);
-            }
-            let totals: Vec<f64> = samples.iter().map(|s| s.total).collect();
-            let all = comm.all_gather_vec("calibrate.times", &totals)?;
-            let slowest: Vec<f64> = (0..runs).map(|j| all.iter().map(|v| v[j]).fold(0.0, f64::max)).collect();
-            let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
-            let stages = GpuStageTimes { permute: med(|s| s.permute), dispatch: med(|s| s.dispatch), ..samples[0] };
-            out.push((median(&slowest), stages));
-        }
-        Ok(out)
+        let per_t = time_rank(args, &layer, comm, tokens, false)?;
+        Ok(per_t
+            .into_iter()
+            .map(|(slowest, samples)| {
+                let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
+                let stages = GpuStageTimes { permute: med(|s| s.permute), dispatch: med(|s| s.dispatch), ..samples[0] };
+                (median(&slowest), stages)
+            })
+            .collect::<Vec<_>>())
     });
     let mut first = None;
     for (_, r) in results {

@@ -34,7 +34,7 @@ pub(super) fn calibrate(args: &BenchArgs, host: &RankHost, file: &Path) -> Resul
                 RankLayerSpec { cuda: cuda.clone(), ..RankLayerSpec::random_on_device(&config, args.layer.seed) };
             let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
             let name = layer.0.device_layer().map(|l| l.device_name()).unwrap_or_default();
-            Ok((time_rank(args, &layer, comm, false)?, name))
+            Ok((time_rank(args, &layer, comm, &args.tokens, false)?, name))
         });
         let mut mine = None;
         for (_, r) in results {

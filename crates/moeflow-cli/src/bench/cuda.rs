@@ -97,17 +97,18 @@ fn ep_kind(par: &ParallelConfig, capacity: Option<usize>, fp8: bool, rows8: bool
     (kind, dtype)
 }
 
-/// One rank's timed runs of every token count: per count, the slowest rank's layer ms of each
-/// run and this rank's stage times (of direct runs for a low-latency layer, whose graph times
-/// only the whole).
+/// One rank's timed runs of every token count of `tokens`: per count, the slowest rank's layer
+/// ms of each run and this rank's stage times (of direct runs for a low-latency layer, whose
+/// graph times only the whole).
 pub(super) fn time_rank(
     args: &BenchArgs,
     layer: &Timed,
     comm: &dyn moeflow::comm::Communicator,
+    tokens: &[usize],
     low_latency: bool,
 ) -> Result<Vec<(Vec<f64>, Vec<moeflow::backend::GpuStageTimes>)>> {
     let mut per_t = Vec::new();
-    for &t in &args.tokens {
+    for &t in tokens {
         let seed = args.layer.seed ^ (comm.rank() as u64) << 32;
         for w in 0..3 {
             layer.forward_timed(t, seed + w)?;
@@ -196,7 +197,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
         let spec = RankLayerSpec { cuda: cuda.clone(), fp8_experts: fp8, fp8_rows: rows8, ..weights.clone() };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
-        let per_t = time_rank(args, &layer, comm, capacity.is_some())?;
+        let per_t = time_rank(args, &layer, comm, &args.tokens, capacity.is_some())?;
         if let Some(path) = &args.record_load {
             let record = moeflow::LoadRecord::gather(&config, comm, &layer.0.load_stats()?)?;
             if comm.rank() == 0 {
