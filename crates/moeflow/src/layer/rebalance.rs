@@ -74,18 +74,7 @@ impl MoeLayer {
         })?;
         let (comm, old) = (ep.comm.clone(), ep.placement.clone());
         // 1. Agree.
-        let checked = self.check_placement(&placement, comm.size());
-        let fingerprint = fingerprint(&placement);
-        let votes = comm.all_gather_vec("rebalance.agree", &[u64::from(checked.is_ok()), fingerprint])?;
-        checked?;
-        if let Some(r) = votes.iter().position(|v| v[0] == 0) {
-            return Err(MoeError::Config(format!("rebalance: rank {r} refused the placement; nothing moved")));
-        }
-        if let Some(r) = votes.iter().position(|v| v[1] != fingerprint) {
-            return Err(MoeError::Config(format!(
-                "rebalance: rank {r} was given a different placement; nothing moved"
-            )));
-        }
+        agree(&*comm, &placement, self.check_placement(&placement, comm.size()))?;
         // 2. Move, building the new experts aside.
         let kept = self.kept.as_ref().expect("checked above");
         let built = move_weights(&*comm, &old, &placement, &kept.weights).and_then(|w| Ok((kept.recipe.build(&w)?, w)));
@@ -129,8 +118,24 @@ impl MoeLayer {
     }
 }
 
+/// Step 1 of a move, collective over `comm`: every rank reports whether it accepts `placement`
+/// (`checked`, its own verdict) and which placement it was given; an error on every rank when
+/// one refused or was given another, before anything moves.
+pub(crate) fn agree(comm: &dyn Communicator, placement: &ExpertPlacement, checked: Result<()>) -> Result<()> {
+    let fingerprint = fingerprint(placement);
+    let votes = comm.all_gather_vec("rebalance.agree", &[u64::from(checked.is_ok()), fingerprint])?;
+    checked?;
+    if let Some(r) = votes.iter().position(|v| v[0] == 0) {
+        return Err(MoeError::Config(format!("rebalance: rank {r} refused the placement; nothing moved")));
+    }
+    if let Some(r) = votes.iter().position(|v| v[1] != fingerprint) {
+        return Err(MoeError::Config(format!("rebalance: rank {r} was given a different placement; nothing moved")));
+    }
+    Ok(())
+}
+
 /// A hash of the placement's slots, equal on every rank for equal placements.
-pub(crate) fn fingerprint(p: &ExpertPlacement) -> u64 {
+fn fingerprint(p: &ExpertPlacement) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
     (p.num_experts(), p.ranks()).hash(&mut h);

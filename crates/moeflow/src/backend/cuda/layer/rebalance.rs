@@ -33,7 +33,7 @@ use super::{dptr, err, CudaMoeLayer, DeviceWeights};
 use crate::backend::host_route::RouteTable;
 use crate::comm::{CommExt, Communicator};
 use crate::error::{MoeError, Result};
-use crate::layer::rebalance::{fingerprint, transfers};
+use crate::layer::rebalance::{agree, transfers};
 use crate::placement::ExpertPlacement;
 use cudarc::driver::{CudaSlice, DeviceRepr, ValidAsZeroBits};
 use std::sync::Arc;
@@ -109,18 +109,7 @@ impl CudaMoeLayer {
         })?;
         let (comm, old) = (&link.comm, link.placement.clone());
         // 1. Agree.
-        let checked = self.check_placement(&placement);
-        let fingerprint = fingerprint(&placement);
-        let votes = comm.all_gather_vec("rebalance.agree", &[u64::from(checked.is_ok()), fingerprint])?;
-        checked?;
-        if let Some(r) = votes.iter().position(|v| v[0] == 0) {
-            return Err(MoeError::Config(format!("rebalance: rank {r} refused the placement; nothing moved")));
-        }
-        if let Some(r) = votes.iter().position(|v| v[1] != fingerprint) {
-            return Err(MoeError::Config(format!(
-                "rebalance: rank {r} was given a different placement; nothing moved"
-            )));
-        }
+        agree(comm, &placement, self.check_placement(&placement))?;
         // 2. Build aside.
         let aside = self.aside(&old, &placement);
         let ready = comm.all_gather_vec("rebalance.aside", &[u8::from(aside.is_ok())])?;
