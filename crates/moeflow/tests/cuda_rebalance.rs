@@ -155,15 +155,7 @@ fn default_mode_stays_within_bf16_of_the_reference_across_moves() {
 #[test]
 fn fp8_experts_move_with_their_scales() {
     let Some(n) = gpus("fp8_experts_move_with_their_scales") else { return };
-    let config = small_config(
-        144,
-        80,
-        4 * n,
-        3,
-        RouterConfig::Softmax { renormalize: true },
-        Activation::Silu,
-        Some(SharedConfig { inter: 48, gated: true }),
-    );
+    let config = fp8_test_config(n);
     let mut weights = preset::random_weights(&config, DType::BF16, 62);
     weights.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
     let spec = moeflow::RankLayerSpec::new(&config, &weights);

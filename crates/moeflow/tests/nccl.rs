@@ -435,16 +435,7 @@ fn low_latency_fp8_experts_match_the_reference() {
     let Some(n) = gpus("low_latency_fp8_experts_match_the_reference") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 48;
-    // Depths 144 and 80: multiples of 16 (fp8 rows) but not of the 128-deep scale blocks.
-    let config = small_config(
-        144,
-        80,
-        4 * n,
-        3,
-        RouterConfig::Softmax { renormalize: true },
-        Activation::Silu,
-        Some(SharedConfig { inter: 48, gated: true }),
-    );
+    let config = fp8_test_config(n);
     let weights = preset::random_weights(&config, DType::BF16, 44);
     let mut quantized = weights.clone();
     quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();

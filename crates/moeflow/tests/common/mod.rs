@@ -23,6 +23,14 @@ pub fn small_config(
     preset::config(hidden, inter, experts, top_k, router, activation, shared)
 }
 
+/// The layer the fp8-expert GPU tests run, for `ranks` expert-parallel ranks: depths 144 and 80
+/// (multiples of 16, as fp8 rows need, but not of the 128-deep scale blocks), 4 experts a rank,
+/// top-3, a gated shared expert.
+pub fn fp8_test_config(ranks: usize) -> MoeConfig {
+    let shared = Some(SharedConfig { inter: 48, gated: true });
+    small_config(144, 80, 4 * ranks, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, shared)
+}
+
 /// Inputs uniform in [-1, 1].
 pub fn hidden(tokens: usize, h: usize, seed: u64) -> (Vec<f32>, Tensor) {
     let x = preset::uniform(tokens * h, 1.0, seed);
