@@ -216,6 +216,10 @@ impl ExpertPlacement {
     /// up), so that every rank's batch looking like this one would give it `min_rows` rows.
     /// `min_rows` 0 shares every replicated expert.
     pub fn shared_replicas(&self, ids: &[i32], ranks: usize, min_rows: usize) -> Vec<bool> {
+        // Without replicas, or sharing from any count, the batch need not be counted.
+        if self.num_physical() == self.num_experts || min_rows == 0 {
+            return self.replicas.iter().map(|reps| reps.len() > 1).collect();
+        }
         let mut pairs = vec![0usize; self.num_experts];
         for &id in ids {
             if let Some(c) = usize::try_from(id).ok().and_then(|e| pairs.get_mut(e)) {
