@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use moeflow::backend::cuda::run_ranks_nccl;
-use moeflow::backend::cuda_options::REPLICA_MIN_ROWS;
+use moeflow::backend::cuda_options::{ExpertGemm, REPLICA_MIN_ROWS};
 use moeflow::comm::{CommExt, Communicator};
 use moeflow::parallel::{on_ranks, ParallelConfig, PlacementKind, RankHost, StrategyKind};
 use moeflow::placement::ExpertPlacement;
@@ -705,8 +705,10 @@ fn auto_picks_the_tables_strategy_per_batch() {
 }
 
 /// The NVLink transport moves exactly what NCCL moves: every case and placement, uneven and
-/// empty ranks, default and deterministic mode and the low-latency graph give NCCL's bits, run
-/// after run, and the layer says it took NVLink.
+/// empty ranks, all-to-all-v planned on the device and on the host, deterministic mode and the
+/// low-latency graph give NCCL's bits, run after run, and the layer says it took NVLink and
+/// which plan. The device plan's bounds differ from the host's counts, so its mode pins the
+/// Hopper GEMM's tiles on both sides (the tile shape may change a sum's order).
 #[test]
 fn nvlink_transport_gives_nccls_bits() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
@@ -721,11 +723,19 @@ fn nvlink_transport_gives_nccls_bits() {
         let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, M][r % 4]).collect();
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 90 + r as u64)).collect();
-        for (mode, deterministic, low_latency) in
-            [("default", false, false), ("deterministic", true, false), ("low-latency graph", false, true)]
-        {
+        let modes = [
+            ("device plan", false, false, true),
+            ("host plan", false, false, false),
+            ("deterministic", true, false, false),
+            ("low-latency graph", false, true, false),
+        ];
+        for (mode, deterministic, low_latency, device_plan) in modes {
             let run = |transport: Transport| {
-                let opts = CudaOptions { deterministic, transport, replica_min_rows, ..Default::default() };
+                let mut opts =
+                    CudaOptions { deterministic, transport, replica_min_rows, device_plan, ..Default::default() };
+                if device_plan {
+                    opts = CudaOptions { expert_gemm: ExpertGemm::Hopper, ..pinned_tiles(opts) };
+                }
                 run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
                     let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, placement.clone(), &opts)?;
                     if low_latency {
@@ -735,15 +745,16 @@ fn nvlink_transport_gives_nccls_bits() {
                     let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
                     let first = layer.forward(&xt)?.to_f32_vec();
                     let again = layer.forward(&xt)?.to_f32_vec();
-                    Ok((first, again, layer.transport()))
+                    Ok((first, again, layer.transport(), layer.dispatch_planned_on_device()))
                 })
             };
             let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
             for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
                 let what = format!("{mode}, {name}, {placed}: rank {rank}");
-                let (want, _, t0) = a.unwrap_or_else(|e| panic!("{what}: NCCL: {e}"));
-                let (got, again, t1) = b.unwrap_or_else(|e| panic!("{what}: NVLink: {e}"));
+                let (want, _, t0, p0) = a.unwrap_or_else(|e| panic!("{what}: NCCL: {e}"));
+                let (got, again, t1, p1) = b.unwrap_or_else(|e| panic!("{what}: NVLink: {e}"));
                 assert_eq!((t0, t1), ("nccl", "nvlink"), "{what}");
+                assert_eq!((p0, p1), (false, device_plan), "{what}: which plan ran (NCCL, NVLink)");
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                 assert!(bits(&got) == bits(&want), "{what}: NVLink differs from NCCL");
                 assert!(bits(&got) == bits(&again), "{what}: NVLink differs run to run");
@@ -755,9 +766,16 @@ fn nvlink_transport_gives_nccls_bits() {
     }
 }
 
+/// `opts` with the Hopper GEMM's tile shape fixed (128 rows, 256 columns) instead of chosen
+/// per batch.
+fn pinned_tiles(opts: moeflow::backend::cuda::CudaOptions) -> moeflow::backend::cuda::CudaOptions {
+    moeflow::backend::cuda::CudaOptions { gemm_tile_rows: Some(128), gemm_tile_cols: Some(256), ..opts }
+}
+
 /// A peer that stops answering in the middle of the NVLink transport's exchanges: the rank
 /// waiting for its rows fails within the deadline with an error naming the peer or the
-/// deadline, and the late peer fails too instead of waiting.
+/// deadline, and the late peer fails too instead of waiting; in the low-latency graph and in
+/// all-to-all-v planned on the device.
 #[test]
 fn nvlink_transport_reports_a_stalled_peer() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
@@ -765,28 +783,34 @@ fn nvlink_transport_reports_a_stalled_peer() {
     let devices: Vec<usize> = (0..n).collect();
     let (_, config, weights) = device_cases().remove(0);
     let h = config.hidden;
-    let opts = CudaOptions { transport: Transport::NvLink, ..Default::default() };
+    let opts = CudaOptions { transport: Transport::NvLink, expert_gemm: ExpertGemm::Hopper, ..Default::default() };
     let deadline = Duration::from_secs(3);
-    let results = run_ranks_nccl(&devices, deadline, |c| {
-        let layer =
-            CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?.low_latency(16)?;
-        let x = Tensor::from_f32(&[8, h], preset::uniform(8 * h, 1.0, 5))?;
-        layer.forward(&x)?;
-        if c.rank() == 1 {
-            std::thread::sleep(2 * deadline);
+    for low_latency in [true, false] {
+        let results = run_ranks_nccl(&devices, deadline, |c| {
+            let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?;
+            if low_latency {
+                layer = layer.low_latency(16)?;
+            }
+            let x = Tensor::from_f32(&[8, h], preset::uniform(8 * h, 1.0, 5))?;
+            layer.forward(&x)?;
+            let planned = layer.dispatch_planned_on_device();
+            if c.rank() == 1 {
+                std::thread::sleep(2 * deadline);
+            }
+            let start = std::time::Instant::now();
+            let r = layer.forward(&x).map(|_| ());
+            Ok((r.map_err(|e| e.to_string()), start.elapsed(), planned))
+        });
+        for (rank, r) in results.into_iter().enumerate() {
+            let (r, took, planned) = r.unwrap_or_else(|e| panic!("rank {rank} failed before the stall: {e}"));
+            assert_eq!(planned, !low_latency, "rank {rank}: the device plan ran");
+            let e = r.expect_err("an exchange with a stalled peer fails");
+            assert!(took < 2 * deadline, "rank {rank} took {took:?} to fail: {e}");
+            if rank == 0 {
+                assert!(e.contains("rank 1") || e.contains("timed out"), "rank 0: {e}");
+            }
+            eprintln!("stalled peer (low-latency {low_latency}): rank {rank} failed after {took:?}: {e}");
         }
-        let start = std::time::Instant::now();
-        let r = layer.forward(&x).map(|_| ());
-        Ok((r.map_err(|e| e.to_string()), start.elapsed()))
-    });
-    for (rank, r) in results.into_iter().enumerate() {
-        let (r, took) = r.unwrap_or_else(|e| panic!("rank {rank} failed before the stall: {e}"));
-        let e = r.expect_err("an exchange with a stalled peer fails");
-        assert!(took < 2 * deadline, "rank {rank} took {took:?} to fail: {e}");
-        if rank == 0 {
-            assert!(e.contains("rank 1") || e.contains("timed out"), "rank 0: {e}");
-        }
-        eprintln!("stalled peer: rank {rank} failed after {took:?}: {e}");
     }
 }
 
@@ -819,7 +843,13 @@ fn nvlink_window_grows_with_the_batch() {
         [("default", false, false), ("deterministic", true, false), ("low-latency", false, true)]
     {
         let run = |transport: Transport| {
-            let opts = CudaOptions { deterministic, transport, ..Default::default() };
+            // Pinned tiles: the device plan's row bounds differ from the host plan's counts.
+            let opts = pinned_tiles(CudaOptions {
+                deterministic,
+                transport,
+                expert_gemm: ExpertGemm::Hopper,
+                ..Default::default()
+            });
             run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
                 let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?;
                 if low_latency {

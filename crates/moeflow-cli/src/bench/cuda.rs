@@ -314,10 +314,10 @@ impl EpTable<'_> {
             let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
             let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
             // The strategy and the experts' implementation that ran this batch (direct runs).
-            let experts = samples
-                .iter()
-                .find(|s| !s.experts.is_empty())
-                .map_or("-".to_string(), |s| format!("{}/{}/{}", s.strategy, s.transport, s.experts));
+            let experts = samples.iter().find(|s| !s.experts.is_empty()).map_or("-".to_string(), |s| {
+                let plan = if s.device_plan { " (device plan)" } else { "" };
+                format!("{}/{}{plan}/{}", s.strategy, s.transport, s.experts)
+            });
             // Dispatch and combine against the link's ceiling.
             let link = self.peer_gbps.map_or(String::new(), |p| {
                 format!(" ({:.0}% / {:.0}% of peer copy)", 100.0 * gbps(dispatch) / p, 100.0 * gbps(collect) / p)

@@ -183,6 +183,10 @@ pub struct CudaOptions {
     pub transport: Transport,
     /// Thread blocks (one per SM) the NVLink transport's copy kernel takes.
     pub transport_sms: u32,
+    /// All-to-all-v over the NVLink transport plans its dispatch on the device (counts, row
+    /// positions and the expert grouping, with no read back to the host) where the Hopper
+    /// GEMM runs the experts and the mode is not deterministic; off, the host plans it.
+    pub device_plan: bool,
     /// Count each call's tokens per expert on the device ([`crate::load_stats`]; one small
     /// kernel a call). Off, the load statistics stay empty (to measure what counting costs).
     pub load_stats: bool,
@@ -213,6 +217,7 @@ impl Default for CudaOptions {
             deterministic: false,
             transport: Transport::Auto,
             transport_sms: 32,
+            device_plan: true,
             load_stats: true,
             replica_min_rows: REPLICA_MIN_ROWS,
         }
@@ -220,7 +225,7 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 13] = [
+pub const CUDA_VARIABLES: [(&str, &str); 14] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -232,6 +237,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 13] = [
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 32)"),
+    ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
     ("MOEFLOW_REPLICA_MIN_ROWS", "N: rows a replicated expert needs before its replicas share a batch (default 128)"),
 ];
@@ -293,6 +299,7 @@ impl CudaOptions {
                         .filter(|&n| (1..=132).contains(&n))
                         .ok_or_else(|| bad(key, value, "1 to 132"))?
                 }
+                "MOEFLOW_DEVICE_PLAN" => self.device_plan = flag(key, value)?,
                 "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
                 "MOEFLOW_REPLICA_MIN_ROWS" => {
                     self.replica_min_rows = value.parse().map_err(|_| bad(key, value, "a count of rows"))?
@@ -344,6 +351,9 @@ impl CudaOptions {
         }
         if self.transport_sms != d.transport_sms {
             parts.push(format!("{} transport SMs", self.transport_sms));
+        }
+        if !self.device_plan {
+            parts.push("dispatch planned on the host".into());
         }
         if !self.load_stats {
             parts.push("no load statistics".into());
@@ -400,8 +410,10 @@ mod tests {
             ("MOEFLOW_NVRTC_OPTIONS", " -lineinfo  -G "),
             ("MOEFLOW_DETERMINISTIC", "1"),
             ("MOEFLOW_TRANSPORT_SMS", "16"),
+            ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
             ("MOEFLOW_LOAD_STATS", "0"),
             ("MOEFLOW_REPLICA_MIN_ROWS", "0"),
+            ("MOEFLOW_DEVICE_PLAN", "0"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -418,12 +430,14 @@ mod tests {
             deterministic: true,
             transport: Transport::Auto,
             transport_sms: 16,
+            device_plan: false,
             load_stats: false,
             replica_min_rows: 0,
         };
         assert_eq!(o, want);
         assert!(o.describe().contains("no load statistics"), "{}", o.describe());
         assert!(o.describe().contains("replicas shared from 0 rows"), "{}", o.describe());
+        assert!(o.describe().contains("dispatch planned on the host"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",

@@ -38,6 +38,8 @@ pub struct GpuStageTimes {
     pub experts: &'static str,
     /// Expert-parallel: how rows moved between the GPUs ("nvlink" or "nccl").
     pub transport: &'static str,
+    /// Expert-parallel all-to-all-v: the dispatch was planned on the device, not the host.
+    pub device_plan: bool,
 }
 
 /// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds

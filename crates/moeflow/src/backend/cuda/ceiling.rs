@@ -170,12 +170,7 @@ pub fn measure_peer_push(from: usize, to: usize, sms: u32) -> Result<f64> {
     }
     let src = Raw::new(bytes)?;
     let s = &g.stream;
-    let mut lane = Vec::with_capacity(32);
-    for word in [src.0, 0, dst.0] {
-        lane.extend_from_slice(&word.to_le_bytes());
-    }
-    lane.extend_from_slice(&(rows as u32).to_le_bytes());
-    lane.extend_from_slice(&(row_bytes as u32).to_le_bytes());
+    let lane = super::layer::lane_record(src.0, 0, dst.0, 0, rows, row_bytes);
     let table = s.clone_htod(&lane).map_err(|e| err("upload", e))?;
     let flags = s.clone_htod(&[dst.0 + bytes as u64]).map_err(|e| err("upload", e))?;
     let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("alloc", e))?;

@@ -383,6 +383,11 @@ impl NcclComm {
     /// Polls until the work enqueued so far on `stream` completed.
     fn wait_stream(&self, st: &mut State, op: &str, deadline: Instant, stream: &CudaStream) -> Result<()> {
         let ev = stream.record_event(None).map_err(|e| self.fail(st, op, format!("event: {e:?}")))?;
+        self.wait_recorded(st, op, deadline, &ev)
+    }
+
+    /// Polls until `ev` has completed, with [`NcclComm::tick`]'s checks.
+    fn wait_recorded(&self, st: &mut State, op: &str, deadline: Instant, ev: &cudarc::driver::CudaEvent) -> Result<()> {
         let mut spins = 0u32;
         loop {
             match ev.try_is_complete() {
@@ -716,6 +721,15 @@ impl NcclComm {
         let mut st = self.lock();
         self.check_failure(&mut st, op)?;
         self.wait_stream(&mut st, op, Instant::now() + self.timeout, stream)
+    }
+
+    /// [`NcclComm::wait`] for the work recorded in `ev` only (later work on its stream may
+    /// still run).
+    pub(super) fn wait_event(&self, op: &str, ev: &cudarc::driver::CudaEvent) -> Result<()> {
+        let _call = self.activity.enter(op);
+        let mut st = self.lock();
+        self.check_failure(&mut st, op)?;
+        self.wait_recorded(&mut st, op, Instant::now() + self.timeout, ev)
     }
 }
 

@@ -31,14 +31,20 @@ __device__ __forceinline__ void push_row(const unsigned char* __restrict__ src, 
 extern "C" {
 
 // One lane of a push: `rows` rows of `row_bytes` bytes from `src` (row r taken from row idx[r]
-// when `idx` is set) to `dst`, which may be a peer's memory.
+// when `idx` is set) to `dst`, which may be a peer's memory; when `live` is set, only the first
+// min(rows, *live) rows (a count made on the device; `rows` is then the room for them).
 struct PushLane {
     u64 src;
     u64 idx;
     u64 dst;
+    u64 live;
     unsigned int rows;
     unsigned int row_bytes;
 };
+
+__device__ __forceinline__ u64 lane_rows(const PushLane& p) {
+    return p.live ? (u64)min((long long)p.rows, (long long)max(*(const int*)p.live, 0)) : (u64)p.rows;
+}
 
 // Copies every lane's rows (a warp per row, in 16-byte words where the lane's rows are aligned
 // to them), then the last block to finish raises this push's number
@@ -54,14 +60,14 @@ __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, i
     // equal consecutive parts, one a warp: the copies to every rank, this one's included, run
     // at once, and lanes of short rows (ids, weights) do not hold warps idle.
     u64 total = 0;
-    for (int l = 0; l < nlanes; l++) total += (u64)lanes[l].rows * (lanes[l].row_bytes + 256);
+    for (int l = 0; l < nlanes; l++) total += lane_rows(lanes[l]) * (lanes[l].row_bytes + 256);
     u64 lo = total * warp / warps, hi = total * (warp + 1) / warps, base = 0;
     for (int l = 0; l < nlanes && base < hi; l++) {
         PushLane p = lanes[l];
-        u64 wt = p.row_bytes + 256, span = (u64)p.rows * wt;
+        u64 rows = lane_rows(p), wt = p.row_bytes + 256, span = rows * wt;
         if (lo < base + span) {
             long r0 = lo > base ? (long)((lo - base + wt - 1) / wt) : 0;
-            long r1 = (long)min((u64)p.rows, (hi - base + wt - 1) / wt);
+            long r1 = (long)min(rows, (hi - base + wt - 1) / wt);
             const unsigned char* src = (const unsigned char*)p.src;
             unsigned char* dst = (unsigned char*)p.dst;
             int rb = (int)p.row_bytes;
@@ -120,6 +126,99 @@ __global__ void nvl_wait(const u64* flags, int n, u64* received, long long timeo
     __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) *received = want;
+}
+
+// The first step of all-to-all-v's device plan, a thread per token of the T (ids [T, k]): where
+// each slot is served (the placement's tables and `shared`, as placed_replica; local slots
+// below 2^20), as
+// dest[t k + j] = rank << 20 | local slot there (-1 for no expert), and the ranks the token goes
+// to as a bit mask ranks[t].
+__global__ void nvl_plan_slots(const int* ids, int T, int k, const int* rep_first, const int* rep_count,
+                               const int* rep_rank, const int* rep_slot, const int* shared, int* dest,
+                               unsigned int* ranks) {
+    for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
+        unsigned int m = 0;
+        for (int j = 0; j < k; j++) {
+            int id = ids[(long)t * k + j], d = -1;
+            if (id >= 0) {
+                int p = placed_replica(rep_first, rep_count, shared, id, t, j);
+                m |= 1u << rep_rank[p];
+                d = rep_rank[p] << 20 | rep_slot[p];
+            }
+            dest[(long)t * k + j] = d;
+        }
+        ranks[t] = m;
+    }
+}
+
+// The dispatch plan of all-to-all-v, by one block of 1024 threads from nvl_plan_slots' `dest`
+// and `ranks`: each of the T tokens goes once to every rank d in its mask, in token order. For
+// the token sent p-th to d: send_idx[d T + p] = the token, send_ids[(d T + p) k + j] = slot j's
+// local expert on d (-1 where another rank serves it), home_rows[token n + d] = d T + p (-1 for
+// the ranks it skips); sent[d] = the tokens sent to d. Ranks n <= 32.
+__global__ void nvl_plan(const int* dest, const unsigned int* ranks, int T, int k, int n, int* send_idx,
+                         int* send_ids, int* home_rows, int* sent) {
+    __shared__ int warp_sum[32];
+    __shared__ int base[32];
+    int per = (T + blockDim.x - 1) / blockDim.x;
+    int lo = min(T, (int)threadIdx.x * per), hi = min(T, lo + per);
+    int lane = threadIdx.x % 32, w = threadIdx.x / 32, warps = blockDim.x / 32;
+    // This thread's first position for each rank: a block-wide exclusive scan of the counts of
+    // the threads before it, one rank at a time.
+    int first[32];
+    for (int d = 0; d < n; d++) {
+        int c = 0;
+        for (int i = lo; i < hi; i++) c += (ranks[i] >> d) & 1;
+        int x = c;
+        for (int o = 1; o < 32; o <<= 1) {
+            int y = __shfl_up_sync(0xffffffffu, x, o);
+            if (lane >= o) x += y;
+        }
+        if (lane == 31) warp_sum[w] = x;
+        __syncthreads();
+        if (w == 0) {
+            int v = lane < warps ? warp_sum[lane] : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                int y = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) v += y;
+            }
+            warp_sum[lane] = v;
+            if (lane == 31) base[d] = v;
+        }
+        __syncthreads();
+        first[d] = (w > 0 ? warp_sum[w - 1] : 0) + x - c;
+        __syncthreads();
+    }
+    for (int i = lo; i < hi; i++) {
+        unsigned int m = ranks[i];
+        for (int d = 0; d < n; d++) {
+            if (!((m >> d) & 1)) {
+                home_rows[(long)i * n + d] = -1;
+                continue;
+            }
+            long row = (long)d * T + first[d]++;
+            send_idx[row] = i;
+            home_rows[(long)i * n + d] = (int)row;
+            for (int j = 0; j < k; j++) {
+                int x = dest[(long)i * k + j];
+                send_ids[row * k + j] = x >= 0 && (x >> 20) == d ? (x & 0xfffff) : -1;
+            }
+        }
+    }
+    if (threadIdx.x < n) sent[threadIdx.x] = base[threadIdx.x];
+}
+
+// Where the experts are, after a device-planned dispatch: the local expert of each received
+// slot (rows × k ids in the window, rank s's rows from starts[s], the first counts[s] of them
+// sent), or el for a slot served elsewhere or a row no rank sent.
+__global__ void nvl_landed_ids(const int* ids, const int* counts, const int* starts, int n, int rows, int k, int el,
+                               int* local_ids) {
+    for (long q = (long)blockIdx.x * blockDim.x + threadIdx.x; q < (long)rows * k; q += (long)gridDim.x * blockDim.x) {
+        int r = (int)(q / k), s = 0;
+        while (s + 1 < n && r >= starts[s + 1]) s++;
+        int id = r - starts[s] < counts[s] ? ids[q] : -1;
+        local_ids[q] = id >= 0 && id < el ? id : el;
+    }
 }
 
 }  // extern "C"

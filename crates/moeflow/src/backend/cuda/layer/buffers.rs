@@ -40,6 +40,9 @@ pub(super) struct Buffers {
     pub(super) ep: Option<EpBuffers>,
     /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
     pub(super) exchange: Option<CudaSlice<i32>>,
+    /// Expert-parallel: every rank's batch size, exchanged before the routing (see
+    /// [`CudaMoeLayer::share_batches`]).
+    pub(super) batches: Option<super::expert_parallel::Batches>,
     /// Deterministic mode's shared expert as a one-expert grouped GEMM: its row count and
     /// offset (0).
     pub(super) shared_rows: CudaSlice<i32>,
@@ -118,6 +121,7 @@ impl CudaMoeLayer {
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
                 ep: None,
                 exchange: None,
+                batches: None,
                 shared_rows: z!(i32, 2),
                 router_fixed: if self.opts.deterministic {
                     Some(z!(f32, h.div_ceil(super::route::ROUTER_FIXED_COLS) * t * e))

@@ -53,6 +53,12 @@ pub(super) struct EpBuffers {
     /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
     pub(super) send_logits: CudaSlice<f32>,
     pub(super) recv_logits: CudaSlice<f32>,
+    /// A dispatch planned on the device: where each rank's rows start in a receiver's window
+    /// (`ranks + 1` ints), the tokens this rank sends each rank (`ranks`), and its batch (1);
+    /// where each home slot is served (rank and local slot) and the ranks each token goes to.
+    pub(super) plan: CudaSlice<i32>,
+    pub(super) dest: CudaSlice<i32>,
+    pub(super) ranks: CudaSlice<u32>,
 }
 
 /// The expert-parallel side of a layer: its communicator, where every expert lives (this
@@ -70,6 +76,8 @@ pub(super) struct EpLink {
     pub(super) capacity: Option<usize>,
     /// How rows travel between the ranks (see [`super::nvlink`]).
     pub(super) transport: std::sync::Mutex<super::nvlink::LinkTransport>,
+    /// Whether the last all-to-all-v dispatch was planned on the device.
+    pub(super) device_planned: std::sync::atomic::AtomicBool,
 }
 
 /// Where the rows a rank received lie, with their ids and weights: its buffers (NCCL), or its
@@ -88,6 +96,22 @@ impl EpBuffers {
     }
 }
 
+/// Every rank's batch size on its way to the host: an all-gather enqueued before the routing,
+/// copied into page-locked memory, the event after the copy, and the sizes once read (for
+/// this call only: [`Batches::forget`] runs as each call starts).
+pub(super) struct Batches {
+    host: cudarc::driver::PinnedHostSlice<i32>,
+    ready: Option<cudarc::driver::CudaEvent>,
+    read: Option<Vec<usize>>,
+}
+
+impl Batches {
+    /// Forgets the last call's sizes.
+    pub(super) fn forget(&mut self) {
+        self.read = None;
+    }
+}
+
 /// How a rank finds the slots it serves among the received ones.
 #[derive(Clone, Copy, Debug)]
 pub(super) enum Localize {
@@ -98,6 +122,10 @@ pub(super) enum Localize {
     /// (a device `[ranks, E]` of flags, or 0 for every expert) whose replicas share each
     /// rank's batch.
     Placed { period: usize, shared: u64 },
+    /// The ids arrive as local slots (-1: served elsewhere) in a window where rank `s`'s rows
+    /// start at row `starts[s]`, and only the first `counts[s]` of them were sent (device
+    /// arrays of an int per rank, `ranks + 1` starts).
+    Landed { counts: u64, starts: u64 },
 }
 
 /// How this rank's experts take the slots they received (see `CudaMoeLayer::local_plan`).
@@ -129,7 +157,18 @@ impl CudaMoeLayer {
         let local = placement.local_experts(rank).len();
         let route_table = RouteTable::new(&placement);
         let transport = std::sync::Mutex::new(super::nvlink::LinkTransport::Pending(Default::default()));
-        Ok(EpLink { placement, local, phys_first, tables: None, route_table, comm, capacity: None, transport })
+        let device_planned = Default::default();
+        Ok(EpLink {
+            placement,
+            local,
+            phys_first,
+            tables: None,
+            route_table,
+            comm,
+            capacity: None,
+            transport,
+            device_planned,
+        })
     }
 
     /// This rank's routing read to the host: the `t · k` expert ids and the slots per expert.
@@ -169,6 +208,58 @@ impl CudaMoeLayer {
         s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(m..m * (n + 1)), &mut all)
             .map_err(|e| err("reading counts", e))?;
         Ok(all)
+    }
+
+    /// Enqueues the all-gather of every rank's batch size (this rank's `t`) on the layer's
+    /// stream, to be read by [`CudaMoeLayer::batches`]: enqueued before the routing, it lets
+    /// the host learn the sizes while the routing runs. Collective.
+    pub(super) fn share_batches(&self, b: &mut Buffers, link: &EpLink, t: usize) -> Result<()> {
+        use crate::comm::Communicator;
+        use cudarc::nccl::sys as nc;
+        let (n, s) = (link.comm.size(), &self.gpu.stream);
+        if b.exchange.as_ref().is_none_or(|x| x.len() < n + 1) {
+            b.exchange = Some(s.alloc_zeros::<i32>(n + 1).map_err(|e| err("allocating workspace", e))?);
+        }
+        if b.batches.as_ref().is_none_or(|x| x.host.len() < n) {
+            // SAFETY: page-locked host memory for n ints, written by the copy below before
+            // any read (which waits for it).
+            let host = unsafe { self.gpu.ctx.alloc_pinned_with_flags::<i32>(n, 0) }
+                .map_err(|e| err("allocating host memory", e))?;
+            b.batches = Some(Batches { host, ready: None, read: None });
+        }
+        let ex = b.exchange.as_mut().expect("allocated");
+        s.memcpy_htod(&[t as i32], &mut ex.slice_mut(0..1)).map_err(|e| err("upload", e))?;
+        let exp = dptr(ex, &self.gpu);
+        link.comm.enqueue("moe batch sizes", s, |comm, cs| {
+            // SAFETY: all-gather of one int per rank into the n ints after this rank's own.
+            unsafe { nc::ncclAllGather(exp as _, (exp + 4) as _, 1, nc::ncclDataType_t::ncclInt32, comm, cs) }
+        })?;
+        let batches = b.batches.as_mut().expect("allocated");
+        s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(1..n + 1), &mut batches.host)
+            .map_err(|e| err("reading batch sizes", e))?;
+        batches.ready = Some(s.record_event(None).map_err(|e| err("event", e))?);
+        batches.read = None;
+        Ok(())
+    }
+
+    /// Every rank's batch size in this call, as [`CudaMoeLayer::share_batches`] enqueued them
+    /// (waited for against the communicator's deadline), or exchanged now with this rank's
+    /// `t` when they were not.
+    pub(super) fn batches(&self, b: &mut Buffers, link: &EpLink, t: usize) -> Result<Vec<usize>> {
+        use crate::comm::Communicator;
+        if let Some(read) = b.batches.as_ref().and_then(|x| x.read.clone()) {
+            return Ok(read);
+        }
+        if b.batches.as_ref().is_none_or(|x| x.ready.is_none()) {
+            self.share_batches(b, link, t)?;
+        }
+        let batches = b.batches.as_mut().expect("shared");
+        let ready = batches.ready.take().expect("shared");
+        link.comm.wait_event("moe batch sizes", &ready)?;
+        let sizes = batches.host.as_slice().map_err(|e| err("reading batch sizes", e))?;
+        let read: Vec<usize> = sizes[..link.comm.size()].iter().map(|&x| x.max(0) as usize).collect();
+        batches.read = Some(read.clone());
+        Ok(read)
     }
 
     /// How this rank's experts take `local[j]` slots each: the implementation the policy
@@ -217,6 +308,18 @@ impl CudaMoeLayer {
                     .launch(grid(received * k))
                     .map_err(|e| err("localize_ids", e))?;
             },
+            Localize::Landed { counts, starts } => {
+                let (ni, rows_i) = (link.comm.size() as i32, received as i32);
+                let ki = k as i32;
+                // SAFETY: nvl_landed_ids(int*, int*, int*, int, int, int, int, int*) over the
+                // received * k ids; counts holds an int per rank and starts one more.
+                unsafe {
+                    let mut l = s.launch_builder(&self.k.nvl_landed_ids);
+                    l.arg(&recv_ids).arg(&counts).arg(&starts).arg(&ni).arg(&rows_i).arg(&ki).arg(&el_i);
+                    l.arg(&local_ids).launch(grid(received * k))
+                }
+                .map_err(|e| err("nvl_landed_ids", e))?;
+            }
             Localize::Placed { period, shared } => {
                 let tables = link.tables.as_ref().expect("uploaded when the layer was assembled").ptrs(g);
                 let (ki, period_i, rank_i) = (k as i32, period.max(1) as i32, link.comm.rank() as i32);
@@ -413,6 +516,9 @@ impl CudaMoeLayer {
             slot_row: z32(if det { t * k } else { 1 })?,
             send_logits: zf(sent * e)?,
             recv_logits: zf(recv * e)?,
+            plan: z32(2 * ranks + 2)?,
+            dest: z32(t * k)?,
+            ranks: s.alloc_zeros::<u32>(t).map_err(|e| err("allocating workspace", e))?,
         })
     }
 }

@@ -58,6 +58,7 @@ pub use dual_batch::CudaDualBatch;
 use expert_gemm::act_params;
 pub(super) use expert_gemm::{act_and_mul, gemm_bf16};
 use expert_parallel::{EpBuffers, EpLink};
+pub(super) use nvlink::lane_record;
 use side_streams::SideStreams;
 
 struct Kernels {
@@ -89,6 +90,9 @@ struct Kernels {
     ll_combine: CudaFunction,
     nvl_push: CudaFunction,
     nvl_wait: CudaFunction,
+    nvl_plan_slots: CudaFunction,
+    nvl_plan: CudaFunction,
+    nvl_landed_ids: CudaFunction,
     masked_gemm: CudaFunction,
     masked_gemm_fp8: CudaFunction,
     masked_gemm_w8a8: CudaFunction,
@@ -136,7 +140,7 @@ fn no_hook(_stage: usize, _stream: &cudarc::driver::CudaStream) -> Result<()> {
 /// What one run of the layer did: bytes dispatched to other ranks, the strategy and the
 /// experts' implementation.
 struct Ran {
-    sent: usize,
+    sent: strategy::Sent,
     strategy: &'static str,
     experts: &'static str,
 }
@@ -249,6 +253,9 @@ impl CudaMoeLayer {
             ll_combine: f("ll_combine")?,
             nvl_push: f("nvl_push")?,
             nvl_wait: f("nvl_wait")?,
+            nvl_plan_slots: f("nvl_plan_slots")?,
+            nvl_plan: f("nvl_plan")?,
+            nvl_landed_ids: f("nvl_landed_ids")?,
             masked_gemm: f("masked_gemm")?,
             masked_gemm_fp8: f("masked_gemm_fp8")?,
             masked_gemm_w8a8: f("masked_gemm_w8a8")?,
@@ -782,11 +789,12 @@ impl CudaMoeLayer {
             combine: ms(7, 8)?,
             shared: ms(8, 9)?,
             total: ms(0, 9)?,
-            dispatch_bytes: ran.sent,
+            dispatch_bytes: self.sent_bytes(ran.sent)?,
             experts_used: self.experts_used(b)?,
             strategy: ran.strategy,
             experts: ran.experts,
             transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
+            device_plan: self.dispatch_planned_on_device(),
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
@@ -801,6 +809,23 @@ impl CudaMoeLayer {
             Some(link) => link.check_transport(link.comm.wait("moe layer", s)),
             None => s.synchronize().map_err(|e| err("synchronize", e)),
         }
+    }
+
+    /// The bytes a completed run dispatched to other ranks (read from the device where the
+    /// dispatch counted them there).
+    fn sent_bytes(&self, sent: strategy::Sent) -> Result<usize> {
+        use crate::comm::Communicator;
+        let (strategy::Sent::Counted { rows, row_bytes }, Some(link)) = (sent, &self.ep) else {
+            return Ok(match sent {
+                strategy::Sent::Bytes(b) => b,
+                strategy::Sent::Counted { .. } => 0,
+            });
+        };
+        let (n, rank) = (link.comm.size(), link.comm.rank());
+        let mut counts = vec![0i32; n];
+        // SAFETY: `rows` holds an int per rank, written by the completed run.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut counts, rows) }.map_err(|e| err("reading counts", e))?;
+        Ok(counts.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &c)| c.max(0) as usize * row_bytes).sum())
     }
 
     /// One GPU: the experts that received rows in the last run on `b` (0 elsewhere).
@@ -818,6 +843,14 @@ impl CudaMoeLayer {
     fn enqueue(&self, b: &mut Buffers, t: usize, mark: &dyn Fn(usize) -> Result<()>) -> Result<Ran> {
         let g = &self.gpu;
         mark(0)?;
+        // Every rank's batch size, where the auto table or the strategy needs it: exchanged
+        // first, so the host has it by the time the routing has run.
+        if let Some(batches) = b.batches.as_mut() {
+            batches.forget();
+        }
+        if let Some(link) = self.ep.as_ref().filter(|_| self.auto.is_some() || self.strategy.needs_batches(self)) {
+            self.share_batches(b, link, t)?;
+        }
         // An expert-parallel rank without tokens still takes part in every exchange.
         if t > 0 {
             self.route(b, t)?;

@@ -48,17 +48,41 @@ pub(super) struct NvLink {
 
 /// One kind of rows of a push: `row_bytes` each, at `src` grouped by destination rank (in
 /// rank order), or gathered through the row index `idx` (rows of `src` by source row);
-/// landing in window region `region` of each receiver, grouped by source rank.
+/// `counts[s · n + d]` rows from rank `s` to rank `d`, landing in window region `region` of
+/// each receiver after the rows of lower source ranks. With `live` (a device array of an `int`
+/// per destination), only the first `live[d]` of this rank's `counts[rank · n + d]` rows go:
+/// the counts are then the room the plan leaves for them.
 #[derive(Clone, Copy)]
-pub(super) struct Lane {
+pub(super) struct Lane<'a> {
     pub(super) src: u64,
     pub(super) idx: Option<u64>,
     pub(super) row_bytes: usize,
     pub(super) region: usize,
+    pub(super) counts: &'a [usize],
+    pub(super) live: Option<u64>,
 }
 
 /// Bytes of a lane record (`PushLane` in nvlink.cu).
-const LANE: usize = 32;
+const LANE: usize = 40;
+
+/// The `PushLane` record (nvlink.cu) of `rows` rows of `row_bytes` from `src` (through the row
+/// index `idx` when not 0) to `dst`, of which only the first `*live` go when `live` is not 0.
+pub(in crate::backend::cuda) fn lane_record(
+    src: u64,
+    idx: u64,
+    dst: u64,
+    live: u64,
+    rows: usize,
+    row_bytes: usize,
+) -> [u8; LANE] {
+    let mut r = [0u8; LANE];
+    for (i, word) in [src, idx, dst, live].into_iter().enumerate() {
+        r[8 * i..8 * i + 8].copy_from_slice(&word.to_le_bytes());
+    }
+    r[32..36].copy_from_slice(&(rows as u32).to_le_bytes());
+    r[36..40].copy_from_slice(&(row_bytes as u32).to_le_bytes());
+    r
+}
 /// Threads per block of the push kernel.
 const PUSH_THREADS: u32 = 512;
 
@@ -77,6 +101,12 @@ impl CudaMoeLayer {
     /// run decided, the option's name ("auto") before; empty on one GPU.
     pub fn transport(&self) -> &'static str {
         self.ep.as_ref().map_or("", |l| l.transport_name())
+    }
+
+    /// Whether this expert-parallel layer's last all-to-all-v dispatch was planned on the
+    /// device (see `CudaOptions::device_plan`); false for other strategies and one GPU.
+    pub fn dispatch_planned_on_device(&self) -> bool {
+        self.ep.as_ref().is_some_and(|l| l.device_planned.load(std::sync::atomic::Ordering::Relaxed))
     }
 
     /// Where this rank's window regions start, each of at least `regions` bytes (the same on
@@ -127,15 +157,14 @@ impl CudaMoeLayer {
     }
 
     /// One exchange over the link's NVLink window (opened by [`CudaMoeLayer::nvlink`]):
-    /// pushes `lanes` to every rank (`counts[s · n + d]` rows from rank `s` to rank `d`,
-    /// landing after the rows of lower source ranks) and waits on the device until every
-    /// rank's push has landed here. `slot` 0 is the dispatch, 1 the combine.
-    pub(super) fn exchange_nvlink(&self, link: &EpLink, slot: usize, lanes: &[Lane], counts: &[usize]) -> Result<()> {
+    /// pushes `lanes` to every rank and waits on the device until every rank's push has landed
+    /// here. `slot` 0 is the dispatch, 1 the combine.
+    pub(super) fn exchange_nvlink(&self, link: &EpLink, slot: usize, lanes: &[Lane]) -> Result<()> {
         let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
         let LinkTransport::NvLink(nv) = &mut *guard else {
             return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
         };
-        self.push(nv, link, slot, lanes, counts)?;
+        self.push(nv, link, slot, lanes)?;
         self.await_pushes(nv, link, slot as i32)
     }
 
@@ -159,17 +188,17 @@ impl CudaMoeLayer {
         Ok(NvLink { win, regions, counters, flags, tables: [table()?, table()?], held: [Vec::new(), Vec::new()] })
     }
 
-    /// Pushes `lanes` to every rank: `counts[s · n + d]` rows go from rank `s` to rank `d`,
-    /// and land in each receiver's region after the rows of lower source ranks. `slot` picks
-    /// the lane table (0 dispatch, 1 combine): a table that holds these lanes already is not
-    /// uploaded again (a captured graph replays the same one).
-    fn push(&self, nv: &mut NvLink, link: &EpLink, slot: usize, lanes: &[Lane], counts: &[usize]) -> Result<()> {
+    /// Pushes `lanes` to every rank (see [`Lane`]). `slot` picks the lane table (0 dispatch, 1
+    /// combine): a table that holds these lanes already is not uploaded again (a captured
+    /// graph replays the same one).
+    fn push(&self, nv: &mut NvLink, link: &EpLink, slot: usize, lanes: &[Lane]) -> Result<()> {
         let (n, rank) = (link.comm.size(), link.comm.rank());
         let g = &self.gpu;
         let s = &g.stream;
         let mut table = Vec::with_capacity(lanes.len() * n * LANE);
         let mut records = 0usize;
         for lane in lanes {
+            let counts = lane.counts;
             let (at, bytes) = nv.regions[lane.region];
             let mut sent = 0usize;
             for peer in 0..n {
@@ -188,11 +217,8 @@ impl CudaMoeLayer {
                         None => (lane.src + (sent * lane.row_bytes) as u64, 0),
                     };
                     let dst = nv.win.peer(peer) + (at + landed * lane.row_bytes) as u64;
-                    for word in [src, idx, dst] {
-                        table.extend_from_slice(&word.to_le_bytes());
-                    }
-                    table.extend_from_slice(&(rows as u32).to_le_bytes());
-                    table.extend_from_slice(&(lane.row_bytes as u32).to_le_bytes());
+                    let live = lane.live.map_or(0, |c| c + 4 * peer as u64);
+                    table.extend_from_slice(&lane_record(src, idx, dst, live, rows, lane.row_bytes));
                     records += 1;
                 }
                 sent += rows;

@@ -108,6 +108,12 @@ impl CudaMoeLayer {
         }
     }
 
+    /// The experts' implementation for rows grouped on the device without a host count (a
+    /// dispatch planned on the device): the Hopper GEMM with bf16 experts where it runs.
+    pub(super) fn device_planned_experts(&self) -> Option<&'static dyn DeviceExperts> {
+        self.ll_hopper().map(|_| &Hopper as &'static dyn DeviceExperts)
+    }
+
     /// cuBLAS for `rows` rows over experts of `counts` rows each (read on the host), as
     /// [`ExpertGemm::cublas_layout`] lays it out; the padded layout's cap with it (0: grouped).
     pub(super) fn host_counted(&self, rows: usize, counts: &[usize]) -> (&'static dyn DeviceExperts, usize) {

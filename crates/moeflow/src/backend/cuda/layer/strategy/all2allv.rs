@@ -8,7 +8,8 @@
 //! transport's push, which gathers the token rows and weights by index straight into the peers'
 //! windows (see [`super::super::nvlink`]).
 
-use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
+use super::all2allv_nvlink::{self, DevicePlan};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, Localize};
 use crate::backend::cuda::layer::nvlink::Lane;
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
@@ -35,12 +36,14 @@ struct Plan {
     nvlink: Option<Returns>,
 }
 
-/// The NVLink window's regions (see [`regions`]).
-const ROWS: usize = 0;
-const IDS: usize = 1;
-const WEIGHTS: usize = 2;
-const BACK: usize = 3;
-const SLOTS: usize = 4;
+/// The NVLink window's regions (see [`regions_of`]), the same for both plans, so that a layer
+/// that takes either keeps its window.
+pub(super) const ROWS: usize = 0;
+pub(super) const IDS: usize = 1;
+pub(super) const WEIGHTS: usize = 2;
+pub(super) const BACK: usize = 3;
+pub(super) const SLOTS: usize = 4;
+pub(super) const COUNTS: usize = 5;
 
 /// Over NVLink: where the experts' outputs come home (partial sums, or deterministic mode's
 /// slot rows), and the rows each rank sends each rank in the dispatch (`[src · n + dst]`).
@@ -55,8 +58,18 @@ impl DevicePrepareFinalize for All2AllV {
         "all2allv"
     }
 
+    fn needs_batches(&self, l: &CudaMoeLayer) -> bool {
+        l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link))
+    }
+
     fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State> {
         let link = l.ep.as_ref().expect("an expert-parallel layer");
+        let planned =
+            if all2allv_nvlink::applies(l, link) { all2allv_nvlink::prepare_begin(l, b, t, mark)? } else { None };
+        link.device_planned.store(planned.is_some(), std::sync::atomic::Ordering::Relaxed);
+        if let Some(state) = planned {
+            return Ok(state);
+        }
         let (h, k) = (l.config.hidden, l.config.top_k);
         let (n, rank) = (link.comm.size(), link.comm.rank());
         let g = &l.gpu;
@@ -99,11 +112,25 @@ impl DevicePrepareFinalize for All2AllV {
             // The rows and weights gathered by token straight into the peers' windows.
             mark(2)?;
             let lanes = [
-                Lane { src: pb(&b.x_bf), idx: Some(send_idx), row_bytes: 2 * h, region: ROWS },
-                Lane { src: send_ids, idx: None, row_bytes: 4 * k, region: IDS },
-                Lane { src: dptr(&b.weights, g), idx: Some(send_idx), row_bytes: 4 * k, region: WEIGHTS },
+                Lane {
+                    src: pb(&b.x_bf),
+                    idx: Some(send_idx),
+                    row_bytes: 2 * h,
+                    region: ROWS,
+                    counts: &counts,
+                    live: None,
+                },
+                Lane { src: send_ids, idx: None, row_bytes: 4 * k, region: IDS, counts: &counts, live: None },
+                Lane {
+                    src: dptr(&b.weights, g),
+                    idx: Some(send_idx),
+                    row_bytes: 4 * k,
+                    region: WEIGHTS,
+                    counts: &counts,
+                    live: None,
+                },
             ];
-            l.exchange_nvlink(link, 0, &lanes, &counts)?;
+            l.exchange_nvlink(link, 0, &lanes)?;
             state.landed = Landed { rows: at[ROWS], ids: at[IDS], w: at[WEIGHTS] };
             state.nvlink = Some(Returns { back: at[BACK], slots: at[SLOTS], counts });
             return Ok(Box::new(state));
@@ -144,6 +171,10 @@ impl DevicePrepareFinalize for All2AllV {
         pending: State,
         mark: Mark,
     ) -> Result<Dispatched> {
+        let pending = match pending.downcast::<DevicePlan>() {
+            Ok(p) => return all2allv_nvlink::prepare_finish(l, b, p, mark),
+            Err(other) => other,
+        };
         let mut p = state_of::<Plan>(pending, self.name())?;
         let plan = p.plan.take().expect("planned in prepare_begin");
         let rows = l.group_received(b, p.received, plan, Localize::Resolved, p.landed)?;
@@ -152,10 +183,13 @@ impl DevicePrepareFinalize for All2AllV {
         let (h, k, rank) = (l.config.hidden, l.config.top_k, link.comm.rank());
         let row = 2 * h + 8 * k;
         let sent = p.send_tok.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &r)| r * row).sum();
-        Ok(Dispatched { rows, sent, state: p })
+        Ok(Dispatched { rows, sent: Sent::Bytes(sent), state: p })
     }
 
     fn finalize_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, d: &mut Dispatched) -> Result<()> {
+        if let Some(p) = d.state.downcast_ref::<DevicePlan>() {
+            return all2allv_nvlink::finalize_begin(l, b, p);
+        }
         let p = d.state.downcast_ref::<Plan>().expect("this strategy's state");
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let h = l.config.hidden;
@@ -169,13 +203,16 @@ impl DevicePrepareFinalize for All2AllV {
             // The partial sums go home the way the rows came: the dispatch's counts transposed.
             let n = link.comm.size();
             let back_counts: Vec<usize> = (0..n * n).map(|i| r.counts[(i % n) * n + i / n]).collect();
-            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK };
-            return l.exchange_nvlink(link, 1, &[lane], &back_counts);
+            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK, counts: &back_counts, live: None };
+            return l.exchange_nvlink(link, 1, &[lane]);
         }
         l.exchange_rows(link, "moe combine", &[(part, 2 * h)], &p.recv_tok, &[(back, 2 * h)], &p.send_tok)
     }
 
     fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, d: Dispatched, mark: Mark) -> Result<()> {
+        if let Some(p) = d.state.downcast_ref::<DevicePlan>() {
+            return all2allv_nvlink::finalize_finish(l, b, t, p, mark);
+        }
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let g = &l.gpu;
         mark(7)?;
@@ -235,8 +272,8 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
         // The served rows of y, gathered straight into their home's window: rank r serves
         // rank s the slots of s on r's experts.
         let counts: Vec<usize> = (0..n * n).map(|i| served_by(link, &p.all, i / n, i % n)).collect();
-        let lane = Lane { src: y, idx: Some(ret_idx), row_bytes: 2 * h, region: SLOTS };
-        return l.exchange_nvlink(link, 1, &[lane], &counts);
+        let lane = Lane { src: y, idx: Some(ret_idx), row_bytes: 2 * h, region: SLOTS, counts: &counts, live: None };
+        return l.exchange_nvlink(link, 1, &[lane]);
     }
     // SAFETY: take_rows copies the `served` rows of y (h wide) named by ret_idx into `ret`,
     // which holds the plan's rows ≥ served rows.
@@ -265,7 +302,7 @@ fn served_by(link: &EpLink, all: &[i32], server: usize, src: usize) -> usize {
 /// The NVLink window's region sizes in bytes, the same on every rank (from every rank's
 /// counts): the token rows, ids and weights the busiest receiver gets, the partial sums the
 /// busiest sender gets back, and in deterministic mode the slot rows of the largest batch.
-fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 5] {
+fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 6] {
     let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
     let np = link.placement.num_physical();
     let received = (0..n).map(|d| (0..n).map(|s| counts[s * n + d]).sum::<usize>()).max().unwrap_or(0);
@@ -276,5 +313,13 @@ fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [u
         }
         false => 0,
     };
-    [received * 2 * h, received * 4 * k, received * 4 * k, sent * 2 * h, slots * 2 * h]
+    regions_of(h, k, n, [received, received, received, sent, slots])
+}
+
+/// The window's regions in bytes for `rows` = [token rows, their ids, their weights, returned
+/// sums, returned slot rows] of hidden size `h` and `k` slots, and a count from each of `n`
+/// ranks.
+pub(super) fn regions_of(h: usize, k: usize, n: usize, rows: [usize; 5]) -> [usize; 6] {
+    let [x, ids, w, back, slots] = rows;
+    [x * 2 * h, ids * 4 * k, w * 4 * k, back * 2 * h, slots * 2 * h, 4 * n]
 }

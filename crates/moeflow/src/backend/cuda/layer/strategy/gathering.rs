@@ -7,7 +7,7 @@
 //! order (zeros when it holds none of them), as in all-to-all-v; the collectives add the
 //! ranks' bf16 partials in NCCL's fixed order, so runs repeat exactly.
 
-use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::expert_parallel::{LocalPlan, Localize};
 use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
@@ -217,7 +217,7 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         let rows = l.group_received(b, received, plan, Localize::Placed { period: t_max, shared: p.shares }, at)?;
         mark(3)?;
         let row = if G::LOGITS { 2 * h + 4 * e } else { 2 * h + 8 * k };
-        Ok(Dispatched { rows, sent: (n - 1) * t_max * row, state: p })
+        Ok(Dispatched { rows, sent: Sent::Bytes((n - 1) * t_max * row), state: p })
     }
 
     fn finalize_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, d: &mut Dispatched) -> Result<()> {

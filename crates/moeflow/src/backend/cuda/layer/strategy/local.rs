@@ -2,7 +2,7 @@
 //! by expert, or only the slot/row maps where the Hopper GEMM gathers the rows itself) and
 //! finalize is the weighted sum of each token's expert rows in slot order.
 
-use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{ExpertRows, Form};
 use crate::backend::cuda::layer::hopper_gemm::Gather;
 use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
@@ -77,7 +77,7 @@ impl DevicePrepareFinalize for Local {
     ) -> Result<Dispatched> {
         mark(3)?;
         let rows = *state_of::<ExpertRows>(rows, self.name())?;
-        Ok(Dispatched { rows, sent: 0, state: Box::new(()) })
+        Ok(Dispatched { rows, sent: Sent::Bytes(0), state: Box::new(()) })
     }
 
     fn finalize_begin(&self, _: &CudaMoeLayer, _: &mut Buffers, _: usize, _: &mut Dispatched) -> Result<()> {

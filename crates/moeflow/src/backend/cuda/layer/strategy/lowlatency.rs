@@ -8,7 +8,7 @@
 //! home in rank order. Over the NVLink transport both messages are pushed straight into the
 //! peers' windows, and the push and its wait are captured in the graph with the rest.
 
-use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, State};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
 use crate::backend::cuda::layer::low_latency::row_stride;
 use crate::backend::cuda::layer::nvlink::Lane;
@@ -80,8 +80,9 @@ impl DevicePrepareFinalize for LowLatency {
         mark(2)?;
         let regions = [n * m * stride, n * m * 2 * h];
         if let Some(at) = l.nvlink(link, &regions)? {
-            let lane = Lane { src: send, idx: None, row_bytes: stride, region: 0 };
-            l.exchange_nvlink(link, 0, &[lane], &vec![m; n * n])?;
+            let every = vec![m; n * n];
+            let lane = Lane { src: send, idx: None, row_bytes: stride, region: 0, counts: &every, live: None };
+            l.exchange_nvlink(link, 0, &[lane])?;
             return Ok(Box::new(Landing { recv: at[0], back: at[1], nvlink: true }));
         }
         let every = vec![m; n];
@@ -154,7 +155,7 @@ impl DevicePrepareFinalize for LowLatency {
             offsets: dptr(&ll.offsets, g),
             gather: None,
         };
-        Ok(Dispatched { rows, sent: l.ll_sent_bytes(), state: landing })
+        Ok(Dispatched { rows, sent: Sent::Bytes(l.ll_sent_bytes()), state: landing })
     }
 
     /// The weighted sum per message row, sent back to its rank.
@@ -178,8 +179,9 @@ impl DevicePrepareFinalize for LowLatency {
         }
         .map_err(|e| err("ll_combine", e))?;
         if landing.nvlink {
-            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: 1 };
-            return l.exchange_nvlink(link, 1, &[lane], &vec![m; n * n]);
+            let every = vec![m; n * n];
+            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: 1, counts: &every, live: None };
+            return l.exchange_nvlink(link, 1, &[lane]);
         }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)

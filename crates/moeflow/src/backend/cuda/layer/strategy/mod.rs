@@ -19,6 +19,7 @@
 //! | [`TpSlice`](tp_slice::TpSlice) | around any of the above: this TP rank's contiguous share of the batch only ([`DevicePrepareFinalize::token_window`]) | the inner's, then the shares all-gathered over the TP group into the whole batch |
 
 mod all2allv;
+mod all2allv_nvlink;
 mod allgather;
 mod allgather_logits;
 mod gathering;
@@ -54,9 +55,19 @@ pub(super) struct Dispatched {
     /// This rank's rows for its experts, grouped by local expert.
     pub(super) rows: ExpertRows,
     /// Bytes this rank sent to other ranks in the dispatch.
-    pub(super) sent: usize,
+    pub(super) sent: Sent,
     /// The strategy's bookkeeping for finalize.
     pub(super) state: State,
+}
+
+/// Bytes a rank sent to the other ranks in a dispatch.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Sent {
+    /// Known on the host when the dispatch was enqueued.
+    Bytes(usize),
+    /// `row_bytes` for each row the device array `rows` (an int per rank, this rank's own
+    /// left out) says went to each rank: read once the run has completed.
+    Counted { rows: u64, row_bytes: usize },
 }
 
 /// Moves routed tokens to the experts (prepare) and their outputs back into `b.out [t, H]`
@@ -79,6 +90,11 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     /// this against its capacity, so all of them refuse a batch one of them cannot take.
     fn largest_window(&self, t: usize) -> usize {
         t
+    }
+    /// Whether prepare needs every rank's batch size ([`CudaMoeLayer::batches`]): the layer
+    /// then exchanges them before the routing, so the host learns them while it runs.
+    fn needs_batches(&self, _layer: &CudaMoeLayer) -> bool {
+        false
     }
     /// Whether the layer may capture its runs with this strategy into a CUDA graph.
     fn captures(&self) -> bool {
@@ -216,7 +232,7 @@ impl CudaMoeLayer {
     /// layer's own is.
     pub(super) fn strategy_for(&self, b: &mut Buffers, t: usize) -> Result<Arc<dyn DevicePrepareFinalize>> {
         let (Some(table), Some(link)) = (&self.auto, &self.ep) else { return Ok(self.strategy.clone()) };
-        let largest = self.gather_counts(b, link, &[t as i32])?.into_iter().max().unwrap_or(0).max(0) as usize;
+        let largest = self.batches(b, link, t)?.into_iter().max().unwrap_or(0);
         let pick: Arc<dyn DevicePrepareFinalize> = match table.pick(largest) {
             StrategyKind::AllGather => Arc::new(AllGather),
             StrategyKind::AllGatherLogits => Arc::new(AllGatherLogits),

@@ -98,6 +98,10 @@ impl DevicePrepareFinalize for TpSlice {
         self.tp.size()
     }
 
+    fn needs_batches(&self, layer: &CudaMoeLayer) -> bool {
+        self.inner.needs_batches(layer)
+    }
+
     fn around(&self, base: Arc<dyn DevicePrepareFinalize>) -> Arc<dyn DevicePrepareFinalize> {
         Arc::new(TpSlice { inner: self.inner.around(base), tp: self.tp.clone() })
     }

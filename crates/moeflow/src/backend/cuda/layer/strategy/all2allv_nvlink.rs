@@ -1,0 +1,175 @@
+//! All-to-all-v over the NVLink transport with its plan made on the device: no read of the
+//! routing back to the host, and the receivers learn their row counts from peer memory.
+//!
+//! The ranks first all-gather their batch sizes, before the routing (one small host read,
+//! the only one, which waits for that exchange and not for the routing), which fixes every
+//! buffer and window region: a receiver's window holds rank `s`'s rows from row
+//! `starts[s]` = the batches of the ranks before `s`, room for all of `s`'s tokens. Then, on
+//! the device: a thread per token finds where its slots are served, then one block plans the
+//! dispatch (`nvl_plan` in nvlink.cu: each token's position among those sent to each rank, in
+//! token order, with its ids local there);
+//! the push copies each token's row, ids and weights once to each such rank, and this rank's
+//! counts to every rank, with only as many rows as the plan counted; the receiver marks the
+//! rows no rank sent as served elsewhere, groups the slots by local expert and runs the Hopper
+//! GEMM, which reads the experts' sizes on the device and gathers the rows from the window
+//! itself (the permute fused into its loads). The weighted sums over the slots served here go
+//! home the same way, each in the room its home left for this rank, and are summed there in
+//! rank order, as the host-planned all-to-all-v does.
+
+use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, WEIGHTS};
+use super::{Dispatched, Mark, Sent, State};
+use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
+use crate::backend::cuda::layer::nvlink::Lane;
+use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
+use crate::comm::Communicator;
+use crate::error::Result;
+use cudarc::driver::{LaunchConfig, PushKernelArg};
+
+/// The most ranks the device plan takes (a token's destinations are a 32-bit mask).
+const MAX_RANKS: usize = 32;
+
+/// What the halves share.
+pub(super) struct DevicePlan {
+    /// Every rank's batch, and where each rank's rows start in a receiver's window.
+    tokens: Vec<usize>,
+    starts: Vec<usize>,
+    /// The rows received (room for every rank's batch).
+    received: usize,
+    landed: Landed,
+    /// The window's regions of the returned sums and of the counts every rank sent here.
+    back: u64,
+    counts: u64,
+}
+
+/// Whether `l` dispatches this way: not deterministic (its per-slot return is planned on the
+/// host), the Hopper GEMM for its experts, at most [`MAX_RANKS`] ranks, and a link that is
+/// not (yet) known to move rows over NCCL. The same on every rank.
+pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
+    l.opts.device_plan
+        && !l.opts.deterministic
+        && link.comm.size() <= MAX_RANKS
+        && l.device_planned_experts().is_some()
+        && link.transport_name() != "nccl"
+}
+
+/// Plans the dispatch on the device and pushes the rows (marks 2); `None` when the link turned
+/// out to move rows over NCCL (no window opened), so the host plans it instead. Collective.
+pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<Option<State>> {
+    let link = l.ep.as_ref().expect("an expert-parallel layer");
+    let c = &l.config;
+    let (h, k, e) = (c.hidden, c.top_k, c.num_experts);
+    let (n, el) = (link.comm.size(), link.local);
+    let g = &l.gpu;
+    let s = &g.stream;
+    let tokens = l.batches(b, link, t)?;
+    let mut starts = vec![0usize; n + 1];
+    for (r, &x) in tokens.iter().enumerate() {
+        starts[r + 1] = starts[r] + x;
+    }
+    let received = starts[n];
+    let most = tokens.iter().copied().max().unwrap_or(0);
+    // Room in every receiver's window for every rank's whole batch, and at home for a sum from
+    // every rank for each token.
+    let at = match l.nvlink(link, &regions_of(h, k, n, [received, received, received, n * most, 0]))? {
+        Some(at) => at,
+        None => return Ok(None),
+    };
+    l.grow_ep_buffers(b, [n * t, received, received * k.min(el), t], n)?;
+    let ep = b.ep.as_mut().expect("allocated");
+    let plan = dptr(&ep.plan, g);
+    let sent = plan + 4 * (n as u64 + 1);
+    let mut head: Vec<i32> = starts.iter().map(|&x| x as i32).collect();
+    head.extend(std::iter::repeat_n(0, n));
+    head.push(t as i32);
+    s.memcpy_htod(&head, &mut ep.plan.slice_mut(0..2 * n + 2)).map_err(|e| err("upload", e))?;
+    let (send_idx, send_ids, home_rows) = (dptr(&ep.send_idx, g), dptr(&ep.send_ids, g), dptr(&ep.home_rows, g));
+    let (ids, weights, x) = (dptr(&b.ids, g), dptr(&b.weights, g), dptr(&b.x_bf, g));
+    if t > 0 {
+        let tables = link.tables.as_ref().expect("uploaded when the layer was assembled");
+        let tp = tables.ptrs(g);
+        let (ti, ki, ni, ei) = (t as i32, k as i32, n as i32, e as i32);
+        let min_rows = l.opts.replica_min_rows;
+        let shared = if tables.needs_shares(min_rows) {
+            let (flags, least, batch) = (dptr(&tables.shared, g), min_rows.div_ceil(n) as i32, sent + 4 * n as u64);
+            // SAFETY: replica_shares(int*, int*, int, int, int*, int, int*) over this batch's
+            // t · k ids (`batch` points at t) into the table's first E flags; 4096 ints of
+            // shared memory for the counts.
+            unsafe {
+                let mut p = s.launch_builder(&l.k.replica_shares);
+                p.arg(&ids).arg(&batch).arg(&ki).arg(&ei).arg(&tp[1]).arg(&least).arg(&flags);
+                p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 4 * 4096 })
+            }
+            .map_err(|e| err("replica_shares", e))?;
+            flags
+        } else {
+            0u64
+        };
+        let (dest, ranks) = (dptr(&ep.dest, g), dptr(&ep.ranks, g));
+        // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*) over the t · k ids
+        // into dest (t · k ints) and ranks (t); the tables cover every expert, and `shared`
+        // (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int*, int*, int*, int*)
+        // from them: send_idx and send_ids hold n · t rows (of 1 and k ints), home_rows t · n
+        // ints, `sent` n ints.
+        unsafe {
+            let mut p = s.launch_builder(&l.k.nvl_plan_slots);
+            p.arg(&ids).arg(&ti).arg(&ki);
+            p.arg(&tp[0]).arg(&tp[1]).arg(&tp[2]).arg(&tp[3]).arg(&shared).arg(&dest).arg(&ranks);
+            p.launch(grid(t)).map_err(|e| err("nvl_plan_slots", e))?;
+            let mut p = s.launch_builder(&l.k.nvl_plan);
+            p.arg(&dest).arg(&ranks).arg(&ti).arg(&ki).arg(&ni);
+            p.arg(&send_idx).arg(&send_ids).arg(&home_rows).arg(&sent);
+            p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
+        }
+        .map_err(|e| err("nvl_plan", e))?;
+    }
+    mark(2)?;
+    // Room from rank s to any rank: s's batch; this rank's counts: one int to each.
+    let room: Vec<usize> = (0..n * n).map(|i| tokens[i / n]).collect();
+    let one = vec![1usize; n * n];
+    let counted = |src, idx, row_bytes, region| Lane { src, idx, row_bytes, region, counts: &room, live: Some(sent) };
+    let lanes = [
+        counted(x, Some(send_idx), 2 * h, ROWS),
+        counted(send_ids, None, 4 * k, IDS),
+        counted(weights, Some(send_idx), 4 * k, WEIGHTS),
+        Lane { src: sent, idx: None, row_bytes: 4, region: COUNTS, counts: &one, live: None },
+    ];
+    l.exchange_nvlink(link, 0, &lanes)?;
+    let landed = Landed { rows: at[ROWS], ids: at[IDS], w: at[WEIGHTS] };
+    Ok(Some(Box::new(DevicePlan { tokens, starts, received, landed, back: at[BACK], counts: at[COUNTS] })))
+}
+
+/// Groups the slots served here by local expert, from the counts in the window (marks 3).
+pub(super) fn prepare_finish(l: &CudaMoeLayer, b: &mut Buffers, p: Box<DevicePlan>, mark: Mark) -> Result<Dispatched> {
+    let link = l.ep.as_ref().expect("an expert-parallel layer");
+    let (h, k) = (l.config.hidden, l.config.top_k);
+    let imp = l.device_planned_experts().expect("checked by `applies`");
+    let bound = p.received * k.min(link.local);
+    let plan = LocalPlan { imp, cap: 0, rows: bound, groups: Vec::new() };
+    let starts = dptr(&b.ep.as_ref().expect("allocated").plan, &l.gpu);
+    let rows = l.group_received(b, p.received, plan, Localize::Landed { counts: p.counts, starts }, p.landed)?;
+    mark(3)?;
+    let sent = Sent::Counted { rows: starts + 4 * (link.comm.size() as u64 + 1), row_bytes: 2 * h + 8 * k };
+    Ok(Dispatched { rows, sent, state: p })
+}
+
+/// The weighted sums over the slots served here, pushed home: to each rank as many rows as
+/// it sent, into the room it left for this rank.
+pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
+    let link = l.ep.as_ref().expect("an expert-parallel layer");
+    let (h, n) = (l.config.hidden, link.comm.size());
+    l.partial_sums(b, p.received, p.landed)?;
+    let part = dptr(&b.ep.as_ref().expect("allocated").part, &l.gpu);
+    debug_assert_eq!(p.starts.len(), n + 1);
+    // From any rank to rank s: room for s's batch.
+    let room: Vec<usize> = (0..n * n).map(|i| p.tokens[i % n]).collect();
+    let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK, counts: &room, live: Some(p.counts) };
+    l.exchange_nvlink(link, 1, &[lane])
+}
+
+/// Sums each token's returned rows in rank order into `b.out` (marks 7).
+pub(super) fn finalize_finish(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &DevicePlan, mark: Mark) -> Result<()> {
+    let link = l.ep.as_ref().expect("an expert-parallel layer");
+    mark(7)?;
+    let home_rows = dptr(&b.ep.as_ref().expect("allocated").home_rows, &l.gpu);
+    l.sum_home(p.back, home_rows, t, link.comm.size(), dptr(&b.out, &l.gpu))
+}
