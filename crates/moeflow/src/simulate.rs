@@ -67,8 +67,9 @@ pub struct Ceilings {
     /// otherwise it runs after them.
     #[serde(default)]
     pub shared_overlaps: bool,
-    /// A host-planned dispatch (EP 2 or more: the routing read to the host, the counts
-    /// gathered) costs this much per call, microseconds ...
+    /// Planning the dispatch (EP 2 or more: on the host, the routing read back and the counts
+    /// gathered; on the device, the batch sizes' exchange and the plan's kernels) costs this
+    /// much per call, microseconds ...
     #[serde(default)]
     pub host_plan_us: f64,
     /// ... and this much per (token, slot) of the rank's batch, nanoseconds.
