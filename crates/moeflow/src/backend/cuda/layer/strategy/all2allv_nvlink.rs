@@ -30,9 +30,8 @@ const MAX_RANKS: usize = 32;
 
 /// What the halves share.
 pub(super) struct DevicePlan {
-    /// Every rank's batch, and where each rank's rows start in a receiver's window.
+    /// Every rank's batch.
     tokens: Vec<usize>,
-    starts: Vec<usize>,
     /// The rows received (room for every rank's batch).
     received: usize,
     landed: Landed,
@@ -135,7 +134,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     ];
     l.exchange_nvlink(link, 0, &lanes)?;
     let landed = Landed { rows: at[ROWS], ids: at[IDS], w: at[WEIGHTS] };
-    Ok(Some(Box::new(DevicePlan { tokens, starts, received, landed, back: at[BACK], counts: at[COUNTS] })))
+    Ok(Some(Box::new(DevicePlan { tokens, received, landed, back: at[BACK], counts: at[COUNTS] })))
 }
 
 /// Groups the slots served here by local expert, from the counts in the window (marks 3).
@@ -145,6 +144,7 @@ pub(super) fn prepare_finish(l: &CudaMoeLayer, b: &mut Buffers, p: Box<DevicePla
     let imp = l.device_planned_experts().expect("checked by `applies`");
     let bound = p.received * k.min(link.local);
     let plan = LocalPlan { imp, cap: 0, rows: bound, groups: Vec::new() };
+    // The plan's device array: where each rank's rows start, then the rows this rank sent.
     let starts = dptr(&b.ep.as_ref().expect("allocated").plan, &l.gpu);
     let rows = l.group_received(b, p.received, plan, Localize::Landed { counts: p.counts, starts }, p.landed)?;
     mark(3)?;
@@ -159,7 +159,6 @@ pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) 
     let (h, n) = (l.config.hidden, link.comm.size());
     l.partial_sums(b, p.received, p.landed)?;
     let part = dptr(&b.ep.as_ref().expect("allocated").part, &l.gpu);
-    debug_assert_eq!(p.starts.len(), n + 1);
     // From any rank to rank s: room for s's batch.
     let room: Vec<usize> = (0..n * n).map(|i| p.tokens[i % n]).collect();
     let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK, counts: &room, live: Some(p.counts) };
