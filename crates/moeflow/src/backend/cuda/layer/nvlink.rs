@@ -314,3 +314,19 @@ impl EpLink {
 fn link_failure(link: &EpLink, stage: &str, src: usize) -> String {
     format!("no {stage} rows from rank {src} within {:?} (stopped, or not scheduled)", link.comm.timeout())
 }
+
+#[cfg(test)]
+mod tests {
+    /// A lane record holds `PushLane`'s fields at their C offsets (nvlink.cu): the source, row
+    /// index, destination and live-count addresses (8 bytes each), then the rows and the row
+    /// bytes (4 each), 40 bytes with no padding.
+    #[test]
+    fn a_lane_record_lays_out_push_lane() {
+        let r = super::lane_record(0x1111, 0x2222, 0x3333, 0x4444, 7, 14336);
+        let word = |at: usize| u64::from_le_bytes(r[at..at + 8].try_into().unwrap());
+        let half = |at: usize| u32::from_le_bytes(r[at..at + 4].try_into().unwrap());
+        assert_eq!([word(0), word(8), word(16), word(24)], [0x1111, 0x2222, 0x3333, 0x4444]);
+        assert_eq!([half(32), half(36)], [7, 14336]);
+        assert_eq!(r.len(), super::LANE);
+    }
+}
