@@ -61,3 +61,31 @@ impl PlacementTables {
         [dptr(&self.rep_first, gpu), dptr(&self.rep_count, gpu), dptr(&self.rep_rank, gpu), dptr(&self.rep_slot, gpu)]
     }
 }
+
+impl super::CudaMoeLayer {
+    /// Which replicated experts share this rank's batch (`ids [*tokens, k]` on the device, the
+    /// count read there too), counted on the device into the table's first E flags: their
+    /// address, or 0 (null: every expert shares) when the placement has no replicas or the
+    /// layer always shares.
+    pub(super) fn replica_shares(&self, tables: &PlacementTables, ids: u64, tokens: u64, ranks: usize) -> Result<u64> {
+        use cudarc::driver::{LaunchConfig, PushKernelArg};
+        let min_rows = self.opts.replica_min_rows;
+        if !tables.needs_shares(min_rows) {
+            return Ok(0);
+        }
+        let g = &self.gpu;
+        let (flags, count) = (dptr(&tables.shared, g), dptr(&tables.rep_count, g));
+        let (ki, ei, least) =
+            (self.config.top_k as i32, self.config.num_experts as i32, min_rows.div_ceil(ranks) as i32);
+        // SAFETY: replica_shares(int*, int*, int, int, int*, int, int*) over the batch's
+        // `*tokens` rows of k ids into the table's first E flags; 4096 ints of shared memory for
+        // the counts.
+        unsafe {
+            let mut p = g.stream.launch_builder(&self.k.replica_shares);
+            p.arg(&ids).arg(&tokens).arg(&ki).arg(&ei).arg(&count).arg(&least).arg(&flags);
+            p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 4 * 4096 })
+        }
+        .map_err(|e| err("replica_shares", e))?;
+        Ok(flags)
+    }
+}

@@ -56,7 +56,7 @@ pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
 pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<Option<State>> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     let c = &l.config;
-    let (h, k, e) = (c.hidden, c.top_k, c.num_experts);
+    let (h, k) = (c.hidden, c.top_k);
     let (n, el) = (link.comm.size(), link.local);
     let g = &l.gpu;
     let s = &g.stream;
@@ -86,23 +86,9 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     if t > 0 {
         let tables = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tp = tables.ptrs(g);
-        let (ti, ki, ni, ei) = (t as i32, k as i32, n as i32, e as i32);
-        let min_rows = l.opts.replica_min_rows;
-        let shared = if tables.needs_shares(min_rows) {
-            let (flags, least, batch) = (dptr(&tables.shared, g), min_rows.div_ceil(n) as i32, sent + 4 * n as u64);
-            // SAFETY: replica_shares(int*, int*, int, int, int*, int, int*) over this batch's
-            // t · k ids (`batch` points at t) into the table's first E flags; 4096 ints of
-            // shared memory for the counts.
-            unsafe {
-                let mut p = s.launch_builder(&l.k.replica_shares);
-                p.arg(&ids).arg(&batch).arg(&ki).arg(&ei).arg(&tp[1]).arg(&least).arg(&flags);
-                p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 4 * 4096 })
-            }
-            .map_err(|e| err("replica_shares", e))?;
-            flags
-        } else {
-            0u64
-        };
+        let (ti, ki, ni) = (t as i32, k as i32, n as i32);
+        // `sent + 4 n` holds this batch's size for the count.
+        let shared = l.replica_shares(tables, ids, sent + 4 * n as u64, n)?;
         let (dest, ranks) = (dptr(&ep.dest, g), dptr(&ep.ranks, g));
         // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*) over the t · k ids
         // into dest (t · k ints) and ranks (t); the tables cover every expert, and `shared`

@@ -49,23 +49,7 @@ impl DevicePrepareFinalize for LowLatency {
         let placed = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tables = placed.ptrs(g);
         // Which replicated experts share this batch, counted on the device (null: all).
-        let min_rows = l.opts.replica_min_rows;
-        let shared = if placed.needs_shares(min_rows) {
-            let shared = dptr(&placed.shared, g);
-            let (ei, least) = (l.config.num_experts as i32, min_rows.div_ceil(n) as i32);
-            // SAFETY: replica_shares(int*, int*, int, int, int*, int, int*) over the batch's
-            // ids (`*tokens` ≤ M rows of k) into the table's first E flags; 4096 ints of
-            // shared memory for the counts.
-            unsafe {
-                let mut p = s.launch_builder(&l.k.replica_shares);
-                p.arg(&ids).arg(&tokens).arg(&ki).arg(&ei).arg(&tables[1]).arg(&least).arg(&shared);
-                p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 4 * 4096 })
-            }
-            .map_err(|e| err("replica_shares", e))?;
-            shared
-        } else {
-            0u64
-        };
+        let shared = l.replica_shares(placed, ids, tokens, n)?;
         // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*)
         // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
         // placement's tables cover every expert, and `shared` (when not null) too.
