@@ -6,7 +6,8 @@
 //! and sums them in slot order, as one GPU does, so the bits do not depend on the layout.
 //! Rows travel over the link's transport: NCCL send/receive from staged rows, or the NVLink
 //! transport's push, which gathers the token rows and weights by index straight into the peers'
-//! windows (see [`super::super::nvlink`]).
+//! windows (see [`super::super::nvlink`]). This file plans the dispatch on the host; over NVLink
+//! [`super::all2allv_nvlink`] plans it on the device where it applies.
 
 use super::all2allv_nvlink::{self, DevicePlan};
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};

@@ -11,7 +11,7 @@
 //! | strategy | prepare | finalize |
 //! | --- | --- | --- |
 //! | [`Local`] | count and group the rows by expert (one GPU) | weighted sum in slot order |
-//! | [`All2AllV`] | counts all-gathered, each token once to each rank holding its experts | partial sums back (per slot in deterministic mode) |
+//! | [`All2AllV`] | counts all-gathered, each token once to each rank holding its experts (over NVLink planned on the device: `all2allv_nvlink`) | partial sums back (per slot in deterministic mode) |
 //! | [`AllGather`] | every rank's rows, ids and weights, padded to the largest batch | reduce-scatter |
 //! | [`AllGatherLogits`] | rows and router logits, routing after the gather | reduce-scatter |
 //! | [`Multicast`] | one broadcast per rank | all-reduce, own rows kept |
