@@ -200,6 +200,11 @@ fn device_cases() -> Vec<(&'static str, moeflow::MoeConfig, moeflow::MoeWeights)
     out
 }
 
+/// The bit patterns of `v`, to compare outputs exactly.
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Largest difference from the f64 reference over the largest reference magnitude.
 fn relative_error(config: &moeflow::MoeConfig, weights: &moeflow::MoeWeights, x: &[f32], got: &[f32]) -> f64 {
     let want = reference::forward(config, weights, x).unwrap().out;
@@ -614,7 +619,6 @@ fn deterministic_mode_gives_one_gpus_bits_whatever_the_layout() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
     let Some(n) = gpus("deterministic_mode_gives_one_gpus_bits_whatever_the_layout") else { return };
     let det = CudaOptions { deterministic: true, ..Default::default() };
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     for (name, config, weights) in device_cases() {
         let h = config.hidden;
         let total = 342;
@@ -755,7 +759,6 @@ fn nvlink_transport_gives_nccls_bits() {
                 let (got, again, t1, p1) = b.unwrap_or_else(|e| panic!("{what}: NVLink: {e}"));
                 assert_eq!((t0, t1), ("nccl", "nvlink"), "{what}");
                 assert_eq!((p0, p1), (false, device_plan), "{what}: which plan ran (NCCL, NVLink)");
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                 assert!(bits(&got) == bits(&want), "{what}: NVLink differs from NCCL");
                 assert!(bits(&got) == bits(&again), "{what}: NVLink differs run to run");
                 let err = relative_error(&config, &weights, &inputs[rank], &got);
@@ -949,7 +952,6 @@ fn tp_sliced_device_layers_take_any_batch() {
                     let label = format!("{name}, {s}, {t} tokens: rank {rank}");
                     assert_eq!(a.len(), t * h, "{label}: the whole batch comes back");
                     assert_eq!(here, t / 2 + usize::from(rank % 2 < t % 2), "{label}: its TP share");
-                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
                     assert!(bits(&a) == bits(&b), "{label}: differs run to run");
                     assert!(bits(&a) == bits(&d), "{label}: forward_device differs from forward");
                     if s != StrategyKind::Auto {
@@ -981,7 +983,6 @@ fn tp_sliced_deterministic_layers_give_one_gpus_bits() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
     let Some(n) = gpus("tp_sliced_deterministic_layers_give_one_gpus_bits") else { return };
     let det = CudaOptions { deterministic: true, ..Default::default() };
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
     for (name, config, weights) in device_cases() {
         let h = config.hidden;
         let x = preset::uniform(341 * h, 1.0, 82);
