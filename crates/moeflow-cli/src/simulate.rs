@@ -2,7 +2,8 @@
 //! routings (uniform, Zipf, a recorded load), with and without EPLB, from measured ceilings
 //! (`bench --calibrate FILE` on this CPU or one GPU; `h200`, the GPU calibration's file in
 //! docs/bench; `h100`, built-in figures); `--compare` puts bench records beside the
-//! prediction, `--plot` draws it.
+//! prediction (at the pace each record's matmul probe measured, where it and the ceilings have
+//! one), `--plot` draws it.
 
 use crate::table::{num, right, Table};
 use moeflow::simulate::{placement, predict, Ceilings, Layout, Prediction, Routing, Shapes};
@@ -81,12 +82,12 @@ fn h100() -> Ceilings {
         inter_latency_us: 10.0,
         call_us: 20.0,
         shared_device: false,
-        experts_in_turn: false,
         rows_per_rank: true,
         shared_overlaps: true,
         host_plan_us: 0.0,
         host_plan_ns_per_slot: 0.0,
         replica_min_rows: moeflow::backend::cuda_options::REPLICA_MIN_ROWS as f64,
+        probe_gflops: 0.0,
     }
 }
 
@@ -143,13 +144,15 @@ struct Measured {
     tokens: usize,
     ep: usize,
     ms: f64,
+    /// The machine's pace (matmul probe, GFLOP/s) during the measurement, where recorded.
+    probe: Option<f64>,
 }
 
 fn measured(paths: &[PathBuf]) -> Result<Vec<Measured>> {
     let mut all = Vec::new();
     for p in paths {
         for r in crate::bench::plot::read_records(p)? {
-            all.push(Measured { tokens: r.tokens, ep: r.ep, ms: r.ms });
+            all.push(Measured { tokens: r.tokens, ep: r.ep, ms: r.ms, probe: r.probe_gflops });
         }
     }
     Ok(all)
@@ -207,7 +210,7 @@ pub fn run(args: SimulateArgs) -> Result<()> {
         cols.extend([right("EPLB ms", 9), right("imbal", 6), right("gain", 6)]);
     }
     if !measured.is_empty() {
-        cols.extend([right("measured", 9), right("error", 7)]);
+        cols.extend([right("pace", 5), right("predicted", 9), right("measured", 9), right("error", 7)]);
     }
     let table = Table::new(&cols);
     println!("{}", table.header());
@@ -216,11 +219,11 @@ pub fn run(args: SimulateArgs) -> Result<()> {
     for &t in &args.tokens {
         let mut line = Vec::new();
         for &ep in &args.ep {
-            let at = |eplb: Option<usize>| -> Result<Prediction> {
+            let at = |c: &Ceilings, eplb: Option<usize>| -> Result<Prediction> {
                 let placement = placement(&shapes, &routing, ep, args.domain, eplb)?;
-                predict(&c, &shapes, &routing, &Layout { ep, domain: args.domain, tokens: t, placement })
+                predict(c, &shapes, &routing, &Layout { ep, domain: args.domain, tokens: t, placement })
             };
-            let base = at(None)?;
+            let base = at(&c, None)?;
             let mut row = vec![
                 ep.to_string(),
                 t.to_string(),
@@ -233,7 +236,11 @@ pub fn run(args: SimulateArgs) -> Result<()> {
                 num(base.total, 3),
                 num(base.imbalance, 2),
             ];
-            let balanced = if args.eplb > 0 && ep > 1 { Some(at(Some(args.eplb))?) } else { None };
+            let eplb = (args.eplb > 0 && ep > 1).then_some(args.eplb);
+            let balanced = match eplb {
+                Some(r) => Some(at(&c, Some(r))?),
+                None => None,
+            };
             if args.eplb > 0 {
                 match &balanced {
                     Some(b) => row.extend([
@@ -247,16 +254,19 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             if !measured.is_empty() {
                 match measured.iter().find(|m| m.tokens == t && m.ep == ep) {
                     Some(m) => {
-                        let predicted = if args.compare_eplb {
-                            balanced.as_ref().map_or(base.total, |b| b.total)
-                        } else {
-                            base.total
-                        };
+                        // At the pace the machine ran the record at, where both know it.
+                        let paced = c.at_pace(m.probe.unwrap_or(0.0));
+                        let predicted = at(&paced, if args.compare_eplb { eplb } else { None })?.total;
                         let err = predicted / m.ms - 1.0;
                         worst = worst.max(err.abs());
-                        row.extend([num(m.ms, 3), format!("{:+.1}%", 100.0 * err)]);
+                        let pace = if paced.probe_gflops == c.probe_gflops || c.probe_gflops <= 0.0 {
+                            "-".to_string()
+                        } else {
+                            num(paced.probe_gflops / c.probe_gflops, 2)
+                        };
+                        row.extend([pace, num(predicted, 3), num(m.ms, 3), format!("{:+.1}%", 100.0 * err)]);
                     }
-                    None => row.extend(["-".into(), "-".into()]),
+                    None => row.extend(["-".into(), "-".into(), "-".into(), "-".into()]),
                 }
             }
             println!("{}", table.row(&row));

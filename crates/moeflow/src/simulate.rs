@@ -53,11 +53,6 @@ pub struct Ceilings {
     pub call_us: f64,
     /// The ranks share one device (in-process CPU ranks): their compute adds up.
     pub shared_device: bool,
-    /// The experts' GEMMs run one after another, each at the rate of its own rows (the CPU
-    /// layer), rather than together at the rate of the rank's mean rows per expert (a grouped
-    /// GEMM on a GPU).
-    #[serde(default)]
-    pub experts_in_turn: bool,
     /// A token's row travels once to each rank serving any of its slots and comes back summed
     /// (the device layer); otherwise once per (token, slot) both ways (the CPU layer).
     #[serde(default)]
@@ -80,6 +75,12 @@ pub struct Ceilings {
     /// below it the first replica takes them all. 0: always shared (the CPU layer).
     #[serde(default)]
     pub replica_min_rows: f64,
+    /// The machine's pace while these were measured: the rate of `bench`'s dense matmul probe
+    /// (on CPU, the f32 matmul `bench` measures before each batch), GFLOP/s; 0: not measured.
+    /// A machine whose speed drifts (a shared VM) is predicted at a record's own pace with
+    /// [`Ceilings::at_pace`].
+    #[serde(default)]
+    pub probe_gflops: f64,
 }
 
 /// The layer's shapes, in the units the model counts.
@@ -202,6 +203,23 @@ impl Ceilings {
         interpolate(&self.gemm_curve, rows).unwrap_or(self.gemm_gflops)
     }
 
+    /// These ceilings with the compute rates (expert GEMMs, router) scaled to a machine whose
+    /// matmul probe now runs at `probe_gflops`, against [`Ceilings::probe_gflops`] when they were
+    /// measured; unchanged where either is unknown (0).
+    pub fn at_pace(&self, probe_gflops: f64) -> Ceilings {
+        if self.probe_gflops <= 0.0 || probe_gflops <= 0.0 {
+            return self.clone();
+        }
+        let f = probe_gflops / self.probe_gflops;
+        Ceilings {
+            gemm_gflops: self.gemm_gflops * f,
+            gemm_curve: self.gemm_curve.iter().map(|&(r, g)| (r, g * f)).collect(),
+            router_gflops: self.router_gflops * f,
+            probe_gflops,
+            ..self.clone()
+        }
+    }
+
     /// The rate inside the domain, GB/s, of messages of `bytes` per peer.
     pub fn intra_rate(&self, bytes: f64) -> f64 {
         interpolate(&self.link_curve, bytes).unwrap_or(self.intra_gbps)
@@ -244,9 +262,8 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
     }
     let shares = routing.shares(shapes.experts, shapes.top_k)?;
     let slots = n as f64 * t * k;
-    // Per rank: expected rows, and expected weights read (experts that receive a row).
+    // Per rank: expected rows.
     let mut rows = vec![0.0; n];
-    let mut touched = vec![0.0; n];
     // Per rank: each expert replica's expected rows and the chance it receives any.
     let mut replicas: Vec<Vec<(f64, f64)>> = vec![Vec::new(); n];
     let p = &layout.placement;
@@ -260,7 +277,6 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
             // capped at 1 / k): the replica sits unread only if every token passes it by.
             let hit = 1.0 - (1.0 - k * q).clamp(0.0, 1.0).powf(slots / k);
             rows[p.rank_of(ph)] += slots * q;
-            touched[p.rank_of(ph)] += hit;
             replicas[p.rank_of(ph)].push((slots * q, hit));
         }
     }
@@ -279,21 +295,16 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
     let permute = share_factor * roofline(0.0, 1.0, permuted, c.mem_gbps) + launch + plan;
     let weights = 3.0 * h * i * shapes.weight_bytes;
     let expert_time = |r: usize| {
-        let gemms = if c.experts_in_turn {
-            replicas[r]
-                .iter()
-                .map(|&(rows_e, hit)| {
-                    roofline(6.0 * rows_e * h * i, c.gemm_rate(rows_e / hit.max(1e-9)), hit * weights, c.mem_gbps)
-                })
-                .sum()
-        } else {
-            roofline(
-                6.0 * rows[r] * h * i,
-                c.gemm_rate(rows[r] / touched[r].max(1e-9)),
-                touched[r] * weights,
-                c.mem_gbps,
-            )
-        };
+        // Each expert's GEMM runs at the rate of its own rows: the CPU layer's one after
+        // another, and a grouped GEMM's tiles likewise (the curve's rate at r rows is the
+        // whole device's with every expert at r rows), so under skew the many small experts
+        // cost what their rows allow rather than the mean's rate.
+        let gemms: f64 = replicas[r]
+            .iter()
+            .map(|&(rows_e, hit)| {
+                roofline(6.0 * rows_e * h * i, c.gemm_rate(rows_e / hit.max(1e-9)), hit * weights, c.mem_gbps)
+            })
+            .sum();
         gemms + 3.0 * launch
     };
     let gemms = if c.shared_device {
@@ -395,12 +406,12 @@ mod tests {
             inter_latency_us: 20.0,
             call_us: 10.0,
             shared_device: false,
-            experts_in_turn: false,
             rows_per_rank: true,
             shared_overlaps: false,
             host_plan_us: 0.0,
             host_plan_ns_per_slot: 0.0,
             replica_min_rows: 0.0,
+            probe_gflops: 0.0,
             gemm_curve: Vec::new(),
             link_curve: Vec::new(),
         }
@@ -428,22 +439,21 @@ mod tests {
     }
 
     #[test]
-    fn experts_in_turn_take_each_experts_own_rate() {
+    fn each_expert_takes_the_rate_of_its_own_rows() {
         // A rate that rises with rows per expert: under skew the many small experts run slowly.
-        let curve = vec![(1.0, 50e3), (4096.0, 600e3)];
-        let grouped = Ceilings { gemm_curve: curve.clone(), ..gpu() };
-        let in_turn = Ceilings { experts_in_turn: true, ..grouped.clone() };
+        let c = Ceilings { gemm_curve: vec![(1.0, 50e3), (4096.0, 600e3)], ..gpu() };
         let s = deepseek();
-        let gemms = |c: &Ceilings, routing: &Routing| {
+        let gemms = |routing: &Routing| {
             let placement = placement(&s, routing, 1, 8, None).unwrap();
-            predict(c, &s, routing, &Layout { ep: 1, domain: 8, tokens: 4096, placement }).unwrap().gemms
+            predict(&c, &s, routing, &Layout { ep: 1, domain: 8, tokens: 4096, placement }).unwrap().gemms
         };
-        // Uniform routing: every expert has the mean rows, so both ways agree.
-        let (a, b) = (gemms(&grouped, &Routing::Uniform), gemms(&in_turn, &Routing::Uniform));
-        assert!((a - b).abs() < 1e-6 * a, "{a} vs {b}");
-        // Skewed: in turn, the cold experts' small GEMMs cost more than the mean rate says.
-        let zipf = Routing::Zipf(1.2);
-        assert!(gemms(&in_turn, &zipf) > 1.1 * gemms(&grouped, &zipf));
+        // Uniform routing: every expert has the mean rows (128), so the rate is the mean's.
+        let flops = 6.0 * 4096.0 * 8.0 * (s.hidden * s.inter) as f64;
+        let at_mean = flops / (c.gemm_rate(128.0) * 1e6) + 3.0 * c.launch_us * 1e-3;
+        let uniform = gemms(&Routing::Uniform);
+        assert!((uniform - at_mean).abs() < 1e-3 * at_mean, "{uniform} vs {at_mean}");
+        // Skewed: the cold experts' small GEMMs cost more than the mean's rate says.
+        assert!(gemms(&Routing::Zipf(1.2)) > 1.1 * at_mean);
     }
 
     #[test]
@@ -465,6 +475,25 @@ mod tests {
         assert_eq!(run(&planned, 1, 4096).permute, run(&gpu(), 1, 4096).permute);
         let grown = run(&planned, 2, 4096).permute - run(&gpu(), 2, 4096).permute;
         assert!((grown - (0.1 + 10.0 * 4096.0 * 8.0 * 1e-6)).abs() < 1e-9, "{grown}");
+    }
+
+    #[test]
+    fn a_slower_pace_slows_the_compute_alone() {
+        let s = deepseek();
+        let run = |c: &Ceilings, tokens: usize| {
+            let placement = placement(&s, &Routing::Uniform, 2, 8, None).unwrap();
+            predict(c, &s, &Routing::Uniform, &Layout { ep: 2, domain: 8, tokens, placement }).unwrap()
+        };
+        let c = Ceilings { probe_gflops: 500.0, gemm_curve: vec![(1.0, 100.0), (100.0, 400.0)], ..gpu() };
+        let slow = c.at_pace(400.0);
+        assert_eq!(slow.gemm_curve, vec![(1.0, 80.0), (100.0, 320.0)]);
+        assert_eq!((slow.gemm_gflops, slow.router_gflops), (0.8 * c.gemm_gflops, 0.8 * c.router_gflops));
+        let (fast, late) = (run(&c, 4096), run(&slow, 4096));
+        assert!(late.gemms > 1.2 * fast.gemms && late.router > fast.router, "{late:?} vs {fast:?}");
+        assert_eq!((late.dispatch, late.combine), (fast.dispatch, fast.combine));
+        // Unknown paces leave the ceilings as they are.
+        assert_eq!(c.at_pace(0.0), c);
+        assert_eq!(gpu().at_pace(400.0), gpu());
     }
 
     #[test]

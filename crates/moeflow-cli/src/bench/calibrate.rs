@@ -2,7 +2,8 @@
 //! machine's CPU with the bench's layer: the expert GEMM rate by rows per expert and the
 //! weight-streaming rate from the layer's own expert stage (the `--tokens` batches, one token),
 //! the router's rate, the fixed cost of a stage from a tiny layer, and the in-process ranks'
-//! exchange latency and rate (two ranks at the largest batch against one).
+//! exchange latency and rate (two ranks at the largest batch against one), and the matmul
+//! probe's rate around them (the pace the bench's records are compared at).
 
 use super::BenchArgs;
 use crate::common::median;
@@ -103,6 +104,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     sizes.dedup();
     sizes.retain(|&t| t > 1);
     let big = *sizes.last().ok_or_else(|| MoeError::Config("--calibrate needs a --tokens count above 1".into()))?;
+    let probe_before = super::probe();
     let call = exchange(8, 200)?;
     let mut gemm_curve = Vec::new();
     let mut link_curve = Vec::new();
@@ -130,6 +132,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     (tiny_config.hidden, tiny_config.inter, tiny_config.shared) = (64, 32, None);
     let tiny = MoeLayer::new(&tiny_config, &preset::random_weights(&tiny_config, DType::F32, 1), Default::default())?;
     let (tiny_total, _) = stages(&tiny, 1, 64, runs.max(50), args.min_seconds)?;
+    let probe_gflops = (probe_before + super::probe()) / 2.0;
     let c = Ceilings {
         name: format!("this CPU ({} threads), {} {}", rayon::current_num_threads(), p.name, args.layer.dtype),
         gemm_gflops: gemm_curve.last().map_or(0.0, |g| g.1),
@@ -144,24 +147,26 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         inter_latency_us: 0.0,
         call_us: call / 2.0 * 1e6,
         shared_device: true,
-        experts_in_turn: true,
         rows_per_rank: false,
         shared_overlaps: false,
         host_plan_us: 0.0,
         host_plan_ns_per_slot: 0.0,
         replica_min_rows: 0.0,
+        probe_gflops,
     };
     let curve: Vec<String> = c.gemm_curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect();
     let links: Vec<String> = c.link_curve.iter().map(|(b, g)| format!("{g:.2} at {:.1} MB", b / 1e6)).collect();
     println!(
         "calibration: expert GEMMs GFLOP/s by rows per expert: {}; weights streamed at {:.1} GB/s (one token); \
-         router {:.1} GFLOP/s; stage {:.1} µs; exchange {:.1} µs a call, GB/s by bytes per peer: {}",
+         router {:.1} GFLOP/s; stage {:.1} µs; exchange {:.1} µs a call, GB/s by bytes per peer: {}; \
+         matmul probe {:.1} GFLOP/s",
         curve.join(", "),
         c.mem_gbps,
         c.router_gflops,
         c.launch_us,
         c.call_us,
-        links.join(", ")
+        links.join(", "),
+        c.probe_gflops
     );
     write_ceilings(&c, path)
 }

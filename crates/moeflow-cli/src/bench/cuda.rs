@@ -376,7 +376,8 @@ impl EpTable<'_> {
                 },
                 bytes_moved_per_rank: 2 * sent as usize,
                 comm_gbps: Some(gbps(dispatch + collect) * 2.0),
-                bf16_matmul: None,
+                probe_gflops: None,
+            bf16_matmul: None,
             });
         }
         (records, (floor_inputs, ours, direct))
@@ -528,6 +529,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
             },
             bytes_moved_per_rank: 0,
             comm_gbps: None,
+            probe_gflops: None,
             bf16_matmul: None,
         });
     }

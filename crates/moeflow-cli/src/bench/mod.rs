@@ -107,6 +107,14 @@ struct Measured {
     totals: Vec<f64>,
     stages: Vec<StageTimes>,
     bytes: usize,
+    /// CPU runs: the matmul probe's rate just before these runs ([`probe`]), GFLOP/s.
+    probe: Option<f64>,
+}
+
+/// This CPU's pace now: its dense f32 matmul rate, GFLOP/s (a tenth of a second), which
+/// `moeflow simulate --compare` scales the calibration's compute rates by.
+pub(crate) fn probe() -> f64 {
+    ceiling::matmul_gflops(1536, 7)
 }
 
 /// Runs `forward` until `min_runs` and `min_seconds` are met (after a warm-up); `forward`
@@ -120,7 +128,7 @@ fn time_loop(
 ) -> Result<Measured> {
     forward()?;
     let progress = bar(args.min_runs as u64, label);
-    let mut m = Measured { totals: Vec::new(), stages: Vec::new(), bytes: 0 };
+    let mut m = Measured { totals: Vec::new(), stages: Vec::new(), bytes: 0, probe: None };
     let started = Instant::now();
     while agree(
         m.totals.len() < args.min_runs || (started.elapsed().as_secs_f64() < args.min_seconds && m.totals.len() < 1000),
@@ -384,11 +392,14 @@ fn measure_one_rank(
             Some(f) => Some(relative_error(&layer.forward(&input)?.to_f32_vec(), &f.forward(&input)?.to_f32_vec())),
             None => None,
         });
-        measured.push(time_loop(args, format!("T = {t}"), Ok, || {
+        let probe = (!s.gpu).then(probe);
+        let mut m = time_loop(args, format!("T = {t}"), Ok, || {
             let started = Instant::now();
             let (_, st) = layer.forward_profiled(&input)?;
             Ok((started.elapsed().as_secs_f64(), st, 0))
-        })?);
+        })?;
+        m.probe = probe;
+        measured.push(m);
     }
     if let Some(path) = &args.record_load {
         write_load(path, &LoadRecord::from_ranks(&s.config, vec![layer.load_stats()]))?;
@@ -422,13 +433,19 @@ fn measure_ranks(args: &BenchArgs, s: &Setup, weights: &MoeWeights, host: &RankH
             let input = Tensor::from_f32(&[t, s.config.hidden], preset::uniform(t * s.config.hidden, 1.0, seed))?;
             let label = if comm.rank() == 0 { format!("T = {t}") } else { String::new() };
             let agree = |go: bool| Ok(comm.broadcast_vec("bench.continue", 0, &[u8::from(go)])?[0] == 1);
-            out.push(time_loop(args, label, agree, || {
+            // Rank 0 probes the CPU's pace while the others wait.
+            comm.barrier()?;
+            let probe = (!s.gpu && comm.rank() == 0).then(probe);
+            comm.barrier()?;
+            let mut m = time_loop(args, label, agree, || {
                 comm.barrier()?;
                 let started = Instant::now();
                 let (_, st) = layer.forward_profiled(&input)?;
                 let all = comm.all_gather_vec("bench.time", &[started.elapsed().as_secs_f64()])?;
                 Ok((all.iter().map(|v| v[0]).fold(0.0, f64::max), st, layer.bytes_moved()))
-            })?);
+            })?;
+            m.probe = probe;
+            out.push(m);
         }
         if let Some(path) = &args.record_load {
             let record = LoadRecord::gather(&s.config, comm, &layer.load_stats())?;
@@ -550,6 +567,7 @@ fn record(args: &BenchArgs, s: &Setup, c: &Ceilings, t: usize, m: &Measured, rel
         stages_ms,
         bytes_moved_per_rank: m.bytes,
         comm_gbps: (m.bytes > 0).then_some(comm_gbps),
+        probe_gflops: m.probe,
         bf16_matmul: s
             .bf16_cpu
             .then(|| if s.dot { moeflow::Bf16Matmul::Dot } else { moeflow::Bf16Matmul::Widen }.to_string()),

@@ -36,6 +36,9 @@ pub struct PlotRecord {
     /// The combine's bytes over its time, GB/s, where the record has it apart.
     #[serde(default)]
     pub combine_gbps: Option<f64>,
+    /// CPU runs: the matmul probe's rate before the row's runs, GFLOP/s.
+    #[serde(default)]
+    pub probe_gflops: Option<f64>,
     /// The PyTorch baseline's layer time on the same shapes, ms (`--torch-baseline`).
     #[serde(default)]
     pub torch_ms: Option<f64>,
@@ -357,6 +360,7 @@ mod tests {
             comm_gbps: comm,
             dispatch_gbps: None,
             combine_gbps: None,
+            probe_gflops: None,
             torch_ms: torch,
             link_gbps: comm.map(|_| 400.0),
             preset: "olmoe-1b-7b".into(),

@@ -44,6 +44,10 @@ pub struct Record {
     pub bytes_moved_per_rank: usize,
     /// Those bytes over rank 0's prepare + finalize time, GB/s.
     pub comm_gbps: Option<f64>,
+    /// CPU runs: the dense f32 matmul probe's rate just before this row's runs, GFLOP/s (the
+    /// machine's pace, which `simulate --compare` predicts at).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probe_gflops: Option<f64>,
     /// CPU experts with bf16 weights: `dot` (bf16 dot products) or `widen` (f32 arithmetic).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bf16_matmul: Option<String>,
