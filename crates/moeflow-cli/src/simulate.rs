@@ -1,7 +1,7 @@
 //! `moeflow simulate`: the layer's predicted time per stage for EP sizes, token counts and
 //! routings (uniform, Zipf, a recorded load), with and without EPLB, from measured ceilings
-//! (`bench --calibrate FILE` on this CPU or one GPU; `h200`, the GPU calibration's file in
-//! docs/bench; `h100`, built-in figures); `--compare` puts bench records beside the
+//! (`bench --calibrate FILE` on this CPU or one GPU; `h100` and `h200`, the GPU calibrations'
+//! files in docs/bench); `--compare` puts bench records beside the
 //! prediction (at the pace each record's matmul probe measured, where it and the ceilings have
 //! one), `--plot` draws it.
 
@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 /// Arguments of `moeflow simulate`.
 #[derive(clap::Args, Debug)]
 pub struct SimulateArgs {
-    /// Ceilings: a JSON file from `bench --calibrate`, or `h100` (built-in figures fitted to
-    /// moeflow's H100 records, NCCL) / `h200` (docs/bench/h200-simulator-ceilings.json: the GPU
+    /// Ceilings: a JSON file from `bench --calibrate`, or `h100` / `h200`
+    /// (docs/bench/h100-simulator-ceilings.json, h200-simulator-ceilings.json: the GPU
     /// calibration's ceilings of 2 x H200, NVLink transport).
     #[arg(long, default_value = "h100")]
     ceilings: String,
@@ -63,43 +63,16 @@ pub struct SimulateArgs {
     plot: Option<PathBuf>,
 }
 
-/// H100 SXM figures, fitted to moeflow's own records in docs/bench (one H100, 64 experts; 2 x
-/// H100 NV18, EP 2, 256 experts): the expert GEMM rate by rows per expert (weight-bound below),
-/// the weights streamed at 2.7 TB/s, the f32 router GEMM, the all-to-all-v's achieved rate by
-/// bytes per peer, and 400 Gb/s InfiniBand between nodes.
-fn h100() -> Ceilings {
-    Ceilings {
-        name: "H100 SXM (built-in figures)".into(),
-        gemm_gflops: 600e3,
-        gemm_curve: vec![(64.0, 350e3), (256.0, 520e3), (2048.0, 600e3)],
-        router_gflops: 25e3,
-        mem_gbps: 2700.0,
-        launch_us: 12.0,
-        intra_gbps: 72.0,
-        link_curve: vec![(0.03 * MIB, 2.0), (1.7 * MIB, 30.0), (55.0 * MIB, 72.0)],
-        intra_latency_us: 15.0,
-        inter_gbps: 45.0,
-        inter_latency_us: 10.0,
-        call_us: 20.0,
-        shared_device: false,
-        rows_per_rank: true,
-        shared_overlaps: true,
-        host_plan_us: 0.0,
-        host_plan_ns_per_slot: 0.0,
-        replica_min_rows: moeflow::backend::cuda_options::REPLICA_MIN_ROWS as f64,
-        probe_gflops: 0.0,
-    }
-}
-
-const MIB: f64 = (1 << 20) as f64;
-
 fn builtin(name: &str) -> Option<Ceilings> {
     match name {
-        "h100" => Some(h100()),
+        "h100" => serde_json::from_str(H100).ok(),
         "h200" => serde_json::from_str(H200).ok(),
         _ => None,
     }
 }
+
+/// One H100's ceilings (others for the link), as `bench --backend cuda --calibrate` writes them.
+const H100: &str = include_str!("../../../docs/bench/h100-simulator-ceilings.json");
 
 /// One H200's ceilings (two for the link), as `bench --backend cuda --calibrate` writes them.
 const H200: &str = include_str!("../../../docs/bench/h200-simulator-ceilings.json");
@@ -338,6 +311,8 @@ mod tests {
     fn the_built_in_ceilings_parse() {
         let h200 = super::builtin("h200").expect("docs/bench/h200-simulator-ceilings.json parses");
         assert!(h200.shared_overlaps && h200.rows_per_rank && h200.gemm_curve.len() >= 2, "{h200:?}");
-        assert!(super::builtin("h100").is_some() && super::builtin("a100").is_none());
+        let h100 = super::builtin("h100").expect("docs/bench/h100-simulator-ceilings.json parses");
+        assert!(h100.shared_overlaps && h100.gemm_curve.len() >= 2, "{h100:?}");
+        assert!(super::builtin("a100").is_none());
     }
 }

@@ -377,7 +377,7 @@ impl EpTable<'_> {
                 bytes_moved_per_rank: 2 * sent as usize,
                 comm_gbps: Some(gbps(dispatch + collect) * 2.0),
                 probe_gflops: None,
-            bf16_matmul: None,
+                bf16_matmul: None,
             });
         }
         (records, (floor_inputs, ours, direct))
