@@ -302,6 +302,45 @@ fn fp8_experts_quantized_on_the_device_match_the_cpu_quantization() {
     }
 }
 
+/// W8A8 experts on the fp8 tensor cores (the fp8 Hopper GEMM, 125 rows an expert): against
+/// the reference on the quantized weights within fp8 rows' bound, against the bf16 GEMMs on the
+/// same quantized values (the W8A8 rounding) within bf16 rounding, and the same bits run after
+/// run. Widths that the kernel's tiles do not divide (hidden 272: two 128-deep stages and a
+/// part). Skips on GPUs other than Hopper, saying so.
+#[test]
+fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
+    use moeflow::backend::cuda::CudaOptions;
+    let shared = Some(SharedConfig { inter: 64, gated: true });
+    let config = small_config(272, 128, 16, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, shared);
+    let weights = preset::random_weights(&config, DType::BF16, 21);
+    let Some(probe) = layer(&config, &weights) else { return };
+    if !probe.has_fp8_gemm() {
+        eprintln!(
+            "SKIPPED w8a8_experts_on_the_fp8_tensor_cores_match_the_reference: {} is not a Hopper GPU",
+            probe.device_name()
+        );
+        return;
+    }
+    let mut quantized = weights.clone();
+    quantized.experts = weights.experts.quantized(moeflow::quant::WeightQuant::Fp8Block(128)).unwrap();
+    let w8a8 = |fp8_gemm: bool| {
+        let opts = CudaOptions { fp8_gemm, ..Default::default() };
+        CudaMoeLayer::new(&config, &weights, &opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
+    };
+    let (tensor_cores, bf16_gemms) = (w8a8(true), w8a8(false));
+    let (x, xt) = hidden(1000, config.hidden, 22);
+    let got = tensor_cores.forward(&xt).unwrap().to_f32_vec();
+    assert_eq!(tensor_cores.forward_timed(1000, 1).unwrap().experts, "hopper-fp8");
+    assert_ne!(bf16_gemms.forward_timed(1000, 1).unwrap().experts, "hopper-fp8");
+    let err = rel(&got, &reference::forward(&config, &quantized, &x).unwrap().out);
+    let rounded = bf16_gemms.forward(&xt).unwrap().to_f32_vec();
+    let apart = rel(&got, &rounded.iter().map(|&v| v as f64).collect::<Vec<_>>());
+    eprintln!("W8A8 on the fp8 tensor cores, 1000 tokens: relative error {err:.2e}, {apart:.2e} from the bf16 GEMMs");
+    assert!(err <= FP8_ROWS_TOL, "relative error {err:e}");
+    assert!(apart <= BF16_TOL, "{apart:e} from the bf16 GEMMs on the same values");
+    assert_eq!(tensor_cores.forward(&xt).unwrap().to_f32_vec(), got, "differs run to run");
+}
+
 /// Deterministic mode on one GPU: a token's output has the same bits alone, in small batches
 /// (CUDA graphs), and anywhere in a batch of 4096; and stays within bf16 rounding of the
 /// reference. Every router kind with a shared expert and biases.

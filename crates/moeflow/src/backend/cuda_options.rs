@@ -181,6 +181,10 @@ pub struct CudaOptions {
     pub deterministic: bool,
     /// How expert-parallel ranks move rows between GPUs.
     pub transport: Transport,
+    /// W8A8 experts (fp8 weights and activations) multiply on the fp8 tensor cores with the fp8
+    /// Hopper GEMM where it runs; off, they take the bf16 GEMMs on the values the codes stand
+    /// for.
+    pub fp8_gemm: bool,
     /// Thread blocks (one per SM) the NVLink transport's copy kernel takes.
     pub transport_sms: u32,
     /// All-to-all-v over the NVLink transport plans its dispatch on the device (counts, row
@@ -216,6 +220,7 @@ impl Default for CudaOptions {
             nvrtc_options: Vec::new(),
             deterministic: false,
             transport: Transport::Auto,
+            fp8_gemm: true,
             transport_sms: 64,
             device_plan: true,
             load_stats: true,
@@ -225,7 +230,7 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 14] = [
+pub const CUDA_VARIABLES: [(&str, &str); 15] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -236,6 +241,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 14] = [
     ("MOEFLOW_LL_GEMM", "masked|padded: the low-latency layer's GEMMs (default masked)"),
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
+    ("MOEFLOW_FP8_GEMM", "0|1: W8A8 experts multiply on the fp8 tensor cores on Hopper (default 1)"),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 64)"),
     ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
@@ -300,6 +306,7 @@ impl CudaOptions {
                         .ok_or_else(|| bad(key, value, "1 to 132"))?
                 }
                 "MOEFLOW_DEVICE_PLAN" => self.device_plan = flag(key, value)?,
+                "MOEFLOW_FP8_GEMM" => self.fp8_gemm = flag(key, value)?,
                 "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
                 "MOEFLOW_REPLICA_MIN_ROWS" => {
                     self.replica_min_rows = value.parse().map_err(|_| bad(key, value, "a count of rows"))?
@@ -348,6 +355,9 @@ impl CudaOptions {
         }
         if self.transport != d.transport {
             parts.push(format!("transport {}", self.transport));
+        }
+        if !self.fp8_gemm {
+            parts.push("W8A8 on bf16 GEMMs".into());
         }
         if self.transport_sms != d.transport_sms {
             parts.push(format!("{} transport SMs", self.transport_sms));
@@ -413,6 +423,7 @@ mod tests {
             ("MOEFLOW_LOAD_STATS", "0"),
             ("MOEFLOW_REPLICA_MIN_ROWS", "0"),
             ("MOEFLOW_DEVICE_PLAN", "0"),
+            ("MOEFLOW_FP8_GEMM", "0"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -428,6 +439,7 @@ mod tests {
             nvrtc_options: vec!["-lineinfo".into(), "-G".into()],
             deterministic: true,
             transport: Transport::Auto,
+            fp8_gemm: false,
             transport_sms: 16,
             device_plan: false,
             load_stats: false,
@@ -437,6 +449,7 @@ mod tests {
         assert!(o.describe().contains("no load statistics"), "{}", o.describe());
         assert!(o.describe().contains("replicas shared from 0 rows"), "{}", o.describe());
         assert!(o.describe().contains("dispatch planned on the host"), "{}", o.describe());
+        assert!(o.describe().contains("W8A8 on bf16 GEMMs"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",
@@ -462,6 +475,7 @@ mod tests {
             ("MOEFLOW_GEMM_STREAMS", "0"),
             ("MOEFLOW_GEMM_SM_TARGET", "-3"),
             ("MOEFLOW_LL_GEMM", "cublas"),
+            ("MOEFLOW_FP8_GEMM", "maybe"),
             ("MOEFLOW_TRANSPORT_SMS", "0"),
         ] {
             let e = CudaOptions::from_vars([(k, v)]).unwrap_err().to_string();

@@ -144,28 +144,84 @@ __device__ __forceinline__ unsigned gg_pack(float lo, float hi) {
     return r;
 }
 
-// The tile's output columns in place of its gate columns: d[4j + x] (j < 16) becomes
-// act(gate + bias) · (up + bias) from d[4j + x] and d[4(j + 16) + x]; `bias` is the expert's
+// The tile's output columns in place of its gate columns, for a tile of G 8-column groups of
+// gate rows then G of up rows (G = 16: 128 each): d[4j + x] (j < G) becomes
+// act(gate + bias) · (up + bias) from d[4j + x] and d[4(j + G) + x]; `bias` is the expert's
 // 2 I gate-then-up row (null: none), `col0` the tile's first output column, `I` the width.
-// Straight-line code for 64 values, kept short: the bias loop is skipped when there is none,
-// and act_mul divides with __fdividef (IEEE divisions cost the up projection several times
-// what the activation itself does; docs/tuning.md).
-template <int KIND>
+// Straight-line code, kept short: the bias loop is skipped when there is none, and act_mul
+// divides with __fdividef (IEEE divisions cost the up projection several times what the
+// activation itself does; docs/tuning.md).
+template <int KIND, int G>
 __device__ __forceinline__ void gg_act(float* d, const float* bias, int col0, int I, float alpha, float limit) {
     const int q = threadIdx.x % 4;
     if (bias) {
 #pragma unroll
-        for (int j = 0; j < 16; j++) {
+        for (int j = 0; j < G; j++) {
 #pragma unroll
             for (int x = 0; x < 4; x++) {
                 const int c = min(col0 + 8 * j + 2 * q + (x & 1), I - 1);  // columns past I are dropped
                 d[4 * j + x] += bias[c];
-                d[4 * (j + 16) + x] += bias[I + c];
+                d[4 * (j + G) + x] += bias[I + c];
             }
         }
     }
 #pragma unroll
-    for (int j = 0; j < 64; j++) d[j] = act_mul(d[j], d[j + 64], KIND, alpha, limit);
+    for (int j = 0; j < 4 * G; j++) d[j] = act_mul(d[j], d[j + 4 * G], KIND, alpha, limit);
+}
+
+// gg_act for the epilogue's act_kind.
+template <int G>
+__device__ __forceinline__ void gg_act_kind(float* d, int act_kind, const float* bias, int col0, int I, float alpha,
+                                            float limit) {
+    switch (act_kind) {
+        case 0: gg_act<0, G>(d, bias, col0, I, alpha, limit); break;
+        case 1: gg_act<1, G>(d, bias, col0, I, alpha, limit); break;
+        case 2: gg_act<2, G>(d, bias, col0, I, alpha, limit); break;
+        default: gg_act<3, G>(d, bias, col0, I, alpha, limit); break;
+    }
+}
+
+// Stores the first `cols` columns of a warpgroup's 64-row fragment d as bf16 rows of C
+// [·, width], from row `row0` and column `col0`, rows up to `rows_end` and columns up to
+// `width`. Fragment layout: d[4j + {0,1}] is row 16·warp + lane/4, columns 8j + 2·(lane%4) +
+// {0,1}; d[4j + {2,3}] the row 8 below. Stores move sixteen bytes a lane: the four lanes of a
+// quad hold the eight columns of each 8-column chunk of their row between them, and a 4 × 4
+// transpose across the quad (two exchanges) gives lane q chunk 4i + q whole (faster than
+// 4-byte stores; docs/tuning.md).
+template <int COLS>
+__device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, int rows_end, int col0, int width) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const long r = row0 + warp * 16 + lane / 4;
+    const int q = lane % 4;
+    const bool hi = q & 2, odd = q & 1;
+#pragma unroll
+    for (int i = 0; i < COLS / 32; i++) {
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            unsigned p[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) p[x] = gg_pack(d[4 * (4 * i + x) + 2 * h], d[4 * (4 * i + x) + 2 * h + 1]);
+            // p[x] is this lane's pair of chunk 4i + x; keep the half of the chunks whose
+            // index has q's bit 1 and trade the other half with lane q ^ 2, then the same
+            // on bit 0 with lane q ^ 1.
+            const unsigned k0 = hi ? p[2] : p[0], k1 = hi ? p[3] : p[1];
+            const unsigned r0 = __shfl_xor_sync(0xffffffffu, hi ? p[0] : p[2], 2);
+            const unsigned r1 = __shfl_xor_sync(0xffffffffu, hi ? p[1] : p[3], 2);
+            const unsigned m0 = odd ? k1 : k0, m1 = odd ? r1 : r0;
+            const unsigned n0 = __shfl_xor_sync(0xffffffffu, odd ? k0 : k1, 1);
+            const unsigned n1 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
+            // Now m0, n0, m1, n1 are the pairs of lanes q, q ^ 1, q ^ 2, q ^ 3 in chunk 4i + q.
+            unsigned o[4];
+#pragma unroll
+            for (int x = 0; x < 4; x++) {
+                const int y = x ^ q;
+                o[x] = y == 0 ? m0 : y == 1 ? n0 : y == 2 ? m1 : n1;
+            }
+            const long row = r + 8 * h;
+            const int col = col0 + 32 * i + 8 * q;
+            if (row < rows_end && col < width) *(uint4*)(C + row * width + col) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+    }
 }
 
 // The tiles of every expert laid end to end. Within an expert, row blocks go in groups of
@@ -334,7 +390,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
     }
 
     // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
-    const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    const int wg = threadIdx.x / 128 - 1;
     float d[BN / 2];
 #pragma unroll
     for (int j = 0; j < BN / 2; j++) d[j] = 0.0f;
@@ -379,56 +435,17 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
         gg_wait<0>();
         gg_pin<BN / 2>(d);
         gg_bar_arrive(&empty[last]);
-        // Activations run in 256-column tiles only (the host sees to it).
+        // Activations run in 256-column tiles only (the host sees to it); their 128 output
+        // columns are d[0 .. 63].
+        const long row0 = t.row0 + wg * 64;
         if constexpr (BN == 256) {
             if (act) {
-                const float* bias = b13 ? b13 + (long)t.expert * N : 0;
-                switch (act_kind) {
-                    case 0: gg_act<0>(d, bias, t.col0, width, alpha, limit); break;
-                    case 1: gg_act<1>(d, bias, t.col0, width, alpha, limit); break;
-                    case 2: gg_act<2>(d, bias, t.col0, width, alpha, limit); break;
-                    default: gg_act<3>(d, bias, t.col0, width, alpha, limit); break;
-                }
+                gg_act_kind<16>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, t.col0, width, alpha, limit);
+                gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
+                continue;
             }
         }
-        // Fragment layout: d[4j + {0,1}] is row 16·warp + lane/4, columns 8j + 2·(lane%4) + {0,1};
-        // d[4j + {2,3}] the row 8 below. Stores move sixteen bytes a lane: the four lanes of a
-        // quad hold the eight columns of each 8-column chunk of their row between them, and a
-        // 4 × 4 transpose across the quad (two exchanges) gives lane q chunk 4i + q whole
-        // (faster than 4-byte stores; docs/tuning.md).
-        const long r = t.row0 + wg * 64 + warp * 16 + lane / 4;
-        const int q = lane % 4;
-        const bool hi = q & 2, odd = q & 1;
-#pragma unroll
-        for (int i = 0; i < BN / 32; i++) {
-            if (act && i >= 4) break;  // an activation tile's 128 columns are d[0 .. 63]
-#pragma unroll
-            for (int h = 0; h < 2; h++) {
-                unsigned p[4];
-#pragma unroll
-                for (int x = 0; x < 4; x++) p[x] = gg_pack(d[4 * (4 * i + x) + 2 * h], d[4 * (4 * i + x) + 2 * h + 1]);
-                // p[x] is this lane's pair of chunk 4i + x; keep the half of the chunks whose
-                // index has q's bit 1 and trade the other half with lane q ^ 2, then the same
-                // on bit 0 with lane q ^ 1.
-                const unsigned k0 = hi ? p[2] : p[0], k1 = hi ? p[3] : p[1];
-                const unsigned r0 = __shfl_xor_sync(0xffffffffu, hi ? p[0] : p[2], 2);
-                const unsigned r1 = __shfl_xor_sync(0xffffffffu, hi ? p[1] : p[3], 2);
-                const unsigned m0 = odd ? k1 : k0, m1 = odd ? r1 : r0;
-                const unsigned n0 = __shfl_xor_sync(0xffffffffu, odd ? k0 : k1, 1);
-                const unsigned n1 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
-                // Now m0, n0, m1, n1 are the pairs of lanes q, q ^ 1, q ^ 2, q ^ 3 in chunk 4i + q.
-                unsigned o[4];
-#pragma unroll
-                for (int x = 0; x < 4; x++) {
-                    const int y = x ^ q;
-                    o[x] = y == 0 ? m0 : y == 1 ? n0 : y == 2 ? m1 : n1;
-                }
-                const long row = r + 8 * h;
-                const int col = t.col0 + 32 * i + 8 * q;
-                if (row < t.rows_end && col < width)
-                    *(uint4*)(C + row * width + col) = make_uint4(o[0], o[1], o[2], o[3]);
-            }
-        }
+        gg_store<BN>(d, C, row0, t.rows_end, t.col0, width);
     }
 }
 #endif

@@ -349,7 +349,12 @@ impl CudaMoeLayer {
                 .map_err(|e| err("count", e))?;
         }
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
-        let gather = plan.imp.gathers_rows(self, cap).then_some(Gather { x: recv_rows, slot_of_row: maps[1], k });
+        let gather = plan.imp.gathers_rows(self, cap).then_some(Gather {
+            x: recv_rows,
+            tokens: received,
+            slot_of_row: maps[1],
+            k,
+        });
         let copy_rows = gather.is_none();
         let grouping =
             Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };

@@ -11,14 +11,14 @@ use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, DeviceRepr,
 use std::sync::Mutex;
 
 /// Most experts one launch takes (the kernel keeps three ints per expert in shared memory).
-const MAX_EXPERTS: usize = 1024;
+pub(super) const MAX_EXPERTS: usize = 1024;
 
 /// Experts from which a one-GPU layer with a shared expert takes the Hopper GEMM below 2 rows
 /// an expert too (see [`CudaMoeLayer::hopper_for`]).
 const MANY_EXPERTS: usize = 256;
 
 /// Most shared memory a block may take on Hopper (227 KiB).
-const MAX_SMEM: u32 = 227 * 1024;
+pub(super) const MAX_SMEM: u32 = 227 * 1024;
 
 /// Rows an expert on average up to which a product takes the short kernel's 64-row tiles
 /// (see [`HopperGemm::short_for`]): below it their deeper ring keeps more weight bytes in
@@ -55,10 +55,11 @@ pub(super) enum Epilogue {
 }
 
 /// Rows of `A` gathered by the GEMM itself: row `r` is row `slot_of_row[r] / k` of the bf16
-/// `x [·, kdim]` (device pointers), as the permute would have copied it.
+/// `x [tokens, kdim]` (device pointers), as the permute would have copied it.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Gather {
     pub x: u64,
+    pub tokens: usize,
     pub slot_of_row: u64,
     pub k: usize,
 }
@@ -73,18 +74,22 @@ fn smem_bytes(v: Variant, experts: usize) -> u32 {
 
 /// A TMA descriptor, which the kernel takes by value.
 #[repr(transparent)]
-struct TensorMap(drv::CUtensorMap);
+pub(super) struct TensorMap(drv::CUtensorMap);
 
 // SAFETY: a plain 128-byte C struct, passed as a `__grid_constant__` kernel parameter.
 unsafe impl DeviceRepr for TensorMap {}
 
-/// Descriptor of the bf16 matrix `[rows, cols]` at `ptr` (row-major, `cols % 8 == 0` so rows
-/// are 16-byte aligned), read in boxes of `box_rows` rows by 64 columns, 128-byte swizzled,
-/// zeros past its edges.
-fn tensor_map(ptr: u64, rows: usize, cols: usize, box_rows: u32) -> Result<TensorMap> {
+/// Descriptor of the matrix `[rows, cols]` at `ptr` of `elem` bytes a value (2: bf16, 1: fp8
+/// codes; row-major, rows 16-byte aligned), read in boxes of `box_rows` rows by 128 bytes,
+/// 128-byte swizzled, zeros past its edges.
+pub(super) fn tensor_map(ptr: u64, rows: usize, cols: usize, box_rows: u32, elem: usize) -> Result<TensorMap> {
     let dims = [cols as u64, rows as u64];
-    let strides = [2 * cols as u64];
-    let boxes = [64u32, box_rows];
+    let strides = [(elem * cols) as u64];
+    let boxes = [128 / elem as u32, box_rows];
+    let dtype = match elem {
+        1 => drv::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
+        _ => drv::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+    };
     let unit = [1u32, 1];
     let mut map = std::mem::MaybeUninit::<drv::CUtensorMap>::uninit();
     // SAFETY: the arrays hold rank (2) entries (strides rank − 1); the address and stride are
@@ -92,7 +97,7 @@ fn tensor_map(ptr: u64, rows: usize, cols: usize, box_rows: u32) -> Result<Tenso
     let status = unsafe {
         drv::cuTensorMapEncodeTiled(
             map.as_mut_ptr(),
-            drv::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+            dtype,
             2,
             ptr as *mut std::ffi::c_void,
             dims.as_ptr(),
@@ -255,13 +260,13 @@ impl HopperGemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let a_map = tensor_map(a, rows, kdim, v.rows)?;
+        let a_map = tensor_map(a, rows, kdim, v.rows, 2)?;
         if v.cols != 256 && !matches!(epilogue, Epilogue::Product) {
             return Err(MoeError::Unsupported(
                 "the Hopper grouped GEMM's activation in tiles other than 256 wide".into(),
             ));
         }
-        let w_map = tensor_map(w, experts * n, kdim, v.cols / 2)?;
+        let w_map = tensor_map(w, experts * n, kdim, v.cols / 2, 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
         // Launches through this lock run one after another on the device (one stream a layer).
         let counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
@@ -421,7 +426,8 @@ mod tests {
             }
             let slot_of_row: Vec<i32> = (0..rows).map(|r| (3 * token(r) + r % 3) as i32).collect();
             let (xd, sd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&slot_of_row).unwrap());
-            let gather = gathered.then(|| Gather { x: dptr(&xd, &gpu), slot_of_row: dptr(&sd, &gpu), k: 3 });
+            let gather =
+                gathered.then(|| Gather { x: dptr(&xd, &gpu), tokens: rows, slot_of_row: dptr(&sd, &gpu), k: 3 });
             let epilogue = match act {
                 None => Epilogue::Product,
                 Some((activation, b)) => Epilogue::Activation { activation, bias: if b { dptr(&bd, &gpu) } else { 0 } },

@@ -12,8 +12,8 @@ use cudarc::driver::{sys as drv, CudaSlice, LaunchConfig, PushKernelArg};
 pub(super) struct Fp8Rows {
     /// Values the buffers hold.
     len: usize,
-    codes: CudaSlice<u8>,
-    scales: CudaSlice<f32>,
+    pub(super) codes: CudaSlice<u8>,
+    pub(super) scales: CudaSlice<f32>,
 }
 
 /// Dynamic shared memory of the masked GEMM, the larger of its two forms (masked_gemm.cu):
@@ -158,7 +158,7 @@ impl CudaMoeLayer {
     /// The `rows` bf16 rows of `kdim` values at `a` as fp8 codes with one scale per 128 values,
     /// in `buf` (grown when short; it is sized at the first, uncaptured, run of a graph).
     /// Padded rows (`counts` given: row r past `counts[r / cap]`) are skipped.
-    fn quantize_rows_fp8<'a>(
+    pub(super) fn quantize_rows_fp8<'a>(
         &self,
         buf: &'a mut Option<Fp8Rows>,
         a: u64,

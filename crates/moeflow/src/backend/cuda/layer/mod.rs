@@ -38,6 +38,7 @@ mod fp8_weights;
 #[cfg(test)]
 mod fused_route_tests;
 mod graph;
+mod hopper_fp8_gemm;
 mod hopper_gemm;
 mod load_recording;
 mod low_latency;
@@ -100,6 +101,8 @@ struct Kernels {
     quantize_bf16: CudaFunction,
     /// The wgmma grouped GEMM, on Hopper GPUs.
     hopper: Option<hopper_gemm::HopperGemm>,
+    /// Its fp8 form (W8A8 experts), on Hopper GPUs.
+    hopper_fp8: Option<hopper_fp8_gemm::HopperFp8Gemm>,
     /// Deterministic mode: a second instance (its own tile counter) for the shared expert, which
     /// runs on a side stream beside the routed experts' GEMMs.
     hopper_shared: Option<hopper_gemm::HopperGemm>,
@@ -262,6 +265,7 @@ impl CudaMoeLayer {
             quantize_fp8: f("quantize_weight_blocks_fp8")?,
             quantize_bf16: f("quantize_rows_bf16")?,
             hopper: hopper_gemm::HopperGemm::load(&gpu, opts)?,
+            hopper_fp8: hopper_fp8_gemm::HopperFp8Gemm::load(&gpu, opts)?,
             hopper_shared: match opts.deterministic {
                 true => hopper_gemm::HopperGemm::load(&gpu, opts)?,
                 false => None,
@@ -511,6 +515,12 @@ impl CudaMoeLayer {
     /// The options it was built with.
     pub fn options(&self) -> &CudaOptions {
         &self.opts
+    }
+
+    /// Whether W8A8 experts can multiply on the fp8 tensor cores here (the fp8 Hopper GEMM: a
+    /// Hopper GPU, options that allow it).
+    pub fn has_fp8_gemm(&self) -> bool {
+        self.k.hopper_fp8.is_some()
     }
 
     /// The device's name.

@@ -9,6 +9,7 @@
 //! | implementation | expert sizes read | layouts |
 //! | --- | --- | --- |
 //! | [`Hopper`] | on the device | grouped or padded; gathers its rows itself; activation in its epilogue |
+//! | [`HopperFp8`] | on the device | as [`Hopper`], fp8 rows and weights (W8A8) on the fp8 tensor cores |
 //! | [`Masked`] | on the device | grouped or padded; bf16 or fp8 weights, W8A8 |
 //! | [`CublasPadded`] | on the host | padded: one strided-batched GEMM |
 //! | [`CublasGrouped`] | on the host | grouped: one grouped call |
@@ -20,12 +21,14 @@ mod cublas_grouped;
 mod cublas_padded;
 mod cublas_per_expert;
 mod hopper;
+mod hopper_fp8;
 mod masked;
 
 pub(super) use cublas_grouped::CublasGrouped;
 pub(super) use cublas_padded::CublasPadded;
 pub(super) use cublas_per_expert::CublasPerExpert;
 pub(super) use hopper::Hopper;
+pub(super) use hopper_fp8::HopperFp8;
 pub(super) use masked::Masked;
 
 use super::hopper_gemm::Gather;
@@ -90,8 +93,9 @@ impl CudaMoeLayer {
     /// The implementation that reads the expert sizes on the device for `slots` rows over
     /// `experts` experts, where one fits: fp8 experts on one GPU take the masked GEMM while
     /// the weights dominate (up to 32 rows per expert on average, where reading half the bytes
-    /// wins; docs/tuning.md), the low-latency layer the Hopper or the masked GEMM, others the
-    /// Hopper GEMM where [`CudaMoeLayer::hopper_for`] takes the batch. `None`: cuBLAS, whose
+    /// wins; docs/tuning.md), the low-latency layer the Hopper or the masked GEMM, W8A8
+    /// experts otherwise the fp8 Hopper GEMM where [`CudaMoeLayer::hopper_fp8_runs`] says so,
+    /// others the Hopper GEMM where [`CudaMoeLayer::hopper_for`] takes the batch. `None`: cuBLAS, whose
     /// GEMM shapes need the sizes on the host ([`CudaMoeLayer::host_counted`]).
     pub(super) fn device_counted(
         &self,
@@ -104,8 +108,17 @@ impl CudaMoeLayer {
             Form::LowLatency if self.ll_hopper().is_some() => Some(&Hopper),
             Form::LowLatency => Some(&Masked),
             Form::OneGpu if self.w.fp8.is_some() && self.masked && slots <= 32 * experts => Some(&Masked),
+            _ if self.hopper_fp8_runs() => Some(&HopperFp8),
             _ => self.hopper_for(slots, experts).map(|_| &Hopper as &'static dyn DeviceExperts),
         }
+    }
+
+    /// Whether W8A8 experts multiply on the fp8 tensor cores: fp8 experts and activations, a
+    /// Hopper GPU, [`crate::backend::CudaOptions::fp8_gemm`], and shapes the kernel takes
+    /// (hidden size a multiple of 16, intermediate of 64).
+    pub(super) fn hopper_fp8_runs(&self) -> bool {
+        let (h, i) = (self.config.hidden, self.config.inter);
+        self.w8a8 && self.opts.fp8_gemm && self.k.hopper_fp8.is_some() && h % 16 == 0 && i % 64 == 0
     }
 
     /// The experts' implementation for rows grouped on the device without a host count (a

@@ -43,8 +43,12 @@ impl DevicePrepareFinalize for Local {
                 (imp, cap, counts)
             }
         };
-        let gather =
-            imp.gathers_rows(l, cap).then(|| Gather { x: dptr(&b.x_bf, g), slot_of_row: dptr(&b.slot_of_row, g), k });
+        let gather = imp.gathers_rows(l, cap).then(|| Gather {
+            x: dptr(&b.x_bf, g),
+            tokens: t,
+            slot_of_row: dptr(&b.slot_of_row, g),
+            k,
+        });
         if !fused {
             l.permute(b, t, cap, gather.is_none())?;
         }

@@ -1,0 +1,248 @@
+// moeflow's fp8 Hopper grouped GEMM: C[r] = A[r] · W[e]ᵀ for every row r of expert e, A and W
+// fp8 e4m3 codes with DeepSeek-V3's scales (A: one f32 scale per row and 128 columns of K; W:
+// one per 128 × 128 block), C bf16, over all the experts in one persistent launch that reads
+// the expert counts and row offsets on the device, as the bf16 kernel in grouped_gemm_sm90.cu
+// does (same tile order, counter, producer and store; an activation in the up projection's
+// epilogue; rows gathered by the producer from the tokens' codes).
+//
+// A stage is 128 codes deep: one 128-byte swizzle row, and exactly one scale block of both
+// operands. The consumer warpgroups multiply it with four wgmma.m64n128k32 e4m3 into partial
+// sums of their own, wait for them, and add them to the f32 accumulators scaled by the row's
+// and the weight block's scales: the tensor cores' fp8 sums carry fewer bits than f32, so they
+// never run longer than 128 products (DeepSeek-V3's "promotion"). Tiles are 64·WGS rows by 128
+// weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up rows, which
+// then give 64 output columns), so a thread holds 64 accumulators and 64 partial sums.
+// (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
+
+#define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
+#define G8_BN 128  // weight rows a tile
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+#define G8_D8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
+
+// d[64 × 128 fragment] (+)= A[64 × 32] · B[128 × 32]ᵀ, e4m3 codes from shared memory, f32 sums;
+// `accumulate` 0 overwrites d.
+__device__ __forceinline__ void g8_mma(float* d, u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, acc, 1, 1;\n}\n"
+        : G8_D8(0), G8_D8(8), G8_D8(16), G8_D8(24), G8_D8(32), G8_D8(40), G8_D8(48), G8_D8(56)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
+// The kernel for tiles of 64·WGS rows over a ring of STAGES stages; see the entry point below.
+template <int WGS, int STAGES>
+__device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
+                                          const int* counts, const int* offsets, int experts, int N, int K,
+                                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                                          const float* a_scales, const float* w_scales,
+                                          const unsigned char* gather_x, const int* slot_of_row, int gather_k) {
+    constexpr int BM = 64 * WGS;             // rows of a tile
+    constexpr int A_BYTES = BM * G8_BK;      // 8 KiB a warpgroup
+    constexpr int B_BYTES = G8_BN * G8_BK;   // 16 KiB
+    constexpr int RING_BYTES = STAGES * (A_BYTES + B_BYTES);
+    constexpr int ROWS_PER_THREAD = BM / 16; // gathering: eight threads a row
+    extern __shared__ unsigned char g8_raw[];
+    unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
+    u64* full = (u64*)(ring + RING_BYTES);
+    u64* empty = full + STAGES;
+    int* stage_tile = (int*)(empty + STAGES);
+    int* first_tile = stage_tile + STAGES;
+    int* rows_of = first_tile + experts + 1;
+    int* start_of = rows_of + experts;
+    int* claimed = start_of + experts;
+    const bool gather = gather_x != 0;
+    const bool act = act_kind >= 0;
+    const int width = act ? N / 2 : N, tile_cols = act ? G8_BN / 2 : G8_BN;
+    const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + G8_BK - 1) / G8_BK;
+    const int n_blocks = (N + 127) / 128;  // weight scale blocks down an expert
+
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            gg_bar_init(&full[s], gather ? 1 + 128 : 1);
+            gg_bar_init(&empty[s], WGS * 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        rows_of[e] = counts[e];
+        start_of[e] = offsets[e];
+    }
+    if (threadIdx.x < 32) {
+        int acc = 0;
+        for (int base = 0; base < experts; base += 32) {
+            int e = base + threadIdx.x;
+            int n = e < experts ? (counts[e] + BM - 1) / BM * col_blocks : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                int v = __shfl_up_sync(0xffffffffu, n, o);
+                if ((int)threadIdx.x >= o) n += v;
+            }
+            if (e < experts) first_tile[e + 1] = acc + n;
+            acc += __shfl_sync(0xffffffffu, n, 31);
+        }
+        if (threadIdx.x == 0) first_tile[0] = 0;
+    }
+    __syncthreads();
+    const int tiles = first_tile[experts];
+
+    if (threadIdx.x < 128) {
+        // Producer: as in gg_kernel.
+        if (threadIdx.x != 0 && !gather) return;
+        const int me = threadIdx.x;
+        int stage = 0;
+        unsigned phase = 0;
+        for (;;) {
+            int tile;
+            if (gather) {
+                if (me == 0) *claimed = atomicAdd(next_tile, 1);
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+                tile = *claimed;
+                asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            } else {
+                tile = atomicAdd(next_tile, 1);
+            }
+            if (tile >= tiles) {
+                if (me == 0) {
+                    __threadfence();
+                    if (atomicAdd(next_tile + 1, 1) == (int)gridDim.x - 1) {
+                        next_tile[0] = 0;
+                        next_tile[1] = 0;
+                    }
+                }
+                gg_bar_wait(&empty[stage], phase ^ 1);
+                if (me == 0) stage_tile[stage] = -1;
+                gg_bar_arrive(&full[stage]);
+                if (gather && me == 0) gg_bar_arrive(&full[stage]);
+                return;
+            }
+            gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
+            const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : G8_BN / 2);
+            const int chunk = me % 8;
+            const unsigned char* src[ROWS_PER_THREAD];
+#pragma unroll
+            for (int j = 0; j < ROWS_PER_THREAD; j++) {
+                const int row = t.row0 + me / 8 + 16 * j;
+                src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
+            }
+            for (int kb = 0; kb < kblocks; kb++) {
+                gg_bar_wait(&empty[stage], phase ^ 1);
+                unsigned char* a = ring + stage * A_BYTES;
+                if (me == 0) {
+                    stage_tile[stage] = tile;
+                    gg_bar_expect(&full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
+                    if (!gather) gg_tma_load(a, &a_map, &full[stage], kb * G8_BK, t.row0);
+                    unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
+                    gg_tma_load(b, &w_map, &full[stage], kb * G8_BK, wrow);
+                    gg_tma_load(b + B_BYTES / 2, &w_map, &full[stage], kb * G8_BK, wrow2);
+                }
+                if (gather) {
+                    const int col = kb * G8_BK + 16 * chunk;
+                    const unsigned bytes = col < K ? 16 : 0;
+#pragma unroll
+                    for (int j = 0; j < ROWS_PER_THREAD; j++) {
+                        const int r = me / 8 + 16 * j;
+                        if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
+                    }
+                    gg_copies_arrive(&full[stage]);
+                }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+        }
+    }
+
+    // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
+    const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    float d[64], p[64];
+    int stage = 0;
+    unsigned phase = 0;
+    for (;;) {
+        gg_bar_wait(&full[stage], phase);
+        const int tile = stage_tile[stage];
+        if (tile < 0) return;
+        gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
+        if (t.row0 + wg * 64 >= t.rows_end) {
+            for (int kb = 0; kb < kblocks; kb++) {
+                if (kb > 0) gg_bar_wait(&full[stage], phase);
+                gg_bar_arrive(&empty[stage]);
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            }
+            continue;
+        }
+        // This thread's two rows' scales (rows past the expert's end read its last row's;
+        // their sums are dropped) and the two weight scale blocks of the tile's halves.
+        const int r0 = t.row0 + wg * 64 + warp * 16 + lane / 4;
+        const int ra = min(r0, t.rows_end - 1), rb = min(r0 + 8, t.rows_end - 1);
+        const long sa = gather ? (long)(slot_of_row[ra] / gather_k) : ra;
+        const long sb = gather ? (long)(slot_of_row[rb] / gather_k) : rb;
+        const float* scale_a = a_scales + sa * kblocks;
+        const float* scale_b = a_scales + sb * kblocks;
+        const int wn0 = t.col0, wn1 = t.col0 + (act ? width : G8_BN / 2);
+        const float* scale_w0 = w_scales + ((long)t.expert * n_blocks + wn0 / 128) * kblocks;
+        const float* scale_w1 = w_scales + ((long)t.expert * n_blocks + min(wn1 / 128, n_blocks - 1)) * kblocks;
+#pragma unroll
+        for (int j = 0; j < 64; j++) d[j] = 0.0f;
+        for (int kb = 0; kb < kblocks; kb++) {
+            if (kb > 0) gg_bar_wait(&full[stage], phase);
+            // Rows gathered by cp.async were written through the generic proxy; wgmma reads
+            // through the async one.
+            if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            const float fa = scale_a[kb], fb = scale_b[kb], f0 = scale_w0[kb], f1 = scale_w1[kb];
+            u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
+            u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
+            gg_fence();
+#pragma unroll
+            for (int kk = 0; kk < G8_BK / 32; kk++) g8_mma(p, da + 2 * kk, db + 2 * kk, kk > 0);
+            gg_commit();
+            gg_wait<0>();
+            gg_pin<64>(p);
+            gg_bar_arrive(&empty[stage]);
+            // p[4j + {0,1}] is row r0, p[4j + {2,3}] row r0 + 8; groups j < 8 the first half.
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                const float w = j < 8 ? f0 : f1;
+                d[4 * j] += p[4 * j] * (fa * w);
+                d[4 * j + 1] += p[4 * j + 1] * (fa * w);
+                d[4 * j + 2] += p[4 * j + 2] * (fb * w);
+                d[4 * j + 3] += p[4 * j + 3] * (fb * w);
+            }
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+        const long row0 = t.row0 + wg * 64;
+        if (act) {
+            gg_act_kind<8>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, t.col0, width, alpha, limit);
+            gg_store<64>(d, C, row0, t.rows_end, t.col0, width);
+        } else {
+            gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
+        }
+    }
+}
+#endif
+
+// C[r] = A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds
+// as in act_mul, f32 bias b13 [experts, N] or null), A and W fp8 e4m3 codes: A read through
+// a_map in boxes of 128 rows by 128 codes (or, with gather_x, row r the codes of token
+// slot_of_row[r] / gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the
+// same row (or token); W [experts · N, K] through w_map in boxes of 64 rows, its scales
+// w_scales [experts, ceil(N / 128), ceil(K / 128)]. An activation needs N / 2 a multiple of 64
+// (each half of a tile inside one scale block). next_tile: as in grouped_gemm_sm90.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define G8_BODY(WGS, STAGES)                                                                                   \
+    g8_kernel<WGS, STAGES>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
+                           b13, a_scales, w_scales, gather_x, slot_of_row, gather_k);
+#else
+#define G8_BODY(WGS, STAGES)
+#endif
+extern "C" __global__ void __launch_bounds__(384, 1)
+    grouped_gemm_fp8_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
+                          bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
+                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                          const float* a_scales, const float* w_scales, const unsigned char* gather_x,
+                          const int* slot_of_row, int gather_k) {
+    G8_BODY(2, 6)
+}

@@ -1,0 +1,63 @@
+//! W8A8 experts on the fp8 tensor cores ([`super::super::hopper_fp8_gemm`]): the rows (or, on
+//! the grouped layout, the tokens the GEMM gathers them from) and the activation quantized to
+//! fp8 e4m3 with one scale per 128 values, times the fp8 expert weights with their 128 × 128
+//! block scales; expert sizes read on the device, the activation in the up projection's
+//! epilogue. The same quantized values as the bf16 path's W8A8 rounding, summed in another
+//! order.
+
+use super::{DeviceExperts, ExpertRows};
+use crate::backend::cuda::layer::hopper_fp8_gemm::{Fp8Gather, Fp8Operand};
+use crate::backend::cuda::layer::hopper_gemm::Epilogue;
+use crate::backend::cuda::layer::strategy::Mark;
+use crate::backend::cuda::layer::{dptr, Buffers, CudaMoeLayer};
+use crate::error::{MoeError, Result};
+
+/// The fp8 Hopper grouped GEMM (compute capability 9.0, fp8 experts, fp8 activations).
+pub(in crate::backend::cuda::layer) struct HopperFp8;
+
+impl DeviceExperts for HopperFp8 {
+    fn name(&self) -> &'static str {
+        "hopper-fp8"
+    }
+
+    fn gathers_rows(&self, _layer: &CudaMoeLayer, cap: usize) -> bool {
+        cap == 0
+    }
+
+    fn run(&self, layer: &CudaMoeLayer, _b: &mut Buffers, r: &ExpertRows, mark: Mark) -> Result<()> {
+        let missing = || MoeError::Unsupported("the fp8 Hopper GEMM needs a Hopper GPU and fp8 experts".into());
+        let gemm = layer.k.hopper_fp8.as_ref().ok_or_else(missing)?;
+        let fp8 = layer.w.fp8.as_ref().ok_or_else(missing)?;
+        let (h, i) = (layer.config.hidden, layer.config.inter);
+        let (g, s) = (&layer.gpu, &layer.gpu.stream);
+        let dev = [r.counts, r.offsets];
+        let mut rows = layer.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
+        // The up projection's input: the tokens themselves where the GEMM gathers its rows,
+        // else the permuted rows (padding rows of a padded layout skipped).
+        let (a, gather) = match r.gather {
+            Some(gt) => {
+                let q = layer.quantize_rows_fp8(&mut rows, gt.x, gt.tokens, h, 0, 0)?;
+                let x = Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) };
+                (x, Some(Fp8Gather { x, slot_of_row: gt.slot_of_row, k: gt.k }))
+            }
+            None => {
+                let counts = if r.cap > 0 { r.counts } else { 0 };
+                let q = layer.quantize_rows_fp8(&mut rows, r.a, r.rows, h, r.cap, counts)?;
+                (Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) }, None)
+            }
+        };
+        let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
+        let up = Epilogue::Activation { activation: layer.config.activation, bias: layer.b13_ptr() };
+        gemm.run(s, w13, [2 * i, h], a, r.act, r.rows, dev, r.experts, up, gather)?;
+        mark(4)?;
+        // The activation's codes take the same buffer: the stream runs this after the up
+        // projection has read the rows'.
+        let counts = if r.cap > 0 { r.counts } else { 0 };
+        let q = layer.quantize_rows_fp8(&mut rows, r.act, r.rows, i, r.cap, counts)?;
+        let act = Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) };
+        mark(5)?;
+        let w2 = Fp8Operand { codes: dptr(&fp8.w2, g), scales: dptr(&fp8.s2, g) };
+        gemm.run(s, w2, [h, i], act, r.y, r.rows, dev, r.experts, Epilogue::Product, None)?;
+        mark(6)
+    }
+}

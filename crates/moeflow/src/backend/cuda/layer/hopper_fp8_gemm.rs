@@ -1,0 +1,301 @@
+//! The fp8 Hopper grouped GEMM's launcher (`kernels/grouped_gemm_fp8_sm90.cu`): fp8 e4m3 rows
+//! (one f32 scale per 128 values) times fp8 e4m3 expert weights (one per 128 × 128 block) on
+//! the fp8 tensor cores, every expert's rows in one persistent launch that reads the expert
+//! counts and row offsets on the device, bf16 out, with the activation in the up projection's
+//! epilogue and the rows optionally gathered from the tokens by the kernel itself.
+
+use super::hopper_gemm::{tensor_map, Epilogue, MAX_EXPERTS, MAX_SMEM};
+use super::{act_params, err};
+use crate::error::{MoeError, Result};
+use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use std::sync::Mutex;
+
+/// Tile rows (two consumer warpgroups), weight rows, ring stages and threads of
+/// `grouped_gemm_fp8_sm90`.
+const TILE_ROWS: u32 = 128;
+const TILE_COLS: u32 = 128;
+const STAGES: u32 = 6;
+const THREADS: u32 = 384;
+
+/// Dynamic shared memory for `experts` experts: the ring of row and weight tiles 128 codes
+/// deep, 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1` tile offsets, a copy
+/// of the counts and row offsets, and the tile a gathering producer works on.
+fn smem_bytes(experts: usize) -> u32 {
+    STAGES * ((TILE_ROWS + TILE_COLS) * 128 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+}
+
+/// fp8 codes `[rows, k]` at `codes` with their f32 scales `[rows, ceil(k / 128)]` at `scales`
+/// (device pointers): rows of `A`, or with `[experts, ceil(n / 128), ceil(k / 128)]` block
+/// scales an expert weight `W [experts · n, k]`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Fp8Operand {
+    pub codes: u64,
+    pub scales: u64,
+}
+
+/// Rows of `A` gathered by the GEMM itself: row `r` is token `slot_of_row[r] / k` of `x`, the
+/// tokens' codes and scales (as [`Fp8Operand`]).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Fp8Gather {
+    pub x: Fp8Operand,
+    pub slot_of_row: u64,
+    pub k: usize,
+}
+
+/// The kernel, the SMs its persistent blocks fill and their shared tile counter (as
+/// [`super::hopper_gemm::HopperGemm`]'s).
+pub(super) struct HopperFp8Gemm {
+    f: CudaFunction,
+    sms: u32,
+    next_tile: Mutex<CudaSlice<i32>>,
+}
+
+impl HopperFp8Gemm {
+    /// The kernel on a Hopper GPU (compute capability 9.0), when `opts` allow the Hopper GEMM;
+    /// `None` elsewhere.
+    pub(super) fn load(gpu: &super::Gpu, opts: &super::CudaOptions) -> Result<Option<Self>> {
+        let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
+            return Ok(None);
+        }
+        let f = gpu.function("grouped_gemm_fp8_sm90")?;
+        f.set_attribute(
+            drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            smem_bytes(MAX_EXPERTS).min(MAX_SMEM) as i32,
+        )
+        .map_err(|e| err("fp8 grouped GEMM shared memory", e))?;
+        let sms = gpu
+            .ctx
+            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| err("SM count", e))?;
+        let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
+        gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
+        Ok(Some(HopperFp8Gemm { f, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+    }
+
+    /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
+    /// `offsets[x] .. offsets[x] + counts[x]` (device ints), `A` fp8 rows `[rows, kdim]`, `W`
+    /// fp8 weights `[experts · n, kdim]` (see [`Fp8Operand`]), `C` bf16 `[rows, n]` at `c` (or,
+    /// with an activation, `[rows, n / 2]`: see [`Epilogue`]); f32 sums, each 128-deep block
+    /// scaled into them. `kdim` must be a multiple of 16, `n` of 8 (of 128 with an activation,
+    /// whose halves then start on weight scale blocks). With `gather` the rows of `A` are read
+    /// from the tokens it names instead of from `a`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        w: Fp8Operand,
+        [n, kdim]: [usize; 2],
+        a: Fp8Operand,
+        c: u64,
+        rows: usize,
+        [counts, offsets]: [u64; 2],
+        experts: usize,
+        epilogue: Epilogue,
+        gather: Option<Fp8Gather>,
+    ) -> Result<()> {
+        let (kind, alpha, limit, bias) = match epilogue {
+            Epilogue::Product => (-1, 0.0, 0.0, 0u64),
+            Epilogue::Activation { activation, bias } => {
+                let (kind, alpha, limit) = act_params(activation);
+                (kind, alpha, limit, bias)
+            }
+        };
+        let width_step = if kind >= 0 { 128 } else { 8 };
+        if n % width_step != 0 || kdim % 16 != 0 || experts > MAX_EXPERTS {
+            return Err(MoeError::Unsupported(format!(
+                "the fp8 Hopper grouped GEMM needs widths divisible by {width_step}, depths by 16 and at most \
+                 {MAX_EXPERTS} experts (got n {n}, k {kdim}, {experts} experts)"
+            )));
+        }
+        if rows == 0 || experts == 0 {
+            return Ok(());
+        }
+        let a_map = tensor_map(a.codes, rows, kdim, TILE_ROWS, 1)?;
+        let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
+        let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
+        let counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
+        let (next, _guard) = counter.device_ptr(stream);
+        let cfg = LaunchConfig {
+            grid_dim: (self.sms, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: smem_bytes(experts),
+        };
+        let (a_scales, gx, gs, gk) = match gather {
+            Some(g) => (g.x.scales, g.x.codes, g.slot_of_row, g.k as i32),
+            None => (a.scales, 0u64, 0u64, 1i32),
+        };
+        // SAFETY: grouped_gemm_fp8_sm90(map, map, bf16*, int*, int*, int, int, int, int*, int,
+        // float, float, float*, float*, float*, u8*, int*, int) with its threads and shared
+        // memory: the maps describe A's codes ([rows, kdim]) and W's ([experts · n, kdim]);
+        // the scales hold a row's (or a token's) ceil(kdim / 128) and an expert's
+        // ceil(n / 128) · ceil(kdim / 128); C holds `rows` rows of n (n / 2 with an
+        // activation); counts and offsets hold `experts` ints placing rows inside `rows`; the
+        // counter is two ints, zero at every launch; the bias, when given, `experts · n`
+        // floats; a gather's slots name tokens of its x.
+        unsafe {
+            let mut l = stream.launch_builder(&self.f);
+            l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
+            l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
+            l.arg(&a_scales).arg(&w.scales).arg(&gx).arg(&gs).arg(&gk);
+            l.launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| err("grouped_gemm_fp8_sm90", e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::{dptr, Gpu};
+    use super::{Epilogue, Fp8Gather, Fp8Operand, HopperFp8Gemm};
+    use crate::experts::Activation;
+    use crate::quant::fp8_e4m3_decode;
+    use half::bf16;
+
+    /// Random e4m3 codes, NaN (S.1111.111) left out.
+    fn codes(n: usize, seed: u64) -> Vec<u8> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                let c = (state >> 24) as u8;
+                if c & 0x7f == 0x7f {
+                    c & 0xfe
+                } else {
+                    c
+                }
+            })
+            .collect()
+    }
+
+    /// The fp8 grouped GEMM against an f64 product of the values the codes and scales stand
+    /// for, with poisoned outputs: experts with 0, 1, a partial tile, exactly one tile and
+    /// several tiles of rows, grouped and padded layouts, widths that are not tile multiples and depths that are not
+    /// multiples of the 128-deep stage; every activation in the epilogue (with and without a
+    /// bias); rows gathered by the GEMM from a shuffled copy of the tokens (three slots a
+    /// token). The second of two launches is checked, and has the first's bits. Needs a Hopper
+    /// GPU; says loudly when it skips.
+    #[test]
+    fn fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
+        let name = "fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone";
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let gpu = Gpu::new(0).unwrap();
+        let Some(gemm) = HopperFp8Gemm::load(&gpu, &Default::default()).unwrap() else {
+            eprintln!("SKIPPED {name}: not a Hopper GPU");
+            return;
+        };
+        let s = &gpu.stream;
+        let acts = [Activation::Silu, Activation::GeluErf, Activation::GeluTanh, Activation::GPT_OSS];
+        // (n, k, activation and whether it has a bias)
+        type Case = (usize, usize, Option<(Activation, bool)>);
+        let mut cases: Vec<Case> = vec![(264, 208, None), (128, 128, None), (8, 16, None), (520, 1024, None)];
+        for (x, &act) in acts.iter().enumerate() {
+            cases.push(([256, 384, 512, 256][x], 144 + 128 * x, Some((act, x < 2))));
+        }
+        let cases: Vec<_> = cases.into_iter().flat_map(|c| [(c, false), (c, true)]).collect();
+        for ((n, k, act), gathered) in cases {
+            // Gathered rows in the grouped layout, the others in the padded one.
+            let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 400];
+            let (e, cap) = (counts.len(), 400);
+            let offsets: Vec<i32> = match gathered {
+                true => counts.iter().scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect(),
+                false => (0..e as i32).map(|x| x * cap).collect(),
+            };
+            let rows = if gathered { counts.iter().sum::<i32>() as usize } else { e * cap as usize };
+            let (kb, nb) = (k.div_ceil(128), n.div_ceil(128));
+            let width = if act.is_some() { n / 2 } else { n };
+            let w = codes(e * n * k, 7 + n as u64);
+            let a = codes(rows * k, 8 + k as u64);
+            // Scales around 2^-6 .. 2^-4 so the products stay in range.
+            let scale = |i: usize, salt: usize| (1 + (i * 7 + salt) % 5) as f32 / 64.0;
+            let ws: Vec<f32> = (0..e * nb * kb).map(|i| scale(i, 1)).collect();
+            let as_: Vec<f32> = (0..rows * kb).map(|i| scale(i, 3)).collect();
+            let bias: Vec<f32> = crate::preset::uniform(e * n, 1.0, 9);
+            let with_bias = matches!(act, Some((_, true)));
+            let poison = 0x7fc1u16;
+            let up8 = |v: &[u8]| s.clone_htod(v).unwrap();
+            let up32 = |v: &[f32]| s.clone_htod(v).unwrap();
+            let (wd, wsd, bd) = (up8(&w), up32(&ws), up32(&bias));
+            let (ad, asd) = (up8(&a), up32(&as_));
+            let mut cd = s.clone_htod(&vec![poison; rows * width]).unwrap();
+            let (countd, offd) = (s.clone_htod(&counts).unwrap(), s.clone_htod(&offsets).unwrap());
+            let ptrs = [dptr(&countd, &gpu), dptr(&offd, &gpu)];
+            // Row r of A is token (r · 7919) % rows of x, held by slot 3 · token + r % 3.
+            let token = |r: usize| (r * 7919) % rows;
+            let mut x = vec![0u8; rows * k];
+            let mut xs = vec![0f32; rows * kb];
+            for r in 0..rows {
+                x[token(r) * k..(token(r) + 1) * k].copy_from_slice(&a[r * k..(r + 1) * k]);
+                xs[token(r) * kb..(token(r) + 1) * kb].copy_from_slice(&as_[r * kb..(r + 1) * kb]);
+            }
+            let slot_of_row: Vec<i32> = (0..rows).map(|r| (3 * token(r) + r % 3) as i32).collect();
+            let (xd, xsd, sd) = (up8(&x), up32(&xs), s.clone_htod(&slot_of_row).unwrap());
+            let gather = gathered.then(|| Fp8Gather {
+                x: Fp8Operand { codes: dptr(&xd, &gpu), scales: dptr(&xsd, &gpu) },
+                slot_of_row: dptr(&sd, &gpu),
+                k: 3,
+            });
+            let epilogue = match act {
+                None => Epilogue::Product,
+                Some((activation, b)) => Epilogue::Activation { activation, bias: if b { dptr(&bd, &gpu) } else { 0 } },
+            };
+            let wop = Fp8Operand { codes: dptr(&wd, &gpu), scales: dptr(&wsd, &gpu) };
+            let aop = Fp8Operand { codes: dptr(&ad, &gpu), scales: dptr(&asd, &gpu) };
+            let mut first = None;
+            for _ in 0..2 {
+                s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
+                gemm.run(s, wop, [n, k], aop, dptr(&cd, &gpu), rows, ptrs, e, epilogue, gather).unwrap();
+                first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
+            }
+            let got = s.clone_dtoh(&cd).unwrap();
+            let what = format!("n {n} k {k} activation {act:?} gathered {gathered}");
+            assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
+            let av = |r: usize, q: usize| fp8_e4m3_decode(a[r * k + q]) as f64 * as_[r * kb + q / 128] as f64;
+            let wv = |x: usize, j: usize, q: usize| {
+                fp8_e4m3_decode(w[(x * n + j) * k + q]) as f64 * ws[(x * nb + j / 128) * kb + q / 128] as f64
+            };
+            let mut owned = vec![false; rows];
+            for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
+                // The exact sum and the sum of the products' magnitudes.
+                let dot = |r: usize, j: usize| {
+                    (0..k).map(|q| av(r, q) * wv(x, j, q)).fold((0.0, 0.0), |(s, m), v| (s + v, m + v.abs()))
+                };
+                for r in off as usize..(off + cnt) as usize {
+                    owned[r] = true;
+                    for j in 0..width {
+                        // The tensor cores' fp8 sums keep about 14 bits (DeepSeek-V3's report):
+                        // over a block's 128 products that stays within 2^-10 of their
+                        // magnitudes; the blocks add in f32, and the output rounds to bf16
+                        // (2^-9 of it). An activation passes a sum's error on scaled by at
+                        // most about 1 + |gate| + |up|.
+                        let (want, tol) = match act {
+                            None => {
+                                let (v, m) = dot(r, j);
+                                (v, m / 1024.0)
+                            }
+                            Some((activation, _)) => {
+                                let b = |c: usize| if with_bias { bias[x * n + c] as f64 } else { 0.0 };
+                                let ((g, mg), (u, mu)) = (dot(r, j), dot(r, width + j));
+                                let (g, u) = (g + b(j), u + b(width + j));
+                                (activation.apply_f64(g, u), (mg + mu) / 1024.0 * (1.0 + g.abs() + u.abs()))
+                            }
+                        };
+                        let out = bf16::from_bits(got[r * width + j]).to_f64();
+                        let bound = want.abs() / 256.0 + tol + 1e-6;
+                        assert!((out - want).abs() <= bound, "{what}: expert {x} row {r} col {j}: {out} vs {want}");
+                    }
+                }
+            }
+            for (r, _) in owned.iter().enumerate().filter(|(_, &o)| !o) {
+                assert!(got[r * width..(r + 1) * width].iter().all(|&x| x == poison), "{what}: row {r} written");
+            }
+            eprintln!("fp8 grouped GEMM matches f64: {what}");
+        }
+    }
+}
