@@ -433,6 +433,53 @@ fn low_latency_graph_matches_the_reference_and_replays() {
     }
 }
 
+/// W8A8 experts on expert-parallel ranks (all-to-all-v) multiply on the fp8 tensor cores,
+/// gathering the received rows' codes: against the reference on the quantized weights within
+/// fp8 rows' bound, uneven and empty ranks, a hidden size that is not a multiple of the
+/// 128-deep scale blocks. Skips on GPUs other than Hopper, saying so.
+#[test]
+fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    use moeflow::quant::WeightQuant;
+    let name = "expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference";
+    let Some(n) = gpus(name) else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    let shared = Some(SharedConfig { inter: 64, gated: true });
+    let softmax = RouterConfig::Softmax { renormalize: true };
+    let config = small_config(272, 128, 4 * n, 3, softmax, Activation::Silu, shared);
+    let weights = preset::random_weights(&config, DType::BF16, 45);
+    let mut quantized = weights.clone();
+    quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let h = config.hidden;
+    let sizes: Vec<usize> = (0..n).map(|r| [400, 0, 150, 37][r % 4]).collect();
+    let inputs: Vec<Vec<f32>> =
+        sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 95 + r as u64)).collect();
+    let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+        let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
+            .fp8_experts()?
+            .fp8_activations()?;
+        if !layer.has_fp8_gemm() {
+            return Ok(None);
+        }
+        let x = &inputs[c.rank()];
+        let out = layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec();
+        Ok(Some((out, layer.forward_timed(200, 5)?.experts)))
+    });
+    for (rank, r) in results.into_iter().enumerate() {
+        let Some((got, experts)) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}")) else {
+            eprintln!("SKIPPED {name}: not a Hopper GPU");
+            return;
+        };
+        assert_eq!(experts, "hopper-fp8", "rank {rank}");
+        let err = relative_error(&config, &quantized, &inputs[rank], &got);
+        assert!(err <= 8e-2, "rank {rank}: relative error {err:e}");
+        eprintln!(
+            "expert-parallel W8A8 on the fp8 tensor cores, rank {rank}: {} tokens, relative error {err:.2e}",
+            sizes[rank]
+        );
+    }
+}
+
 #[test]
 fn low_latency_fp8_experts_match_the_reference() {
     use moeflow::backend::cuda::CudaMoeLayer;

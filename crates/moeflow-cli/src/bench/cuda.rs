@@ -9,14 +9,16 @@ use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
 use moeflow::{DType, MoeError, RankLayerSpec, Result, StageTimes};
 
 /// Whether `--dtype` asks for fp8 routed experts on GPUs (bf16 otherwise); `runs_fp8` says
-/// whether this layout streams fp8 codes (one GPU, or the low-latency layer), and a refusal
-/// names where they do run.
+/// whether this layout multiplies fp8 codes (one GPU, the low-latency layer, or W8A8), and a
+/// refusal names where they do run.
 pub(super) fn gpu_fp8_experts(dtype: DType, runs_fp8: bool) -> Result<bool> {
     match dtype {
         DType::BF16 => Ok(false),
         DType::F8E4M3 if runs_fp8 => Ok(true),
         DType::F8E4M3 => Err(MoeError::Unsupported(
-            "--dtype f8e4m3 with --ep N runs in the low-latency layer (--strategy lowlatency)".into(),
+            "--dtype f8e4m3 with --ep N runs in the low-latency layer (--strategy lowlatency) or with fp8 rows \
+             (--quant fp8-block)"
+                .into(),
         )),
         other => Err(MoeError::Unsupported(format!(
             "--dtype {other} on GPUs: use bf16, or f8e4m3 (one GPU, or --strategy lowlatency)"
@@ -33,7 +35,7 @@ pub(super) fn gpu_fp8_rows(quant: moeflow::quant::QuantConfig, fp8_experts: bool
         QuantConfig::Fp8Block if fp8_experts => Ok(true),
         other => Err(MoeError::Unsupported(format!(
             "--quant {other} on GPUs: the GPU layer quantizes GEMM rows only as fp8-block with --dtype f8e4m3 \
-             (W8A8: one GPU, or --strategy lowlatency)"
+             (W8A8)"
         ))),
     }
 }
@@ -144,9 +146,11 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let cuda = crate::cuda_args::cuda_options(&args.parallel)?;
     let par = args.parallel.config(args.tokens.iter().copied().max().unwrap_or(1))?;
     let capacity = (par.strategy == moeflow::parallel::StrategyKind::LowLatency).then_some(par.max_tokens_per_rank);
-    // Routed experts in fp8 (128 × 128 block scales): only the low-latency layer streams the
-    // codes; elsewhere the bf16 values would run instead, so that is refused.
-    let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some())?;
+    // Routed experts in fp8 (128 × 128 block scales): the low-latency layer streams the codes,
+    // and W8A8 multiplies them (on Hopper's fp8 tensor cores); elsewhere the bf16 values would
+    // run instead, so that is refused.
+    let w8a8 = par.quant == moeflow::quant::QuantConfig::Fp8Block;
+    let fp8 = gpu_fp8_experts(args.layer.dtype, capacity.is_some() || w8a8)?;
     let rows8 = gpu_fp8_rows(par.quant, fp8)?;
     let (kind, dtype) = ep_kind(&par, capacity, fp8, rows8);
     let (rank0, device) = match host {

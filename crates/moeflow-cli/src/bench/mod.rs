@@ -205,8 +205,7 @@ fn run_layer(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
     }
     if gpu && args.parallel.quant != QuantConfig::None {
         // Quantized rows run only in the device-resident layers (W8A8, in run_cuda_ep).
-        let lowlatency = args.parallel.strategy == Some(moeflow::parallel::StrategyKind::LowLatency);
-        gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && lowlatency && !args.host_staged)?;
+        gpu_fp8_rows(args.parallel.quant, args.layer.dtype == DType::F8E4M3 && !args.host_staged)?;
     }
     if let Some(file) = &args.calibrate {
         if args.parallel.ep < 2 {
