@@ -12,8 +12,11 @@ input.safetensors (`hidden_states` [T, H]), expected.safetensors (`hidden_states
 block's output) and meta.json (the layer). Two variants store quantized weights the way the
 released checkpoints do: gpt_oss_mxfp4 (MXFP4 blocks and e8m0 scales) and deepseek_v3_fp8 (fp8
 e4m3 with weight_scale_inv per block); their expected output comes from the same model with the
-dequantized weights, loaded back through transformers.
+dequantized weights, loaded back through transformers. deepseek_v3_fp8_128 stores a wider
+DeepSeek-V3 (hidden 256, experts 128 wide, 128 tokens) in the released checkpoints' own 128 ×
+128 blocks, the shapes the GPU's fp8 GEMM takes. `--only NAME,...` writes just those fixtures.
 """
+import argparse
 import json
 import os
 import re
@@ -113,7 +116,7 @@ def save_fixture(name, directory, layer, x, expected):
     save_file({"hidden_states": x.contiguous()}, os.path.join(directory, "input.safetensors"))
     save_file({"hidden_states": expected.contiguous()}, os.path.join(directory, "expected.safetensors"))
     with open(os.path.join(directory, "meta.json"), "w") as f:
-        json.dump({"layer": layer, "tokens": TOKENS, "family": name}, f, indent=2)
+        json.dump({"layer": layer, "tokens": x.shape[0], "family": name}, f, indent=2)
     for extra in ["generation_config.json"]:
         p = os.path.join(directory, extra)
         if os.path.exists(p):
@@ -129,9 +132,54 @@ def reload_expected(config_cls_model, src_dir, state, layer, x):
         return block_output(model.eval(), layer, x)
 
 
+def fp8_variant(model_cls, out, layer, x, block, name):
+    """The checkpoint at `out` with its experts' and shared experts' weights in fp8 e4m3 blocks of
+    `block`, as fixture `name`, against the model with the dequantized weights."""
+    state = load_file(os.path.join(out, "model.safetensors"))
+    quant, deq = dict(state), dict(state)
+    for key in list(state):
+        if re.fullmatch(r".*mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight", key):
+            q, scale, w = fp8_quantize(state[key].float(), block)
+            quant[key], quant[key + "_scale_inv"] = q, scale
+            deq[key] = w
+    qdir = os.path.join(ROOT, name)
+    shutil.rmtree(qdir, ignore_errors=True)
+    os.makedirs(qdir)
+    with open(os.path.join(out, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(qdir, "config.json"), "w") as f:
+        cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
+        json.dump(cfg, f, indent=2)
+    save_file(quant, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
+    save_fixture(name, qdir, layer, x, reload_expected(model_cls, out, deq, layer, x))
+    print(f"{name} written")
+
+
+def deepseek_v3_fp8_128():
+    """A wider DeepSeek-V3 with 128 × 128 fp8 blocks; only the fp8 checkpoint is kept."""
+    gen = torch.Generator().manual_seed(128)
+    kwargs = dict(hidden_size=256, intermediate_size=128, moe_intermediate_size=128, num_hidden_layers=2,
+                  n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, first_k_dense_replace=1, n_group=4,
+                  topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True, **deepseek_attention())
+    config = tf.DeepseekV3Config(**SMALL, **kwargs)
+    model = tf.DeepseekV3ForCausalLM(config).float().eval()
+    randomize(model, gen)
+    x = torch.randn(128, config.hidden_size, generator=gen)
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out)
+        fp8_variant(tf.DeepseekV3ForCausalLM, out, 1, x, 128, "deepseek_v3_fp8_128")
+
+
 def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--only", default="", help="comma-separated fixtures to write (default: all)")
+    only = [n for n in ap.parse_args().only.split(",") if n]
+    wanted = lambda n: not only or n in only
     torch.manual_seed(0)
     for name, (config_cls, model_cls, layer, kwargs) in FAMILIES.items():
+        if not (wanted(name) or (name == "gpt_oss" and wanted("gpt_oss_mxfp4"))
+                or (name == "deepseek_v3" and wanted("deepseek_v3_fp8"))):
+            continue
         gen = torch.Generator().manual_seed(len(name))
         config = config_cls(**SMALL, **kwargs)
         model = model_cls(config).float().eval()
@@ -165,25 +213,9 @@ def main():
             print("gpt_oss_mxfp4 written")
 
         if name == "deepseek_v3":
-            block = 8
-            state = load_file(os.path.join(out, "model.safetensors"))
-            quant, deq = dict(state), dict(state)
-            for key in list(state):
-                if re.fullmatch(r".*mlp\.(experts\.\d+|shared_experts)\.(gate|up|down)_proj\.weight", key):
-                    q, scale, w = fp8_quantize(state[key].float(), block)
-                    quant[key], quant[key + "_scale_inv"] = q, scale
-                    deq[key] = w
-            qdir = os.path.join(ROOT, "deepseek_v3_fp8")
-            shutil.rmtree(qdir, ignore_errors=True)
-            os.makedirs(qdir)
-            with open(os.path.join(out, "config.json")) as f:
-                cfg = json.load(f)
-            with open(os.path.join(qdir, "config.json"), "w") as f:
-                cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [block, block]}
-                json.dump(cfg, f, indent=2)
-            save_file(quant, os.path.join(qdir, "model.safetensors"), metadata={"format": "pt"})
-            save_fixture("deepseek_v3_fp8", qdir, layer, x, reload_expected(model_cls, out, deq, layer, x))
-            print("deepseek_v3_fp8 written")
+            fp8_variant(model_cls, out, layer, x, 8, "deepseek_v3_fp8")
+    if wanted("deepseek_v3_fp8_128"):
+        deepseek_v3_fp8_128()
 
 
 if __name__ == "__main__":

@@ -80,13 +80,20 @@ fn run_block(args: RunArgs) -> Result<()> {
     };
     let start = Instant::now();
     let gpu = args.backend == Backend::Cuda;
-    if gpu && par.quant != moeflow::quant::QuantConfig::None {
-        return Err(MoeError::Unsupported("--quant on --backend cuda: GPU layers quantize GEMM rows only in `bench` (fp8-block with --dtype f8e4m3, W8A8)".into()));
+    // GPU layers quantize their rows only as fp8-block, with the experts in fp8 too (W8A8).
+    let w8a8 = gpu && par.quant == QuantConfig::Fp8Block;
+    if gpu && par.quant != QuantConfig::None && !w8a8 {
+        return Err(MoeError::Unsupported(format!(
+            "--quant {} on --backend cuda: GPU layers quantize their rows only as fp8-block (W8A8, fp8 experts)",
+            par.quant
+        )));
     }
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     let spec = RankLayerSpec {
         chunk_size: args.chunk_size,
         cuda: crate::cuda_args::cuda_options(&args.parallel)?,
+        fp8_experts: w8a8,
+        fp8_rows: w8a8,
         ..RankLayerSpec::new(&block.config, &block.weights)
     };
     // The library picks each rank's layer; `path` is the line saying which.

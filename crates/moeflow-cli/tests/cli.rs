@@ -66,7 +66,8 @@ fn run_matches_transformers() {
 
 /// `run --backend cuda` over two GPU ranks: the device-resident layer for all2allv, allgather
 /// (also as two micro-batches), allgather-logits, multicast and lowlatency, against
-/// transformers within bf16 rounding. Needs 2 GPUs (and the `cuda` feature); says loudly when
+/// transformers within bf16 rounding; and the fp8 checkpoint as stored with fp8 rows (W8A8) on
+/// one GPU and two ranks, within fp8 rows' bound. Needs 2 GPUs (and the `cuda` feature); says loudly when
 /// it skips.
 #[test]
 fn run_on_gpus_matches_transformers() {
@@ -100,6 +101,10 @@ fn run_on_gpus_matches_transformers() {
             let args = [&["--backend", "cuda", "--dtype", "bf16", "--ep", "2"][..], layout].concat();
             check_run_within(name, layer, &args, 2.5e-2);
         }
+    }
+    // The fp8 checkpoint as stored, with fp8 rows (W8A8), on one GPU and on two ranks.
+    for ep in ["1", "2"] {
+        check_run_within("deepseek_v3_fp8_128", "1", &["--backend", "cuda", "--quant", "fp8-block", "--ep", ep], 8e-2);
     }
 }
 

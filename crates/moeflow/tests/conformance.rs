@@ -27,7 +27,7 @@ fn rel_err(got: &Tensor, want: &Tensor) -> f64 {
     g.iter().zip(&w).map(|(a, b)| (*a as f64 - *b as f64).abs()).fold(0.0, f64::max) / scale
 }
 
-const NAMES: [&str; 9] = [
+const NAMES: [&str; 10] = [
     "mixtral",
     "qwen2_moe",
     "qwen3_moe",
@@ -35,6 +35,7 @@ const NAMES: [&str; 9] = [
     "deepseek_v2",
     "deepseek_v3",
     "deepseek_v3_fp8",
+    "deepseek_v3_fp8_128",
     "gpt_oss",
     "gpt_oss_mxfp4",
 ];

@@ -205,6 +205,7 @@ fn fixtures_through_the_gpu() {
         "deepseek_v2",
         "deepseek_v3",
         "deepseek_v3_fp8",
+        "deepseek_v3_fp8_128",
         "gpt_oss",
         "gpt_oss_mxfp4",
     ] {
@@ -223,6 +224,37 @@ fn fixtures_through_the_gpu() {
         println!("fixture {name}: relative error {err:.2e} (weights rounded to bf16)");
         assert!(err <= BF16_TOL, "{name}: {err:e}");
     }
+}
+
+/// The DeepSeek-V3 fp8 checkpoint with 128 × 128 blocks through the GPU layer as stored: the
+/// checkpoint's own codes and scales for the experts, with bf16 rows (W8A16) within bf16
+/// rounding of transformers on the dequantized weights, and with fp8 rows too (W8A8; on Hopper
+/// the fp8 grouped GEMM, 48 rows an expert, and the bf16 GEMMs on the same values) within fp8
+/// rows' bound.
+#[test]
+fn fp8_checkpoint_through_the_gpu_as_stored() {
+    use moeflow::backend::cuda::CudaOptions;
+    let dir = fixtures().join("deepseek_v3_fp8_128");
+    let block = Checkpoint::open(&dir).unwrap().load_moe_block_quantized(Some(1)).unwrap();
+    let Some(probe) = layer(&block.config, &block.weights) else { return };
+    assert!(probe.has_fp8_experts(), "the checkpoint's fp8 codes uploaded as they are");
+    let x = io::read_hidden_states(&dir.join("input.safetensors"), "hidden_states").unwrap();
+    let want: Vec<f64> =
+        io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
+    let err = rel(&probe.forward(&x).unwrap().to_f32_vec(), &want);
+    println!("deepseek_v3_fp8_128, fp8 experts and bf16 rows: relative error {err:.2e}");
+    for fp8_gemm in [false, true] {
+        let opts = CudaOptions { fp8_gemm, ..Default::default() };
+        let gpu = CudaMoeLayer::new(&block.config, &block.weights, &opts).unwrap().fp8_activations().unwrap();
+        let w8a8 = rel(&gpu.forward(&x).unwrap().to_f32_vec(), &want);
+        let experts = gpu.forward_timed(x.shape()[0], 3).unwrap().experts;
+        println!("deepseek_v3_fp8_128 as W8A8 ({experts}): relative error {w8a8:.2e}");
+        assert!(w8a8 <= FP8_ROWS_TOL, "W8A8 ({experts}): relative error {w8a8:e}");
+        if fp8_gemm && gpu.has_fp8_gemm() {
+            assert_eq!(experts, "hopper-fp8");
+        }
+    }
+    assert!(err <= BF16_TOL, "W8A16: relative error {err:e}");
 }
 
 #[test]

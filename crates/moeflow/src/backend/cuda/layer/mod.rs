@@ -402,11 +402,13 @@ impl CudaMoeLayer {
                 (Some(_), Some(b2)) if opts.deterministic => Some(up_f32(b2)?),
                 _ => None,
             },
+            // A shared expert stored quantized (a DeepSeek fp8 checkpoint kept as stored) runs
+            // as bf16 of its dequantized values, as the routed experts do.
             shared: match (&weights.shared, config.shared) {
                 (Some(sw), Some(sc)) => Some(SharedMlp {
                     inter: sc.inter,
-                    w13: up_bf16(&sw.mlp.w13)?,
-                    w2: up_bf16(&sw.mlp.w2)?,
+                    w13: up_bf16(&Tensor::from_f32(sw.mlp.w13.shape(), sw.mlp.w13_f32())?)?,
+                    w2: up_bf16(&Tensor::from_f32(sw.mlp.w2.shape(), sw.mlp.w2_f32())?)?,
                     gate: sw.gate.as_ref().map(up_f32).transpose()?,
                 }),
                 _ => None,
