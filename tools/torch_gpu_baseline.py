@@ -4,8 +4,13 @@ The layer as a PyTorch user writes it today: sigmoid router scores, top-k, renor
 scaled (DeepSeek-V3 without the group limit), rows sorted by expert with `argsort`, both expert
 matmuls as `torch._grouped_mm` over bf16 weights with SiLU-and-mul between them, outputs put
 back in slot order and summed weighted; a shared expert on every token when `--shared-inter` is
-not 0. Prints one JSON line: per token count the median CUDA-event time over `--runs` forwards
-after three warm-ups.
+not 0. With `--fp8` the routed experts are fp8 e4m3 with one scale per output row and the rows
+are quantized to fp8 with one scale per row before each expert matmul, both matmuls
+`torch._scaled_grouped_mm` (PyTorch's fp8 grouped GEMM; its scales are per row, not DeepSeek's
+blocks of 128); where the installed PyTorch lacks it or refuses the shapes, the bf16 layer runs
+instead and `experts` in the output says so; `fp8_tflops` is then the rate of a dense 8192³ fp8
+matmul (`torch._scaled_mm`, cuBLASLt) after a second of load. Prints one JSON line: per token
+count the median CUDA-event time over `--runs` forwards after three warm-ups.
 """
 
 import argparse
@@ -24,6 +29,7 @@ def main():
     ap.add_argument("--shared-inter", type=int, default=0)
     ap.add_argument("--tokens", default="1,32,128,512,4096,16384")
     ap.add_argument("--runs", type=int, default=20)
+    ap.add_argument("--fp8", action="store_true", help="fp8 experts and rows through torch._scaled_grouped_mm")
     args = ap.parse_args()
     H, I, E, k = args.hidden, args.inter, args.experts, args.top_k
     dev = torch.device("cuda")
@@ -39,7 +45,24 @@ def main():
     sw13 = rand(2 * Is, H, scale=2 / H**0.5) if Is else None
     sw2 = rand(H, Is, scale=2 / Is**0.5) if Is else None
 
-    def layer(x):
+    f8 = torch.float8_e4m3fn
+
+    def rowwise(w):
+        """w [..., n, k] -> fp8 codes and f32 scales [..., n] (one per row of k values)."""
+        scale = w.float().abs().amax(-1).clamp(min=1e-12) / 448.0
+        return (w.float() / scale.unsqueeze(-1)).to(f8), scale
+
+    w13_8, w13_s = rowwise(w13)
+    w2_8, w2_s = rowwise(w2)
+
+    def fp8_mm(a, w8, ws, offs):
+        a8, a_s = rowwise(a)
+        return torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), a_s, ws, offs=offs, out_dtype=torch.bfloat16)
+
+    def bf16_mm(a, w, offs):
+        return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
+
+    def layer(x, fp8):
         T = x.shape[0]
         scores = (x.float() @ gate.T).sigmoid()
         w, ids = scores.topk(k, dim=-1)
@@ -48,9 +71,10 @@ def main():
         order = flat.argsort(stable=True)
         xr = x[order // k]
         offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).int()
-        h = torch._grouped_mm(xr, w13.transpose(-2, -1), offs=offs)
+        h = fp8_mm(xr, w13_8, w13_s, offs) if fp8 else bf16_mm(xr, w13, offs)
         gt, up = h.chunk(2, dim=-1)
-        y = torch._grouped_mm(F.silu(gt) * up, w2.transpose(-2, -1), offs=offs)
+        a = F.silu(gt) * up
+        y = fp8_mm(a, w2_8, w2_s, offs) if fp8 else bf16_mm(a, w2, offs)
         res = torch.empty_like(y)
         res[order] = y
         out = (res.view(T, k, H).float() * w.unsqueeze(-1)).sum(1)
@@ -60,21 +84,64 @@ def main():
             out += ((F.silu(a) * b) @ sw2.T).float()
         return out
 
+    fp8 = args.fp8 and hasattr(torch, "_scaled_grouped_mm")
+    experts = "torch._scaled_grouped_mm, fp8 rowwise" if fp8 else "torch._grouped_mm, bf16"
+    if args.fp8 and not fp8:
+        experts += " (this PyTorch has no torch._scaled_grouped_mm)"
     records = []
     for T in [int(t) for t in args.tokens.split(",")]:
         x = rand(T, H, scale=1.0)
+        if fp8:
+            try:
+                layer(x, True)
+            except RuntimeError as e:
+                fp8 = False
+                experts = f"torch._grouped_mm, bf16 (torch._scaled_grouped_mm refused: {str(e).splitlines()[0][:120]})"
         for _ in range(3):
-            layer(x)
+            layer(x, fp8)
         times = []
         for _ in range(args.runs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            layer(x)
+            layer(x, fp8)
             end.record()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(end))
         records.append({"tokens": T, "ms": sorted(times)[len(times) // 2]})
-    print(json.dumps({"baseline": "pytorch-gpu", "torch": torch.__version__, "records": records}), flush=True)
+    out = {"baseline": "pytorch-gpu", "torch": torch.__version__, "experts": experts, "records": records}
+    if args.fp8 and hasattr(torch, "_scaled_mm"):
+        out["fp8_tflops"] = dense_fp8_tflops(dev)
+    print(json.dumps(out), flush=True)
+
+
+def dense_fp8_tflops(dev, n=8192):
+    """The sustained rate of a dense n³ fp8 e4m3 matmul (torch._scaled_mm: cuBLASLt), TFLOP/s:
+    the median of 20 runs after a second of the same load (the power cap lowers the clocks)."""
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+
+    def mm():
+        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
+
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        mm()
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > 1000:
+            break
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        mm()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return 2 * n**3 / (sorted(times)[10] * 1e-3) / 1e12
 
 
 if __name__ == "__main__":

@@ -461,8 +461,14 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         config.num_experts,
         config.top_k,
         match (fp8, rows8) {
-            (true, true) => "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8 masked GEMM",
-            (true, false) => "fp8 e4m3 experts (128×128 block scales), masked GEMM",
+            (true, true) => {
+                "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8: the masked GEMM up to 32 rows an \
+                 expert, the fp8 Hopper GEMM above"
+            }
+            (true, false) => {
+                "fp8 e4m3 experts (128×128 block scales): the masked GEMM up to 32 rows an expert, their bf16 \
+                 values above"
+            }
             _ => "bf16",
         },
         if args.parallel.dual_batch { ", dual-batch overlap" } else { "" },

@@ -106,8 +106,9 @@ pub(super) fn torch_baseline(
 }
 
 /// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside
-/// `ours` (tokens, layer ms): tools/torch_gpu_baseline.py on this GPU with `gpu`, else
-/// tools/torch_cpu_baseline.py with the run's weight dtype and matmul precision on this machine.
+/// `ours` (tokens, layer ms): tools/torch_gpu_baseline.py on this GPU with `gpu` (its fp8
+/// experts and rows for W8A8 runs), else tools/torch_cpu_baseline.py with the run's weight
+/// dtype and matmul precision on this machine.
 pub(super) fn torch_single_baseline(
     args: &BenchArgs,
     config: &moeflow::MoeConfig,
@@ -116,6 +117,9 @@ pub(super) fn torch_single_baseline(
 ) -> Result<()> {
     let mut script_args = baseline_shape_args(config, &args.tokens, args.min_runs.max(if gpu { 20 } else { 5 }));
     let v = if gpu {
+        if args.layer.dtype == DType::F8E4M3 && args.parallel.quant == moeflow::quant::QuantConfig::Fp8Block {
+            script_args.push("--fp8".into());
+        }
         run_baseline(TORCH_GPU_BASELINE, &[], &script_args, "running the PyTorch baseline on this GPU".into())?
     } else {
         // bf16 or f32 (checked before the run). bf16 weights are multiplied as moeflow does:
@@ -127,7 +131,8 @@ pub(super) fn torch_single_baseline(
     };
     let torch = v["torch"].as_str().unwrap_or("?");
     if gpu {
-        println!("PyTorch {torch} baseline on this GPU (argsort, torch._grouped_mm, bf16), same shapes:");
+        let experts = v["experts"].as_str().unwrap_or("torch._grouped_mm, bf16");
+        println!("PyTorch {torch} baseline on this GPU (argsort, {experts}), same shapes:");
     } else {
         println!(
             "PyTorch {torch} baseline on this machine ({} threads, {} weights, {} matmuls), same shapes:",
@@ -144,6 +149,21 @@ pub(super) fn torch_single_baseline(
         let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
         println!("{}", table.row(&[t.to_string(), num(ms, 3), num(mine, 3), format!("{:.2}x", ms / mine)]));
         times.push((t, ms));
+    }
+    // The fp8 floor: the layer's FLOPs at cuBLASLt's dense fp8 rate, measured in this run.
+    if let Some(tflops) = v["fp8_tflops"].as_f64() {
+        let floors: Vec<String> = ours
+            .iter()
+            .map(|&(t, ms)| {
+                let floor = config.expert_flops(t) / (tflops * 1e9);
+                format!("T {t} {floor:.3} ms ({:.0}%)", 100.0 * floor / ms)
+            })
+            .collect();
+        println!(
+            "fp8 floor: the FLOPs at a dense fp8 matmul's sustained rate (torch._scaled_mm, cuBLASLt), {tflops:.0} \
+             TFLOP/s: {}",
+            floors.join(", ")
+        );
     }
     record_baseline(args, &times)
 }
