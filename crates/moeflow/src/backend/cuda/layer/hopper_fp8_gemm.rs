@@ -4,8 +4,8 @@
 //! counts and row offsets on the device, bf16 out, with the activation in the up projection's
 //! epilogue and the rows optionally gathered from the tokens by the kernel itself.
 
+use super::err;
 use super::hopper_gemm::{tensor_map, Epilogue, MAX_EXPERTS, MAX_SMEM};
-use super::{act_params, err};
 use crate::error::{MoeError, Result};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
@@ -94,13 +94,7 @@ impl HopperFp8Gemm {
         epilogue: Epilogue,
         gather: Option<Fp8Gather>,
     ) -> Result<()> {
-        let (kind, alpha, limit, bias) = match epilogue {
-            Epilogue::Product => (-1, 0.0, 0.0, 0u64),
-            Epilogue::Activation { activation, bias } => {
-                let (kind, alpha, limit) = act_params(activation);
-                (kind, alpha, limit, bias)
-            }
-        };
+        let (kind, alpha, limit, bias) = epilogue.kernel_args();
         let width_step = if kind >= 0 { 128 } else { 8 };
         if n % width_step != 0 || kdim % 16 != 0 || experts > MAX_EXPERTS {
             return Err(MoeError::Unsupported(format!(

@@ -54,6 +54,20 @@ pub(super) enum Epilogue {
     Activation { activation: Activation, bias: u64 },
 }
 
+impl Epilogue {
+    /// The kernels' epilogue arguments: the activation kind (-1: the product), its alpha and
+    /// limit (see `act_mul` in moe.cu), and the bias's device address (0: none).
+    pub(super) fn kernel_args(self) -> (i32, f32, f32, u64) {
+        match self {
+            Epilogue::Product => (-1, 0.0, 0.0, 0),
+            Epilogue::Activation { activation, bias } => {
+                let (kind, alpha, limit) = act_params(activation);
+                (kind, alpha, limit, bias)
+            }
+        }
+    }
+}
+
 /// Rows of `A` gathered by the GEMM itself: row `r` is row `slot_of_row[r] / k` of the bf16
 /// `x [tokens, kdim]` (device pointers), as the permute would have copied it.
 #[derive(Clone, Copy, Debug)]
@@ -243,13 +257,7 @@ impl HopperGemm {
         gather: Option<Gather>,
         v: Variant,
     ) -> Result<()> {
-        let (kind, alpha, limit, bias) = match epilogue {
-            Epilogue::Product => (-1, 0.0, 0.0, 0u64),
-            Epilogue::Activation { activation, bias } => {
-                let (kind, alpha, limit) = act_params(activation);
-                (kind, alpha, limit, bias)
-            }
-        };
+        let (kind, alpha, limit, bias) = epilogue.kernel_args();
         let width_step = if kind >= 0 { 16 } else { 8 };
         if n % width_step != 0 || kdim % 8 != 0 || experts > MAX_EXPERTS {
             return Err(MoeError::Unsupported(format!(
