@@ -1,9 +1,8 @@
 //! `moeflow simulate`: the layer's predicted time per stage for EP sizes, token counts and
 //! routings (uniform, Zipf, a recorded load), with and without EPLB, from measured ceilings
 //! (`bench --calibrate FILE` on this CPU or one GPU; `h100` and `h200`, the GPU calibrations'
-//! files in docs/bench); `--compare` puts bench records beside the
-//! prediction (at the pace each record's matmul probe measured, where it and the ceilings have
-//! one), `--plot` draws it.
+//! files in docs/bench); `--compare` puts bench records beside the prediction (at the pace each
+//! record's matmul probe measured, where it and the ceilings have one), `--plot` draws it.
 
 use crate::table::{num, right, Table};
 use moeflow::simulate::{placement, predict, Ceilings, Layout, Prediction, Routing, Shapes};
@@ -16,7 +15,7 @@ use std::path::{Path, PathBuf};
 pub struct SimulateArgs {
     /// Ceilings: a JSON file from `bench --calibrate`, or `h100` / `h200`
     /// (docs/bench/h100-simulator-ceilings.json, h200-simulator-ceilings.json: the GPU
-    /// calibration's ceilings of 2 x H200, NVLink transport).
+    /// calibrations' ceilings of 4 x H100 and 2 x H200, NVLink transport).
     #[arg(long, default_value = "h100")]
     ceilings: String,
     /// Layer shape.

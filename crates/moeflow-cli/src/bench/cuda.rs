@@ -462,8 +462,8 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         config.top_k,
         match (fp8, rows8) {
             (true, true) => {
-                "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8: the masked GEMM up to 32 rows an \
-                 expert, the fp8 Hopper GEMM above"
+                "fp8 e4m3 experts (128×128 block scales) and rows (1×128), W8A8: the fp8 Hopper GEMM (elsewhere the \
+                 masked GEMM up to 32 rows an expert)"
             }
             (true, false) => {
                 "fp8 e4m3 experts (128×128 block scales): the masked GEMM up to 32 rows an expert, their bf16 \
