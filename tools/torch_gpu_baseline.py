@@ -52,8 +52,10 @@ def main():
         scale = w.float().abs().amax(-1).clamp(min=1e-12) / 448.0
         return (w.float() / scale.unsqueeze(-1)).to(f8), scale
 
-    w13_8, w13_s = rowwise(w13)
-    w2_8, w2_s = rowwise(w2)
+    # The fp8 copies of the expert weights only where the fp8 layer runs.
+    if args.fp8:
+        w13_8, w13_s = rowwise(w13)
+        w2_8, w2_s = rowwise(w2)
 
     def fp8_mm(a, w8, ws, offs):
         a8, a_s = rowwise(a)
