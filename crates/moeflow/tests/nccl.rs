@@ -436,10 +436,12 @@ fn low_latency_graph_matches_the_reference_and_replays() {
 /// W8A8 experts on expert-parallel ranks (all-to-all-v) multiply on the fp8 tensor cores,
 /// gathering the received rows' codes: against the reference on the quantized weights within
 /// fp8 rows' bound, uneven and empty ranks, a hidden size that is not a multiple of the
-/// 128-deep scale blocks. Skips on GPUs other than Hopper, saying so.
+/// 128-deep scale blocks (so a row's scales are not a whole number of 16-byte words). Over
+/// NVLink the dispatch is planned on the device and the rows cross as fp8 codes: NCCL's bits,
+/// run after run. Skips on GPUs other than Hopper, saying so.
 #[test]
 fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
-    use moeflow::backend::cuda::CudaMoeLayer;
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
     use moeflow::quant::WeightQuant;
     let name = "expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference";
     let Some(n) = gpus(name) else { return };
@@ -454,27 +456,40 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
     let sizes: Vec<usize> = (0..n).map(|r| [400, 0, 150, 37][r % 4]).collect();
     let inputs: Vec<Vec<f32>> =
         sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 95 + r as u64)).collect();
-    let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-        let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
-            .fp8_experts()?
-            .fp8_activations()?;
-        if !layer.has_fp8_gemm() {
-            return Ok(None);
-        }
-        let x = &inputs[c.rank()];
-        let out = layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec();
-        Ok(Some((out, layer.forward_timed(200, 5)?.experts)))
-    });
-    for (rank, r) in results.into_iter().enumerate() {
-        let Some((got, experts)) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}")) else {
+    // Over NCCL the host plans the dispatch and the bf16 rows are quantized where they land;
+    // over NVLink the device plans it and the rows cross as fp8 codes with their scales.
+    let run = |transport: Transport| {
+        let opts = CudaOptions { transport, ..Default::default() };
+        run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?
+                .fp8_experts()?
+                .fp8_activations()?;
+            if !layer.has_fp8_gemm() {
+                return Ok(None);
+            }
+            let x = &inputs[c.rank()];
+            let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
+            let (out, again) = (layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec());
+            let planned = layer.dispatch_planned_on_device();
+            Ok(Some((out, again, layer.forward_timed(200, 5)?.experts, layer.transport(), planned)))
+        })
+    };
+    let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
+    for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
+        let Some((want, _, _, _, _)) = a.unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
             eprintln!("SKIPPED {name}: not a Hopper GPU");
             return;
         };
-        assert_eq!(experts, "hopper-fp8", "rank {rank}");
+        let (got, again, experts, transport, planned) =
+            b.unwrap_or_else(|e| panic!("rank {rank}: NVLink: {e}")).expect("the same GPUs");
+        assert_eq!((experts, transport, planned), ("hopper-fp8", "nvlink", true), "rank {rank}");
+        assert!(bits(&got) == bits(&want), "rank {rank}: fp8 rows over NVLink differ from NCCL's");
+        assert!(bits(&got) == bits(&again), "rank {rank}: differs run to run");
         let err = relative_error(&config, &quantized, &inputs[rank], &got);
         assert!(err <= 8e-2, "rank {rank}: relative error {err:e}");
         eprintln!(
-            "expert-parallel W8A8 on the fp8 tensor cores, rank {rank}: {} tokens, relative error {err:.2e}",
+            "expert-parallel W8A8 on the fp8 tensor cores, rank {rank}: {} tokens, relative error {err:.2e}, \
+             NCCL's bits with fp8 rows over NVLink",
             sizes[rank]
         );
     }

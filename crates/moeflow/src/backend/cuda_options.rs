@@ -156,7 +156,7 @@ impl FromStr for Transport {
 pub struct CudaOptions {
     /// Kernels of the routed experts' GEMMs.
     pub expert_gemm: ExpertGemm,
-    /// Tile height of the Hopper GEMM (64 or 128); `None`: chosen per batch.
+    /// Tile height of the Hopper GEMMs, bf16 and fp8 (64 or 128); `None`: chosen per batch.
     pub gemm_tile_rows: Option<u32>,
     /// Tile width of the Hopper GEMM's 64-row tiles (224 or 256); `None`: chosen per batch.
     pub gemm_tile_cols: Option<u32>,

@@ -22,10 +22,22 @@ fn kind(q: QuantConfig) -> Result<i32> {
     }
 }
 
-/// Launch shape of `quantize_rows` / `quantize_rows_bf16` (moe.cu): one warp per (row, group
-/// of values with one scale), eight warps a block.
-pub(super) fn quantize_launch(rows: usize, groups: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, groups.div_ceil(8) as u32, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+/// Blocks of a row quantization at most: enough to fill every SM of the largest GPUs several
+/// times over; the kernels stride over the rest.
+const QUANTIZE_BLOCKS: usize = 2048;
+
+/// Launch shape of `quantize_rows` / `quantize_rows_bf16` (moe.cu) over `rows` rows of `h`
+/// values in groups of `group`: for whole groups of 128, eight lanes a (row, group) over a
+/// one-dimensional grid; otherwise one warp a (row, group), eight warps a block, rows over
+/// `grid.x`.
+pub(super) fn quantize_launch(rows: usize, h: usize, group: usize) -> LaunchConfig {
+    let (grid_dim, block) = if group == 128 && h.is_multiple_of(128) {
+        let teams = rows * (h / 128);
+        ((teams.div_ceil(32).clamp(1, QUANTIZE_BLOCKS) as u32, 1, 1), 256)
+    } else {
+        ((rows.clamp(1, 65535) as u32, h.div_ceil(group.max(1)).div_ceil(8) as u32, 1), 256)
+    };
+    LaunchConfig { grid_dim, block_dim: (block, 1, 1), shared_mem_bytes: 0 }
 }
 
 impl CudaQuant {
@@ -49,11 +61,12 @@ impl CudaQuant {
         if rows > 0 && h > 0 {
             let (xp, cp, sp) = (dx.device_ptr(s).0, codes.device_ptr(s).0, scales.device_ptr(s).0);
             let (hi, gi) = (h as i32, group as i32);
-            let cfg = quantize_launch(rows, groups);
-            // SAFETY: quantize_rows(const float*, int, int, int, u8*, float*) over buffers of
-            // rows·h values and rows·groups scales.
+            let (cfg, rows_l) = (quantize_launch(rows, h, group), rows as i64);
+            // SAFETY: quantize_rows(const float*, long, int, int, int, u8*, float*) over buffers
+            // of rows·h values and rows·groups scales.
             unsafe {
-                s.launch_builder(&self.quantize).arg(&xp).arg(&hi).arg(&gi).arg(&kind).arg(&cp).arg(&sp).launch(cfg)
+                let mut l = s.launch_builder(&self.quantize);
+                l.arg(&xp).arg(&rows_l).arg(&hi).arg(&gi).arg(&kind).arg(&cp).arg(&sp).launch(cfg)
             }
             .map_err(|e| err("quantize_rows", e))?;
         }

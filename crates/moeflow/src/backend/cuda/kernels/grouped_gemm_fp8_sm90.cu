@@ -9,9 +9,10 @@
 // operands. The consumer warpgroups multiply it with four wgmma.m64n128k32 e4m3 into partial
 // sums of their own, wait for them, and add them to the f32 accumulators scaled by the row's
 // and the weight block's scales: the tensor cores' fp8 sums carry fewer bits than f32, so they
-// never run longer than 128 products (DeepSeek-V3's "promotion"). Tiles are 64·WGS rows by 128
-// weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up rows, which
-// then give 64 output columns), so a thread holds 64 accumulators and 64 partial sums.
+// never run longer than 128 products (DeepSeek-V3's "promotion"). Tiles are 64·WGS rows (WGS
+// consumer warpgroups: two, or one in the short entry point) by 128 weight rows (two boxes of
+// 64: the next 64 rows, or the gate rows and their up rows, which then give 64 output
+// columns), so a thread holds 64 accumulators and 64 partial sums.
 // (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
 
 #define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
@@ -245,4 +246,15 @@ extern "C" __global__ void __launch_bounds__(384, 1)
                           const float* a_scales, const float* w_scales, const unsigned char* gather_x,
                           const int* slot_of_row, int gather_k) {
     G8_BODY(2, 6)
+}
+
+// grouped_gemm_fp8_sm90 in tiles of 64 rows (one consumer warpgroup) over a deeper ring: for
+// experts of few rows, whose tiles mostly stream weights.
+extern "C" __global__ void __launch_bounds__(256, 1)
+    grouped_gemm_fp8_sm90_short(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
+                                bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
+                                int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                                const float* a_scales, const float* w_scales, const unsigned char* gather_x,
+                                const int* slot_of_row, int gather_k) {
+    G8_BODY(1, 9)
 }

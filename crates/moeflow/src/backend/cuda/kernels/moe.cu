@@ -753,55 +753,139 @@ __device__ int ceil_log2(float v) {
     return e - 127 + ((b & 0x7fffff) != 0);
 }
 
-// One warp per (row, group): kind 1 int8 (amax / 127), 2 fp8 (amax / 448), 3 MXFP8
-// (power-of-two scale per group). Input f32 or bf16. Grid (rows, ceil(groups / warps a block)).
 }  // extern "C"
-// `codes` and `scales` may be null (not written); with `values`, the values the codes stand for
-// (code · scale) are written there as bf16 too.
-template <typename T>
-__device__ void quantize_row_group(const T* x, int H, int group, int kind, unsigned char* codes, float* scales,
-                                   bf16_t* values) {
-    int r = blockIdx.x, lane = threadIdx.x % 32, groups = (H + group - 1) / group;
-    int g = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
-    if (g >= groups) return;
-    int lo = g * group, hi = min(H, lo + group);
-    const T* row = x + (long)r * H;
-    float a = 0.0f;
-    for (int i = lo + lane; i < hi; i += 32) a = fmaxf(a, fabsf(to_f32(row[i])));
-    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
-    float s;
-    if (kind == 1) s = a / 127.0f;
-    else if (kind == 2) s = a / 448.0f;
-    else s = a == 0.0f ? 0.0f : ldexpf(1.0f, max(-127, min(127, ceil_log2(a / 448.0f))));
-    if (scales && lane == 0) scales[(long)r * groups + g] = s;
-    for (int i = lo + lane; i < hi; i += 32) {
-        unsigned char q = 0;
-        if (s > 0.0f) {
-            float v = to_f32(row[i]) / s;
-            q = kind == 1 ? (unsigned char)(signed char)fminf(fmaxf(roundf(v), -127.0f), 127.0f) : fp8_e4m3_encode(v);
-        }
-        if (codes) codes[(long)r * H + i] = q;
-        if (values) {
-            float d = kind == 1 ? (float)(signed char)q : fp8_e4m3_decode(q);
-            values[(long)r * H + i] = f32_to_bf16(d * s);
+
+// The scale of a group whose largest magnitude is `a`, for `kind` as below.
+__device__ __forceinline__ float group_scale(float a, int kind) {
+    if (kind == 1) return a / 127.0f;
+    if (kind == 2) return a / 448.0f;
+    return a == 0.0f ? 0.0f : ldexpf(1.0f, max(-127, min(127, ceil_log2(a / 448.0f))));
+}
+
+// The code of `v` (a value over its group's scale `s` > 0) for `kind`, and the value it stands for.
+__device__ __forceinline__ unsigned char quantize_code(float v, int kind) {
+    return kind == 1 ? (unsigned char)(signed char)fminf(fmaxf(roundf(v), -127.0f), 127.0f) : fp8_e4m3_encode(v);
+}
+__device__ __forceinline__ float code_value(unsigned char q, int kind) {
+    return kind == 1 ? (float)(signed char)q : fp8_e4m3_decode(q);
+}
+
+__device__ __forceinline__ void load16(const float* p, float* v) {
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        float4 q = ((const float4*)p)[j];
+        v[4 * j] = q.x, v[4 * j + 1] = q.y, v[4 * j + 2] = q.z, v[4 * j + 3] = q.w;
+    }
+}
+__device__ __forceinline__ void load16(const bf16_t* p, float* v) {
+#pragma unroll
+    for (int j = 0; j < 2; j++) {
+        uint4 q = ((const uint4*)p)[j];
+        unsigned w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            v[8 * j + 2 * i] = __uint_as_float(w[i] << 16);
+            v[8 * j + 2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
         }
     }
 }
-extern "C" {
 
-// Rows x [rows, H] f32 to codes [rows, H] and scales [rows, ceil(H / group)]; grid (rows, groups).
-__global__ void quantize_rows(const float* x, int H, int group, int kind, unsigned char* codes, float* scales) {
-    quantize_row_group(x, H, group, kind, codes, scales, (bf16_t*)0);
+// Whether rows of H values in groups of `group` take quantize_rows128 (and its launch shape:
+// quantize_launch in quant.rs decides alike).
+__device__ __forceinline__ bool whole_groups_of_128(int H, int group) { return group == 128 && H % 128 == 0; }
+
+// Groups of exactly 128 values, H a multiple of 128: eight lanes a (row, group), sixteen
+// neighbouring values a lane held in registers, read and written in 16-byte accesses, the
+// (row, group) pairs strided over the whole grid (a block per row made the launch bound by
+// block starts). The same codes and scales as quantize_row_group.
+template <typename T>
+__device__ void quantize_rows128(const T* x, long rows, int H, int kind, const int* counts, int cap,
+                                 unsigned char* codes, float* scales, bf16_t* values) {
+    const int groups = H / 128, lane = threadIdx.x % 8;
+    const unsigned team = 0xffu << (threadIdx.x % 32 / 8 * 8);
+    const long items = rows * groups, teams = (long)gridDim.x * blockDim.x / 8;
+    for (long item = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 8; item < items; item += teams) {
+        const long r = item / groups;
+        const int g = (int)(item % groups);
+        if (counts && (int)(r % cap) >= counts[r / cap]) continue;
+        const long at = r * H + g * 128 + 16 * lane;
+        float v[16];
+        load16(x + at, v);
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 16; j++) a = fmaxf(a, fabsf(v[j]));
+        for (int o = 4; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(team, a, o));
+        const float s = group_scale(a, kind);
+        if (scales && lane == 0) scales[r * groups + g] = s;
+        unsigned char q[16];
+#pragma unroll
+        for (int j = 0; j < 16; j++) q[j] = s > 0.0f ? quantize_code(v[j] / s, kind) : 0;
+        if (codes) {
+            unsigned w[4];
+#pragma unroll
+            for (int i = 0; i < 4; i++) w[i] = q[4 * i] | (q[4 * i + 1] << 8) | (q[4 * i + 2] << 16) | ((unsigned)q[4 * i + 3] << 24);
+            *(uint4*)(codes + at) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+        if (values) {
+            unsigned w[8];
+#pragma unroll
+            for (int i = 0; i < 8; i++)
+                w[i] = f32_to_bf16(code_value(q[2 * i], kind) * s) |
+                       ((unsigned)f32_to_bf16(code_value(q[2 * i + 1], kind) * s) << 16);
+            ((uint4*)(values + at))[0] = make_uint4(w[0], w[1], w[2], w[3]);
+            ((uint4*)(values + at))[1] = make_uint4(w[4], w[5], w[6], w[7]);
+        }
+    }
 }
 
-// quantize_rows from bf16 rows; with `counts`, rows r past counts[r / cap] (padding of the
-// padded layout) are skipped. With `values` (may be `x` itself: each lane rewrites only values
-// it read, after its warp has read the whole group), the rows rounded to the quantized grid,
-// as bf16.
-__global__ void quantize_rows_bf16(const bf16_t* x, int H, int group, int kind, const int* counts, int cap,
+// One warp per (row, group), rows strided over grid.x, groups over grid.y and the block's warps.
+template <typename T>
+__device__ void quantize_rows_any(const T* x, long rows, int H, int group, int kind, const int* counts, int cap,
+                                  unsigned char* codes, float* scales, bf16_t* values) {
+    const int lane = threadIdx.x % 32, groups = (H + group - 1) / group;
+    const int g = blockIdx.y * (blockDim.x / 32) + threadIdx.x / 32;
+    if (g >= groups) return;
+    const int lo = g * group, hi = min(H, lo + group);
+    for (long r = blockIdx.x; r < rows; r += gridDim.x) {
+        if (counts && (int)(r % cap) >= counts[r / cap]) continue;
+        const T* row = x + r * H;
+        float a = 0.0f;
+        for (int i = lo + lane; i < hi; i += 32) a = fmaxf(a, fabsf(to_f32(row[i])));
+        for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+        const float s = group_scale(a, kind);
+        if (scales && lane == 0) scales[r * groups + g] = s;
+        for (int i = lo + lane; i < hi; i += 32) {
+            const unsigned char q = s > 0.0f ? quantize_code(to_f32(row[i]) / s, kind) : 0;
+            if (codes) codes[r * H + i] = q;
+            if (values) values[r * H + i] = f32_to_bf16(code_value(q, kind) * s);
+        }
+    }
+}
+
+// Rows x [rows, H] to codes [rows, H] and scales [rows, ceil(H / group)]: `kind` 1 int8
+// (amax / 127), 2 fp8 (amax / 448), 3 MXFP8 (power-of-two scale per group). With `counts`,
+// rows r past counts[r / cap] (padding of the padded layout) are skipped. `codes` and `scales`
+// may be null (not written); with `values` (may be `x` itself: each lane rewrites only values
+// it read), the values the codes stand for (code · scale) are written there as bf16 too.
+// Launch shape: quantize_launch in quant.rs.
+template <typename T>
+__device__ void quantize_rows_of(const T* x, long rows, int H, int group, int kind, const int* counts, int cap,
+                                 unsigned char* codes, float* scales, bf16_t* values) {
+    if (whole_groups_of_128(H, group)) quantize_rows128(x, rows, H, kind, counts, cap, codes, scales, values);
+    else quantize_rows_any(x, rows, H, group, kind, counts, cap, codes, scales, values);
+}
+extern "C" {
+
+// f32 rows to codes and scales (see quantize_rows_of).
+__global__ void quantize_rows(const float* x, long rows, int H, int group, int kind, unsigned char* codes,
+                              float* scales) {
+    quantize_rows_of(x, rows, H, group, kind, (const int*)0, 1, codes, scales, (bf16_t*)0);
+}
+
+// bf16 rows to codes and scales, or to the values they stand for (see quantize_rows_of).
+__global__ void quantize_rows_bf16(const bf16_t* x, long rows, int H, int group, int kind, const int* counts, int cap,
                                    unsigned char* codes, float* scales, bf16_t* values) {
-    if (counts && (int)(blockIdx.x % cap) >= counts[blockIdx.x / cap]) return;
-    quantize_row_group(x, H, group, kind, codes, scales, values);
+    quantize_rows_of(x, rows, H, group, kind, counts, cap, codes, scales, values);
 }
 
 __global__ void dequantize_rows(const unsigned char* codes, const float* scales, long n, int H, int group, int kind, float* out) {

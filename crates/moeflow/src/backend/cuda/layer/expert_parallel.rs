@@ -81,10 +81,12 @@ pub(super) struct EpLink {
 }
 
 /// Where the rows a rank received lie, with their ids and weights: its buffers (NCCL), or its
-/// NVLink window's regions.
+/// NVLink window's regions. The rows are bf16, or, with `fp8_scales`, fp8 e4m3 codes with
+/// those scales (one f32 per 128 values).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Landed {
     pub(super) rows: u64,
+    pub(super) fp8_scales: Option<u64>,
     pub(super) ids: u64,
     pub(super) w: u64,
 }
@@ -92,7 +94,12 @@ pub(super) struct Landed {
 impl EpBuffers {
     /// The received rows, ids and weights in these buffers.
     pub(super) fn landed(&self, g: &super::Gpu) -> Landed {
-        Landed { rows: dptr(&self.recv_rows, g), ids: dptr(&self.recv_ids, g), w: dptr(&self.recv_w, g) }
+        Landed {
+            rows: dptr(&self.recv_rows, g),
+            fp8_scales: None,
+            ids: dptr(&self.recv_ids, g),
+            w: dptr(&self.recv_w, g),
+        }
     }
 }
 
@@ -351,6 +358,7 @@ impl CudaMoeLayer {
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
         let gather = plan.imp.gathers_rows(self, cap).then_some(Gather {
             x: recv_rows,
+            fp8_scales: at.fp8_scales,
             tokens: received,
             slot_of_row: maps[1],
             k,

@@ -4,7 +4,8 @@
 //!
 //! A one-GPU batch takes a graph when the whole layer runs on the device without a host wait:
 //! at most [`GRAPH_TOKENS`] tokens, expert GEMMs on the Hopper GEMM (which reads the expert
-//! counts on the device), bf16 experts. [`super::CudaOptions::cuda_graphs`] turns it off.
+//! counts on the device) with bf16 experts, or W8A8 experts on the fp8 Hopper GEMM.
+//! [`super::CudaOptions::cuda_graphs`] turns it off.
 
 use super::{dptr, err, Buffers, CudaMoeLayer, GpuStageTimes};
 use crate::error::Result;
@@ -90,6 +91,9 @@ pub(super) struct LocalGraphs {
     /// Why the latest failed capture failed.
     last_failure: Option<String>,
     workspaces: Vec<CudaSlice<u8>>,
+    /// Where the layer's fp8 row buffers were when the graphs were captured: the graphs of a
+    /// W8A8 layer point into them, so they go when the buffers move.
+    fp8_rows_at: [u64; 2],
     /// Captures still to spoil on purpose (tests of the fallback).
     #[cfg(test)]
     spoil: usize,
@@ -150,9 +154,7 @@ impl CudaMoeLayer {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         self.ep.is_none()
             && (1..=GRAPH_TOKENS).contains(&t)
-            && self.w.fp8.is_none()
-            && !self.w8a8
-            && self.hopper_for(t * k, e).is_some()
+            && (self.hopper_fp8_runs() || (self.w.fp8.is_none() && !self.w8a8 && self.hopper_for(t * k, e).is_some()))
             && self.opts.cuda_graphs
             && self.strategy.captures()
     }
@@ -167,6 +169,7 @@ impl CudaMoeLayer {
     /// Then this call runs the layer directly, and a later call of the same size tries again,
     /// up to [`CAPTURE_TRIES`] times. Captures are serialised within the process.
     pub(super) fn graph_run(&self, b: &mut Buffers, t: usize, timed: bool) -> Result<GpuStageTimes> {
+        self.drop_moved_graphs(b);
         if !b.graphs.graphs.iter().any(|(n, _)| *n == t) && !self.capture(b, t)? {
             return self.run(b, t, timed);
         }
@@ -190,10 +193,21 @@ impl CudaMoeLayer {
         Ok(())
     }
 
+    /// Drops `b`'s graphs when the layer's fp8 row buffers have moved (grown for a larger
+    /// batch) since they were captured.
+    fn drop_moved_graphs(&self, b: &mut Buffers) {
+        let at = self.fp8_rows_at();
+        if b.graphs.fp8_rows_at != at {
+            b.graphs.graphs.clear();
+            b.graphs.fp8_rows_at = at;
+        }
+    }
+
     /// Launches the layer's graph for `t` tokens on its stream without waiting for it,
     /// capturing it first (which waits, see [`CudaMoeLayer::graph_run`]); `false` when the
     /// capture failed and nothing was launched.
     pub(super) fn launch_graph(&self, b: &mut Buffers, t: usize) -> Result<bool> {
+        self.drop_moved_graphs(b);
         if !b.graphs.graphs.iter().any(|(n, _)| *n == t) && !self.capture(b, t)? {
             return Ok(false);
         }
@@ -237,6 +251,8 @@ impl CudaMoeLayer {
         }
         self.set_blas_workspaces(b)?;
         self.warm_up(b, t)?;
+        // The direct run may have grown the fp8 row buffers.
+        self.drop_moved_graphs(b);
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
         match self.capture_layer(b, t) {
             Ok(graph) => {
@@ -413,5 +429,44 @@ mod tests {
             }
             eprintln!("graph replays match direct runs: {e} experts, shared expert {}", shared.is_some());
         }
+    }
+
+    /// A W8A8 layer on the fp8 Hopper GEMM replays its small batches from graphs, routed in one
+    /// launch, with the bits of direct runs; a larger batch that grows the buffers (the fp8
+    /// rows' among them) drops the graphs that pointed into the old ones, and the smaller
+    /// batches capture again.
+    /// Needs a Hopper GPU; says loudly when it skips.
+    #[test]
+    fn w8a8_replays_match_direct_runs_and_follow_their_buffers() {
+        let name = "w8a8_replays_match_direct_runs_and_follow_their_buffers";
+        let config = small_layer(256, 128, 16, 4, Some(SharedConfig { inter: 64, gated: true }));
+        let weights = preset::random_weights(&config, DType::BF16, 23);
+        if super::super::super::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
+        let layer = layer.fp8_experts().unwrap().fp8_activations().unwrap();
+        let sizes = [1usize, 3, 1, 200, 3, 1];
+        if !sizes.iter().all(|&t| layer.takes_graph(t)) {
+            eprintln!("SKIPPED {name}: W8A8 batches take no graph here (not a Hopper GPU)");
+            return;
+        }
+        assert!(layer.routes_fused(1) && layer.routes_fused(3), "small W8A8 batches route in one launch");
+        let captured = |layer: &CudaMoeLayer| -> Vec<usize> {
+            let guard = layer.bufs.lock().unwrap();
+            guard.as_ref().map_or(Vec::new(), |b| b.graphs.graphs.iter().map(|(n, _)| *n).collect())
+        };
+        for (i, &t) in sizes.iter().enumerate() {
+            let x = Tensor::from_f32(&[t, 256], preset::uniform(t * 256, 1.0, 60 + t as u64)).unwrap();
+            let direct = bits(layer.forward_hooked(&x, &no_hook, false).unwrap());
+            assert_eq!(bits(layer.forward(&x).unwrap()), direct, "batch {t} (call {i}): replay against direct");
+            assert_eq!(bits(layer.forward(&x).unwrap()), direct, "batch {t} (call {i}): second replay");
+            if t == 200 {
+                assert_eq!(captured(&layer), vec![200], "the graphs into the smaller buffers are dropped");
+            }
+        }
+        assert_eq!(layer.failed_graph_captures(), 0, "{:?}", layer.last_graph_capture_failure());
+        eprintln!("W8A8 graph replays match direct runs and follow their buffers");
     }
 }

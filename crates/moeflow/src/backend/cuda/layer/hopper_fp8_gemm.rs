@@ -10,18 +10,31 @@ use crate::error::{MoeError, Result};
 use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
-/// Tile rows (two consumer warpgroups), weight rows, ring stages and threads of
-/// `grouped_gemm_fp8_sm90`.
-const TILE_ROWS: u32 = 128;
+/// Weight rows of a tile.
 const TILE_COLS: u32 = 128;
-const STAGES: u32 = 6;
-const THREADS: u32 = 384;
 
-/// Dynamic shared memory for `experts` experts: the ring of row and weight tiles 128 codes
-/// deep, 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1` tile offsets, a copy
-/// of the counts and row offsets, and the tile a gathering producer works on.
-fn smem_bytes(experts: usize) -> u32 {
-    STAGES * ((TILE_ROWS + TILE_COLS) * 128 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+/// One of the kernel's entry points: its tile rows (64 a consumer warpgroup), ring stages and
+/// threads (a producer warpgroup and the consumers).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Variant {
+    name: &'static str,
+    rows: u32,
+    stages: u32,
+    threads: u32,
+}
+
+const TILES_128: Variant = Variant { name: "grouped_gemm_fp8_sm90", rows: 128, stages: 6, threads: 384 };
+const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 64, stages: 9, threads: 256 };
+
+/// Rows an expert on average up to which a product takes 64-row tiles, as the bf16 Hopper GEMM
+/// does (its `SHORT_TO_ROWS`): their deeper ring keeps more weight bytes in flight.
+const SHORT_TO_ROWS: usize = 32;
+
+/// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
+/// tiles 128 codes deep, 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1` tile
+/// offsets, a copy of the counts and row offsets, and the tile a gathering producer works on.
+fn smem_bytes(v: Variant, experts: usize) -> u32 {
+    v.stages * ((v.rows + TILE_COLS) * 128 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
 /// fp8 codes `[rows, k]` at `codes` with their f32 scales `[rows, ceil(k / 128)]` at `scales`
@@ -42,12 +55,15 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel, the SMs its persistent blocks fill and their shared tile counter (as
-/// [`super::hopper_gemm::HopperGemm`]'s).
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`]), the SMs its persistent blocks fill,
+/// their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s) and the tile rows the
+/// options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
+    short: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
+    rows_asked: Option<u32>,
 }
 
 impl HopperFp8Gemm {
@@ -58,19 +74,38 @@ impl HopperFp8Gemm {
         if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
             return Ok(None);
         }
-        let f = gpu.function("grouped_gemm_fp8_sm90")?;
-        f.set_attribute(
-            drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            smem_bytes(MAX_EXPERTS).min(MAX_SMEM) as i32,
-        )
-        .map_err(|e| err("fp8 grouped GEMM shared memory", e))?;
+        let load = |v: Variant| -> Result<CudaFunction> {
+            let f = gpu.function(v.name)?;
+            f.set_attribute(
+                drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                smem_bytes(v, MAX_EXPERTS).min(MAX_SMEM) as i32,
+            )
+            .map_err(|e| err("fp8 grouped GEMM shared memory", e))?;
+            Ok(f)
+        };
+        let (f, short) = (load(TILES_128)?, load(TILES_64)?);
         let sms = gpu
             .ctx
             .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
             .map_err(|e| err("SM count", e))?;
         let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
         gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
-        Ok(Some(HopperFp8Gemm { f, sms: sms.max(1) as u32, next_tile: Mutex::new(next_tile) }))
+        let (next_tile, rows_asked) = (Mutex::new(next_tile), opts.gemm_tile_rows);
+        Ok(Some(HopperFp8Gemm { f, short, sms: sms.max(1) as u32, next_tile, rows_asked }))
+    }
+
+    /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
+    /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask).
+    fn variant(&self, rows: usize, experts: usize) -> Variant {
+        let short = match self.rows_asked {
+            Some(r) => r == TILES_64.rows,
+            None => rows <= SHORT_TO_ROWS * experts.max(1),
+        };
+        if short {
+            TILES_64
+        } else {
+            TILES_128
+        }
     }
 
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
@@ -105,15 +140,16 @@ impl HopperFp8Gemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let a_map = tensor_map(a.codes, rows, kdim, TILE_ROWS, 1)?;
+        let v = self.variant(rows, experts);
+        let a_map = tensor_map(a.codes, rows, kdim, v.rows, 1)?;
         let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
         let counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         let (next, _guard) = counter.device_ptr(stream);
         let cfg = LaunchConfig {
             grid_dim: (self.sms, 1, 1),
-            block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem_bytes(experts),
+            block_dim: (v.threads, 1, 1),
+            shared_mem_bytes: smem_bytes(v, experts),
         };
         let (a_scales, gx, gs, gk) = match gather {
             Some(g) => (g.x.scales, g.x.codes, g.slot_of_row, g.k as i32),
@@ -128,7 +164,7 @@ impl HopperFp8Gemm {
         // counter is two ints, zero at every launch; the bias, when given, `experts · n`
         // floats; a gather's slots name tokens of its x.
         unsafe {
-            let mut l = stream.launch_builder(&self.f);
+            let mut l = stream.launch_builder(if v == TILES_64 { &self.short } else { &self.f });
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             l.arg(&a_scales).arg(&w.scales).arg(&gx).arg(&gs).arg(&gk);
@@ -165,10 +201,10 @@ mod tests {
             .collect()
     }
 
-    /// The fp8 grouped GEMM against an f64 product of the values the codes and scales stand
-    /// for, with poisoned outputs: experts with 0, 1, a partial tile, exactly one tile and
-    /// several tiles of rows, grouped and padded layouts, widths that are not tile multiples and depths that are not
-    /// multiples of the 128-deep stage; every activation in the epilogue (with and without a
+    /// The fp8 grouped GEMM, in 128- and 64-row tiles, against an f64 product of the values
+    /// the codes and scales stand for, with poisoned outputs: experts with 0, 1, a partial
+    /// tile, exactly one tile and several tiles of rows, grouped and padded layouts, widths that
+    /// are not tile multiples and depths that are not multiples of the 128-deep stage; every activation in the epilogue (with and without a
     /// bias); rows gathered by the GEMM from a shuffled copy of the tokens (three slots a
     /// token). The second of two launches is checked, and has the first's bits. Needs a Hopper
     /// GPU; says loudly when it skips.
@@ -180,10 +216,12 @@ mod tests {
             return;
         }
         let gpu = Gpu::new(0).unwrap();
-        let Some(gemm) = HopperFp8Gemm::load(&gpu, &Default::default()).unwrap() else {
+        let tiles = |rows| crate::backend::cuda::CudaOptions { gemm_tile_rows: Some(rows), ..Default::default() };
+        let Some(gemm128) = HopperFp8Gemm::load(&gpu, &tiles(128)).unwrap() else {
             eprintln!("SKIPPED {name}: not a Hopper GPU");
             return;
         };
+        let gemm64 = HopperFp8Gemm::load(&gpu, &tiles(64)).unwrap().expect("a Hopper GPU");
         let s = &gpu.stream;
         let acts = [Activation::Silu, Activation::GeluErf, Activation::GeluTanh, Activation::GPT_OSS];
         // (n, k, activation and whether it has a bias)
@@ -193,7 +231,9 @@ mod tests {
             cases.push(([256, 384, 512, 256][x], 144 + 128 * x, Some((act, x < 2))));
         }
         let cases: Vec<_> = cases.into_iter().flat_map(|c| [(c, false), (c, true)]).collect();
-        for ((n, k, act), gathered) in cases {
+        // Every case in 128-row tiles, and every other one in 64-row tiles.
+        let cases = cases.iter().map(|&c| (c, &gemm128)).chain(cases.iter().step_by(2).map(|&c| (c, &gemm64)));
+        for (((n, k, act), gathered), gemm) in cases {
             // Gathered rows in the grouped layout, the others in the padded one.
             let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 400];
             let (e, cap) = (counts.len(), 400);
@@ -248,7 +288,8 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            let what = format!("n {n} k {k} activation {act:?} gathered {gathered}");
+            let tile_rows = gemm.variant(rows, e).rows;
+            let what = format!("{tile_rows}-row tiles, n {n} k {k} activation {act:?} gathered {gathered}");
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
             let av = |r: usize, q: usize| fp8_e4m3_decode(a[r * k + q]) as f64 * as_[r * kb + q / 128] as f64;
             let wv = |x: usize, j: usize, q: usize| {

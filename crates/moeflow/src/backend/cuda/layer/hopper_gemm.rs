@@ -68,11 +68,14 @@ impl Epilogue {
     }
 }
 
-/// Rows of `A` gathered by the GEMM itself: row `r` is row `slot_of_row[r] / k` of the bf16
-/// `x [tokens, kdim]` (device pointers), as the permute would have copied it.
+/// Rows of `A` gathered by the GEMM itself: row `r` is row `slot_of_row[r] / k` of
+/// `x [tokens, kdim]` (device pointers), as the permute would have copied it: bf16 values, or,
+/// with `fp8_scales`, fp8 e4m3 codes with those scales (`[tokens, ceil(kdim / 128)]` f32), for
+/// the fp8 GEMM.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Gather {
     pub x: u64,
+    pub fp8_scales: Option<u64>,
     pub tokens: usize,
     pub slot_of_row: u64,
     pub k: usize,
@@ -265,6 +268,9 @@ impl HopperGemm {
                  experts (got n {n}, k {kdim}, {experts} experts)"
             )));
         }
+        if gather.is_some_and(|g| g.fp8_scales.is_some()) {
+            return Err(MoeError::Unsupported("the bf16 Hopper grouped GEMM cannot gather fp8 rows".into()));
+        }
         if rows == 0 || experts == 0 {
             return Ok(());
         }
@@ -434,8 +440,13 @@ mod tests {
             }
             let slot_of_row: Vec<i32> = (0..rows).map(|r| (3 * token(r) + r % 3) as i32).collect();
             let (xd, sd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&slot_of_row).unwrap());
-            let gather =
-                gathered.then(|| Gather { x: dptr(&xd, &gpu), tokens: rows, slot_of_row: dptr(&sd, &gpu), k: 3 });
+            let gather = gathered.then(|| Gather {
+                x: dptr(&xd, &gpu),
+                fp8_scales: None,
+                tokens: rows,
+                slot_of_row: dptr(&sd, &gpu),
+                k: 3,
+            });
             let epilogue = match act {
                 None => Epilogue::Product,
                 Some((activation, b)) => Epilogue::Activation { activation, bias: if b { dptr(&bd, &gpu) } else { 0 } },

@@ -155,8 +155,16 @@ impl CudaMoeLayer {
         .map_err(|e| err("masked_gemm", e))
     }
 
+    /// The device addresses of the fp8 rows' codes and scales (0 before the first use):
+    /// [`CudaMoeLayer::quantize_rows_fp8`] moves them when it grows the buffers.
+    pub(super) fn fp8_rows_at(&self) -> [u64; 2] {
+        let rows = self.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
+        rows.as_ref().map_or([0, 0], |q| [dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu)])
+    }
+
     /// The `rows` bf16 rows of `kdim` values at `a` as fp8 codes with one scale per 128 values,
-    /// in `buf` (grown when short; it is sized at the first, uncaptured, run of a graph).
+    /// in `buf` (grown when short; it is sized at the first, uncaptured, run of a graph, and
+    /// the layer's graphs are dropped when it moves).
     /// Padded rows (`counts` given: row r past `counts[r / cap]`) are skipped.
     pub(super) fn quantize_rows_fp8<'a>(
         &self,
@@ -181,19 +189,20 @@ impl CudaMoeLayer {
         if rows == 0 {
             return Ok(q);
         }
-        let groups = kdim.div_ceil(128);
-        let (ki, group, kind, capi) = (kdim as i32, 128i32, 2i32, cap.max(1) as i32);
+        let (ki, group, kind, capi, rows_l) = (kdim as i32, 128i32, 2i32, cap.max(1) as i32, rows as i64);
         let (cp, sp) = (dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu));
-        let cfg = super::super::quant::quantize_launch(rows, groups);
+        let cfg = super::super::quant::quantize_launch(rows, kdim, 128);
         let values = 0u64;
-        // SAFETY: quantize_rows_bf16(bf16*, int, int, int, int*, int, u8*, float*, bf16*) over
-        // `rows` rows of kdim values at `a`, writing as many codes and rows · groups scales (the
-        // buffers hold at least that many); counts (or null) one int per expert; no values.
+        // SAFETY: quantize_rows_bf16(bf16*, long, int, int, int, int*, int, u8*, float*, bf16*)
+        // over `rows` rows of kdim values at `a`, writing as many codes and rows ·
+        // ceil(kdim / 128) scales (the buffers hold at least that many); counts (or null) one
+        // int per expert; no values.
         unsafe {
             self.gpu
                 .stream
                 .launch_builder(&self.k.quantize_bf16)
                 .arg(&a)
+                .arg(&rows_l)
                 .arg(&ki)
                 .arg(&group)
                 .arg(&kind)
@@ -215,16 +224,17 @@ impl CudaMoeLayer {
         if rows == 0 {
             return Ok(());
         }
-        let (ki, group, kind, capi, none) = (kdim as i32, 128i32, 2i32, 1i32, 0u64);
-        let cfg = super::super::quant::quantize_launch(rows, kdim.div_ceil(128));
-        // SAFETY: quantize_rows_bf16(bf16*, int, int, int, int*, int, u8*, float*, bf16*) over
-        // `rows` rows of kdim values at `x`, rewritten in place (each block reads its group
-        // before writing it); no counts, codes or scales.
+        let (ki, group, kind, capi, none, rows_l) = (kdim as i32, 128i32, 2i32, 1i32, 0u64, rows as i64);
+        let cfg = super::super::quant::quantize_launch(rows, kdim, 128);
+        // SAFETY: quantize_rows_bf16(bf16*, long, int, int, int, int*, int, u8*, float*, bf16*)
+        // over `rows` rows of kdim values at `x`, rewritten in place (each lane reads its values
+        // before writing them); no counts, codes or scales.
         unsafe {
             self.gpu
                 .stream
                 .launch_builder(&self.k.quantize_bf16)
                 .arg(&x)
+                .arg(&rows_l)
                 .arg(&ki)
                 .arg(&group)
                 .arg(&kind)

@@ -195,7 +195,8 @@ impl CudaMoeLayer {
 
     /// Whether `t` tokens route in one launch (`route_small` in moe.cu): from 1 to
     /// [`FUSED_ROUTE_TOKENS`] tokens on one GPU whose Hopper GEMM gathers the rows itself (so
-    /// the permute is the counts and maps alone), bf16 experts, at most
+    /// the permute is the counts and maps alone: bf16 experts, or W8A8 experts on the fp8
+    /// Hopper GEMM, which quantizes the tokens it gathers from), at most
     /// [`FUSED_ROUTE_EXPERTS`] experts. It replaces six launches: the bf16 copy, cuBLAS's two
     /// gemv kernels, route, count_slots and scatter_slots. Above [`FUSED_ROUTE_EXPERTS`]
     /// experts its 128-column blocks read the whole gate on few SMs and it is slower than the
@@ -204,10 +205,9 @@ impl CudaMoeLayer {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         self.opts.fused_route
             && self.ep.is_none()
-            && self.w.fp8.is_none()
             && (1..=FUSED_ROUTE_TOKENS).contains(&t)
             && e <= FUSED_ROUTE_EXPERTS
-            && self.hopper_gathers(t * k, e, 0)
+            && (self.hopper_fp8_runs() || (self.w.fp8.is_none() && self.hopper_gathers(t * k, e, 0)))
     }
 
     /// The fused router over the `t` tokens in `b.x`: `b.x_bf`, `b.logits`, `b.ids`,

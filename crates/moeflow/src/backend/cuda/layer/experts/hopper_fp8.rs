@@ -32,12 +32,18 @@ impl DeviceExperts for HopperFp8 {
         let (g, s) = (&layer.gpu, &layer.gpu.stream);
         let dev = [r.counts, r.offsets];
         let mut rows = layer.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
-        // The up projection's input: the tokens themselves where the GEMM gathers its rows,
-        // else the permuted rows (padding rows of a padded layout skipped).
+        // The up projection's input: the tokens themselves where the GEMM gathers its rows
+        // (quantized here, unless they came quantized), else the permuted rows (padding rows
+        // of a padded layout skipped).
         let (a, gather) = match r.gather {
             Some(gt) => {
-                let q = layer.quantize_rows_fp8(&mut rows, gt.x, gt.tokens, h, 0, 0)?;
-                let x = Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) };
+                let x = match gt.fp8_scales {
+                    Some(scales) => Fp8Operand { codes: gt.x, scales },
+                    None => {
+                        let q = layer.quantize_rows_fp8(&mut rows, gt.x, gt.tokens, h, 0, 0)?;
+                        Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) }
+                    }
+                };
                 (x, Some(Fp8Gather { x, slot_of_row: gt.slot_of_row, k: gt.k }))
             }
             None => {

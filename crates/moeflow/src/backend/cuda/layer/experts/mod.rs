@@ -123,8 +123,13 @@ impl CudaMoeLayer {
     }
 
     /// The experts' implementation for rows grouped on the device without a host count (a
-    /// dispatch planned on the device): the Hopper GEMM with bf16 experts where it runs.
+    /// dispatch planned on the device): the fp8 Hopper GEMM for W8A8 experts where
+    /// [`CudaMoeLayer::hopper_fp8_runs`] says so, else the Hopper GEMM with bf16 experts where
+    /// it runs.
     pub(super) fn device_planned_experts(&self) -> Option<&'static dyn DeviceExperts> {
+        if self.hopper_fp8_runs() {
+            return Some(&HopperFp8);
+        }
         self.ll_hopper().map(|_| &Hopper as &'static dyn DeviceExperts)
     }
 

@@ -45,6 +45,7 @@ pub(super) const WEIGHTS: usize = 2;
 pub(super) const BACK: usize = 3;
 pub(super) const SLOTS: usize = 4;
 pub(super) const COUNTS: usize = 5;
+pub(super) const ROW_SCALES: usize = 6;
 
 /// Over NVLink: where the experts' outputs come home (partial sums, or deterministic mode's
 /// slot rows), and the rows each rank sends each rank in the dispatch (`[src · n + dst]`).
@@ -132,7 +133,7 @@ impl DevicePrepareFinalize for All2AllV {
                 },
             ];
             l.exchange_nvlink(link, 0, &lanes)?;
-            state.landed = Landed { rows: at[ROWS], ids: at[IDS], w: at[WEIGHTS] };
+            state.landed = Landed { rows: at[ROWS], fp8_scales: None, ids: at[IDS], w: at[WEIGHTS] };
             state.nvlink = Some(Returns { back: at[BACK], slots: at[SLOTS], counts });
             return Ok(Box::new(state));
         }
@@ -303,7 +304,7 @@ fn served_by(link: &EpLink, all: &[i32], server: usize, src: usize) -> usize {
 /// The NVLink window's region sizes in bytes, the same on every rank (from every rank's
 /// counts): the token rows, ids and weights the busiest receiver gets, the partial sums the
 /// busiest sender gets back, and in deterministic mode the slot rows of the largest batch.
-fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 6] {
+fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 7] {
     let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
     let np = link.placement.num_physical();
     let received = (0..n).map(|d| (0..n).map(|s| counts[s * n + d]).sum::<usize>()).max().unwrap_or(0);
@@ -314,13 +315,13 @@ fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [u
         }
         false => 0,
     };
-    regions_of(h, k, n, [received, received, received, sent, slots])
+    regions_of(h, k, n, [received, received, received, sent, slots, 0])
 }
 
-/// The window's regions in bytes for `rows` = [token rows, their ids, their weights, returned
-/// sums, returned slot rows] of hidden size `h` and `k` slots, and a count from each of `n`
-/// ranks.
-pub(super) fn regions_of(h: usize, k: usize, n: usize, rows: [usize; 5]) -> [usize; 6] {
-    let [x, ids, w, back, slots] = rows;
-    [x * 2 * h, ids * 4 * k, w * 4 * k, back * 2 * h, slots * 2 * h, 4 * n]
+/// The window's regions in bytes for `rows` = [token rows (bf16, or fp8 codes), their ids,
+/// their weights, returned sums, returned slot rows, the fp8 token rows' scales] of hidden size
+/// `h` and `k` slots, and a count from each of `n` ranks.
+pub(super) fn regions_of(h: usize, k: usize, n: usize, rows: [usize; 6]) -> [usize; 7] {
+    let [x, ids, w, back, slots, scales] = rows;
+    [x * 2 * h, ids * 4 * k, w * 4 * k, back * 2 * h, slots * 2 * h, 4 * n, scales * 4 * h.div_ceil(128)]
 }

@@ -8,7 +8,8 @@
 //! the device: a thread per token finds where its slots are served, then one block plans the
 //! dispatch (`nvl_plan` in nvlink.cu: each token's position among those sent to each rank, in
 //! token order, with its ids local there);
-//! the push copies each token's row, ids and weights once to each such rank, and this rank's
+//! the push copies each token's row (fp8 codes and their scales for W8A8 experts on the fp8
+//! GEMM, quantized once at home), ids and weights once to each such rank, and this rank's
 //! counts to every rank, with only as many rows as the plan counted; the receiver marks the
 //! rows no rank sent as served elsewhere, groups the slots by local expert and runs the Hopper
 //! GEMM, which reads the experts' sizes on the device and gathers the rows from the window
@@ -16,7 +17,7 @@
 //! home the same way, each in the room its home left for this rank, and are summed there in
 //! rank order, as the host-planned all-to-all-v does.
 
-use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, WEIGHTS};
+use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, WEIGHTS};
 use super::{Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
 use crate::backend::cuda::layer::nvlink::Lane;
@@ -41,7 +42,7 @@ pub(super) struct DevicePlan {
 }
 
 /// Whether `l` dispatches this way: not deterministic (its per-slot return is planned on the
-/// host), the Hopper GEMM for its experts, at most [`MAX_RANKS`] ranks, and a link that is
+/// host), the Hopper GEMM (bf16) or the fp8 Hopper GEMM (W8A8) for its experts, at most [`MAX_RANKS`] ranks, and a link that is
 /// not (yet) known to move rows over NCCL. The same on every rank.
 pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
     l.opts.device_plan
@@ -69,7 +70,11 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let most = tokens.iter().copied().max().unwrap_or(0);
     // Room in every receiver's window for every rank's whole batch, and at home for a sum from
     // every rank for each token.
-    let at = match l.nvlink(link, &regions_of(h, k, n, [received, received, received, n * most, 0]))? {
+    // fp8 experts on the fp8 GEMM take the tokens as fp8 codes with their scales: quantized
+    // once here, they cross the link at their byte size.
+    let fp8 = l.hopper_fp8_runs();
+    let scale_rows = if fp8 { received } else { 0 };
+    let at = match l.nvlink(link, &regions_of(h, k, n, [received, received, received, n * most, 0, scale_rows]))? {
         Some(at) => at,
         None => return Ok(None),
     };
@@ -112,14 +117,26 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let room: Vec<usize> = (0..n * n).map(|i| tokens[i / n]).collect();
     let one = vec![1usize; n * n];
     let counted = |src, idx, row_bytes, region| Lane { src, idx, row_bytes, region, counts: &room, live: Some(sent) };
-    let lanes = [
-        counted(x, Some(send_idx), 2 * h, ROWS),
+    let mut lanes = vec![
         counted(send_ids, None, 4 * k, IDS),
         counted(weights, Some(send_idx), 4 * k, WEIGHTS),
         Lane { src: sent, idx: None, row_bytes: 4, region: COUNTS, counts: &one, live: None },
     ];
+    let mut fp8_rows = l.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
+    if fp8 {
+        let q = l.quantize_rows_fp8(&mut fp8_rows, x, t, h, 0, 0)?;
+        let (codes, scales) = (dptr(&q.codes, g), dptr(&q.scales, g));
+        lanes.push(counted(codes, Some(send_idx), h, ROWS));
+        lanes.push(counted(scales, Some(send_idx), 4 * h.div_ceil(128), ROW_SCALES));
+    } else {
+        lanes.push(counted(x, Some(send_idx), 2 * h, ROWS));
+    }
+    // The push runs on the layer's stream, so the codes are read before anything requantizes
+    // into the same buffer.
     l.exchange_nvlink(link, 0, &lanes)?;
-    let landed = Landed { rows: at[ROWS], ids: at[IDS], w: at[WEIGHTS] };
+    drop(fp8_rows);
+    let fp8_scales = fp8.then_some(at[ROW_SCALES]);
+    let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
     Ok(Some(Box::new(DevicePlan { tokens, received, landed, back: at[BACK], counts: at[COUNTS] })))
 }
 
@@ -134,7 +151,11 @@ pub(super) fn prepare_finish(l: &CudaMoeLayer, b: &mut Buffers, p: Box<DevicePla
     let starts = dptr(&b.ep.as_ref().expect("allocated").plan, &l.gpu);
     let rows = l.group_received(b, p.received, plan, Localize::Landed { counts: p.counts, starts }, p.landed)?;
     mark(3)?;
-    let sent = Sent::Counted { rows: starts + 4 * (link.comm.size() as u64 + 1), row_bytes: 2 * h + 8 * k };
+    let row_bytes = match p.landed.fp8_scales {
+        Some(_) => h + 4 * h.div_ceil(128) + 8 * k,
+        None => 2 * h + 8 * k,
+    };
+    let sent = Sent::Counted { rows: starts + 4 * (link.comm.size() as u64 + 1), row_bytes };
     Ok(Dispatched { rows, sent, state: p })
 }
 

@@ -45,6 +45,7 @@ impl DevicePrepareFinalize for Local {
         };
         let gather = imp.gathers_rows(l, cap).then(|| Gather {
             x: dptr(&b.x_bf, g),
+            fp8_scales: None,
             tokens: t,
             slot_of_row: dptr(&b.slot_of_row, g),
             k,
