@@ -48,113 +48,23 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     constexpr int A_BYTES = BM * G8_BK;      // 8 KiB a warpgroup
     constexpr int B_BYTES = G8_BN * G8_BK;   // 16 KiB
     constexpr int RING_BYTES = STAGES * (A_BYTES + B_BYTES);
-    constexpr int ROWS_PER_THREAD = BM / 16; // gathering: eight threads a row
     extern __shared__ unsigned char g8_raw[];
     unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
-    u64* full = (u64*)(ring + RING_BYTES);
-    u64* empty = full + STAGES;
-    int* stage_tile = (int*)(empty + STAGES);
-    int* first_tile = stage_tile + STAGES;
-    int* rows_of = first_tile + experts + 1;
-    int* start_of = rows_of + experts;
-    int* claimed = start_of + experts;
     const bool gather = gather_x != 0;
     const bool act = act_kind >= 0;
     const int width = act ? N / 2 : N, tile_cols = act ? G8_BN / 2 : G8_BN;
     const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + G8_BK - 1) / G8_BK;
     const int n_blocks = (N + 127) / 128;  // weight scale blocks down an expert
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; s++) {
-            gg_bar_init(&full[s], gather ? 1 + 128 : 1);
-            gg_bar_init(&empty[s], WGS * 128);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        rows_of[e] = counts[e];
-        start_of[e] = offsets[e];
-    }
-    if (threadIdx.x < 32) {
-        int acc = 0;
-        for (int base = 0; base < experts; base += 32) {
-            int e = base + threadIdx.x;
-            int n = e < experts ? (counts[e] + BM - 1) / BM * col_blocks : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int v = __shfl_up_sync(0xffffffffu, n, o);
-                if ((int)threadIdx.x >= o) n += v;
-            }
-            if (e < experts) first_tile[e + 1] = acc + n;
-            acc += __shfl_sync(0xffffffffu, n, 31);
-        }
-        if (threadIdx.x == 0) first_tile[0] = 0;
-    }
-    __syncthreads();
-    const int tiles = first_tile[experts];
-
+    gg_shared sh;
+    const int tiles = gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
+    u64 *full = sh.full, *empty = sh.empty;
+    const int *stage_tile = sh.stage_tile, *first_tile = sh.first_tile, *rows_of = sh.rows_of,
+              *start_of = sh.start_of;
     if (threadIdx.x < 128) {
-        // Producer: as in gg_kernel.
-        if (threadIdx.x != 0 && !gather) return;
-        const int me = threadIdx.x;
-        int stage = 0;
-        unsigned phase = 0;
-        for (;;) {
-            int tile;
-            if (gather) {
-                if (me == 0) *claimed = atomicAdd(next_tile, 1);
-                asm volatile("bar.sync 1, 128;\n" ::: "memory");
-                tile = *claimed;
-                asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            } else {
-                tile = atomicAdd(next_tile, 1);
-            }
-            if (tile >= tiles) {
-                if (me == 0) {
-                    __threadfence();
-                    if (atomicAdd(next_tile + 1, 1) == (int)gridDim.x - 1) {
-                        next_tile[0] = 0;
-                        next_tile[1] = 0;
-                    }
-                }
-                gg_bar_wait(&empty[stage], phase ^ 1);
-                if (me == 0) stage_tile[stage] = -1;
-                gg_bar_arrive(&full[stage]);
-                if (gather && me == 0) gg_bar_arrive(&full[stage]);
-                return;
-            }
-            gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
-            const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : G8_BN / 2);
-            const int chunk = me % 8;
-            const unsigned char* src[ROWS_PER_THREAD];
-#pragma unroll
-            for (int j = 0; j < ROWS_PER_THREAD; j++) {
-                const int row = t.row0 + me / 8 + 16 * j;
-                src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
-            }
-            for (int kb = 0; kb < kblocks; kb++) {
-                gg_bar_wait(&empty[stage], phase ^ 1);
-                unsigned char* a = ring + stage * A_BYTES;
-                if (me == 0) {
-                    stage_tile[stage] = tile;
-                    gg_bar_expect(&full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
-                    if (!gather) gg_tma_load(a, &a_map, &full[stage], kb * G8_BK, t.row0);
-                    unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
-                    gg_tma_load(b, &w_map, &full[stage], kb * G8_BK, wrow);
-                    gg_tma_load(b + B_BYTES / 2, &w_map, &full[stage], kb * G8_BK, wrow2);
-                }
-                if (gather) {
-                    const int col = kb * G8_BK + 16 * chunk;
-                    const unsigned bytes = col < K ? 16 : 0;
-#pragma unroll
-                    for (int j = 0; j < ROWS_PER_THREAD; j++) {
-                        const int r = me / 8 + 16 * j;
-                        if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
-                    }
-                    gg_copies_arrive(&full[stage]);
-                }
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
-            }
-        }
+        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
+                                                            col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
+                                                            gather_k);
+        return;
     }
 
     // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.

@@ -255,6 +255,144 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
 #endif
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A block's bookkeeping in shared memory, past its ring: each stage's full and empty barriers
+// and the tile it belongs to (-1: no more), every expert's first tile (experts + 1), a copy of
+// the counts and row offsets, and the tile a gathering producer warpgroup works on.
+struct gg_shared {
+    u64 *full, *empty;
+    int *stage_tile, *first_tile, *rows_of, *start_of, *claimed;
+};
+
+// Lays out `sh` from `at`, initialises the barriers (a full stage: the producer thread's
+// arrival and its TMA bytes, and gathering every producer thread's copies; an empty one: every
+// consumer thread), copies the counts and offsets and scans the experts' tiles (BM rows by
+// `col_blocks` column blocks each) with one warp. Returns the number of tiles, for every thread.
+template <int BM, int STAGES, int WGS>
+__device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool gather, const int* counts,
+                                        const int* offsets, int experts, int col_blocks) {
+    sh.full = (u64*)at;
+    sh.empty = sh.full + STAGES;
+    sh.stage_tile = (int*)(sh.empty + STAGES);
+    sh.first_tile = sh.stage_tile + STAGES;
+    sh.rows_of = sh.first_tile + experts + 1;
+    sh.start_of = sh.rows_of + experts;
+    sh.claimed = sh.start_of + experts;
+    if (threadIdx.x == 0) {
+        for (int s = 0; s < STAGES; s++) {
+            gg_bar_init(&sh.full[s], gather ? 1 + 128 : 1);
+            gg_bar_init(&sh.empty[s], WGS * 128);
+        }
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
+        sh.rows_of[e] = counts[e];
+        sh.start_of[e] = offsets[e];
+    }
+    if (threadIdx.x < 32) {
+        int acc = 0;
+        for (int base = 0; base < experts; base += 32) {
+            int e = base + threadIdx.x;
+            int n = e < experts ? (counts[e] + BM - 1) / BM * col_blocks : 0;
+            for (int o = 1; o < 32; o <<= 1) {
+                int v = __shfl_up_sync(0xffffffffu, n, o);
+                if ((int)threadIdx.x >= o) n += v;
+            }
+            if (e < experts) sh.first_tile[e + 1] = acc + n;
+            acc += __shfl_sync(0xffffffffu, n, 31);
+        }
+        if (threadIdx.x == 0) sh.first_tile[0] = 0;
+    }
+    __syncthreads();
+    return sh.first_tile[experts];
+}
+
+// The producer warpgroup (threads 0 .. 127) of a kernel whose stages are 128 bytes deep
+// (DEPTH elements of type T): one thread claims tiles in order from the shared counter
+// (blocks that claim neighbouring tiles start them together, so they share weights and rows
+// in L2) and keeps the ring full; the stage that starts a tile carries its index, -1 once
+// there are none left. A tile is claimed only when its first stage is free: claiming one tile
+// ahead (to hide the atomic) left whole tiles waiting behind busy blocks at the end
+// (docs/tuning.md). A stage holds BM rows of A (by TMA, or gathered: every thread of the
+// warpgroup copies its share with cp.async) and BN weight rows in two boxes of BN / 2: the
+// next BN / 2 rows, or with an activation the up rows `width` further down.
+template <typename T, int DEPTH, int BM, int BN, int STAGES>
+__device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* ring, const gg_tensor_map& a_map,
+                                           const gg_tensor_map& w_map, int tiles, int experts, int N, int K,
+                                           int width, bool act, int col_blocks, int tile_cols, int* next_tile,
+                                           const T* gather_x, const int* slot_of_row, int gather_k) {
+    constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;
+    constexpr int ROWS_PER_THREAD = BM / 16;  // gathering: eight threads a row
+    constexpr int CHUNK = 16 / sizeof(T);     // elements a 16-byte copy
+    const bool gather = gather_x != 0;
+    if (threadIdx.x != 0 && !gather) return;
+    const int me = threadIdx.x, kblocks = (K + DEPTH - 1) / DEPTH;
+    int stage = 0;
+    unsigned phase = 0;
+    for (;;) {
+        int tile;
+        if (gather) {
+            if (me == 0) *sh.claimed = atomicAdd(next_tile, 1);
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+            tile = *sh.claimed;
+            asm volatile("bar.sync 1, 128;\n" ::: "memory");
+        } else {
+            tile = atomicAdd(next_tile, 1);
+        }
+        if (tile >= tiles) {
+            // The last block done claiming zeroes the counters for the next launch (every
+            // block has made its last claim by then), so the host sets no memset before it.
+            if (me == 0) {
+                __threadfence();
+                if (atomicAdd(next_tile + 1, 1) == (int)gridDim.x - 1) {
+                    next_tile[0] = 0;
+                    next_tile[1] = 0;
+                }
+            }
+            gg_bar_wait(&sh.empty[stage], phase ^ 1);
+            if (me == 0) sh.stage_tile[stage] = -1;
+            gg_bar_arrive(&sh.full[stage]);  // gathering, every thread arrives (1 + 128 with thread 0's)
+            if (gather && me == 0) gg_bar_arrive(&sh.full[stage]);
+            return;
+        }
+        gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : BN / 2);
+        // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
+        // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from the
+        // rows' tokens (null: past the expert's rows, left as they are and dropped).
+        const int chunk = me % 8;
+        const T* src[ROWS_PER_THREAD];
+#pragma unroll
+        for (int j = 0; j < ROWS_PER_THREAD; j++) {
+            const int row = t.row0 + me / 8 + 16 * j;
+            src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
+        }
+        for (int kb = 0; kb < kblocks; kb++) {
+            gg_bar_wait(&sh.empty[stage], phase ^ 1);
+            unsigned char* a = ring + stage * A_BYTES;
+            if (me == 0) {
+                sh.stage_tile[stage] = tile;
+                gg_bar_expect(&sh.full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
+                if (!gather) gg_tma_load(a, &a_map, &sh.full[stage], kb * DEPTH, t.row0);
+                unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
+                gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow);
+                gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2);
+            }
+            if (gather) {
+                // The 128-byte swizzle TMA would apply: 16-byte chunk c of row r at c ^ (r % 8).
+                const int col = kb * DEPTH + CHUNK * chunk;
+                const unsigned bytes = col < K ? 16 : 0;
+#pragma unroll
+                for (int j = 0; j < ROWS_PER_THREAD; j++) {
+                    const int r = me / 8 + 16 * j;
+                    if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
+                }
+                gg_copies_arrive(&sh.full[stage]);
+            }
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+    }
+}
+
 // The kernel for tiles of 64·WGS rows (WGS consumer warpgroups after the producer one) over a
 // ring of STAGES stages; see the entry points below for the arguments.
 template <int WGS, int STAGES, int BN>
@@ -266,127 +404,23 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
     constexpr int A_BYTES = BM * GG_BK * 2;       // 8 KiB a warpgroup
     constexpr int B_BYTES = BN * GG_BK * 2;       // 32 KiB at 256 columns
     constexpr int RING_BYTES = STAGES * (A_BYTES + B_BYTES);
-    constexpr int ROWS_PER_THREAD = BM / 16;      // gathering: eight threads a row
     extern __shared__ unsigned char gg_raw[];
     // The ring starts 1024-aligned (the swizzle pattern repeats every 1024 bytes).
     unsigned char* ring = gg_raw + ((1024 - (gg_smem(gg_raw) & 1023)) & 1023);
-    u64* full = (u64*)(ring + RING_BYTES);
-    u64* empty = full + STAGES;
-    int* stage_tile = (int*)(empty + STAGES);  // the tile each stage belongs to, -1: no more
-    int* first_tile = stage_tile + STAGES;     // experts + 1 entries
-    int* rows_of = first_tile + experts + 1;      // counts, then offsets, copied: experts each
-    int* start_of = rows_of + experts;
-    int* claimed = start_of + experts;  // gather: the tile the producer warpgroup works on
     const bool gather = gather_x != 0;
     // An activation tile covers BN / 2 output columns: its gate rows and their up rows.
     const bool act = act_kind >= 0;
     const int width = act ? N / 2 : N, tile_cols = act ? BN / 2 : BN;
     const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + GG_BK - 1) / GG_BK;
-
-    if (threadIdx.x == 0) {
-        for (int s = 0; s < STAGES; s++) {
-            gg_bar_init(&full[s], gather ? 1 + 128 : 1);  // gather: and every producer thread's copies
-            gg_bar_init(&empty[s], WGS * 128);
-        }
-        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-    }
-    for (int e = threadIdx.x; e < experts; e += blockDim.x) {
-        rows_of[e] = counts[e];
-        start_of[e] = offsets[e];
-    }
-    if (threadIdx.x < 32) {  // tiles per expert, scanned by one warp
-        int acc = 0;
-        for (int base = 0; base < experts; base += 32) {
-            int e = base + threadIdx.x;
-            int n = e < experts ? (counts[e] + BM - 1) / BM * col_blocks : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int v = __shfl_up_sync(0xffffffffu, n, o);
-                if ((int)threadIdx.x >= o) n += v;
-            }
-            if (e < experts) first_tile[e + 1] = acc + n;
-            acc += __shfl_sync(0xffffffffu, n, 31);
-        }
-        if (threadIdx.x == 0) first_tile[0] = 0;
-    }
-    __syncthreads();
-    const int tiles = first_tile[experts];
-
+    gg_shared sh;
+    const int tiles = gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
+    u64 *full = sh.full, *empty = sh.empty;
+    const int *stage_tile = sh.stage_tile, *first_tile = sh.first_tile, *rows_of = sh.rows_of,
+              *start_of = sh.start_of;
     if (threadIdx.x < 128) {
-        // Producer: one thread claims tiles in order from the shared counter (blocks that
-        // claim neighbouring tiles start them together, so they share weights and rows in L2)
-        // and keeps the ring full; the stage that starts a tile carries its index, -1 once
-        // there are none left. A tile is claimed only when its first stage is free: claiming
-        // one tile ahead (to hide the atomic) left whole tiles waiting behind busy blocks at
-        // the end (docs/tuning.md).
-        // Gathering, every thread of the warpgroup copies its share of each A stage.
-        if (threadIdx.x != 0 && !gather) return;
-        const int me = threadIdx.x;
-        int stage = 0;
-        unsigned phase = 0;
-        for (;;) {
-            int tile;
-            if (gather) {
-                if (me == 0) *claimed = atomicAdd(next_tile, 1);
-                asm volatile("bar.sync 1, 128;\n" ::: "memory");
-                tile = *claimed;
-                asm volatile("bar.sync 1, 128;\n" ::: "memory");
-            } else {
-                tile = atomicAdd(next_tile, 1);
-            }
-            if (tile >= tiles) {
-                // The last block done claiming zeroes the counters for the next launch (every
-                // block has made its last claim by then), so the host sets no memset before it.
-                if (me == 0) {
-                    __threadfence();
-                    if (atomicAdd(next_tile + 1, 1) == (int)gridDim.x - 1) {
-                        next_tile[0] = 0;
-                        next_tile[1] = 0;
-                    }
-                }
-                gg_bar_wait(&empty[stage], phase ^ 1);
-                if (me == 0) stage_tile[stage] = -1;
-                gg_bar_arrive(&full[stage]);  // gathering, every thread arrives (1 + 128 with thread 0's)
-                if (gather && me == 0) gg_bar_arrive(&full[stage]);
-                return;
-            }
-            gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
-            // W rows of the tile's two halves: the next 128 rows, or the up rows of its gate rows.
-            const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : BN / 2);
-            // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
-            // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from
-            // the rows' tokens (null: past the expert's rows, left as they are and dropped).
-            const int chunk = me % 8;
-            const bf16_t* src[ROWS_PER_THREAD];
-#pragma unroll
-            for (int j = 0; j < ROWS_PER_THREAD; j++) {
-                const int row = t.row0 + me / 8 + 16 * j;
-                src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
-            }
-            for (int kb = 0; kb < kblocks; kb++) {
-                gg_bar_wait(&empty[stage], phase ^ 1);
-                unsigned char* a = ring + stage * A_BYTES;
-                if (me == 0) {
-                    stage_tile[stage] = tile;
-                    gg_bar_expect(&full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
-                    if (!gather) gg_tma_load(a, &a_map, &full[stage], kb * GG_BK, t.row0);
-                    unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
-                    gg_tma_load(b, &w_map, &full[stage], kb * GG_BK, wrow);
-                    gg_tma_load(b + B_BYTES / 2, &w_map, &full[stage], kb * GG_BK, wrow2);
-                }
-                if (gather) {
-                    // The 128-byte swizzle TMA would apply: 16-byte chunk c of row r at c ^ (r % 8).
-                    const int col = kb * GG_BK + 8 * chunk;
-                    const unsigned bytes = col < K ? 16 : 0;
-#pragma unroll
-                    for (int j = 0; j < ROWS_PER_THREAD; j++) {
-                        const int r = me / 8 + 16 * j;
-                        if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
-                    }
-                    gg_copies_arrive(&full[stage]);
-                }
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
-            }
-        }
+        gg_produce<bf16_t, GG_BK, BM, BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act, col_blocks,
+                                                  tile_cols, next_tile, gather_x, slot_of_row, gather_k);
+        return;
     }
 
     // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
