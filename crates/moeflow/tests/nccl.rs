@@ -512,8 +512,18 @@ fn low_latency_fp8_experts_match_the_reference() {
         sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 90 + r as u64)).collect();
     // fp8 codes from the host, and fp8 codes made on the device from the bf16 weights: both
     // stand for the CPU's quantization of the weights.
-    // Then with the GEMM rows quantized to fp8 too (W8A8), which adds fp8 noise.
-    for (on_device, rows8) in [(false, false), (true, false), (true, true)] {
+    // Then with the GEMM rows quantized to fp8 too (W8A8), which adds fp8 noise: in the masked
+    // GEMM, and (an intermediate size the fp8 Hopper GEMM takes, on Hopper) in that one.
+    let mut wide = fp8_test_config(n);
+    wide.inter = 128;
+    let wide_weights = preset::random_weights(&wide, DType::BF16, 46);
+    let mut wide_quantized = wide_weights.clone();
+    wide_quantized.experts = wide_weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let narrow = (&config, &weights, &quantized);
+    let cases = [(false, false, narrow), (true, false, narrow), (true, true, narrow)];
+    for (on_device, rows8, (config, weights, quantized)) in
+        cases.into_iter().chain([(true, true, (&wide, &wide_weights, &wide_quantized))])
+    {
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
             let mut layer = if on_device {
                 CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
@@ -527,15 +537,19 @@ fn low_latency_fp8_experts_match_the_reference() {
             }
             let layer = layer.low_latency(M)?;
             let x = &inputs[c.rank()];
-            Ok(layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec())
+            let out = layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec();
+            let want = if rows8 && layer.has_fp8_gemm() && config.inter % 64 == 0 { "hopper-fp8" } else { "masked" };
+            Ok((out, layer.forward_timed_stages(M, 3)?.experts, want))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let got = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
-            let err = relative_error(&config, &quantized, &inputs[rank], &got);
+            let (got, experts, want) = r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+            let what = format!("on device {on_device}, fp8 rows {rows8}, intermediate {}: rank {rank}", config.inter);
+            assert_eq!(experts, want, "{what}");
+            let err = relative_error(config, quantized, &inputs[rank], &got);
             let tol = if rows8 { 8e-2 } else { BF16_TOL };
-            assert!(err <= tol, "on device {on_device}, fp8 rows {rows8}: rank {rank}: relative error {err:e}");
+            assert!(err <= tol, "{what}: relative error {err:e}");
             eprintln!(
-                "low-latency fp8 experts (quantized on the {}{}) rank {rank}: {} tokens, relative error {err:.2e}",
+                "low-latency fp8 experts (quantized on the {}{}, {experts}) rank {rank}: {} tokens, relative error {err:.2e}",
                 if on_device { "GPU" } else { "host" },
                 if rows8 { ", fp8 rows" } else { "" },
                 sizes[rank]

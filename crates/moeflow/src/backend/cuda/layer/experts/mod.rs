@@ -91,11 +91,12 @@ pub(super) enum Form {
 
 impl CudaMoeLayer {
     /// The implementation that reads the expert sizes on the device for `slots` rows over
-    /// `experts` experts, where one fits: the low-latency layer the Hopper or the masked GEMM;
-    /// W8A8 experts the fp8 Hopper GEMM where [`CudaMoeLayer::hopper_fp8_runs`] says so, at
-    /// every batch (it streams the fp8 weights faster than the masked GEMM; docs/tuning.md);
-    /// other fp8 experts on one GPU the masked GEMM while the weights dominate (up to 32 rows
-    /// per expert on average, where reading half the bytes wins); others the Hopper GEMM where
+    /// `experts` experts, where one fits: W8A8 experts the fp8 Hopper GEMM where
+    /// [`CudaMoeLayer::hopper_fp8_runs`] says so, at every batch and in the low-latency layer's
+    /// padded layout (it streams the fp8 weights faster than the masked GEMM; docs/tuning.md);
+    /// the low-latency layer otherwise the Hopper or the masked GEMM; other fp8 experts on one
+    /// GPU the masked GEMM while the weights dominate (up to 32 rows per expert on average,
+    /// where reading half the bytes wins); others the Hopper GEMM where
     /// [`CudaMoeLayer::hopper_for`] takes the batch. `None`: cuBLAS, whose GEMM shapes need the
     /// sizes on the host ([`CudaMoeLayer::host_counted`]).
     pub(super) fn device_counted(
@@ -106,9 +107,9 @@ impl CudaMoeLayer {
     ) -> Option<&'static dyn DeviceExperts> {
         match form {
             Form::LowLatency if !self.masked => None,
+            _ if self.hopper_fp8_runs() => Some(&HopperFp8),
             Form::LowLatency if self.ll_hopper().is_some() => Some(&Hopper),
             Form::LowLatency => Some(&Masked),
-            _ if self.hopper_fp8_runs() => Some(&HopperFp8),
             Form::OneGpu if self.w.fp8.is_some() && self.masked && slots <= 32 * experts => Some(&Masked),
             _ => self.hopper_for(slots, experts).map(|_| &Hopper as &'static dyn DeviceExperts),
         }
