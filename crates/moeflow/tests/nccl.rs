@@ -526,10 +526,10 @@ fn low_latency_fp8_experts_match_the_reference() {
     {
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
             let mut layer = if on_device {
-                CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &Default::default())?
+                CudaMoeLayer::new_ep(config, weights, c.duplicate()?, even(config, n), &Default::default())?
                     .fp8_experts()?
             } else {
-                CudaMoeLayer::new_ep(&config, &quantized, c.duplicate()?, even(&config, n), &Default::default())?
+                CudaMoeLayer::new_ep(config, quantized, c.duplicate()?, even(config, n), &Default::default())?
             };
             assert!(layer.has_fp8_experts());
             if rows8 {
