@@ -135,13 +135,15 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 }
 #endif
 
-// C[r] = A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds
-// as in act_mul, f32 bias b13 [experts, N] or null), A and W fp8 e4m3 codes: A read through
-// a_map in boxes of 128 rows by 128 codes (or, with gather_x, row r the codes of token
-// slot_of_row[r] / gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the
-// same row (or token); W [experts · N, K] through w_map in boxes of 64 rows, its scales
-// w_scales [experts, ceil(N / 128), ceil(K / 128)]. An activation needs N / 2 a multiple of 64
-// (each half of a tile inside one scale block). next_tile: as in grouped_gemm_sm90.
+// The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
+// g8_kernel<WGS, STAGES>. Each computes C[r] = A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its
+// activation (C [rows, N / 2], kinds as in act_mul, f32 bias b13 [experts, N] or null), A and
+// W fp8 e4m3 codes: A read through a_map in boxes of the tile's rows by 128 codes (or, with
+// gather_x, row r the codes of token slot_of_row[r] / gather_k of gather_x [·, K]), its scales
+// a_scales [·, ceil(K / 128)] by the same row (or token); W [experts · N, K] through w_map in
+// boxes of 64 rows, its scales w_scales [experts, ceil(N / 128), ceil(K / 128)]. An activation
+// needs N / 2 a multiple of 64 (each half of a tile inside one scale block). next_tile: as in
+// grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define G8_BODY(WGS, STAGES)                                                                                   \
     g8_kernel<WGS, STAGES>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
@@ -149,22 +151,18 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 #else
 #define G8_BODY(WGS, STAGES)
 #endif
-extern "C" __global__ void __launch_bounds__(384, 1)
-    grouped_gemm_fp8_sm90(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
-                          bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
-                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                          const float* a_scales, const float* w_scales, const unsigned char* gather_x,
-                          const int* slot_of_row, int gather_k) {
-    G8_BODY(2, 6)
-}
+#define G8_ENTRY(name, threads, WGS, STAGES)                                                                       \
+    extern "C" __global__ void __launch_bounds__(threads, 1)                                                       \
+        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C,  \
+             const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,      \
+             float alpha, float limit, const float* b13, const float* a_scales, const float* w_scales,            \
+             const unsigned char* gather_x, const int* slot_of_row, int gather_k) {                               \
+        G8_BODY(WGS, STAGES)                                                                                       \
+    }
 
-// grouped_gemm_fp8_sm90 in tiles of 64 rows (one consumer warpgroup) over a deeper ring: for
-// experts of few rows, whose tiles mostly stream weights.
-extern "C" __global__ void __launch_bounds__(256, 1)
-    grouped_gemm_fp8_sm90_short(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,
-                                bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K,
-                                int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                                const float* a_scales, const float* w_scales, const unsigned char* gather_x,
-                                const int* slot_of_row, int gather_k) {
-    G8_BODY(1, 9)
-}
+// 128-row tiles, two consumer warpgroups, a 6-stage ring.
+G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6)
+
+// 64-row tiles, one consumer warpgroup and a 9-stage ring: for experts of few rows, whose
+// tiles mostly stream weights, more of them in flight.
+G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9)
