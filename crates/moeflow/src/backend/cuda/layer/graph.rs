@@ -434,8 +434,7 @@ mod tests {
     /// A W8A8 layer on the fp8 Hopper GEMM replays its small batches from graphs, routed in one
     /// launch, with the bits of direct runs; a larger batch that grows the buffers (the fp8
     /// rows' among them) drops the graphs that pointed into the old ones, and the smaller
-    /// batches capture again.
-    /// Needs a Hopper GPU; says loudly when it skips.
+    /// batches capture again. Needs a Hopper GPU; says loudly when it skips.
     #[test]
     fn w8a8_replays_match_direct_runs_and_follow_their_buffers() {
         let name = "w8a8_replays_match_direct_runs_and_follow_their_buffers";

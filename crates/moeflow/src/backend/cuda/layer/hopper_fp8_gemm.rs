@@ -204,9 +204,9 @@ mod tests {
     /// The fp8 grouped GEMM, in 128- and 64-row tiles, against an f64 product of the values
     /// the codes and scales stand for, with poisoned outputs: experts with 0, 1, a partial
     /// tile, exactly one tile and several tiles of rows, grouped and padded layouts, widths that
-    /// are not tile multiples and depths that are not multiples of the 128-deep stage; every activation in the epilogue (with and without a
-    /// bias); rows gathered by the GEMM from a shuffled copy of the tokens (three slots a
-    /// token). The second of two launches is checked, and has the first's bits. Needs a Hopper
+    /// are not tile multiples and depths that are not multiples of the 128-deep stage; every
+    /// activation in the epilogue (with and without a bias); rows gathered by the GEMM from a
+    /// shuffled copy of the tokens (three slots a token). The second of two launches is checked, and has the first's bits. Needs a Hopper
     /// GPU; says loudly when it skips.
     #[test]
     fn fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {

@@ -42,8 +42,9 @@ pub(super) struct DevicePlan {
 }
 
 /// Whether `l` dispatches this way: not deterministic (its per-slot return is planned on the
-/// host), the Hopper GEMM (bf16) or the fp8 Hopper GEMM (W8A8) for its experts, at most [`MAX_RANKS`] ranks, and a link that is
-/// not (yet) known to move rows over NCCL. The same on every rank.
+/// host), the Hopper GEMM (bf16) or the fp8 Hopper GEMM (W8A8) for its experts, at most
+/// [`MAX_RANKS`] ranks, and a link that is not (yet) known to move rows over NCCL. The same on
+/// every rank.
 pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
     l.opts.device_plan
         && !l.opts.deterministic
@@ -68,12 +69,12 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     }
     let received = starts[n];
     let most = tokens.iter().copied().max().unwrap_or(0);
-    // Room in every receiver's window for every rank's whole batch, and at home for a sum from
-    // every rank for each token.
     // fp8 experts on the fp8 GEMM take the tokens as fp8 codes with their scales: quantized
     // once here, they cross the link at their byte size.
     let fp8 = l.hopper_fp8_runs();
     let scale_rows = if fp8 { received } else { 0 };
+    // Room in every receiver's window for every rank's whole batch, and at home for a sum from
+    // every rank for each token.
     let at = match l.nvlink(link, &regions_of(h, k, n, [received, received, received, n * most, 0, scale_rows]))? {
         Some(at) => at,
         None => return Ok(None),
@@ -122,19 +123,17 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         counted(weights, Some(send_idx), 4 * k, WEIGHTS),
         Lane { src: sent, idx: None, row_bytes: 4, region: COUNTS, counts: &one, live: None },
     ];
-    let mut fp8_rows = l.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
     if fp8 {
-        let q = l.quantize_rows_fp8(&mut fp8_rows, x, t, h, 0, 0)?;
-        let (codes, scales) = (dptr(&q.codes, g), dptr(&q.scales, g));
-        lanes.push(counted(codes, Some(send_idx), h, ROWS));
-        lanes.push(counted(scales, Some(send_idx), 4 * h.div_ceil(128), ROW_SCALES));
+        // The push runs on the layer's stream, so it reads the codes before anything
+        // requantizes into these buffers.
+        let mut rows = l.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
+        let q = l.quantize_rows_fp8(&mut rows, x, t, h, 0, 0)?;
+        lanes.push(counted(dptr(&q.codes, g), Some(send_idx), h, ROWS));
+        lanes.push(counted(dptr(&q.scales, g), Some(send_idx), 4 * h.div_ceil(128), ROW_SCALES));
     } else {
         lanes.push(counted(x, Some(send_idx), 2 * h, ROWS));
     }
-    // The push runs on the layer's stream, so the codes are read before anything requantizes
-    // into the same buffer.
     l.exchange_nvlink(link, 0, &lanes)?;
-    drop(fp8_rows);
     let fp8_scales = fp8.then_some(at[ROW_SCALES]);
     let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
     Ok(Some(Box::new(DevicePlan { tokens, received, landed, back: at[BACK], counts: at[COUNTS] })))
