@@ -5,9 +5,9 @@
 //! epilogue and the rows optionally gathered from the tokens by the kernel itself.
 
 use super::err;
-use super::hopper_gemm::{tensor_map, Epilogue, MAX_EXPERTS, MAX_SMEM};
+use super::hopper_gemm::{persistent_blocks, persistent_kernel, tensor_map, Epilogue, MAX_EXPERTS};
 use crate::error::{MoeError, Result};
-use cudarc::driver::{sys as drv, CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
 
 /// Weight rows of a tile.
@@ -74,24 +74,10 @@ impl HopperFp8Gemm {
         if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
             return Ok(None);
         }
-        let load = |v: Variant| -> Result<CudaFunction> {
-            let f = gpu.function(v.name)?;
-            f.set_attribute(
-                drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_bytes(v, MAX_EXPERTS).min(MAX_SMEM) as i32,
-            )
-            .map_err(|e| err("fp8 grouped GEMM shared memory", e))?;
-            Ok(f)
-        };
+        let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
         let (f, short) = (load(TILES_128)?, load(TILES_64)?);
-        let sms = gpu
-            .ctx
-            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| err("SM count", e))?;
-        let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
-        gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
-        let (next_tile, rows_asked) = (Mutex::new(next_tile), opts.gemm_tile_rows);
-        Ok(Some(HopperFp8Gemm { f, short, sms: sms.max(1) as u32, next_tile, rows_asked }))
+        let (sms, next_tile) = persistent_blocks(gpu)?;
+        Ok(Some(HopperFp8Gemm { f, short, sms, next_tile, rows_asked: opts.gemm_tile_rows }))
     }
 
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to

@@ -149,6 +149,30 @@ pub(super) struct HopperGemm {
     cols_asked: Option<u32>,
 }
 
+/// Kernel `name`, allowed `smem` bytes of dynamic shared memory (at most [`MAX_SMEM`]): an
+/// entry point of the persistent grouped GEMMs.
+pub(super) fn persistent_kernel(gpu: &super::Gpu, name: &str, smem: u32) -> Result<CudaFunction> {
+    let f = gpu.function(name)?;
+    f.set_attribute(
+        drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        smem.min(MAX_SMEM) as i32,
+    )
+    .map_err(|e| err(&format!("{name} shared memory"), e))?;
+    Ok(f)
+}
+
+/// The persistent grouped GEMMs' grid (a block per SM) and their shared tile counter: two
+/// ints, zeroed here and left zero by every launch.
+pub(super) fn persistent_blocks(gpu: &super::Gpu) -> Result<(u32, Mutex<CudaSlice<i32>>)> {
+    let sms = gpu
+        .ctx
+        .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+        .map_err(|e| err("SM count", e))?;
+    let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
+    gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
+    Ok((sms.max(1) as u32, Mutex::new(next_tile)))
+}
+
 impl HopperGemm {
     /// The kernel on a Hopper GPU (compute capability 9.0, where the module is built for
     /// sm_90a), when `opts` do not ask for cuBLAS; `None` elsewhere.
@@ -157,29 +181,16 @@ impl HopperGemm {
         if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
             return Ok(None);
         }
-        let load = |name: &str, v: Variant| -> Result<CudaFunction> {
-            let f = gpu.function(name)?;
-            f.set_attribute(
-                drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                smem_bytes(v, MAX_EXPERTS).min(MAX_SMEM) as i32,
-            )
-            .map_err(|e| err("grouped GEMM shared memory", e))?;
-            Ok(f)
-        };
+        let load = |name: &str, v: Variant| persistent_kernel(gpu, name, smem_bytes(v, MAX_EXPERTS));
         let (f, short) = (load("grouped_gemm_sm90", TILES_128)?, load("grouped_gemm_sm90_short", TILES_64)?);
         let narrow = load("grouped_gemm_sm90_short224", TILES_64_NARROW)?;
-        let sms = gpu
-            .ctx
-            .attribute(drv::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
-            .map_err(|e| err("SM count", e))?;
-        let next_tile = gpu.stream.alloc_zeros::<i32>(2).map_err(|e| err("allocating the tile counter", e))?;
-        gpu.stream.synchronize().map_err(|e| err("zeroing the tile counter", e))?;
+        let (sms, next_tile) = persistent_blocks(gpu)?;
         Ok(Some(HopperGemm {
             f,
             short,
             narrow,
-            sms: sms.max(1) as u32,
-            next_tile: Mutex::new(next_tile),
+            sms,
+            next_tile,
             rows_asked: opts.gemm_tile_rows,
             cols_asked: opts.gemm_tile_cols,
         }))
