@@ -7,12 +7,14 @@
 //
 // A stage is 128 codes deep: one 128-byte swizzle row, and exactly one scale block of both
 // operands. The consumer warpgroups multiply it with four wgmma.m64n128k32 e4m3 into partial
-// sums of their own, wait for them, and add them to the f32 accumulators scaled by the row's
-// and the weight block's scales: the tensor cores' fp8 sums carry fewer bits than f32, so they
-// never run longer than 128 products (DeepSeek-V3's "promotion"). Tiles are 64·WGS rows (WGS
-// consumer warpgroups: two, or one in the short entry point) by 128 weight rows (two boxes of
-// 64: the next 64 rows, or the gate rows and their up rows, which then give 64 output
-// columns), so a thread holds 64 accumulators and 64 partial sums.
+// sums of their own, and add those to the f32 accumulators scaled by the row's and the weight
+// block's scales: the tensor cores' fp8 sums carry fewer bits than f32, so they never run
+// longer than 128 products (DeepSeek-V3's "promotion"). Two sets of partial sums take turns,
+// so the tensor cores multiply the next block while the last one is scaled in. Tiles are
+// 64·WGS rows (WGS consumer warpgroups: two, or one in the short entry point) by 128 weight
+// rows (two boxes of 64: the next 64 rows, or the gate rows and their up rows, which then
+// give 64 output columns), so a thread holds 64 accumulators and twice 64 partial sums; with
+// two consumer warpgroups the producer warpgroup hands them its registers (setmaxnreg).
 // (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
 
 #define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
@@ -37,51 +39,71 @@ __device__ __forceinline__ void g8_mma(float* d, u64 a, u64 b, int accumulate) {
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// The kernel for tiles of 64·WGS rows over a ring of STAGES stages; see the entry point below.
+// Four wgmma over the 128-deep block in stage `stage` into p (overwritten), one commit group.
+template <int A_BYTES, int B_BYTES, int STAGES>
+__device__ __forceinline__ void g8_issue(float* p, unsigned char* ring, int stage, int wg, bool gather) {
+    // Rows gathered by cp.async were written through the generic proxy; wgmma reads through
+    // the async one.
+    if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    const u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
+    const u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
+    gg_fence();
+#pragma unroll
+    for (int kk = 0; kk < G8_BK / 32; kk++) g8_mma(p, da + 2 * kk, db + 2 * kk, kk > 0);
+    gg_commit();
+}
+
+// A block's scales: this thread's two rows' (fa, fb) and the tile's two weight blocks' (f0, f1).
+struct g8_scales {
+    float fa, fb, f0, f1;
+};
+
+// d += p scaled by s: p[4j + {0,1}] is row r0, p[4j + {2,3}] row r0 + 8; groups j < 8 the
+// first half of the tile's weight rows.
+__device__ __forceinline__ void g8_promote(float* d, const float* p, g8_scales s) {
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const float w = j < 8 ? s.f0 : s.f1;
+        d[4 * j] += p[4 * j] * (s.fa * w);
+        d[4 * j + 1] += p[4 * j + 1] * (s.fa * w);
+        d[4 * j + 2] += p[4 * j + 2] * (s.fb * w);
+        d[4 * j + 3] += p[4 * j + 3] * (s.fb * w);
+    }
+}
+
+// The consumer warpgroups of g8_kernel: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of
+// each tile, and hands each stage back to the producer. Two sets of partial sums take
+// turns: a block's products run on the tensor cores while the block before is scaled into
+// the accumulators (the loop goes two blocks a turn, so each set keeps its registers).
 template <int WGS, int STAGES>
-__device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
-                                          const int* counts, const int* offsets, int experts, int N, int K,
-                                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                                          const float* a_scales, const float* w_scales,
-                                          const unsigned char* gather_x, const int* slot_of_row, int gather_k) {
+__device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
+                                           int N, int K, int width, bool act, int col_blocks, int tile_cols,
+                                           int act_kind, float alpha, float limit, const float* b13,
+                                           const float* a_scales, const float* w_scales, bool gather,
+                                           const int* slot_of_row, int gather_k) {
     constexpr int BM = 64 * WGS;             // rows of a tile
     constexpr int A_BYTES = BM * G8_BK;      // 8 KiB a warpgroup
     constexpr int B_BYTES = G8_BN * G8_BK;   // 16 KiB
-    constexpr int RING_BYTES = STAGES * (A_BYTES + B_BYTES);
-    extern __shared__ unsigned char g8_raw[];
-    unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
-    const bool gather = gather_x != 0;
-    const bool act = act_kind >= 0;
-    const int width = act ? N / 2 : N, tile_cols = act ? G8_BN / 2 : G8_BN;
-    const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + G8_BK - 1) / G8_BK;
+    const int kblocks = (K + G8_BK - 1) / G8_BK;
     const int n_blocks = (N + 127) / 128;  // weight scale blocks down an expert
-    gg_shared sh;
-    const int tiles = gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
-    u64 *full = sh.full, *empty = sh.empty;
-    const int *stage_tile = sh.stage_tile, *first_tile = sh.first_tile, *rows_of = sh.rows_of,
-              *start_of = sh.start_of;
-    if (threadIdx.x < 128) {
-        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
-                                                            col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
-                                                            gather_k);
-        return;
-    }
-
-    // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
     const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    float d[64], p[64];
+    float d[64], p0[64], p1[64];
     int stage = 0;
     unsigned phase = 0;
+    auto next = [&]() {
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    };
     for (;;) {
-        gg_bar_wait(&full[stage], phase);
-        const int tile = stage_tile[stage];
+        gg_bar_wait(&sh.full[stage], phase);
+        const int tile = sh.stage_tile[stage];
         if (tile < 0) return;
-        gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
+        gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
         if (t.row0 + wg * 64 >= t.rows_end) {
             for (int kb = 0; kb < kblocks; kb++) {
-                if (kb > 0) gg_bar_wait(&full[stage], phase);
-                gg_bar_arrive(&empty[stage]);
-                if (++stage == STAGES) { stage = 0; phase ^= 1; }
+                if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
+                gg_bar_arrive(&sh.empty[stage]);
+                next();
             }
             continue;
         }
@@ -96,33 +118,41 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
         const int wn0 = t.col0, wn1 = t.col0 + (act ? width : G8_BN / 2);
         const float* scale_w0 = w_scales + ((long)t.expert * n_blocks + wn0 / 128) * kblocks;
         const float* scale_w1 = w_scales + ((long)t.expert * n_blocks + min(wn1 / 128, n_blocks - 1)) * kblocks;
+        auto scales = [&](int kb) { return g8_scales{scale_a[kb], scale_b[kb], scale_w0[kb], scale_w1[kb]}; };
 #pragma unroll
         for (int j = 0; j < 64; j++) d[j] = 0.0f;
-        for (int kb = 0; kb < kblocks; kb++) {
-            if (kb > 0) gg_bar_wait(&full[stage], phase);
-            // Rows gathered by cp.async were written through the generic proxy; wgmma reads
-            // through the async one.
-            if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            const float fa = scale_a[kb], fb = scale_b[kb], f0 = scale_w0[kb], f1 = scale_w1[kb];
-            u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
-            u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
-            gg_fence();
-#pragma unroll
-            for (int kk = 0; kk < G8_BK / 32; kk++) g8_mma(p, da + 2 * kk, db + 2 * kk, kk > 0);
-            gg_commit();
+        // Block 0 into p0; then each turn, with block kb in flight in p0, block kb + 1 goes
+        // into p1 while p0 is scaled in, and block kb + 2 into p0 while p1 is. The last one or
+        // two blocks follow the loop, so every path leaves the same set in flight.
+        g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+        int held = stage;  // the stage of the block in flight longest
+        next();
+        auto step = [&](float* into, float* done, g8_scales s) {
+            gg_bar_wait(&sh.full[stage], phase);
+            g8_issue<A_BYTES, B_BYTES, STAGES>(into, ring, stage, wg, gather);
+            gg_wait<1>();
+            gg_pin<64>(done);
+            gg_bar_arrive(&sh.empty[held]);
+            g8_promote(d, done, s);
+            held = stage;
+            next();
+        };
+        auto last = [&](float* done, g8_scales s) {
             gg_wait<0>();
-            gg_pin<64>(p);
-            gg_bar_arrive(&empty[stage]);
-            // p[4j + {0,1}] is row r0, p[4j + {2,3}] row r0 + 8; groups j < 8 the first half.
-#pragma unroll
-            for (int j = 0; j < 16; j++) {
-                const float w = j < 8 ? f0 : f1;
-                d[4 * j] += p[4 * j] * (fa * w);
-                d[4 * j + 1] += p[4 * j + 1] * (fa * w);
-                d[4 * j + 2] += p[4 * j + 2] * (fb * w);
-                d[4 * j + 3] += p[4 * j + 3] * (fb * w);
-            }
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+            gg_pin<64>(done);
+            gg_bar_arrive(&sh.empty[held]);
+            g8_promote(d, done, s);
+        };
+        int kb = 0;
+        for (; kb + 2 < kblocks; kb += 2) {
+            step(p1, p0, scales(kb));
+            step(p0, p1, scales(kb + 1));
+        }
+        if (kb + 1 < kblocks) {
+            step(p1, p0, scales(kb));
+            last(p1, scales(kb + 1));
+        } else {
+            last(p0, scales(kb));
         }
         const long row0 = t.row0 + wg * 64;
         if (act) {
@@ -131,6 +161,40 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
         } else {
             gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
         }
+    }
+}
+
+// The kernel for tiles of 64·WGS rows over a ring of STAGES stages; see the entry points below.
+template <int WGS, int STAGES>
+__device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
+                                          const int* counts, const int* offsets, int experts, int N, int K,
+                                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
+                                          const float* a_scales, const float* w_scales,
+                                          const unsigned char* gather_x, const int* slot_of_row, int gather_k) {
+    constexpr int BM = 64 * WGS;
+    constexpr int RING_BYTES = STAGES * (BM + G8_BN) * G8_BK;
+    extern __shared__ unsigned char g8_raw[];
+    unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
+    const bool gather = gather_x != 0;
+    const bool act = act_kind >= 0;
+    const int width = act ? N / 2 : N, tile_cols = act ? G8_BN / 2 : G8_BN;
+    const int col_blocks = (width + tile_cols - 1) / tile_cols;
+    gg_shared sh;
+    const int tiles =
+        gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
+    // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
+    // partial sums): the producer warpgroup gives them its registers.
+    constexpr bool SHIFT_REGISTERS = WGS == 2;
+    if (threadIdx.x < 128) {
+        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K,
+                                                                     width, act, col_blocks, tile_cols, next_tile,
+                                                                     gather_x, slot_of_row, gather_k);
+    } else {
+        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        g8_consume<WGS, STAGES>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols,
+                                         act_kind, alpha, limit, b13, a_scales, w_scales, gather, slot_of_row,
+                                         gather_k);
     }
 }
 #endif
