@@ -72,10 +72,11 @@ __device__ __forceinline__ void g8_promote(float* d, const float* p, g8_scales s
 }
 
 // The consumer warpgroups of g8_kernel: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of
-// each tile, and hands each stage back to the producer. Two sets of partial sums take
-// turns: a block's products run on the tensor cores while the block before is scaled into
-// the accumulators (the loop goes two blocks a turn, so each set keeps its registers).
-template <int WGS, int STAGES>
+// each tile, and hands each stage back to the producer. With SETS 2 two sets of partial sums
+// take turns: a block's products run on the tensor cores while the block before is scaled
+// into the accumulators (the loop goes two blocks a turn, so each set keeps its registers);
+// with SETS 1 each block's products are waited for, then scaled in.
+template <int WGS, int STAGES, int SETS>
 __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
                                            int N, int K, int width, bool act, int col_blocks, int tile_cols,
                                            int act_kind, float alpha, float limit, const float* b13,
@@ -121,12 +122,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
         auto scales = [&](int kb) { return g8_scales{scale_a[kb], scale_b[kb], scale_w0[kb], scale_w1[kb]}; };
 #pragma unroll
         for (int j = 0; j < 64; j++) d[j] = 0.0f;
-        // Block 0 into p0; then each turn, with block kb in flight in p0, block kb + 1 goes
-        // into p1 while p0 is scaled in, and block kb + 2 into p0 while p1 is. The last one or
-        // two blocks follow the loop, so every path leaves the same set in flight.
-        g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
         int held = stage;  // the stage of the block in flight longest
-        next();
         auto step = [&](float* into, float* done, g8_scales s) {
             gg_bar_wait(&sh.full[stage], phase);
             g8_issue<A_BYTES, B_BYTES, STAGES>(into, ring, stage, wg, gather);
@@ -143,16 +139,33 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
             gg_bar_arrive(&sh.empty[held]);
             g8_promote(d, done, s);
         };
-        int kb = 0;
-        for (; kb + 2 < kblocks; kb += 2) {
-            step(p1, p0, scales(kb));
-            step(p0, p1, scales(kb + 1));
-        }
-        if (kb + 1 < kblocks) {
-            step(p1, p0, scales(kb));
-            last(p1, scales(kb + 1));
+        if constexpr (SETS == 2) {
+            // Block 0 into p0; then each turn, with block kb in flight in p0, block kb + 1 goes
+            // into p1 while p0 is scaled in, and block kb + 2 into p0 while p1 is. The last one
+            // or two blocks follow the loop, so every path leaves the same set in flight.
+            g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+            next();
+            int kb = 0;
+            for (; kb + 2 < kblocks; kb += 2) {
+                step(p1, p0, scales(kb));
+                step(p0, p1, scales(kb + 1));
+            }
+            if (kb + 1 < kblocks) {
+                step(p1, p0, scales(kb));
+                last(p1, scales(kb + 1));
+            } else {
+                last(p0, scales(kb));
+            }
         } else {
-            last(p0, scales(kb));
+            // One set: each block's products, waited for, then scaled in.
+            for (int kb = 0; kb < kblocks; kb++) {
+                if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
+                const g8_scales s = scales(kb);
+                g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+                held = stage;
+                last(p0, s);
+                next();
+            }
         }
         const long row0 = t.row0 + wg * 64;
         if (act) {
@@ -164,8 +177,9 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
     }
 }
 
-// The kernel for tiles of 64·WGS rows over a ring of STAGES stages; see the entry points below.
-template <int WGS, int STAGES>
+// The kernel for tiles of 64·WGS rows over a ring of STAGES stages, SETS sets of partial
+// sums; see the entry points below.
+template <int WGS, int STAGES, int SETS>
 __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
                                           int* next_tile, int act_kind, float alpha, float limit, const float* b13,
@@ -184,7 +198,7 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
         gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
     // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
     // partial sums): the producer warpgroup gives them its registers.
-    constexpr bool SHIFT_REGISTERS = WGS == 2;
+    constexpr bool SHIFT_REGISTERS = WGS == 2 && SETS == 2;
     if (threadIdx.x < 128) {
         if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K,
@@ -192,7 +206,7 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
                                                                      gather_x, slot_of_row, gather_k);
     } else {
         if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        g8_consume<WGS, STAGES>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols,
+        g8_consume<WGS, STAGES, SETS>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols,
                                          act_kind, alpha, limit, b13, a_scales, w_scales, gather, slot_of_row,
                                          gather_k);
     }
@@ -200,7 +214,7 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 #endif
 
 // The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
-// g8_kernel<WGS, STAGES>. Each computes C[r] = A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its
+// g8_kernel<WGS, STAGES, SETS> (SETS sets of partial sums). Each computes C[r] = A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its
 // activation (C [rows, N / 2], kinds as in act_mul, f32 bias b13 [experts, N] or null), A and
 // W fp8 e4m3 codes: A read through a_map in boxes of the tile's rows by 128 codes (or, with
 // gather_x, row r the codes of token slot_of_row[r] / gather_k of gather_x [·, K]), its scales
@@ -209,24 +223,28 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 // needs N / 2 a multiple of 64 (each half of a tile inside one scale block). next_tile: as in
 // grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G8_BODY(WGS, STAGES)                                                                                   \
-    g8_kernel<WGS, STAGES>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
+#define G8_BODY(WGS, STAGES, SETS)                                                                             \
+    g8_kernel<WGS, STAGES, SETS>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
                            b13, a_scales, w_scales, gather_x, slot_of_row, gather_k);
 #else
-#define G8_BODY(WGS, STAGES)
+#define G8_BODY(WGS, STAGES, SETS)
 #endif
-#define G8_ENTRY(name, threads, WGS, STAGES)                                                                       \
+#define G8_ENTRY(name, threads, WGS, STAGES, SETS)                                                                       \
     extern "C" __global__ void __launch_bounds__(threads, 1)                                                       \
         name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C,  \
              const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,      \
              float alpha, float limit, const float* b13, const float* a_scales, const float* w_scales,            \
              const unsigned char* gather_x, const int* slot_of_row, int gather_k) {                               \
-        G8_BODY(WGS, STAGES)                                                                                       \
+        G8_BODY(WGS, STAGES, SETS)                                                                                    \
     }
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.
-G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6)
+G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2)
+
+// The same with one set of partial sums, for rows the producer gathers: a set's block held
+// while the next one comes in is a stage the slower gathered loads miss (docs/tuning.md).
+G8_ENTRY(grouped_gemm_fp8_sm90_one_set, 384, 2, 6, 1)
 
 // 64-row tiles, one consumer warpgroup and a 9-stage ring: for experts of few rows, whose
 // tiles mostly stream weights, more of them in flight.
-G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9)
+G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 2)

@@ -14,7 +14,8 @@ use std::sync::Mutex;
 const TILE_COLS: u32 = 128;
 
 /// One of the kernel's entry points: its tile rows (64 a consumer warpgroup), ring stages and
-/// threads (a producer warpgroup and the consumers).
+/// threads (a producer warpgroup and the consumers). All but [`TILES_128_ONE_SET`] keep two
+/// sets of partial sums, so a block's products run while the last block's are scaled in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     name: &'static str,
@@ -24,6 +25,8 @@ struct Variant {
 }
 
 const TILES_128: Variant = Variant { name: "grouped_gemm_fp8_sm90", rows: 128, stages: 6, threads: 384 };
+const TILES_128_ONE_SET: Variant =
+    Variant { name: "grouped_gemm_fp8_sm90_one_set", rows: 128, stages: 6, threads: 384 };
 const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 64, stages: 9, threads: 256 };
 
 /// Rows an expert on average up to which a product takes 64-row tiles, as the bf16 Hopper GEMM
@@ -55,11 +58,12 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_64`]), the SMs its persistent blocks fill,
+/// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`]), the SMs its persistent blocks fill,
 /// their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s) and the tile rows the
 /// options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
+    one_set: CudaFunction,
     short: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
@@ -75,22 +79,24 @@ impl HopperFp8Gemm {
             return Ok(None);
         }
         let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
-        let (f, short) = (load(TILES_128)?, load(TILES_64)?);
+        let (f, one_set, short) = (load(TILES_128)?, load(TILES_128_ONE_SET)?, load(TILES_64)?);
         let (sms, next_tile) = persistent_blocks(gpu)?;
-        Ok(Some(HopperFp8Gemm { f, short, sms, next_tile, rows_asked: opts.gemm_tile_rows }))
+        Ok(Some(HopperFp8Gemm { f, one_set, short, sms, next_tile, rows_asked: opts.gemm_tile_rows }))
     }
 
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
-    /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask).
-    fn variant(&self, rows: usize, experts: usize) -> Variant {
+    /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask); 128-row tiles over
+    /// rows the kernel gathers itself keep one set of partial sums, which holds one stage of the
+    /// ring less while the gathered rows come in (docs/tuning.md).
+    fn variant(&self, rows: usize, experts: usize, gathered: bool) -> Variant {
         let short = match self.rows_asked {
             Some(r) => r == TILES_64.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         };
-        if short {
-            TILES_64
-        } else {
-            TILES_128
+        match (short, gathered) {
+            (true, _) => TILES_64,
+            (false, true) => TILES_128_ONE_SET,
+            (false, false) => TILES_128,
         }
     }
 
@@ -126,7 +132,7 @@ impl HopperFp8Gemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let v = self.variant(rows, experts);
+        let v = self.variant(rows, experts, gather.is_some());
         let a_map = tensor_map(a.codes, rows, kdim, v.rows, 1)?;
         let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
@@ -150,7 +156,12 @@ impl HopperFp8Gemm {
         // counter is two ints, zero at every launch; the bias, when given, `experts · n`
         // floats; a gather's slots name tokens of its x.
         unsafe {
-            let mut l = stream.launch_builder(if v == TILES_64 { &self.short } else { &self.f });
+            let f = match v {
+                TILES_64 => &self.short,
+                TILES_128_ONE_SET => &self.one_set,
+                _ => &self.f,
+            };
+            let mut l = stream.launch_builder(f);
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             l.arg(&a_scales).arg(&w.scales).arg(&gx).arg(&gs).arg(&gk);
@@ -276,7 +287,7 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            let tile_rows = gemm.variant(rows, e).rows;
+            let tile_rows = gemm.variant(rows, e, gathered).rows;
             let what = format!("{tile_rows}-row tiles, n {n} k {k} activation {act:?} gathered {gathered}");
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
             let av = |r: usize, q: usize| fp8_e4m3_decode(a[r * k + q]) as f64 * as_[r * kb + q / 128] as f64;
