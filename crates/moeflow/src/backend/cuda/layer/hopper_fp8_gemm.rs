@@ -14,8 +14,8 @@ use std::sync::Mutex;
 const TILE_COLS: u32 = 128;
 
 /// One of the kernel's entry points: its tile rows (64 a consumer warpgroup), ring stages and
-/// threads (a producer warpgroup and the consumers). All but [`TILES_128_ONE_SET`] keep two
-/// sets of partial sums, so a block's products run while the last block's are scaled in.
+/// threads (a producer warpgroup and the consumers). [`TILES_128`] keeps two sets of partial
+/// sums, so a block's products run while the last block's are scaled in; the others one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     name: &'static str,
