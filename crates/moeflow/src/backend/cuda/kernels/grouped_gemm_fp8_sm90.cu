@@ -157,13 +157,16 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
                 last(p0, scales(kb));
             }
         } else {
-            // One set: each block's products, waited for, then scaled in.
+            // One set: each block's products, waited for, then scaled in. The next block's
+            // scales are loaded while this one multiplies, a block ahead of their use.
+            g8_scales s = scales(0);
             for (int kb = 0; kb < kblocks; kb++) {
                 if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
-                const g8_scales s = scales(kb);
                 g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+                const g8_scales ahead = scales(min(kb + 1, kblocks - 1));
                 held = stage;
                 last(p0, s);
+                s = ahead;
                 next();
             }
         }
