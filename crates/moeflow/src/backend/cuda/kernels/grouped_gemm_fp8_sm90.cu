@@ -9,12 +9,13 @@
 // operands. The consumer warpgroups multiply it with four wgmma.m64n128k32 e4m3 into partial
 // sums of their own, and add those to the f32 accumulators scaled by the row's and the weight
 // block's scales: the tensor cores' fp8 sums carry fewer bits than f32, so they never run
-// longer than 128 products (DeepSeek-V3's "promotion"). Two sets of partial sums take turns,
-// so the tensor cores multiply the next block while the last one is scaled in. Tiles are
-// 64·WGS rows (WGS consumer warpgroups: two, or one in the short entry point) by 128 weight
-// rows (two boxes of 64: the next 64 rows, or the gate rows and their up rows, which then
-// give 64 output columns), so a thread holds 64 accumulators and twice 64 partial sums; with
-// two consumer warpgroups the producer warpgroup hands them its registers (setmaxnreg).
+// longer than 128 products (DeepSeek-V3's "promotion"). Over rows that TMA loads, two sets of
+// partial sums take turns, so the tensor cores multiply the next block while the last one is
+// scaled in. Tiles are 64·WGS rows (WGS consumer warpgroups: two, or one in the short entry
+// point) by 128 weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up
+// rows, which then give 64 output columns), so a thread holds 64 accumulators and one or two
+// sets of 64 partial sums; with two sets the producer warpgroup hands the consumers its
+// registers (setmaxnreg).
 // (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
 
 #define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
@@ -204,41 +205,40 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     constexpr bool SHIFT_REGISTERS = WGS == 2 && SETS == 2;
     if (threadIdx.x < 128) {
         if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
-        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K,
-                                                                     width, act, col_blocks, tile_cols, next_tile,
-                                                                     gather_x, slot_of_row, gather_k);
+        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
+                                                            col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
+                                                            gather_k);
     } else {
         if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        g8_consume<WGS, STAGES, SETS>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols,
-                                         act_kind, alpha, limit, b13, a_scales, w_scales, gather, slot_of_row,
-                                         gather_k);
+        g8_consume<WGS, STAGES, SETS>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha,
+                                      limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k);
     }
 }
 #endif
 
 // The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
-// g8_kernel<WGS, STAGES, SETS> (SETS sets of partial sums). Each computes C[r] = A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its
-// activation (C [rows, N / 2], kinds as in act_mul, f32 bias b13 [experts, N] or null), A and
-// W fp8 e4m3 codes: A read through a_map in boxes of the tile's rows by 128 codes (or, with
-// gather_x, row r the codes of token slot_of_row[r] / gather_k of gather_x [·, K]), its scales
-// a_scales [·, ceil(K / 128)] by the same row (or token); W [experts · N, K] through w_map in
-// boxes of 64 rows, its scales w_scales [experts, ceil(N / 128), ceil(K / 128)]. An activation
-// needs N / 2 a multiple of 64 (each half of a tile inside one scale block). next_tile: as in
-// grouped_gemm_sm90.
+// g8_kernel<WGS, STAGES, SETS> (SETS sets of partial sums). Each computes C[r] = A[r] · W[e]ᵀ
+// (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds as in act_mul, f32
+// bias b13 [experts, N] or null), A and W fp8 e4m3 codes: A read through a_map in boxes of the
+// tile's rows by 128 codes (or, with gather_x, row r the codes of token slot_of_row[r] /
+// gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the same row (or
+// token); W [experts · N, K] through w_map in boxes of 64 rows, its scales w_scales [experts,
+// ceil(N / 128), ceil(K / 128)]. An activation needs N / 2 a multiple of 64 (each half of a
+// tile inside one scale block). next_tile: as in grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G8_BODY(WGS, STAGES, SETS)                                                                             \
-    g8_kernel<WGS, STAGES, SETS>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
-                           b13, a_scales, w_scales, gather_x, slot_of_row, gather_k);
+#define G8_BODY(WGS, STAGES, SETS)                                                                            \
+    g8_kernel<WGS, STAGES, SETS>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha,     \
+                                 limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k);
 #else
 #define G8_BODY(WGS, STAGES, SETS)
 #endif
-#define G8_ENTRY(name, threads, WGS, STAGES, SETS)                                                                       \
-    extern "C" __global__ void __launch_bounds__(threads, 1)                                                       \
-        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C,  \
-             const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,      \
-             float alpha, float limit, const float* b13, const float* a_scales, const float* w_scales,            \
-             const unsigned char* gather_x, const int* slot_of_row, int gather_k) {                               \
-        G8_BODY(WGS, STAGES, SETS)                                                                                    \
+#define G8_ENTRY(name, threads, WGS, STAGES, SETS)                                                                \
+    extern "C" __global__ void __launch_bounds__(threads, 1)                                                      \
+        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C, \
+             const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,     \
+             float alpha, float limit, const float* b13, const float* a_scales, const float* w_scales,           \
+             const unsigned char* gather_x, const int* slot_of_row, int gather_k) {                              \
+        G8_BODY(WGS, STAGES, SETS)                                                                                \
     }
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.

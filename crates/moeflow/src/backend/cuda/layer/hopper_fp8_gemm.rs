@@ -58,9 +58,9 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`]), the SMs its persistent blocks fill,
-/// their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s) and the tile rows the
-/// options ask for.
+/// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`]), the SMs its
+/// persistent blocks fill, their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s)
+/// and the tile rows the options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
     one_set: CudaFunction,
