@@ -54,8 +54,18 @@ impl CudaMoeLayer {
         }
         let co = [rows, rows + 4];
         let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
-        hopper.run(s, dptr(&sh.w13, g), [2 * si, h], [dptr(&b.x_bf, g), dptr(&b.sact, g)], t, co, 1, act, None)?;
-        hopper.run(s, dptr(&sh.w2, g), [h, si], [dptr(&b.sact, g), dptr(&b.sy, g)], t, co, 1, Epilogue::Product, None)
+        hopper.run(s, dptr(&sh.w13, g), [2 * si, h], [dptr(&b.x_bf, g), dptr(&b.sact, g)], [t, t], co, 1, act, None)?;
+        hopper.run(
+            s,
+            dptr(&sh.w2, g),
+            [h, si],
+            [dptr(&b.sact, g), dptr(&b.sy, g)],
+            [t, t],
+            co,
+            1,
+            Epilogue::Product,
+            None,
+        )
     }
 
     /// [`act_and_mul`] with this layer's kernel and activation.

@@ -378,6 +378,7 @@ impl CudaMoeLayer {
             experts: el,
             cap,
             rows: plan.rows,
+            busy: plan.rows,
             groups: plan.groups,
             counts: ecounts,
             offsets: eoffsets,

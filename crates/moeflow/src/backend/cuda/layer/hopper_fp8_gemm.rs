@@ -101,7 +101,8 @@ impl HopperFp8Gemm {
     }
 
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
-    /// `offsets[x] .. offsets[x] + counts[x]` (device ints), `A` fp8 rows `[rows, kdim]`, `W`
+    /// `offsets[x] .. offsets[x] + counts[x]` (device ints; `busy` rows at most in all, which
+    /// picks the tiles), `A` fp8 rows `[rows, kdim]`, `W`
     /// fp8 weights `[experts · n, kdim]` (see [`Fp8Operand`]), `C` bf16 `[rows, n]` at `c` (or,
     /// with an activation, `[rows, n / 2]`: see [`Epilogue`]); f32 sums, each 128-deep block
     /// scaled into them. `kdim` must be a multiple of 16, `n` of 8 (of 128 with an activation,
@@ -115,7 +116,7 @@ impl HopperFp8Gemm {
         [n, kdim]: [usize; 2],
         a: Fp8Operand,
         c: u64,
-        rows: usize,
+        [rows, busy]: [usize; 2],
         [counts, offsets]: [u64; 2],
         experts: usize,
         epilogue: Epilogue,
@@ -132,7 +133,7 @@ impl HopperFp8Gemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let v = self.variant(rows, experts, gather.is_some());
+        let v = self.variant(busy, experts, gather.is_some());
         let a_map = tensor_map(a.codes, rows, kdim, v.rows, 1)?;
         let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
@@ -283,7 +284,7 @@ mod tests {
             let mut first = None;
             for _ in 0..2 {
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
-                gemm.run(s, wop, [n, k], aop, dptr(&cd, &gpu), rows, ptrs, e, epilogue, gather).unwrap();
+                gemm.run(s, wop, [n, k], aop, dptr(&cd, &gpu), [rows, rows], ptrs, e, epilogue, gather).unwrap();
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();

@@ -227,8 +227,9 @@ impl HopperGemm {
     }
 
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
-    /// `offsets[x] .. offsets[x] + counts[x]` (device ints), where `A` is `[rows, kdim]` at
-    /// `a`, `C` is `[rows, n]` at `c` and `W` is `[experts, n, kdim]` at `w`; bf16, f32
+    /// `offsets[x] .. offsets[x] + counts[x]` (device ints; `busy` rows at most in all, which
+    /// picks the tiles), where `A` is `[rows, kdim]` at `a`, `C` is `[rows, n]` at `c` and `W`
+    /// is `[experts, n, kdim]` at `w`; bf16, f32
     /// accumulation. `kdim` and `n` must be multiples of 8 (16 with an activation, whose `C`
     /// is `[rows, n / 2]`: see [`Epilogue`]). With `gather` the rows of `A` are read from
     /// where it says instead of from `a` (see [`Gather`]). In 64-row tiles where
@@ -241,15 +242,15 @@ impl HopperGemm {
         w: u64,
         shape: [usize; 2],
         ac: [u64; 2],
-        rows: usize,
+        [rows, busy]: [usize; 2],
         counts_offsets: [u64; 2],
         experts: usize,
         epilogue: Epilogue,
         gather: Option<Gather>,
     ) -> Result<()> {
         let product = matches!(epilogue, Epilogue::Product);
-        let v = match self.short_for(rows, experts) {
-            true if product && self.narrow_for(rows, experts, shape[0]) => TILES_64_NARROW,
+        let v = match self.short_for(busy, experts) {
+            true if product && self.narrow_for(busy, experts, shape[0]) => TILES_64_NARROW,
             true => TILES_64,
             false => TILES_128,
         };

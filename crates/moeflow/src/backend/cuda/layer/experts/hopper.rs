@@ -34,11 +34,21 @@ impl DeviceExperts for Hopper {
         }
         let dev = [r.counts, r.offsets];
         let up = Epilogue::Activation { activation: layer.config.activation, bias: layer.b13_ptr() };
-        hg.run(s, dptr(&layer.w.w13, g), [2 * i, h], [r.a, r.act], r.rows, dev, r.experts, up, r.gather)?;
+        hg.run(s, dptr(&layer.w.w13, g), [2 * i, h], [r.a, r.act], [r.rows, r.busy], dev, r.experts, up, r.gather)?;
         mark(4)?;
         layer.round_for_w8a8(r.act, r.rows, i)?;
         mark(5)?;
-        hg.run(s, dptr(&layer.w.w2, g), [h, i], [r.act, r.y], r.rows, dev, r.experts, Epilogue::Product, None)?;
+        hg.run(
+            s,
+            dptr(&layer.w.w2, g),
+            [h, i],
+            [r.act, r.y],
+            [r.rows, r.busy],
+            dev,
+            r.experts,
+            Epilogue::Product,
+            None,
+        )?;
         mark(6)
     }
 }

@@ -54,7 +54,7 @@ impl DeviceExperts for HopperFp8 {
         };
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
         let up = Epilogue::Activation { activation: layer.config.activation, bias: layer.b13_ptr() };
-        gemm.run(s, w13, [2 * i, h], a, r.act, r.rows, dev, r.experts, up, gather)?;
+        gemm.run(s, w13, [2 * i, h], a, r.act, [r.rows, r.busy], dev, r.experts, up, gather)?;
         mark(4)?;
         // The activation's codes take the same buffer: the stream runs this after the up
         // projection has read the rows'.
@@ -63,7 +63,7 @@ impl DeviceExperts for HopperFp8 {
         let act = Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) };
         mark(5)?;
         let w2 = Fp8Operand { codes: dptr(&fp8.w2, g), scales: dptr(&fp8.s2, g) };
-        gemm.run(s, w2, [h, i], act, r.y, r.rows, dev, r.experts, Epilogue::Product, None)?;
+        gemm.run(s, w2, [h, i], act, r.y, [r.rows, r.busy], dev, r.experts, Epilogue::Product, None)?;
         mark(6)
     }
 }

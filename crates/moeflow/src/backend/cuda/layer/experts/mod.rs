@@ -56,6 +56,9 @@ pub(super) struct ExpertRows {
     pub(super) experts: usize,
     pub(super) cap: usize,
     pub(super) rows: usize,
+    /// Rows the experts hold at most, which picks the GEMMs' tiles: `rows`, except in the
+    /// low-latency layout, whose capacity bounds them more tightly than its extent does.
+    pub(super) busy: usize,
     pub(super) groups: Vec<(usize, usize, usize)>,
     /// Device ints: rows per expert, and first row per expert (0 when padded without them).
     pub(super) counts: u64,

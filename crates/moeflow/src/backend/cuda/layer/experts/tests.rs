@@ -82,6 +82,7 @@ fn every_device_experts_implementation_matches_f64() {
                 experts: e,
                 cap: if padded_layout { cap } else { 0 },
                 rows,
+                busy: rows,
                 groups: super::groups_of(&counts),
                 counts: dptr(&cd, g),
                 offsets: dptr(&od, g),

@@ -54,6 +54,7 @@ impl DevicePrepareFinalize for Local {
             l.permute(b, t, cap, gather.is_none())?;
         }
         mark(2)?;
+        let extent = if cap > 0 { e * cap } else { t * k };
         let rows = ExpertRows {
             imp,
             a: dptr(&b.a, g),
@@ -63,7 +64,8 @@ impl DevicePrepareFinalize for Local {
             expert_of_row: dptr(&b.expert_of_row, g),
             experts: e,
             cap,
-            rows: if cap > 0 { e * cap } else { t * k },
+            rows: extent,
+            busy: extent,
             groups: super::super::experts::groups_of(&counts),
             counts: cp,
             offsets: dptr(&b.offsets, g),

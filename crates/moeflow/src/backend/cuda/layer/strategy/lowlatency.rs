@@ -134,6 +134,8 @@ impl DevicePrepareFinalize for LowLatency {
             experts: el,
             cap,
             rows: el * cap,
+            // The n·M tokens that can arrive reach at most min(k, el) of these experts each.
+            busy: cap * k.min(el),
             groups: Vec::new(),
             counts,
             offsets: dptr(&ll.offsets, g),
