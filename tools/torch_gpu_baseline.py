@@ -4,10 +4,10 @@ The layer as a PyTorch user writes it today: sigmoid router scores, top-k, renor
 scaled (DeepSeek-V3 without the group limit), rows sorted by expert with `argsort`, both expert
 matmuls as `torch._grouped_mm` over bf16 weights with SiLU-and-mul between them, outputs put
 back in slot order and summed weighted; a shared expert on every token when `--shared-inter` is
-not 0. With `--fp8` the routed experts are fp8 e4m3 with one scale per output row and the rows
-are quantized to fp8 with one scale per row before each expert matmul, both matmuls
+not 0. With `--fp8` the experts are fp8 e4m3 with one scale per output row and the rows are
+quantized to fp8 with one scale per row before each expert matmul, the routed ones' matmuls
 `torch._scaled_grouped_mm` (PyTorch's fp8 grouped GEMM; its scales are per row, not DeepSeek's
-blocks of 128); where the installed PyTorch lacks it or refuses the shapes, the bf16 layer runs
+blocks of 128), the shared expert's `torch._scaled_mm`; where the installed PyTorch lacks it or refuses the shapes, the bf16 layer runs
 instead and `experts` in the output says so; `fp8_tflops` is then the rate of a dense 8192³ fp8
 matmul (`torch._scaled_mm`, cuBLASLt) after a second of load. Prints one JSON line: per token
 count the median CUDA-event time over `--runs` forwards after three warm-ups.
@@ -56,10 +56,17 @@ def main():
     if args.fp8:
         w13_8, w13_s = rowwise(w13)
         w2_8, w2_s = rowwise(w2)
+        if Is:
+            sw13_8, sw13_s = rowwise(sw13)
+            sw2_8, sw2_s = rowwise(sw2)
 
     def fp8_mm(a, w8, ws, offs):
         a8, a_s = rowwise(a)
         return torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), a_s, ws, offs=offs, out_dtype=torch.bfloat16)
+
+    def fp8_dense(a, w8, ws):
+        a8, a_s = rowwise(a)
+        return torch._scaled_mm(a8, w8.T, a_s.unsqueeze(-1), ws.unsqueeze(0), out_dtype=torch.bfloat16)
 
     def bf16_mm(a, w, offs):
         return torch._grouped_mm(a, w.transpose(-2, -1), offs=offs)
@@ -81,9 +88,10 @@ def main():
         res[order] = y
         out = (res.view(T, k, H).float() * w.unsqueeze(-1)).sum(1)
         if sw13 is not None:
-            sh = x @ sw13.T
+            sh = fp8_dense(x, sw13_8, sw13_s) if fp8 else x @ sw13.T
             a, b = sh.chunk(2, dim=-1)
-            out += ((F.silu(a) * b) @ sw2.T).float()
+            a = F.silu(a) * b
+            out += (fp8_dense(a, sw2_8, sw2_s) if fp8 else a @ sw2.T).float()
         return out
 
     fp8 = args.fp8 and hasattr(torch, "_scaled_grouped_mm")

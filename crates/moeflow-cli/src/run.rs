@@ -94,6 +94,7 @@ fn run_block(args: RunArgs) -> Result<()> {
         cuda: crate::cuda_args::cuda_options(&args.parallel)?,
         fp8_experts: w8a8,
         fp8_rows: w8a8,
+        fp8_shared_expert: w8a8,
         ..RankLayerSpec::new(&block.config, &block.weights)
     };
     // The library picks each rank's layer; `path` is the line saying which.

@@ -67,6 +67,9 @@ pub struct RankLayerSpec<'a> {
     pub fp8_experts: bool,
     /// GPU layers quantize their GEMM rows to fp8 too (W8A8; needs `fp8_experts`).
     pub fp8_rows: bool,
+    /// GPU layers hold the shared expert as fp8 codes too, and with `fp8_rows` multiply fp8
+    /// rows there as well (see [`CudaMoeLayer::fp8_shared_expert`]).
+    pub fp8_shared_expert: bool,
     /// A routing skew added to the router bias of weights generated on the device
     /// ([`WeightSource::DeviceRandom`]; see [`CudaMoeLayer::skew_router`]). Given weights
     /// carry their own ([`crate::skew::Skew::apply`]) and refuse it.
@@ -93,6 +96,7 @@ impl<'a> RankLayerSpec<'a> {
             cuda: CudaOptions::default(),
             fp8_experts: false,
             fp8_rows: false,
+            fp8_shared_expert: false,
             skew: None,
         }
     }
@@ -354,7 +358,7 @@ impl ParallelConfig {
                     .into(),
             ));
         }
-        if gpu.is_none() && (spec.fp8_experts || spec.fp8_rows) {
+        if gpu.is_none() && (spec.fp8_experts || spec.fp8_rows || spec.fp8_shared_expert) {
             return Err(MoeError::Config("fp8 experts and rows are options of GPU layers".into()));
         }
         let Some(device) = gpu else {
@@ -523,7 +527,7 @@ fn skewed(layer: CudaMoeLayer, spec: &RankLayerSpec<'_>) -> Result<CudaMoeLayer>
     }
 }
 
-/// `layer` with fp8 experts and rows where `spec` asks for them, returning non-finite outputs
+/// `layer` with fp8 experts, rows and shared expert where `spec` asks for them, returning non-finite outputs
 /// where `allow_nonfinite` asks for it.
 fn fp8(mut layer: CudaMoeLayer, spec: &RankLayerSpec<'_>, allow_nonfinite: bool) -> Result<CudaMoeLayer> {
     layer = layer.allow_nonfinite(allow_nonfinite);
@@ -532,6 +536,9 @@ fn fp8(mut layer: CudaMoeLayer, spec: &RankLayerSpec<'_>, allow_nonfinite: bool)
     }
     if spec.fp8_rows {
         layer = layer.fp8_activations()?;
+    }
+    if spec.fp8_shared_expert {
+        layer = layer.fp8_shared_expert()?;
     }
     Ok(layer)
 }

@@ -374,6 +374,55 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     assert_eq!(tensor_cores.forward(&xt).unwrap().to_f32_vec(), got, "differs run to run");
 }
 
+/// A W8A8 layer's fp8 shared expert (`fp8_shared_expert`): its weights quantized like the
+/// routed experts' and its rows to fp8 too. Against the reference on the quantized weights
+/// (routed and shared) within fp8 rows' bound; on the fp8 tensor cores (Hopper) within bf16
+/// rounding of bf16 GEMMs on the same fp8 values; visibly apart from the layer whose shared
+/// expert multiplies bf16 rows; the same bits run after run. One token (a graph replay) and
+/// 1000 (a direct run).
+#[test]
+fn fp8_shared_expert_matches_the_reference() {
+    use moeflow::backend::cuda::CudaOptions;
+    use moeflow::quant::WeightQuant;
+    let shared = Some(SharedConfig { inter: 128, gated: true });
+    let config = small_config(272, 128, 16, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, shared);
+    let weights = preset::random_weights(&config, DType::BF16, 23);
+    let Some(probe) = layer(&config, &weights) else { return };
+    let mut quantized = weights.clone();
+    quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let sh = quantized.shared.as_mut().unwrap();
+    sh.mlp = sh.mlp.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let w8a8 = |fp8_gemm: bool| {
+        let opts = CudaOptions { fp8_gemm, ..Default::default() };
+        CudaMoeLayer::new(&config, &weights, &opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
+    };
+    let bf16_shared = w8a8(true);
+    assert!(!bf16_shared.has_fp8_shared_expert());
+    let (tensor_cores, bf16_gemms) =
+        (w8a8(true).fp8_shared_expert().unwrap(), w8a8(false).fp8_shared_expert().unwrap());
+    assert!(tensor_cores.has_fp8_shared_expert());
+    let on = tensor_cores.shared_expert_gemm().unwrap();
+    assert_eq!(on == "hopper-fp8", probe.has_fp8_gemm(), "the shared expert ran on {on}");
+    assert_eq!(bf16_gemms.shared_expert_gemm(), Some("cublas"));
+    for (t, seed) in [(1, 24), (1000, 25)] {
+        let (x, xt) = hidden(t, config.hidden, seed);
+        let got = tensor_cores.forward(&xt).unwrap().to_f32_vec();
+        let err = rel(&got, &reference::forward(&config, &quantized, &x).unwrap().out);
+        let rounded = bf16_gemms.forward(&xt).unwrap().to_f32_vec();
+        let apart = rel(&got, &rounded.iter().map(|&v| v as f64).collect::<Vec<_>>());
+        let bf16_rows = bf16_shared.forward(&xt).unwrap().to_f32_vec();
+        let from_bf16 = rel(&got, &bf16_rows.iter().map(|&v| v as f64).collect::<Vec<_>>());
+        eprintln!(
+            "fp8 shared expert on {on}, {t} tokens: relative error {err:.2e}, {apart:.2e} from bf16 GEMMs on the same \
+             values, {from_bf16:.2e} from a bf16 shared expert"
+        );
+        assert!(err <= FP8_ROWS_TOL, "{t} tokens: relative error {err:e}");
+        assert!(apart <= BF16_TOL, "{t} tokens: {apart:e} from the bf16 GEMMs on the same values");
+        assert!(from_bf16 > 2.0 * apart, "{t} tokens: {from_bf16:e} from a bf16 shared expert, {apart:e}");
+        assert_eq!(tensor_cores.forward(&xt).unwrap().to_f32_vec(), got, "{t} tokens: differs run to run");
+    }
+}
+
 /// Deterministic mode on one GPU: a token's output has the same bits alone, in small batches
 /// (CUDA graphs), and anywhere in a batch of 4096; and stays within bf16 rounding of the
 /// reference. Every router kind with a shared expert and biases.

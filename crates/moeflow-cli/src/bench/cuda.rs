@@ -199,7 +199,13 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let weights = device_weights(args, &config);
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
     let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
-        let spec = RankLayerSpec { cuda: cuda.clone(), fp8_experts: fp8, fp8_rows: rows8, ..weights.clone() };
+        let spec = RankLayerSpec {
+            cuda: cuda.clone(),
+            fp8_experts: fp8,
+            fp8_rows: rows8,
+            fp8_shared_expert: fp8,
+            ..weights.clone()
+        };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let per_t = time_rank(args, &layer, comm, &args.tokens, capacity.is_some())?;
         if let Some(path) = &args.record_load {
@@ -446,6 +452,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         cuda: crate::cuda_args::cuda_options(&args.parallel)?,
         fp8_experts: fp8,
         fp8_rows: rows8,
+        fp8_shared_expert: fp8,
         ..device_weights(args, &config)
     };
     let gpu = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);

@@ -36,6 +36,9 @@ pub(super) struct Buffers {
     pub(super) sh13: CudaSlice<u16>,
     pub(super) sact: CudaSlice<u16>,
     pub(super) sy: CudaSlice<u16>,
+    /// The fp8 codes and scales of an fp8 shared expert's rows (its input, then its
+    /// activation), when it runs on the fp8 tensor cores.
+    pub(super) shared_fp8: Option<super::masked_gemm::Fp8Rows>,
     /// Expert-parallel buffers, grown to the rows this rank sends and receives.
     pub(super) ep: Option<EpBuffers>,
     /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
@@ -119,6 +122,10 @@ impl CudaMoeLayer {
                 sh13: z!(u16, (t * 2 * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
+                shared_fp8: match (c.shared, self.shared_fp8_gemm()) {
+                    (Some(sc), Some(_)) => Some(super::masked_gemm::Fp8Rows::new(s, t * h.max(sc.inter))?),
+                    _ => None,
+                },
                 ep: None,
                 exchange: None,
                 batches: None,

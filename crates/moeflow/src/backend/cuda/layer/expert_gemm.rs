@@ -1,8 +1,11 @@
-//! The shared experts (on a side stream beside the routed ones, or on the layer's stream in
-//! deterministic mode) and the GEMM and activation helpers the experts share; the routed
+//! The shared experts (on a side stream beside the routed ones: cuBLAS, the fp8 Hopper GEMM
+//! for a W8A8 layer's fp8 shared expert, or deterministic mode's fixed-order Hopper GEMM) and the GEMM and activation helpers the experts share; the routed
 //! experts themselves are the implementations in [`super::experts`].
 
+use super::fp8_weights::Fp8Experts;
+use super::hopper_fp8_gemm::{Fp8Operand, HopperFp8Gemm};
 use super::hopper_gemm::Epilogue;
+use super::masked_gemm::Fp8Rows;
 use super::{check, dptr, err, Buffers, CudaMoeLayer};
 use crate::error::Result;
 use crate::experts::Activation;
@@ -14,17 +17,105 @@ impl CudaMoeLayer {
     /// they overlap the routed experts until the main stream joins the side stream.
     pub(super) fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
         let Some(sh) = &self.w.shared else { return Ok(()) };
-        let (h, si) = (self.config.hidden, sh.inter);
+        if let (Some(on_fp8), Some(rows)) = (self.shared_fp8_gemm(), &b.shared_fp8) {
+            return self.shared_fp8(b, t, on_fp8, rows);
+        }
         if self.opts.deterministic {
             return self.shared_fixed(b, t);
         }
+        let (h, si) = (self.config.hidden, sh.inter);
         let (stream, blas) = (&self.side.shared().stream, &self.side.shared().blas);
         self.side.fork(&self.gpu.stream, [self.side.shared()])?;
         let g = &self.gpu;
-        gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, dptr(&b.x_bf, g), dptr(&b.sh13, g), t)?;
+        let x = self.shared_input(stream, b, t)?;
+        gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, x, dptr(&b.sh13, g), t)?;
         // Null bias and expert map: the shared MLP is one expert without biases.
         self.act(stream, [dptr(&b.sh13, g), 0, 0, 0, dptr(&b.sact, g)], 0, t, si)?;
+        self.round_shared_activation(stream, b, t)?;
         gemm_bf16(blas, dptr(&sh.w2, g), h, si, dptr(&b.sact, g), dptr(&b.sy, g), t)
+    }
+
+    /// Whether the shared expert multiplies fp8 rows (a W8A8 layer whose shared expert is fp8:
+    /// see [`CudaMoeLayer::fp8_shared_expert`]).
+    fn shared_w8a8(&self) -> bool {
+        self.w8a8 && self.w.shared.as_ref().is_some_and(|sh| sh.fp8.is_some())
+    }
+
+    /// The fp8 GEMM and weights a W8A8 shared expert runs on: the fp8 Hopper GEMM where the
+    /// layer's options allow it (not in deterministic mode) and it takes the shapes (hidden
+    /// size a multiple of 16, intermediate of 64); `None` where bf16 GEMMs multiply the values
+    /// the codes stand for instead.
+    pub(super) fn shared_fp8_gemm(&self) -> Option<(&HopperFp8Gemm, &Fp8Experts)> {
+        let sh = self.w.shared.as_ref().filter(|_| self.shared_w8a8() && self.opts.fp8_gemm)?;
+        let fits = self.config.hidden.is_multiple_of(16) && sh.inter.is_multiple_of(64);
+        let gemm = self.k.hopper_fp8_shared.as_ref().filter(|_| fits)?;
+        Some((gemm, sh.fp8.as_ref()?))
+    }
+
+    /// The shared expert's rows for bf16 GEMMs: `b.x_bf`, or where its rows are fp8
+    /// ([`CudaMoeLayer::shared_w8a8`]) the values their codes stand for, written on `stream`
+    /// into `b.sy` (which the down projection overwrites last).
+    fn shared_input(&self, stream: &cudarc::driver::CudaStream, b: &Buffers, t: usize) -> Result<u64> {
+        let x = dptr(&b.x_bf, &self.gpu);
+        if !self.shared_w8a8() {
+            return Ok(x);
+        }
+        let rounded = dptr(&b.sy, &self.gpu);
+        self.quantize_rows_on(stream, x, [t, self.config.hidden], 1, 0, [0, 0, rounded])?;
+        Ok(rounded)
+    }
+
+    /// Rounds the shared expert's activation `b.sact` in place to its fp8 values, on `stream`,
+    /// where its rows are fp8 and bf16 GEMMs multiply them.
+    fn round_shared_activation(&self, stream: &cudarc::driver::CudaStream, b: &Buffers, t: usize) -> Result<()> {
+        match &self.w.shared {
+            Some(sh) if self.shared_w8a8() => {
+                let act = dptr(&b.sact, &self.gpu);
+                self.quantize_rows_on(stream, act, [t, sh.inter], 1, 0, [0, 0, act])
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// A W8A8 shared expert on the fp8 tensor cores, on side stream 0: its rows quantized into
+    /// `rows`, the up projection with the activation in its epilogue, the activation quantized
+    /// into the same buffers (the stream runs that after the up projection has read them), the
+    /// down projection; each a one-expert fp8 Hopper GEMM with its own tile counter.
+    fn shared_fp8(
+        &self,
+        b: &Buffers,
+        t: usize,
+        (gemm, fp8): (&HopperFp8Gemm, &Fp8Experts),
+        rows: &Fp8Rows,
+    ) -> Result<()> {
+        let (h, si) = (self.config.hidden, self.w.shared.as_ref().map_or(0, |sh| sh.inter));
+        let g = &self.gpu;
+        let side = self.side.shared();
+        self.side.fork(&g.stream, [side])?;
+        let s = &side.stream;
+        let co = self.set_shared_rows(s, b, t)?;
+        let a = Fp8Operand { codes: dptr(&rows.codes, g), scales: dptr(&rows.scales, g) };
+        self.quantize_rows_on(s, dptr(&b.x_bf, g), [t, h], 1, 0, [a.codes, a.scales, 0])?;
+        let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
+        let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
+        gemm.run(s, w13, [2 * si, h], a, dptr(&b.sact, g), [t, t], co, 1, act, None)?;
+        self.quantize_rows_on(s, dptr(&b.sact, g), [t, si], 1, 0, [a.codes, a.scales, 0])?;
+        let w2 = Fp8Operand { codes: dptr(&fp8.w2, g), scales: dptr(&fp8.s2, g) };
+        gemm.run(s, w2, [h, si], a, dptr(&b.sy, g), [t, t], co, 1, Epilogue::Product, None)
+    }
+
+    /// Sets `b.shared_rows` on `s` to the shared expert's `t` rows from offset 0, and returns
+    /// the device addresses of that count and offset (the one-expert GEMMs' sizes).
+    fn set_shared_rows(&self, s: &cudarc::driver::CudaStream, b: &Buffers, t: usize) -> Result<[u64; 2]> {
+        let rows = dptr(&b.shared_rows, &self.gpu);
+        for (at, value) in [(rows, t as u32), (rows + 4, 0)] {
+            // SAFETY: sets one of the two ints of `shared_rows`, on the stream.
+            let r = unsafe { cudarc::driver::sys::cuMemsetD32Async(at, value, 1, s.cu_stream()) };
+            if r != cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
+                return Err(err("setting the shared expert's rows", r));
+            }
+        }
+        Ok([rows, rows + 4])
     }
 
     /// Deterministic mode's shared expert, on side stream 0 beside the routed experts: the up
@@ -39,22 +130,11 @@ impl CudaMoeLayer {
         let side = self.side.shared();
         self.side.fork(&g.stream, [side])?;
         let s = &side.stream;
-        let rows = dptr(&b.shared_rows, g);
-        // SAFETY: sets the two ints of `shared_rows` (t rows from offset 0), on the stream.
-        unsafe {
-            let st = s.cu_stream();
-            let r = cudarc::driver::sys::cuMemsetD32Async(rows, t as u32, 1, st);
-            if r != cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
-                return Err(err("setting the shared expert's rows", r));
-            }
-            let r = cudarc::driver::sys::cuMemsetD32Async(rows + 4, 0, 1, st);
-            if r != cudarc::driver::sys::cudaError_enum::CUDA_SUCCESS {
-                return Err(err("setting the shared expert's rows", r));
-            }
-        }
-        let co = [rows, rows + 4];
+        let co = self.set_shared_rows(s, b, t)?;
+        let x = self.shared_input(s, b, t)?;
         let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
-        hopper.run(s, dptr(&sh.w13, g), [2 * si, h], [dptr(&b.x_bf, g), dptr(&b.sact, g)], [t, t], co, 1, act, None)?;
+        hopper.run(s, dptr(&sh.w13, g), [2 * si, h], [x, dptr(&b.sact, g)], [t, t], co, 1, act, None)?;
+        self.round_shared_activation(s, b, t)?;
         hopper.run(
             s,
             dptr(&sh.w2, g),

@@ -1,7 +1,7 @@
-//! Routed experts in fp8 e4m3 with one f32 scale per 128 × 128 block (DeepSeek-V3's format,
-//! [`WeightQuant::Fp8Block`]`(128)`): the codes the low-latency layer's masked GEMM streams
-//! (half the bytes of bf16), beside the bf16 values they stand for, which every other path
-//! uses, so all paths compute with the same weights.
+//! Experts in fp8 e4m3 with one f32 scale per 128 × 128 block (DeepSeek-V3's format,
+//! [`WeightQuant::Fp8Block`]`(128)`): the codes the fp8 GEMMs stream (half the bytes of bf16),
+//! beside the bf16 values they stand for, which every other path uses, so all paths compute
+//! with the same weights. The routed experts' and, on its own request, the shared expert's.
 
 use super::{dptr, err, CudaMoeLayer};
 use crate::error::{MoeError, Result};
@@ -14,7 +14,7 @@ use std::sync::Arc;
 const BLOCK: usize = 128;
 
 /// fp8 codes `[E, N, K]` and block scales `[E, ceil(N / 128), ceil(K / 128)]` of both
-/// projections.
+/// projections (E = 1 for the shared expert).
 pub(super) struct Fp8Experts {
     pub(super) w13: CudaSlice<u8>,
     pub(super) s13: CudaSlice<f32>,
@@ -51,33 +51,50 @@ impl CudaMoeLayer {
         let c = &self.config;
         let (h, i) = (c.hidden, c.inter);
         let held = self.w.w2.len() / (h * i);
-        let s = &self.gpu.stream;
-        let quantize = |w: &mut CudaSlice<u16>, n: usize, k: usize| -> Result<(CudaSlice<u8>, CudaSlice<f32>)> {
-            let codes = s.alloc_zeros::<u8>(w.len().max(1)).map_err(|e| err("allocating fp8 weights", e))?;
-            let (nb, kb) = (n.div_ceil(BLOCK), k.div_ceil(BLOCK));
-            let scales = s.alloc_zeros::<f32>((held * nb * kb).max(1)).map_err(|e| err("allocating fp8 scales", e))?;
-            let (wp, cp, sp, ni, ki) =
-                (dptr(w, &self.gpu), dptr(&codes, &self.gpu), dptr(&scales, &self.gpu), n as i32, k as i32);
-            let cfg = LaunchConfig {
-                grid_dim: (kb as u32, nb as u32, held as u32),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            // SAFETY: quantize_weight_blocks_fp8(bf16*, int, int, u8*, float*) over `held`
-            // matrices [n, k] of `w`, writing as many codes and held · nb · kb scales.
-            unsafe { s.launch_builder(&self.k.quantize_fp8).arg(&wp).arg(&ni).arg(&ki).arg(&cp).arg(&sp).launch(cfg) }
-                .map_err(|e| err("quantize_weight_blocks_fp8", e))?;
-            Ok((codes, scales))
-        };
         if held == 0 {
             return Err(MoeError::Config("fp8 experts: the layer holds no routed experts".into()));
         }
+        let (gpu, kernel) = (&self.gpu, &self.k.quantize_fp8);
         let w = std::sync::Arc::get_mut(&mut self.w).ok_or_else(|| {
             MoeError::Config("fp8_experts: quantize before splitting the layer for dual-batch overlap".into())
         })?;
-        let (w13, s13) = quantize(&mut w.w13, 2 * i, h)?;
-        let (w2, s2) = quantize(&mut w.w2, h, i)?;
+        let (w13, s13) = quantize_blocks(gpu, kernel, &mut w.w13, [held, 2 * i, h])?;
+        let (w2, s2) = quantize_blocks(gpu, kernel, &mut w.w2, [held, h, i])?;
         w.fp8 = Some(Fp8Experts { w13, s13, w2, s2 });
+        Ok(self)
+    }
+
+    /// Quantizes the shared expert as [`CudaMoeLayer::fp8_experts`] does the routed ones (a
+    /// DeepSeek-V3 fp8 checkpoint's shared expert, dequantized on loading, gets its own codes
+    /// back). With fp8 activations ([`CudaMoeLayer::fp8_activations`]) its rows are quantized
+    /// too, one scale per 128 values: on Hopper it then runs on the fp8 tensor cores (reading
+    /// half the bytes), elsewhere as bf16 GEMMs on the values the codes stand for. A layer
+    /// without a shared expert is returned unchanged.
+    pub fn fp8_shared_expert(mut self) -> Result<Self> {
+        if self.w.shared.as_ref().is_none_or(|sh| sh.fp8.is_some()) {
+            return Ok(self);
+        }
+        let h = self.config.hidden;
+        if self.k.hopper_fp8_shared.is_none() && !self.opts.deterministic {
+            self.k.hopper_fp8_shared = super::hopper_fp8_gemm::HopperFp8Gemm::load(&self.gpu, &self.opts)?;
+        }
+        let (gpu, kernel) = (&self.gpu, &self.k.quantize_fp8);
+        let w = std::sync::Arc::get_mut(&mut self.w).ok_or_else(|| {
+            MoeError::Config("fp8_shared_expert: quantize before splitting the layer for dual-batch overlap".into())
+        })?;
+        let sh = w.shared.as_mut().expect("checked above");
+        let si = sh.inter;
+        let (w13, s13) = quantize_blocks(gpu, kernel, &mut sh.w13, [1, 2 * si, h])?;
+        let (w2, s2) = quantize_blocks(gpu, kernel, &mut sh.w2, [1, h, si])?;
+        sh.fp8 = Some(Fp8Experts { w13, s13, w2, s2 });
+        // The buffers are sized for a shared expert in bf16: the next call allocates them anew
+        // (old ones a caller's graph points into are kept, as when they grow).
+        let old = self.bufs.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(old) = old.filter(|b| b.captured) {
+            if let Some(calls) = self.calls.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+                calls.keep(old);
+            }
+        }
         Ok(self)
     }
 
@@ -85,4 +102,45 @@ impl CudaMoeLayer {
     pub fn has_fp8_experts(&self) -> bool {
         self.w.fp8.is_some()
     }
+
+    /// Whether the shared expert is held as fp8 codes too (see
+    /// [`CudaMoeLayer::fp8_shared_expert`]).
+    pub fn has_fp8_shared_expert(&self) -> bool {
+        self.w.shared.as_ref().is_some_and(|sh| sh.fp8.is_some())
+    }
+
+    /// What multiplies the shared expert: `"hopper-fp8"` (a W8A8 shared expert on the fp8
+    /// tensor cores), `"hopper"` (deterministic mode's fixed-order GEMM) or `"cublas"`; `None`
+    /// without a shared expert.
+    pub fn shared_expert_gemm(&self) -> Option<&'static str> {
+        self.w.shared.as_ref()?;
+        Some(match (self.shared_fp8_gemm(), self.opts.deterministic) {
+            (Some(_), _) => "hopper-fp8",
+            (None, true) => "hopper",
+            (None, false) => "cublas",
+        })
+    }
+}
+
+/// Quantizes `held` bf16 matrices `[n, k]` at `w` to fp8 codes with one scale per 128 × 128
+/// block on the device (`quantize_weight_blocks_fp8`), and overwrites them with the values the
+/// codes stand for; returns the codes and the `[held, ceil(n / 128), ceil(k / 128)]` scales.
+fn quantize_blocks(
+    gpu: &super::Gpu,
+    kernel: &cudarc::driver::CudaFunction,
+    w: &mut CudaSlice<u16>,
+    [held, n, k]: [usize; 3],
+) -> Result<(CudaSlice<u8>, CudaSlice<f32>)> {
+    let s = &gpu.stream;
+    let codes = s.alloc_zeros::<u8>(w.len().max(1)).map_err(|e| err("allocating fp8 weights", e))?;
+    let (nb, kb) = (n.div_ceil(BLOCK), k.div_ceil(BLOCK));
+    let scales = s.alloc_zeros::<f32>((held * nb * kb).max(1)).map_err(|e| err("allocating fp8 scales", e))?;
+    let (wp, cp, sp, ni, ki) = (dptr(w, gpu), dptr(&codes, gpu), dptr(&scales, gpu), n as i32, k as i32);
+    let cfg =
+        LaunchConfig { grid_dim: (kb as u32, nb as u32, held as u32), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    // SAFETY: quantize_weight_blocks_fp8(bf16*, int, int, u8*, float*) over `held` matrices
+    // [n, k] of `w`, writing as many codes and held · nb · kb scales.
+    unsafe { s.launch_builder(kernel).arg(&wp).arg(&ni).arg(&ki).arg(&cp).arg(&sp).launch(cfg) }
+        .map_err(|e| err("quantize_weight_blocks_fp8", e))?;
+    Ok((codes, scales))
 }

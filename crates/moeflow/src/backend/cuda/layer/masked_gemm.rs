@@ -177,29 +177,46 @@ impl CudaMoeLayer {
     ) -> Result<&'a Fp8Rows> {
         let len = rows * kdim;
         if buf.as_ref().is_none_or(|q| q.len < len) {
-            let s = &self.gpu.stream;
-            *buf = Some(Fp8Rows {
-                len,
-                codes: s.alloc_zeros::<u8>(len.max(1)).map_err(|e| err("allocating fp8 rows", e))?,
-                // Depths are multiples of 16, so a row has at most kdim / 16 groups of 128.
-                scales: s.alloc_zeros::<f32>(len / 16 + 1).map_err(|e| err("allocating fp8 rows", e))?,
-            });
+            *buf = Some(Fp8Rows::new(&self.gpu.stream, len)?);
         }
         let q = buf.as_ref().expect("allocated above");
+        let out = [dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu), 0];
+        self.quantize_rows_on(&self.gpu.stream, a, [rows, kdim], cap, counts, out)?;
+        Ok(q)
+    }
+
+    /// Rounds the `rows` bf16 rows of `kdim` values at `x`, in place, to the values their fp8
+    /// codes (one scale per 128 values) stand for: the rows of a W8A8 GEMM, for the cuBLAS
+    /// paths that multiply bf16 values.
+    pub(super) fn round_rows_fp8(&self, x: u64, rows: usize, kdim: usize) -> Result<()> {
+        self.quantize_rows_on(&self.gpu.stream, x, [rows, kdim], 1, 0, [0, 0, x])
+    }
+
+    /// Quantizes the `rows` bf16 rows of `kdim` values at `a` to fp8 e4m3 with one scale per
+    /// 128 values, on `stream`, writing (where the address is not 0) the codes `[rows, kdim]`,
+    /// the scales `[rows, ceil(kdim / 128)]` and the bf16 values the codes stand for
+    /// `[rows, kdim]` (which may be `a` itself: each lane reads its values before writing
+    /// them). With `counts` given, row r past `counts[r / cap]` is skipped (a padded layout).
+    pub(super) fn quantize_rows_on(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        a: u64,
+        [rows, kdim]: [usize; 2],
+        cap: usize,
+        counts: u64,
+        [codes, scales, values]: [u64; 3],
+    ) -> Result<()> {
         if rows == 0 {
-            return Ok(q);
+            return Ok(());
         }
         let (ki, group, kind, capi, rows_l) = (kdim as i32, 128i32, 2i32, cap.max(1) as i32, rows as i64);
-        let (cp, sp) = (dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu));
         let cfg = super::super::quant::quantize_launch(rows, kdim, 128);
-        let values = 0u64;
         // SAFETY: quantize_rows_bf16(bf16*, long, int, int, int, int*, int, u8*, float*, bf16*)
-        // over `rows` rows of kdim values at `a`, writing as many codes and rows ·
-        // ceil(kdim / 128) scales (the buffers hold at least that many); counts (or null) one
-        // int per expert; no values.
+        // over `rows` rows of kdim values at `a`; the caller's codes, scales and values (each
+        // null or holding rows · kdim codes, rows · ceil(kdim / 128) scales, rows · kdim
+        // values); counts (or null) one int per expert.
         unsafe {
-            self.gpu
-                .stream
+            stream
                 .launch_builder(&self.k.quantize_bf16)
                 .arg(&a)
                 .arg(&rows_l)
@@ -208,45 +225,25 @@ impl CudaMoeLayer {
                 .arg(&kind)
                 .arg(&counts)
                 .arg(&capi)
-                .arg(&cp)
-                .arg(&sp)
+                .arg(&codes)
+                .arg(&scales)
                 .arg(&values)
-                .launch(cfg)
-        }
-        .map_err(|e| err("quantize_rows_bf16", e))?;
-        Ok(q)
-    }
-
-    /// Rounds the `rows` bf16 rows of `kdim` values at `x`, in place, to the values their fp8
-    /// codes (one scale per 128 values) stand for: the rows of a W8A8 GEMM, for the cuBLAS
-    /// paths that multiply bf16 values.
-    pub(super) fn round_rows_fp8(&self, x: u64, rows: usize, kdim: usize) -> Result<()> {
-        if rows == 0 {
-            return Ok(());
-        }
-        let (ki, group, kind, capi, none, rows_l) = (kdim as i32, 128i32, 2i32, 1i32, 0u64, rows as i64);
-        let cfg = super::super::quant::quantize_launch(rows, kdim, 128);
-        // SAFETY: quantize_rows_bf16(bf16*, long, int, int, int, int*, int, u8*, float*, bf16*)
-        // over `rows` rows of kdim values at `x`, rewritten in place (each lane reads its values
-        // before writing them); no counts, codes or scales.
-        unsafe {
-            self.gpu
-                .stream
-                .launch_builder(&self.k.quantize_bf16)
-                .arg(&x)
-                .arg(&rows_l)
-                .arg(&ki)
-                .arg(&group)
-                .arg(&kind)
-                .arg(&none)
-                .arg(&capi)
-                .arg(&none)
-                .arg(&none)
-                .arg(&x)
                 .launch(cfg)
         }
         .map(|_| ())
         .map_err(|e| err("quantize_rows_bf16", e))
+    }
+}
+
+impl Fp8Rows {
+    /// Buffers for the codes and scales of `len` values (rows of depths that are multiples of
+    /// 16, so at most `len / 16` groups of 128), on `stream`.
+    pub(super) fn new(stream: &std::sync::Arc<cudarc::driver::CudaStream>, len: usize) -> Result<Self> {
+        Ok(Fp8Rows {
+            len,
+            codes: stream.alloc_zeros::<u8>(len.max(1)).map_err(|e| err("allocating fp8 rows", e))?,
+            scales: stream.alloc_zeros::<f32>(len / 16 + 1).map_err(|e| err("allocating fp8 rows", e))?,
+        })
     }
 }
 

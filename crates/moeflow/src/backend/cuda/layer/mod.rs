@@ -106,6 +106,9 @@ struct Kernels {
     /// Deterministic mode: a second instance (its own tile counter) for the shared expert, which
     /// runs on a side stream beside the routed experts' GEMMs.
     hopper_shared: Option<hopper_gemm::HopperGemm>,
+    /// A second instance of the fp8 one for an fp8 shared expert (see
+    /// [`CudaMoeLayer::fp8_shared_expert`]), on its side stream.
+    hopper_fp8_shared: Option<hopper_fp8_gemm::HopperFp8Gemm>,
 }
 
 struct SharedMlp {
@@ -113,6 +116,8 @@ struct SharedMlp {
     w13: CudaSlice<u16>,
     w2: CudaSlice<u16>,
     gate: Option<CudaSlice<f32>>,
+    /// Its fp8 codes, when asked for (see [`CudaMoeLayer::fp8_shared_expert`]).
+    fp8: Option<fp8_weights::Fp8Experts>,
 }
 
 struct DeviceWeights {
@@ -270,6 +275,7 @@ impl CudaMoeLayer {
                 true => hopper_gemm::HopperGemm::load(&gpu, opts)?,
                 false => None,
             },
+            hopper_fp8_shared: None,
         };
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
@@ -410,6 +416,7 @@ impl CudaMoeLayer {
                     w13: up_bf16(&Tensor::from_f32(sw.mlp.w13.shape(), sw.mlp.w13_f32())?)?,
                     w2: up_bf16(&Tensor::from_f32(sw.mlp.w2.shape(), sw.mlp.w2_f32())?)?,
                     gate: sw.gate.as_ref().map(up_f32).transpose()?,
+                    fp8: None,
                 }),
                 _ => None,
             },
@@ -494,6 +501,7 @@ impl CudaMoeLayer {
                 w13: bf16s(2 * sc.inter * h, 2.0 * sh)?,
                 w2: bf16s(h * sc.inter, 2.0 / (sc.inter as f32).sqrt())?,
                 gate: None,
+                fp8: None,
             }),
             None => None,
         };
