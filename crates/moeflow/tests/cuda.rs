@@ -229,8 +229,8 @@ fn fixtures_through_the_gpu() {
 /// The DeepSeek-V3 fp8 checkpoint with 128 × 128 blocks through the GPU layer as stored: the
 /// checkpoint's own codes and scales for the experts, with bf16 rows (W8A16) within bf16
 /// rounding of transformers on the dequantized weights, and with fp8 rows too (W8A8; on Hopper
-/// the fp8 grouped GEMM, 48 rows an expert, and the bf16 GEMMs on the same values) within fp8
-/// rows' bound.
+/// the fp8 grouped GEMM, 48 rows an expert, and the bf16 GEMMs on the same values; the shared
+/// expert in bf16 and, quantized back to its own codes, in fp8) within fp8 rows' bound.
 #[test]
 fn fp8_checkpoint_through_the_gpu_as_stored() {
     use moeflow::backend::cuda::CudaOptions;
@@ -243,13 +243,17 @@ fn fp8_checkpoint_through_the_gpu_as_stored() {
         io::read_hidden_states(&dir.join("expected.safetensors"), "hidden_states").unwrap().to_f64_vec();
     let err = rel(&probe.forward(&x).unwrap().to_f32_vec(), &want);
     println!("deepseek_v3_fp8_128, fp8 experts and bf16 rows: relative error {err:.2e}");
-    for fp8_gemm in [false, true] {
+    for (fp8_gemm, fp8_shared) in [(false, false), (true, false), (true, true)] {
         let opts = CudaOptions { fp8_gemm, ..Default::default() };
-        let gpu = CudaMoeLayer::new(&block.config, &block.weights, &opts).unwrap().fp8_activations().unwrap();
+        let mut gpu = CudaMoeLayer::new(&block.config, &block.weights, &opts).unwrap().fp8_activations().unwrap();
+        if fp8_shared {
+            gpu = gpu.fp8_shared_expert().unwrap();
+        }
         let w8a8 = rel(&gpu.forward(&x).unwrap().to_f32_vec(), &want);
         // Timed stage by stage (a graph replay would not name its experts).
         let experts = gpu.forward_timed_stages(x.shape()[0], 3).unwrap().experts;
-        println!("deepseek_v3_fp8_128 as W8A8 ({experts}): relative error {w8a8:.2e}");
+        let shared = gpu.shared_expert_gemm().unwrap();
+        println!("deepseek_v3_fp8_128 as W8A8 ({experts}, shared expert on {shared}): relative error {w8a8:.2e}");
         assert!(w8a8 <= FP8_ROWS_TOL, "W8A8 ({experts}): relative error {w8a8:e}");
         if fp8_gemm && gpu.has_fp8_gemm() {
             assert_eq!(experts, "hopper-fp8");
