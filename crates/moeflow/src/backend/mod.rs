@@ -239,6 +239,18 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn fp8_shared_expert(self) -> Result<Self> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
+        pub fn has_fp8_shared_expert(&self) -> bool {
+            false
+        }
+        /// Unreachable without the feature.
+        pub fn shared_expert_gemm(&self) -> Option<&'static str> {
+            None
+        }
+        /// Unreachable without the feature.
         pub fn measure_ceilings(&self) -> Result<super::GpuCeilings> {
             Err(missing())
         }
