@@ -15,6 +15,9 @@ const MR: usize = 6;
 const KC: usize = 256;
 /// Panels handled by one parallel task.
 const PANELS_PER_TASK: usize = 4;
+/// GEMM rows handled by one parallel task at most: their `KC`-deep slice of A (256 KiB of f32)
+/// stays in L2 while the task's panels pass over it (docs/tuning.md).
+const ROWS_PER_TASK: usize = 256;
 
 /// One expert's rows: GEMM rows `row_start..row_start + rows`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,8 +147,8 @@ impl<T: PanelElem> PanelKernel for PackedMatrices<T> {
 }
 
 /// The grouped GEMM over any packed weights: checks C and the segments, then computes every
-/// non-empty segment's rows, one parallel task per group of `PANELS_PER_TASK` panels (tasks
-/// write disjoint (row, panel) tiles of C).
+/// non-empty segment's rows, one parallel task per group of `PANELS_PER_TASK` panels and
+/// `ROWS_PER_TASK` rows (tasks write disjoint (row, panel) tiles of C).
 ///
 /// Panics (as slice indexing does) when an expert index is out of range, a C row lies outside
 /// its buffer, or two GEMM rows write the same C row.
@@ -176,19 +179,28 @@ pub(super) unsafe fn run_segments<P: PanelKernel>(
         }
     }
     let groups = panels.div_ceil(PANELS_PER_TASK);
-    let tasks: Vec<(usize, usize)> = segments
+    // Tasks in (segment, panel group, rows) order: the tasks a thread takes in turn share the
+    // group's panels, which stay in L2.
+    let tasks: Vec<(Segment, usize)> = segments
         .iter()
-        .enumerate()
-        .filter(|(_, s)| s.rows > 0)
-        .flat_map(|(i, _)| (0..groups).map(move |g| (i, g)))
+        .filter(|s| s.rows > 0)
+        .flat_map(|&s| {
+            (0..groups).flat_map(move |g| {
+                (0..s.rows.div_ceil(ROWS_PER_TASK)).map(move |b| {
+                    let first = b * ROWS_PER_TASK;
+                    let rows = ROWS_PER_TASK.min(s.rows - first);
+                    (Segment { row_start: s.row_start + first, rows, ..s }, g)
+                })
+            })
+        })
         .collect();
     let out = OutPtr(c.as_mut_ptr());
-    let run = |&(si, g): &(usize, usize)| {
+    let run = |&(s, g): &(Segment, usize)| {
         let p0 = g * PANELS_PER_TASK;
-        // SAFETY: this task writes only the C rows of its segment's GEMM rows (each its own
-        // buffer row, checked above) in the columns of its panels; tasks differ in segment
-        // (disjoint rows) or panel group. A is readable as the caller vouches.
-        unsafe { segment_tile(a, a_rows, segments[si], w, p0..(p0 + PANELS_PER_TASK).min(panels), out.get(), c_rows) };
+        // SAFETY: this task writes only the C rows of its GEMM rows (each its own buffer row,
+        // checked above) in the columns of its panels; tasks differ in rows (disjoint) or panel
+        // group. A is readable as the caller vouches.
+        unsafe { segment_tile(a, a_rows, s, w, p0..(p0 + PANELS_PER_TASK).min(panels), out.get(), c_rows) };
     };
     if tasks.len() > 1 {
         tasks.par_iter().for_each(run);
@@ -504,8 +516,10 @@ mod tests {
     #[test]
     fn bf16_weights_and_segments() {
         let mut rng = rand::rngs::StdRng::seed_from_u64(9);
-        // K over two cache blocks; segments of one row block and of several.
-        let (e, n, k, m) = (3, 40, KC + 44, 24);
+        // K over two cache blocks; segments of one row block, of several, and of several
+        // parallel tasks' rows (a partial one last).
+        let long = 2 * ROWS_PER_TASK + 5;
+        let (e, n, k, m) = (3, 40, KC + 44, 24 + long);
         let a: Vec<f32> = (0..m * k).map(|_| rng.gen_range(-1.0..1.0)).collect();
         let w: Vec<bf16> = (0..e * n * k).map(|_| bf16::from_f32(rng.gen_range(-1.0..1.0))).collect();
         let packed = PackedMatrices::pack(&w, e, n, k);
@@ -514,6 +528,7 @@ mod tests {
             Segment { expert: 0, row_start: 4, rows: 0 },
             Segment { expert: 1, row_start: 4, rows: 7 },
             Segment { expert: 2, row_start: 11, rows: 13 },
+            Segment { expert: 0, row_start: 24, rows: long },
         ];
         let mut c = vec![f32::NAN; m * n];
         grouped_gemm(&a, Rows::strided(k), &segs, &packed, &mut c, Rows::strided(n));
