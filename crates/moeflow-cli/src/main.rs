@@ -19,6 +19,12 @@ mod table;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc keeps freed memory for reuse: the CPU layer's row buffers of one call (hundreds of
+/// MB at large batches) would otherwise be mapped afresh and faulted in page by page on every
+/// call (docs/tuning.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// The environment a rank of a multi-process job reads (set by `moeflow launch`, torchrun or
 /// by hand).
 const ENVIRONMENT: &str = "\
