@@ -1,6 +1,7 @@
 //! The shared experts (on a side stream beside the routed ones: cuBLAS, the fp8 Hopper GEMM
-//! for a W8A8 layer's fp8 shared expert, or deterministic mode's fixed-order Hopper GEMM) and the GEMM and activation helpers the experts share; the routed
-//! experts themselves are the implementations in [`super::experts`].
+//! for a W8A8 layer's fp8 shared expert, or deterministic mode's fixed-order Hopper GEMM) and
+//! the GEMM and activation helpers the experts share; the routed experts themselves are the
+//! implementations in [`super::experts`].
 
 use super::fp8_weights::Fp8Experts;
 use super::hopper_fp8_gemm::{Fp8Operand, HopperFp8Gemm};

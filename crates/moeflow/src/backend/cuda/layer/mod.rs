@@ -286,11 +286,15 @@ impl CudaMoeLayer {
     /// A layer over `w` on the opened GPU, with its side streams, empty buffers and bf16 rows.
     fn assemble(
         config: &MoeConfig,
-        (gpu, blas, k): (Gpu, BlasHandle, Kernels),
+        (gpu, blas, mut k): (Gpu, BlasHandle, Kernels),
         w: std::sync::Arc<DeviceWeights>,
         mut ep: Option<EpLink>,
         opts: &CudaOptions,
     ) -> Result<Self> {
+        // An fp8 shared expert (the twin of a dual-batch layer) runs on its own fp8 GEMM.
+        if w.shared.as_ref().is_some_and(|sh| sh.fp8.is_some()) && !opts.deterministic {
+            k.hopper_fp8_shared = hopper_fp8_gemm::HopperFp8Gemm::load(&gpu, opts)?;
+        }
         if let Some(link) = ep.as_mut() {
             link.tables = Some(placement::PlacementTables::upload(&link.placement, &gpu)?);
             link.transport = Mutex::new(nvlink::LinkTransport::Pending(opts.transport));
