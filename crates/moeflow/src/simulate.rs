@@ -53,6 +53,12 @@ pub struct Ceilings {
     pub call_us: f64,
     /// The ranks share one device (in-process CPU ranks): their compute adds up.
     pub shared_device: bool,
+    /// Ranks sharing one device ([`Ceilings::shared_device`]) computing at once: their expert
+    /// GEMM rate by rows per expert `(rows, GFLOP/s)`, every rank's FLOPs over the time they
+    /// take together (two ranks' cores and caches contend). Where given, it replaces
+    /// `gemm_curve` beyond one rank.
+    #[serde(default)]
+    pub shared_gemm_curve: Vec<(f64, f64)>,
     /// A token's row travels once to each rank serving any of its slots and comes back summed
     /// (the device layer); otherwise once per (token, slot) both ways (the CPU layer).
     #[serde(default)]
@@ -203,6 +209,15 @@ impl Ceilings {
         interpolate(&self.gemm_curve, rows).unwrap_or(self.gemm_gflops)
     }
 
+    /// The expert GEMM rate, GFLOP/s, with `rows` rows per expert on each of `ranks` ranks:
+    /// [`Ceilings::shared_gemm_curve`]'s where ranks share a device and it is given.
+    pub fn gemm_rate_on(&self, rows: f64, ranks: usize) -> f64 {
+        match interpolate(&self.shared_gemm_curve, rows) {
+            Some(rate) if self.shared_device && ranks > 1 => rate,
+            _ => self.gemm_rate(rows),
+        }
+    }
+
     /// These ceilings with the compute rates (expert GEMMs, router) scaled to a machine whose
     /// matmul probe now runs at `probe_gflops`, against [`Ceilings::probe_gflops`] when they were
     /// measured; unchanged where either is unknown (0).
@@ -214,6 +229,7 @@ impl Ceilings {
         Ceilings {
             gemm_gflops: self.gemm_gflops * f,
             gemm_curve: self.gemm_curve.iter().map(|&(r, g)| (r, g * f)).collect(),
+            shared_gemm_curve: self.shared_gemm_curve.iter().map(|&(r, g)| (r, g * f)).collect(),
             router_gflops: self.router_gflops * f,
             probe_gflops,
             ..self.clone()
@@ -302,7 +318,7 @@ pub fn predict(c: &Ceilings, shapes: &Shapes, routing: &Routing, layout: &Layout
         let gemms: f64 = replicas[r]
             .iter()
             .map(|&(rows_e, hit)| {
-                roofline(6.0 * rows_e * h * i, c.gemm_rate(rows_e / hit.max(1e-9)), hit * weights, c.mem_gbps)
+                roofline(6.0 * rows_e * h * i, c.gemm_rate_on(rows_e / hit.max(1e-9), n), hit * weights, c.mem_gbps)
             })
             .sum();
         gemms + 3.0 * launch
@@ -413,6 +429,7 @@ mod tests {
             replica_min_rows: 0.0,
             probe_gflops: 0.0,
             gemm_curve: Vec::new(),
+            shared_gemm_curve: Vec::new(),
             link_curve: Vec::new(),
         }
     }
@@ -494,6 +511,27 @@ mod tests {
         // Unknown paces leave the ceilings as they are.
         assert_eq!(c.at_pace(0.0), c);
         assert_eq!(gpu().at_pace(400.0), gpu());
+    }
+
+    #[test]
+    fn ranks_sharing_a_device_take_their_own_gemm_curve_beyond_one_rank() {
+        let s = deepseek();
+        let run = |c: &Ceilings, ep: usize| {
+            let placement = placement(&s, &Routing::Uniform, ep, 8, None).unwrap();
+            predict(c, &s, &Routing::Uniform, &Layout { ep, domain: 8, tokens: 512, placement }).unwrap().gemms
+        };
+        let alone = Ceilings { shared_device: true, gemm_curve: vec![(1.0, 400.0), (1e4, 400.0)], ..gpu() };
+        let contended = Ceilings { shared_gemm_curve: vec![(1.0, 200.0), (1e4, 200.0)], ..alone.clone() };
+        assert_eq!(contended.gemm_rate_on(64.0, 1), 400.0);
+        assert_eq!(contended.gemm_rate_on(64.0, 2), 200.0);
+        // One rank keeps the one-rank curve; two ranks sharing the device take twice as long.
+        assert_eq!(run(&contended, 1), run(&alone, 1));
+        let (a, b) = (run(&alone, 2), run(&contended, 2));
+        assert!((b / a - 2.0).abs() < 0.05, "{b} vs {a}");
+        // Separate devices ignore it.
+        let apart = Ceilings { shared_device: false, ..contended.clone() };
+        assert_eq!(apart.gemm_rate_on(64.0, 2), 400.0);
+        assert_eq!(contended.at_pace(0.0), contended);
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! `bench --calibrate FILE`: the ceilings `moeflow simulate` predicts from, measured on this
 //! machine's CPU with the bench's layer: the expert GEMM rate by rows per expert and the
 //! weight-streaming rate from the layer's own expert stage (the `--tokens` batches, one token),
-//! the router's rate, the fixed cost of a stage from a tiny layer, and the in-process ranks'
-//! exchange latency and rate (two ranks at the largest batch against one), and the matmul
-//! probe's rate around them (the pace the bench's records are compared at).
+//! the router's rate, the fixed cost of a stage from a tiny layer, and two in-process ranks at
+//! each batch: their expert GEMM rate computing at once, and the exchange's latency and rate
+//! (their dispatch and combine stages beyond one rank's); and the matmul probe's rate around
+//! them (the pace the bench's records are compared at).
 
 use super::BenchArgs;
 use crate::common::median;
@@ -59,14 +60,16 @@ fn exchange(bytes: usize, runs: usize) -> Result<f64> {
     times.into_iter().next().ok_or_else(|| MoeError::Config("no ranks".into()))?
 }
 
-/// Median seconds of a forward of `t` tokens per rank on two in-process all-to-all-v ranks.
+/// A forward of `t` tokens per rank on two in-process all-to-all-v ranks, timed as `bench`
+/// times them (at least `runs` runs and `seconds` of them, after a warm-up): the median of the
+/// slowest rank's time, and rank 0's median stage times.
 fn two_ranks(
     args: &BenchArgs,
     config: &moeflow::MoeConfig,
     weights: &moeflow::MoeWeights,
     t: usize,
-    runs: usize,
-) -> Result<f64> {
+    (runs, seconds): (usize, f64),
+) -> Result<(f64, StageTimes)> {
     let par =
         ParallelConfig { bf16_matmul: args.parallel.bf16_matmul, ..ParallelConfig::new(2, 1, StrategyKind::All2AllV) };
     let placement = Arc::new(par.placement(config.num_experts)?);
@@ -74,24 +77,32 @@ fn two_ranks(
     let times = run_ranks(2, None, |comm| {
         let layer = par.layer(comm, placement.clone(), config, weights, moeflow::ExpertsKind::Cpu, None)?;
         let x = Tensor::from_f32(&[t, h], preset::uniform(t * h, 1.0, 23 + comm.rank() as u64))?;
+        comm.barrier()?;
+        let start = Instant::now();
         layer.forward(&x)?;
-        let mut all = Vec::new();
-        for _ in 0..runs {
+        let warm_up = comm.all_gather_vec("calibrate.time", &[start.elapsed().as_secs_f64()])?;
+        // Every rank runs as many times: enough for `seconds` at the warm-up's pace.
+        let slowest = warm_up.iter().map(|v| v[0]).fold(1e-9, f64::max);
+        let count = runs.max(((seconds / slowest).ceil() as usize).min(1000));
+        let mut all: Vec<[f64; 4]> = Vec::new();
+        for _ in 0..count {
             comm.barrier()?;
             let start = Instant::now();
-            layer.forward(&x)?;
-            let slowest = comm.all_gather_vec("calibrate.time", &[start.elapsed().as_secs_f64()])?;
-            all.push(slowest.iter().map(|v| v[0]).fold(0.0, f64::max));
+            let (_, st) = layer.forward_profiled(&x)?;
+            let took = comm.all_gather_vec("calibrate.time", &[start.elapsed().as_secs_f64()])?;
+            all.push([took.iter().map(|v| v[0]).fold(0.0, f64::max), st.prepare, st.experts, st.finalize]);
         }
-        Ok(median(&all))
+        let med = |i: usize| median(&all.iter().map(|a| a[i]).collect::<Vec<_>>());
+        let st = StageTimes { prepare: med(1), experts: med(2), finalize: med(3), ..Default::default() };
+        Ok((med(0), st))
     });
     times.into_iter().next().ok_or_else(|| MoeError::Config("no ranks".into()))?
 }
 
 /// Measures the ceilings with the bench's layer at its `--tokens` (one rank: the expert GEMM
 /// rate at each batch's rows per expert, the weight-streaming rate at one token, the router's
-/// rate at the largest; two in-process ranks at the largest batch: the exchange's rate) and
-/// writes them to `path`.
+/// rate at the largest; two in-process ranks at each batch: their GEMM rate at once and the
+/// exchange's rate) and writes them to `path`.
 pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     let (p, config) = args.layer.config()?;
     let weights = args.layer.weights(&config)?;
@@ -106,26 +117,34 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
     let big = *sizes.last().ok_or_else(|| MoeError::Config("--calibrate needs a --tokens count above 1".into()))?;
     let probe_before = super::probe();
     let call = exchange(8, 200)?;
+    // The one-token layer streams its experts' weights: timed first and last, and the slower
+    // kept, since the rate this VM's memory gives a burst of runs drifts by a fifth from one
+    // minute to the next.
+    let (_, first_one) = stages(&layer, 1, h, runs, args.min_seconds)?;
     let mut gemm_curve = Vec::new();
+    let mut shared_gemm_curve = Vec::new();
     let mut link_curve = Vec::new();
     let mut big_route = 0.0;
     for &t in &sizes {
-        let (total, st) = stages(&layer, t, h, runs, args.min_seconds)?;
+        let (_, st) = stages(&layer, t, h, runs, args.min_seconds)?;
         // Uniform routing spreads t·k rows over the experts.
         let rows = (t * k) as f64 / e.min(t * k) as f64;
         gemm_curve.push((rows, config.expert_flops(t) / st.experts / 1e9));
         big_route = st.route;
-        // Two ranks on these cores compute twice one rank's batch; the rest is the exchange
-        // of f32 rows out (half of each token's k rows leave) and back.
-        let ep2 = two_ranks(args, &config, &weights, t, runs)?;
+        // Two ranks on these cores compute twice one rank's batch at once, each expert with
+        // twice the rows; their dispatch and combine beyond one rank's are the exchange of f32
+        // rows out (half of each token's k rows leave) and back.
+        let (_, ep2) = two_ranks(args, &config, &weights, t, (runs, args.min_seconds))?;
+        shared_gemm_curve.push((2.0 * rows, 2.0 * config.expert_flops(t) / ep2.experts / 1e9));
         let per_peer = (t * k * h * 4) as f64 / 2.0;
-        let exchange_s = (ep2 - 2.0 * total - 4.0 * call).max(1e-6);
+        let exchange_s = (ep2.prepare + ep2.finalize - st.prepare - st.finalize - 4.0 * call).max(1e-6);
         link_curve.push((per_peer, 2.0 * per_peer / exchange_s / 1e9));
     }
-    let (_, one) = stages(&layer, 1, h, runs, args.min_seconds)?;
+    let (_, last_one) = stages(&layer, 1, h, runs, args.min_seconds)?;
     let weight_bytes = args.layer.dtype.size_in_bytes() as f64;
     // One token reads its k experts' weights; its FLOPs are negligible beside them.
-    let mem_gbps = (k.min(e) * 3 * h * i) as f64 * weight_bytes / one.experts / 1e9;
+    let one_experts = first_one.experts.max(last_one.experts);
+    let mem_gbps = (k.min(e) * 3 * h * i) as f64 * weight_bytes / one_experts / 1e9;
     let router_gflops = (2 * big * h * e) as f64 / big_route / 1e9;
     // A stage's fixed cost: a tiny layer's forward over its five stages.
     let mut tiny_config = config.with_num_experts(8.min(e).max(k))?;
@@ -137,6 +156,7 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         name: format!("this CPU ({} threads), {} {}", rayon::current_num_threads(), p.name, args.layer.dtype),
         gemm_gflops: gemm_curve.last().map_or(0.0, |g| g.1),
         gemm_curve,
+        shared_gemm_curve,
         router_gflops,
         mem_gbps,
         launch_us: tiny_total / 5.0 * 1e6,
@@ -154,13 +174,16 @@ pub fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         replica_min_rows: 0.0,
         probe_gflops,
     };
-    let curve: Vec<String> = c.gemm_curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect();
+    let points = |curve: &[(f64, f64)]| -> String {
+        curve.iter().map(|(r, g)| format!("{g:.0} at {r:.0}")).collect::<Vec<_>>().join(", ")
+    };
     let links: Vec<String> = c.link_curve.iter().map(|(b, g)| format!("{g:.2} at {:.1} MB", b / 1e6)).collect();
     println!(
-        "calibration: expert GEMMs GFLOP/s by rows per expert: {}; weights streamed at {:.1} GB/s (one token); \
-         router {:.1} GFLOP/s; stage {:.1} µs; exchange {:.1} µs a call, GB/s by bytes per peer: {}; \
-         matmul probe {:.1} GFLOP/s",
-        curve.join(", "),
+        "calibration: expert GEMMs GFLOP/s by rows per expert: {} (two ranks at once: {}); weights streamed at \
+         {:.1} GB/s (one token); router {:.1} GFLOP/s; stage {:.1} µs; exchange {:.1} µs a call, GB/s by bytes per \
+         peer: {}; matmul probe {:.1} GFLOP/s",
+        points(&c.gemm_curve),
+        points(&c.shared_gemm_curve),
         c.mem_gbps,
         c.router_gflops,
         c.launch_us,

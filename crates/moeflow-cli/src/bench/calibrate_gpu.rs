@@ -141,6 +141,7 @@ pub(super) fn calibrate(args: &BenchArgs, path: &Path) -> Result<()> {
         host_plan_ns_per_slot: 0.0,
         replica_min_rows: crate::cuda_args::cuda_options(&args.parallel)?.replica_min_rows as f64,
         probe_gflops: 0.0,
+        shared_gemm_curve: Vec::new(),
     };
     // The fixed cost per launch: what the one-token layer takes beyond its weight reads.
     c.launch_us = fit(&c, &shapes, (1, 1), one_ms, |c, v| c.launch_us = v)?;
