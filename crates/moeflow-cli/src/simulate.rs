@@ -1,8 +1,9 @@
 //! `moeflow simulate`: the layer's predicted time per stage for EP sizes, token counts and
 //! routings (uniform, Zipf, a recorded load), with and without EPLB, from measured ceilings
 //! (`bench --calibrate FILE` on this CPU or one GPU; `h100` and `h200`, the GPU calibrations'
-//! files in docs/bench); `--compare` puts bench records beside the prediction (at the pace each
-//! record's matmul probe measured, where it and the ceilings have one), `--plot` draws it.
+//! files in docs/bench); `--compare` puts bench records beside the prediction (with
+//! `--at-pace`, at the pace each record's matmul probe measured, where it and the ceilings have
+//! one), `--plot` draws it.
 
 use crate::table::{num, right, Table};
 use moeflow::simulate::{placement, predict, Ceilings, Layout, Prediction, Routing, Shapes};
@@ -57,6 +58,10 @@ pub struct SimulateArgs {
     /// Put the --compare records beside the prediction with EPLB (--eplb R) instead of without.
     #[arg(long)]
     compare_eplb: bool,
+    /// Predict each --compare record with the compute rates scaled by its matmul probe's rate
+    /// over the calibration's (CPU records; the `pace` column shows the ratio either way).
+    #[arg(long)]
+    at_pace: bool,
     /// Draw the predicted layer time against EP, one line per token count, as an SVG.
     #[arg(long)]
     plot: Option<PathBuf>,
@@ -226,15 +231,17 @@ pub fn run(args: SimulateArgs) -> Result<()> {
             if !measured.is_empty() {
                 match measured.iter().find(|m| m.tokens == t && m.ep == ep) {
                     Some(m) => {
-                        // At the pace the machine ran the record at, where both know it.
-                        let paced = c.at_pace(m.probe.unwrap_or(0.0));
+                        // With --at-pace, at the pace the machine ran the record at, where both
+                        // know it.
+                        let probe = m.probe.unwrap_or(0.0);
+                        let paced = c.at_pace(if args.at_pace { probe } else { 0.0 });
                         let predicted = at(&paced, if args.compare_eplb { eplb } else { None })?.total;
                         let err = predicted / m.ms - 1.0;
                         worst = worst.max(err.abs());
-                        let pace = if paced.probe_gflops == c.probe_gflops || c.probe_gflops <= 0.0 {
-                            "-".to_string()
+                        let pace = if c.probe_gflops > 0.0 && probe > 0.0 {
+                            num(probe / c.probe_gflops, 2)
                         } else {
-                            num(paced.probe_gflops / c.probe_gflops, 2)
+                            "-".into()
                         };
                         row.extend([pace, num(predicted, 3), num(m.ms, 3), format!("{:+.1}%", 100.0 * err)]);
                     }
