@@ -14,6 +14,12 @@ mod world;
 
 use pyo3::prelude::*;
 
+/// The extension's Rust allocations go to mimalloc, which keeps freed memory for reuse: a CPU
+/// layer's row buffers of one call would otherwise be mapped afresh and faulted in page by page
+/// on every call, as in the command line (docs/tuning.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[pymodule]
 fn _moeflow(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<layer::Layer>()?;
