@@ -383,7 +383,7 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
 /// (routed and shared) within fp8 rows' bound; on the fp8 tensor cores (Hopper) within bf16
 /// rounding of bf16 GEMMs on the same fp8 values; visibly apart from the layer whose shared
 /// expert multiplies bf16 rows; the same bits run after run. One token (a graph replay) and
-/// 1000 (a direct run).
+/// 1000 (a direct run); and asked for on a layer that has run already.
 #[test]
 fn fp8_shared_expert_matches_the_reference() {
     use moeflow::backend::cuda::CudaOptions;
@@ -425,6 +425,14 @@ fn fp8_shared_expert_matches_the_reference() {
         assert!(from_bf16 > 2.0 * apart, "{t} tokens: {from_bf16:e} from a bf16 shared expert, {apart:e}");
         assert_eq!(tensor_cores.forward(&xt).unwrap().to_f32_vec(), got, "{t} tokens: differs run to run");
     }
+    // Asked for after the layer has run (its buffers, graphs and cuBLAS workspaces in place):
+    // the next call replaces the buffers and gives the same bits.
+    let (_, one) = hidden(1, config.hidden, 24);
+    let late = w8a8(true);
+    late.forward(&one).unwrap();
+    let late = late.fp8_shared_expert().unwrap();
+    let want = tensor_cores.forward(&one).unwrap().to_f32_vec();
+    assert_eq!(late.forward(&one).unwrap().to_f32_vec(), want, "fp8 shared expert asked for after a run");
 }
 
 /// Deterministic mode on one GPU: a token's output has the same bits alone, in small batches

@@ -53,6 +53,18 @@ impl CudaMoeLayer {
         Some((gemm, sh.fp8.as_ref()?))
     }
 
+    /// What multiplies the shared expert: `"hopper-fp8"` (a W8A8 shared expert on the fp8
+    /// tensor cores), `"hopper"` (deterministic mode's fixed-order GEMM) or `"cublas"`; `None`
+    /// without a shared expert.
+    pub fn shared_expert_gemm(&self) -> Option<&'static str> {
+        self.w.shared.as_ref()?;
+        Some(match (self.shared_fp8_gemm(), self.opts.deterministic) {
+            (Some(_), _) => "hopper-fp8",
+            (None, true) => "hopper",
+            (None, false) => "cublas",
+        })
+    }
+
     /// The shared expert's rows for bf16 GEMMs: `b.x_bf`, or where its rows are fp8
     /// ([`CudaMoeLayer::shared_w8a8`]) the values their codes stand for, written on `stream`
     /// into `b.sy` (which the down projection overwrites last).

@@ -87,13 +87,11 @@ impl CudaMoeLayer {
         let (w13, s13) = quantize_blocks(gpu, kernel, &mut sh.w13, [1, 2 * si, h])?;
         let (w2, s2) = quantize_blocks(gpu, kernel, &mut sh.w2, [1, h, si])?;
         sh.fp8 = Some(Fp8Experts { w13, s13, w2, s2 });
-        // The buffers are sized for a shared expert in bf16: the next call allocates them anew
-        // (old ones a caller's graph points into are kept, as when they grow).
-        let old = self.bufs.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(old) = old.filter(|b| b.captured) {
-            if let Some(calls) = self.calls.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
-                calls.keep(old);
-            }
+        // Buffers allocated before hold no fp8 rows for the shared expert: marked empty, they
+        // are replaced at the next call as when they grow (the graphs dropped, the cuBLAS
+        // workspaces and the buffers a caller's graph points into kept).
+        if let Some(b) = self.bufs.lock().unwrap_or_else(|p| p.into_inner()).as_mut() {
+            b.tokens = 0;
         }
         Ok(self)
     }
@@ -107,18 +105,6 @@ impl CudaMoeLayer {
     /// [`CudaMoeLayer::fp8_shared_expert`]).
     pub fn has_fp8_shared_expert(&self) -> bool {
         self.w.shared.as_ref().is_some_and(|sh| sh.fp8.is_some())
-    }
-
-    /// What multiplies the shared expert: `"hopper-fp8"` (a W8A8 shared expert on the fp8
-    /// tensor cores), `"hopper"` (deterministic mode's fixed-order GEMM) or `"cublas"`; `None`
-    /// without a shared expert.
-    pub fn shared_expert_gemm(&self) -> Option<&'static str> {
-        self.w.shared.as_ref()?;
-        Some(match (self.shared_fp8_gemm(), self.opts.deterministic) {
-            (Some(_), _) => "hopper-fp8",
-            (None, true) => "hopper",
-            (None, false) => "cublas",
-        })
     }
 }
 
