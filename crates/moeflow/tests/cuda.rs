@@ -342,8 +342,10 @@ fn fp8_experts_quantized_on_the_device_match_the_cpu_quantization() {
 /// W8A8 experts on the fp8 tensor cores (the fp8 Hopper GEMM, 125 rows an expert): against
 /// the reference on the quantized weights within fp8 rows' bound, against the bf16 GEMMs on the
 /// same quantized values (the W8A8 rounding) within bf16 rounding, and the same bits run after
-/// run. Widths that the kernel's tiles do not divide (hidden 272: two 128-deep stages and a
-/// part). Skips on GPUs other than Hopper, saying so.
+/// run, and as the layer that quantizes the activation in the up projection's epilogue instead
+/// of a pass of its own (1000 tokens, and 3 replayed from a graph). Widths that the kernel's
+/// tiles do not divide (hidden 272: two 128-deep stages and a part). Skips on GPUs other than
+/// Hopper, saying so.
 #[test]
 fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     use moeflow::backend::cuda::CudaOptions;
@@ -360,11 +362,12 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     }
     let mut quantized = weights.clone();
     quantized.experts = weights.experts.quantized(moeflow::quant::WeightQuant::Fp8Block(128)).unwrap();
-    let w8a8 = |fp8_gemm: bool| {
-        let opts = CudaOptions { fp8_gemm, ..Default::default() };
-        CudaMoeLayer::new(&config, &weights, &opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
+    let w8a8_with = |opts: &CudaOptions| {
+        CudaMoeLayer::new(&config, &weights, opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
     };
+    let w8a8 = |fp8_gemm: bool| w8a8_with(&CudaOptions { fp8_gemm, ..Default::default() });
     let (tensor_cores, bf16_gemms) = (w8a8(true), w8a8(false));
+    let epilogue = w8a8_with(&CudaOptions { fp8_act_epilogue: true, ..Default::default() });
     let (x, xt) = hidden(1000, config.hidden, 22);
     let got = tensor_cores.forward(&xt).unwrap().to_f32_vec();
     assert_eq!(tensor_cores.forward_timed(1000, 1).unwrap().experts, "hopper-fp8");
@@ -376,6 +379,10 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     assert!(err <= FP8_ROWS_TOL, "relative error {err:e}");
     assert!(apart <= BF16_TOL, "{apart:e} from the bf16 GEMMs on the same values");
     assert_eq!(tensor_cores.forward(&xt).unwrap().to_f32_vec(), got, "differs run to run");
+    assert_eq!(epilogue.forward(&xt).unwrap().to_f32_vec(), got, "activation quantized in the epilogue");
+    let (_, three) = hidden(3, config.hidden, 23);
+    let want = tensor_cores.forward(&three).unwrap().to_f32_vec();
+    assert_eq!(epilogue.forward(&three).unwrap().to_f32_vec(), want, "3 tokens: quantized in the epilogue");
 }
 
 /// A W8A8 layer's fp8 shared expert (`fp8_shared_expert`): its weights quantized like the

@@ -409,17 +409,37 @@ fn low_latency_graph_matches_the_reference_and_replays() {
             };
             // Capture (after one direct run) and replay; replay again; a new batch.
             let (first, again, second) = (run(0)?, run(0)?, run(1)?);
+            // The stages timed inside the graph (its capture with clock stamps), then the plain
+            // graph again: the same bits.
+            let stages = layer.forward_timed_stages(M / 2, 9)?;
+            let whole = layer.forward_timed(M / 2, 9)?.total;
+            let after_stamps = run(0)?;
             // Above capacity: an error on every rank before any communication.
             let over = Tensor::from_f32(&[M + 1, h], vec![0.5; (M + 1) * h])?;
             let e = layer.forward(&over).expect_err("a batch above capacity fails").to_string();
             assert!(e.contains("exceeds the low-latency capacity"), "{e}");
-            Ok((first, again, second))
+            Ok((first, again, second, after_stamps, stages, whole))
         });
         for (rank, r) in results.into_iter().enumerate() {
-            let (first, again, second) = r.unwrap_or_else(|e| panic!("{name}, {placed}: rank {rank}: {e}"));
+            let (first, again, second, after_stamps, stages, whole) =
+                r.unwrap_or_else(|e| panic!("{name}, {placed}: rank {rank}: {e}"));
             assert!(
                 first.iter().zip(&again).all(|(x, y)| x.to_bits() == y.to_bits()),
                 "{name}, {placed}: rank {rank} differs replay to replay"
+            );
+            assert_eq!(bits(&after_stamps), bits(&first), "{name}, {placed}: rank {rank}: after the stamped graph");
+            let s = &stages;
+            let parts = [s.route, s.permute, s.dispatch, s.gemm1, s.act, s.gemm2, s.collect, s.combine, s.shared];
+            assert!((parts.iter().sum::<f64>() - s.total).abs() < 1e-6, "{name}: stages {parts:?} against {}", s.total);
+            assert!(s.dispatch > 0.0 && s.collect > 0.0 && s.total > 0.0, "{name}: stages {parts:?}");
+            assert!(s.total < 4.0 * whole + 0.05, "{name}: stamped {} ms against a replay's {whole} ms", s.total);
+            assert_eq!(s.strategy, "lowlatency", "{name}: rank {rank}");
+            eprintln!(
+                "  inside the graph, rank {rank}: dispatch {:.1} µs, collect {:.1} µs, whole {:.1} µs (replay {:.1} µs)",
+                1e3 * s.dispatch,
+                1e3 * s.collect,
+                1e3 * s.total,
+                1e3 * whole
             );
             for (i, got) in [first, second].iter().enumerate() {
                 let err = relative_error(&config, &weights, &inputs[i][rank], got);
@@ -524,10 +544,12 @@ fn low_latency_fp8_experts_match_the_reference() {
     for (on_device, rows8, (config, weights, quantized)) in
         cases.into_iter().chain([(true, true, (&wide, &wide_weights, &wide_quantized))])
     {
+        // The intermediate size the fp8 Hopper GEMM takes also quantizes the activation in the
+        // up projection's epilogue (padded rows left alone).
+        let opts = moeflow::backend::cuda::CudaOptions { fp8_act_epilogue: config.inter == 128, ..Default::default() };
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
             let mut layer = if on_device {
-                CudaMoeLayer::new_ep(config, weights, c.duplicate()?, even(config, n), &Default::default())?
-                    .fp8_experts()?
+                CudaMoeLayer::new_ep(config, weights, c.duplicate()?, even(config, n), &opts)?.fp8_experts()?
             } else {
                 CudaMoeLayer::new_ep(config, quantized, c.duplicate()?, even(config, n), &Default::default())?
             };

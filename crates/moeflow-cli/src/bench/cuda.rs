@@ -57,7 +57,7 @@ impl Timed {
         }
     }
 
-    /// A run with every stage timed (a low-latency layer's stages run outside its graph).
+    /// A run with every stage timed (a low-latency layer's inside a stamped capture of its graph).
     fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<moeflow::backend::GpuStageTimes> {
         match self.0.device_layer() {
             Some(l) => l.forward_timed_stages(tokens, seed),
@@ -100,8 +100,8 @@ fn ep_kind(par: &ParallelConfig, capacity: Option<usize>, fp8: bool, rows8: bool
 }
 
 /// One rank's timed runs of every token count of `tokens`: per count, the slowest rank's layer
-/// ms of each run and this rank's stage times (of direct runs for a low-latency layer, whose
-/// graph times only the whole).
+/// ms of each run and this rank's stage times (for a low-latency layer, whose graph's replay
+/// times only the whole, from a capture of it that stamps the GPU's clock between the stages).
 pub(super) fn time_rank(
     args: &BenchArgs,
     layer: &Timed,
@@ -139,7 +139,8 @@ pub(super) fn time_rank(
 
 /// `bench --backend cuda --ep N` on the device-resident layer: CUDA-event stage times per
 /// rank (medians), the layer time as the slowest rank's per run, dispatch and combine GB/s.
-/// The low-latency layer's time is its graph's replay; its stages are timed in direct runs.
+/// The low-latency layer's time is its graph's replay; its stages are timed inside a stamped
+/// capture of the graph.
 pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     use moeflow::backend::cuda::measure_ceilings;
     let (p, config) = args.layer.config()?;
@@ -232,12 +233,12 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     print_ep_header();
     let ctx =
         EpTable { name: p.name, config: &config, par: &par, capacity, fp8, rows8, gemm_tflops, copy_gbps, peer_gbps };
-    let (mut records, (floor_inputs, ours, direct)) = ctx.rows(&args.tokens, measured);
+    let (mut records, (floor_inputs, ours, staged)) = ctx.rows(&args.tokens, measured);
     if capacity.is_some() {
         println!(
-            "stages from direct runs (no graph, all {} rows of the capacity); their layer ms per rank (median): {}",
-            par.max_tokens_per_rank,
-            direct.join(", ")
+            "stages inside the graph, from clock stamps between them (a one-thread kernel each); the stamped \
+             graph's layer ms on rank 0 (median): {}",
+            staged.join(", ")
         );
     }
     print_recording_cost(&args.tokens, &layer_ms, recording.as_deref());
@@ -271,7 +272,7 @@ struct EpTable<'a> {
 type EpMeasured = Vec<(Vec<f64>, Vec<moeflow::backend::GpuStageTimes>)>;
 
 /// A token count's expert FLOPs and weight bytes per GPU; its (tokens, ms, dispatch ms,
-/// collect ms); and its direct runs' layer ms in words.
+/// collect ms); and the stage-timed runs' layer ms in words.
 type EpRowParts = (Vec<(f64, usize)>, Vec<(usize, f64, f64, f64)>, Vec<String>);
 
 /// The table's header.
@@ -309,7 +310,7 @@ impl EpTable<'_> {
         let mut records = Vec::new();
         let mut floor_inputs = Vec::new();
         let mut ours = Vec::new();
-        let mut direct = Vec::new();
+        let mut staged = Vec::new();
         for (&t, (slowest, samples)) in tokens.iter().zip(measured) {
             let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
             let ms = median(&slowest);
@@ -323,7 +324,7 @@ impl EpTable<'_> {
             let sent = med(|s| s.dispatch_bytes as f64);
             let (dispatch, collect) = (med(|s| s.dispatch), med(|s| s.collect));
             let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
-            // The strategy and the experts' implementation that ran this batch (direct runs).
+            // The strategy and the experts' implementation that ran this batch (stage-timed runs).
             let experts = samples.iter().find(|s| !s.experts.is_empty()).map_or("-".to_string(), |s| {
                 let plan = if s.device_plan { " (device plan)" } else { "" };
                 format!("{}/{}{plan}/{}", s.strategy, s.transport, s.experts)
@@ -333,7 +334,7 @@ impl EpTable<'_> {
                 format!(" ({:.0}% / {:.0}% of peer copy)", 100.0 * gbps(dispatch) / p, 100.0 * gbps(collect) / p)
             });
             ours.push((t, ms, dispatch, collect));
-            direct.push(format!("T={t}: {:.3}", med(|s| s.total)));
+            staged.push(format!("T={t}: {:.3}", med(|s| s.total)));
             println!(
             "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9.1} {:>9.1}  {}",
             t,
@@ -390,7 +391,7 @@ impl EpTable<'_> {
                 bf16_matmul: None,
             });
         }
-        (records, (floor_inputs, ours, direct))
+        (records, (floor_inputs, ours, staged))
     }
 }
 

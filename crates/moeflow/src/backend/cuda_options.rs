@@ -185,6 +185,12 @@ pub struct CudaOptions {
     /// Hopper GEMM where it runs; off, they take the bf16 GEMMs on the values the codes stand
     /// for.
     pub fp8_gemm: bool,
+    /// The fp8 Hopper GEMM's up projection quantizes its activation to fp8 in its epilogue
+    /// for the down projection (where the intermediate size is a multiple of 128); off, a
+    /// separate pass quantizes the bf16 activation. The codes are the same either way; off
+    /// is the default, since the epilogue's 128-column tiles make the up projection slower
+    /// than the pass it saves (docs/tuning.md).
+    pub fp8_act_epilogue: bool,
     /// Thread blocks (one per SM) the NVLink transport's copy kernel takes.
     pub transport_sms: u32,
     /// All-to-all-v over the NVLink transport plans its dispatch on the device (counts, row
@@ -221,6 +227,7 @@ impl Default for CudaOptions {
             deterministic: false,
             transport: Transport::Auto,
             fp8_gemm: true,
+            fp8_act_epilogue: false,
             transport_sms: 64,
             device_plan: true,
             load_stats: true,
@@ -230,7 +237,7 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 15] = [
+pub const CUDA_VARIABLES: [(&str, &str); 16] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
@@ -242,6 +249,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 15] = [
     ("MOEFLOW_NVRTC_OPTIONS", "extra NVRTC options, space-separated"),
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
     ("MOEFLOW_FP8_GEMM", "0|1: W8A8 experts multiply on the fp8 tensor cores on Hopper (default 1)"),
+    ("MOEFLOW_FP8_ACT_EPILOGUE", "0|1: the fp8 up projection quantizes its activation in its epilogue (default 0)"),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 64)"),
     ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
@@ -307,6 +315,7 @@ impl CudaOptions {
                 }
                 "MOEFLOW_DEVICE_PLAN" => self.device_plan = flag(key, value)?,
                 "MOEFLOW_FP8_GEMM" => self.fp8_gemm = flag(key, value)?,
+                "MOEFLOW_FP8_ACT_EPILOGUE" => self.fp8_act_epilogue = flag(key, value)?,
                 "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
                 "MOEFLOW_REPLICA_MIN_ROWS" => {
                     self.replica_min_rows = value.parse().map_err(|_| bad(key, value, "a count of rows"))?
@@ -358,6 +367,9 @@ impl CudaOptions {
         }
         if !self.fp8_gemm {
             parts.push("W8A8 on bf16 GEMMs".into());
+        }
+        if self.fp8_act_epilogue {
+            parts.push("fp8 activation quantized in the up projection's epilogue".into());
         }
         if self.transport_sms != d.transport_sms {
             parts.push(format!("{} transport SMs", self.transport_sms));
@@ -424,6 +436,7 @@ mod tests {
             ("MOEFLOW_REPLICA_MIN_ROWS", "0"),
             ("MOEFLOW_DEVICE_PLAN", "0"),
             ("MOEFLOW_FP8_GEMM", "0"),
+            ("MOEFLOW_FP8_ACT_EPILOGUE", "1"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -440,6 +453,7 @@ mod tests {
             deterministic: true,
             transport: Transport::Auto,
             fp8_gemm: false,
+            fp8_act_epilogue: true,
             transport_sms: 16,
             device_plan: false,
             load_stats: false,
@@ -450,6 +464,7 @@ mod tests {
         assert!(o.describe().contains("replicas shared from 0 rows"), "{}", o.describe());
         assert!(o.describe().contains("dispatch planned on the host"), "{}", o.describe());
         assert!(o.describe().contains("W8A8 on bf16 GEMMs"), "{}", o.describe());
+        assert!(o.describe().contains("quantized in the up projection's epilogue"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",

@@ -72,24 +72,67 @@ __device__ __forceinline__ void g8_promote(float* d, const float* p, g8_scales s
     }
 }
 
+// The activation's values of a 128-column group quantized in the epilogue, for the down
+// projection: `lo` and `hi` hold this thread's bf16 pairs of the group's two 64-column halves
+// (pair 2j + h: row r0 + 8h, columns 8j + 2q + {0,1} of the half, q = lane % 4), the four
+// lanes of a quad one row's 128 values between them. Writes their fp8 codes to Q [·, width]
+// and the group's scale (amax / 448, as quantize_rows_bf16 computes it, so the codes are
+// bit for bit the separate pass's) to S [·, width / 128], rows below `rows_end` only.
+__device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned* hi, unsigned char* Q, float* S,
+                                             long r0, int rows_end, int col0, int width) {
+    const int q = threadIdx.x % 4;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        float a = 0.0f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            const unsigned l = lo[2 * j + h], u = hi[2 * j + h];
+            a = fmaxf(a, fmaxf(fmaxf(fabsf(__uint_as_float(l << 16)), fabsf(__uint_as_float(l & 0xffff0000u))),
+                               fmaxf(fabsf(__uint_as_float(u << 16)), fabsf(__uint_as_float(u & 0xffff0000u)))));
+        }
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
+        a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
+        const float sc = group_scale(a, 2);
+        const long r = r0 + 8 * h;
+        if (r >= rows_end) continue;
+        if (q == 0) S[r * (width / 128) + col0 / 128] = sc;
+        unsigned char* row = Q + r * width + col0 + 2 * q;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) {
+                const unsigned v = (half ? hi : lo)[2 * j + h];
+                const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
+                const unsigned c0 = sc > 0.0f ? fp8_e4m3_encode(v0 / sc) : 0;
+                const unsigned c1 = sc > 0.0f ? fp8_e4m3_encode(v1 / sc) : 0;
+                *(unsigned short*)(row + 64 * half + 8 * j) = (unsigned short)(c0 | (c1 << 8));
+            }
+        }
+    }
+}
+
 // The consumer warpgroups of g8_kernel: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of
 // each tile, and hands each stage back to the producer. With SETS 2 two sets of partial sums
 // take turns: a block's products run on the tensor cores while the block before is scaled
 // into the accumulators (the loop goes two blocks a turn, so each set keeps its registers);
-// with SETS 1 each block's products are waited for, then scaled in.
-template <int WGS, int STAGES, int SETS>
+// with SETS 1 each block's products are waited for, then scaled in. With QUANT (an activation
+// quantized in the epilogue, into Q and S) a tile is two sub-tiles of 64 output columns, one
+// after the other: the first's activation waits in registers, as bf16 pairs, for the second's.
+template <int WGS, int STAGES, int SETS, bool QUANT>
 __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
                                            int N, int K, int width, bool act, int col_blocks, int tile_cols,
                                            int act_kind, float alpha, float limit, const float* b13,
                                            const float* a_scales, const float* w_scales, bool gather,
-                                           const int* slot_of_row, int gather_k) {
+                                           const int* slot_of_row, int gather_k, unsigned char* Q, float* S) {
     constexpr int BM = 64 * WGS;             // rows of a tile
     constexpr int A_BYTES = BM * G8_BK;      // 8 KiB a warpgroup
     constexpr int B_BYTES = G8_BN * G8_BK;   // 16 KiB
     const int kblocks = (K + G8_BK - 1) / G8_BK;
     const int n_blocks = (N + 127) / 128;  // weight scale blocks down an expert
+    constexpr int subs = QUANT ? 2 : 1;
     const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     float d[64], p0[64], p1[64];
+    unsigned held[16];
     int stage = 0;
     unsigned phase = 0;
     auto next = [&]() {
@@ -102,7 +145,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
         gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
         // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
         if (t.row0 + wg * 64 >= t.rows_end) {
-            for (int kb = 0; kb < kblocks; kb++) {
+            for (int kb = 0; kb < subs * kblocks; kb++) {
                 if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
                 gg_bar_arrive(&sh.empty[stage]);
                 next();
@@ -110,108 +153,133 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
             continue;
         }
         // This thread's two rows' scales (rows past the expert's end read its last row's;
-        // their sums are dropped) and the two weight scale blocks of the tile's halves.
+        // their sums are dropped).
         const int r0 = t.row0 + wg * 64 + warp * 16 + lane / 4;
         const int ra = min(r0, t.rows_end - 1), rb = min(r0 + 8, t.rows_end - 1);
         const long sa = gather ? (long)(slot_of_row[ra] / gather_k) : ra;
         const long sb = gather ? (long)(slot_of_row[rb] / gather_k) : rb;
         const float* scale_a = a_scales + sa * kblocks;
         const float* scale_b = a_scales + sb * kblocks;
-        const int wn0 = t.col0, wn1 = t.col0 + (act ? width : G8_BN / 2);
-        const float* scale_w0 = w_scales + ((long)t.expert * n_blocks + wn0 / 128) * kblocks;
-        const float* scale_w1 = w_scales + ((long)t.expert * n_blocks + min(wn1 / 128, n_blocks - 1)) * kblocks;
-        auto scales = [&](int kb) { return g8_scales{scale_a[kb], scale_b[kb], scale_w0[kb], scale_w1[kb]}; };
-#pragma unroll
-        for (int j = 0; j < 64; j++) d[j] = 0.0f;
-        int held = stage;  // the stage of the block in flight longest
-        auto step = [&](float* into, float* done, g8_scales s) {
-            gg_bar_wait(&sh.full[stage], phase);
-            g8_issue<A_BYTES, B_BYTES, STAGES>(into, ring, stage, wg, gather);
-            gg_wait<1>();
-            gg_pin<64>(done);
-            gg_bar_arrive(&sh.empty[held]);
-            g8_promote(d, done, s);
-            held = stage;
-            next();
-        };
-        auto last = [&](float* done, g8_scales s) {
-            gg_wait<0>();
-            gg_pin<64>(done);
-            gg_bar_arrive(&sh.empty[held]);
-            g8_promote(d, done, s);
-        };
-        if constexpr (SETS == 2) {
-            // Block 0 into p0; then each turn, with block kb in flight in p0, block kb + 1 goes
-            // into p1 while p0 is scaled in, and block kb + 2 into p0 while p1 is. The last one
-            // or two blocks follow the loop, so every path leaves the same set in flight.
-            g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
-            next();
-            int kb = 0;
-            for (; kb + 2 < kblocks; kb += 2) {
-                step(p1, p0, scales(kb));
-                step(p0, p1, scales(kb + 1));
-            }
-            if (kb + 1 < kblocks) {
-                step(p1, p0, scales(kb));
-                last(p1, scales(kb + 1));
-            } else {
-                last(p0, scales(kb));
-            }
-        } else {
-            // One set: each block's products, waited for, then scaled in. The next block's
-            // scales are loaded while this one multiplies, a block ahead of their use.
-            g8_scales s = scales(0);
-            for (int kb = 0; kb < kblocks; kb++) {
-                if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
-                g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
-                const g8_scales ahead = scales(min(kb + 1, kblocks - 1));
-                held = stage;
-                last(p0, s);
-                s = ahead;
-                next();
-            }
-        }
         const long row0 = t.row0 + wg * 64;
-        if (act) {
-            gg_act_kind<8>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, t.col0, width, alpha, limit);
-            gg_store<64>(d, C, row0, t.rows_end, t.col0, width);
-        } else {
-            gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
+        for (int sub = 0; sub < subs; sub++) {
+            if (sub > 0) gg_bar_wait(&sh.full[stage], phase);
+            const int col0 = t.col0 + 64 * sub;
+            // The two weight scale blocks of the sub-tile's halves.
+            const int wn0 = col0, wn1 = col0 + (act ? width : G8_BN / 2);
+            const float* scale_w0 = w_scales + ((long)t.expert * n_blocks + wn0 / 128) * kblocks;
+            const float* scale_w1 = w_scales + ((long)t.expert * n_blocks + min(wn1 / 128, n_blocks - 1)) * kblocks;
+            auto scales = [&](int kb) { return g8_scales{scale_a[kb], scale_b[kb], scale_w0[kb], scale_w1[kb]}; };
+#pragma unroll
+            for (int j = 0; j < 64; j++) d[j] = 0.0f;
+            int held_stage = stage;  // the stage of the block in flight longest
+            auto step = [&](float* into, float* done, g8_scales s) {
+                gg_bar_wait(&sh.full[stage], phase);
+                g8_issue<A_BYTES, B_BYTES, STAGES>(into, ring, stage, wg, gather);
+                gg_wait<1>();
+                gg_pin<64>(done);
+                gg_bar_arrive(&sh.empty[held_stage]);
+                g8_promote(d, done, s);
+                held_stage = stage;
+                next();
+            };
+            auto last = [&](float* done, g8_scales s) {
+                gg_wait<0>();
+                gg_pin<64>(done);
+                gg_bar_arrive(&sh.empty[held_stage]);
+                g8_promote(d, done, s);
+            };
+            if constexpr (SETS == 2) {
+                // Block 0 into p0; then each turn, with block kb in flight in p0, block kb + 1
+                // goes into p1 while p0 is scaled in, and block kb + 2 into p0 while p1 is. The
+                // last one or two blocks follow the loop, so every path leaves the same set in
+                // flight.
+                g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+                next();
+                int kb = 0;
+                for (; kb + 2 < kblocks; kb += 2) {
+                    step(p1, p0, scales(kb));
+                    step(p0, p1, scales(kb + 1));
+                }
+                if (kb + 1 < kblocks) {
+                    step(p1, p0, scales(kb));
+                    last(p1, scales(kb + 1));
+                } else {
+                    last(p0, scales(kb));
+                }
+            } else {
+                // One set: each block's products, waited for, then scaled in. The next block's
+                // scales are loaded while this one multiplies, a block ahead of their use.
+                g8_scales s = scales(0);
+                for (int kb = 0; kb < kblocks; kb++) {
+                    if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
+                    g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+                    const g8_scales ahead = scales(min(kb + 1, kblocks - 1));
+                    held_stage = stage;
+                    last(p0, s);
+                    s = ahead;
+                    next();
+                }
+            }
+            if (!act) {
+                gg_store<128>(d, C, row0, t.rows_end, col0, width);
+                continue;
+            }
+            gg_act_kind<8>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, col0, width, alpha, limit);
+            if constexpr (QUANT) {
+                unsigned now[16];
+#pragma unroll
+                for (int j = 0; j < 8; j++) {
+                    now[2 * j] = gg_pack(d[4 * j], d[4 * j + 1]);
+                    now[2 * j + 1] = gg_pack(d[4 * j + 2], d[4 * j + 3]);
+                }
+                if (sub == 0) {
+#pragma unroll
+                    for (int j = 0; j < 16; j++) held[j] = now[j];
+                } else {
+                    g8_store_fp8(held, now, Q, S, r0, t.rows_end, t.col0, width);
+                }
+            } else {
+                gg_store<64>(d, C, row0, t.rows_end, col0, width);
+            }
         }
     }
 }
 
 // The kernel for tiles of 64·WGS rows over a ring of STAGES stages, SETS sets of partial
-// sums; see the entry points below.
-template <int WGS, int STAGES, int SETS>
+// sums, QUANT for an activation quantized in the epilogue; see the entry points below.
+template <int WGS, int STAGES, int SETS, bool QUANT>
 __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
                                           int* next_tile, int act_kind, float alpha, float limit, const float* b13,
                                           const float* a_scales, const float* w_scales,
-                                          const unsigned char* gather_x, const int* slot_of_row, int gather_k) {
+                                          const unsigned char* gather_x, const int* slot_of_row, int gather_k,
+                                          unsigned char* Q, float* S) {
     constexpr int BM = 64 * WGS;
     constexpr int RING_BYTES = STAGES * (BM + G8_BN) * G8_BK;
     extern __shared__ unsigned char g8_raw[];
     unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
     const bool gather = gather_x != 0;
     const bool act = act_kind >= 0;
-    const int width = act ? N / 2 : N, tile_cols = act ? G8_BN / 2 : G8_BN;
+    // An activation quantized in the epilogue takes tiles of two sub-tiles: 128 output
+    // columns, one scale group of the down projection's rows.
+    const int width = act ? N / 2 : N, tile_cols = act ? (QUANT ? G8_BN : G8_BN / 2) : G8_BN;
     const int col_blocks = (width + tile_cols - 1) / tile_cols;
     gg_shared sh;
     const int tiles =
         gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
     // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
-    // partial sums): the producer warpgroup gives them its registers.
-    constexpr bool SHIFT_REGISTERS = WGS == 2 && SETS == 2;
+    // partial sums), or 128 and a sub-tile's activation: the producer warpgroup gives them
+    // its registers. The block holds 168 a thread (384 threads): 128 · 40 + 256 · 232 of them.
+    constexpr bool SHIFT_REGISTERS = WGS == 2 && (SETS == 2 || QUANT);
     if (threadIdx.x < 128) {
         if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
         gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
                                                             col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
-                                                            gather_k);
+                                                            gather_k, QUANT ? 2 : 1);
     } else {
         if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
-        g8_consume<WGS, STAGES, SETS>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha,
-                                      limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k);
+        g8_consume<WGS, STAGES, SETS, QUANT>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha,
+                                      limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k, Q, S);
     }
 }
 #endif
@@ -224,31 +292,39 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 // gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the same row (or
 // token); W [experts · N, K] through w_map in boxes of 64 rows, its scales w_scales [experts,
 // ceil(N / 128), ceil(K / 128)]. An activation needs N / 2 a multiple of 64 (each half of a
-// tile inside one scale block). next_tile: as in grouped_gemm_sm90.
+// tile inside one scale block). With Q (an activation, N / 2 a multiple of 128) the activation
+// goes out as fp8 codes Q [rows, N / 2] with one scale per 128 values in S [rows, N / 256]
+// (the bf16 values' amax / 448), and C is not written. next_tile: as in grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G8_BODY(WGS, STAGES, SETS)                                                                            \
-    g8_kernel<WGS, STAGES, SETS>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha,     \
-                                 limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k);
+#define G8_BODY(WGS, STAGES, SETS, QUANT)                                                                     \
+    g8_kernel<WGS, STAGES, SETS, QUANT>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha,     \
+                                 limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k, Q, S);
 #else
-#define G8_BODY(WGS, STAGES, SETS)
+#define G8_BODY(WGS, STAGES, SETS, QUANT)
 #endif
-#define G8_ENTRY(name, threads, WGS, STAGES, SETS)                                                                \
+#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT)                                                               \
     extern "C" __global__ void __launch_bounds__(threads, 1)                                                      \
         name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C, \
              const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,     \
              float alpha, float limit, const float* b13, const float* a_scales, const float* w_scales,           \
-             const unsigned char* gather_x, const int* slot_of_row, int gather_k) {                              \
-        G8_BODY(WGS, STAGES, SETS)                                                                                \
+             const unsigned char* gather_x, const int* slot_of_row, int gather_k, unsigned char* Q, float* S) {   \
+        G8_BODY(WGS, STAGES, SETS, QUANT)                                                                         \
     }
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.
-G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2)
+G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2, false)
 
 // The same with one set of partial sums, for rows the producer gathers: a set's block held
 // while the next one comes in is a stage the slower gathered loads miss (docs/tuning.md).
-G8_ENTRY(grouped_gemm_fp8_sm90_one_set, 384, 2, 6, 1)
+G8_ENTRY(grouped_gemm_fp8_sm90_one_set, 384, 2, 6, 1, false)
 
 // 64-row tiles, one consumer warpgroup and a 9-stage ring: for experts of few rows, whose
 // tiles mostly stream weights, more of them in flight. One set of partial sums: the products
 // of a few rows are short, and a second set only cost time (docs/tuning.md).
-G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 1)
+G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 1, false)
+
+// The up projection with its activation quantized in the epilogue (Q, S), in 128- and 64-row
+// tiles; one set of partial sums (the first sub-tile's activation takes the registers a second
+// set would).
+G8_ENTRY(grouped_gemm_fp8_sm90_act_fp8, 384, 2, 6, 1, true)
+G8_ENTRY(grouped_gemm_fp8_sm90_short_act_fp8, 256, 1, 9, 1, true)

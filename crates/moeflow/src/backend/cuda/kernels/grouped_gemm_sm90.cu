@@ -314,12 +314,14 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
 // ahead (to hide the atomic) left whole tiles waiting behind busy blocks at the end
 // (docs/tuning.md). A stage holds BM rows of A (by TMA, or gathered: every thread of the
 // warpgroup copies its share with cp.async) and BN weight rows in two boxes of BN / 2: the
-// next BN / 2 rows, or with an activation the up rows `width` further down.
+// next BN / 2 rows, or with an activation the up rows `width` further down. A tile of `subs`
+// sub-tiles (an activation quantized in the epilogue takes two) streams its depth once for
+// each, sub-tile s starting BN / 2 weight rows further.
 template <typename T, int DEPTH, int BM, int BN, int STAGES>
 __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* ring, const gg_tensor_map& a_map,
                                            const gg_tensor_map& w_map, int tiles, int experts, int N, int K,
                                            int width, bool act, int col_blocks, int tile_cols, int* next_tile,
-                                           const T* gather_x, const int* slot_of_row, int gather_k) {
+                                           const T* gather_x, const int* slot_of_row, int gather_k, int subs) {
     constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;
     constexpr int ROWS_PER_THREAD = BM / 16;  // gathering: eight threads a row
     constexpr int CHUNK = 16 / sizeof(T);     // elements a 16-byte copy
@@ -366,7 +368,8 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
             const int row = t.row0 + me / 8 + 16 * j;
             src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
         }
-        for (int kb = 0; kb < kblocks; kb++) {
+        for (int step = 0; step < subs * kblocks; step++) {
+            const int kb = step % kblocks, sub = step / kblocks;
             gg_bar_wait(&sh.empty[stage], phase ^ 1);
             unsigned char* a = ring + stage * A_BYTES;
             if (me == 0) {
@@ -374,8 +377,8 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
                 gg_bar_expect(&sh.full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
                 if (!gather) gg_tma_load(a, &a_map, &sh.full[stage], kb * DEPTH, t.row0);
                 unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
-                gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow);
-                gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2);
+                gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow + sub * BN / 2);
+                gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2 + sub * BN / 2);
             }
             if (gather) {
                 // The 128-byte swizzle TMA would apply: 16-byte chunk c of row r at c ^ (r % 8).
@@ -419,7 +422,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
               *start_of = sh.start_of;
     if (threadIdx.x < 128) {
         gg_produce<bf16_t, GG_BK, BM, BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act, col_blocks,
-                                                  tile_cols, next_tile, gather_x, slot_of_row, gather_k);
+                                                  tile_cols, next_tile, gather_x, slot_of_row, gather_k, 1);
         return;
     }
 

@@ -62,6 +62,14 @@ __global__ void fill_uniform_bf16(bf16_t* y, long n, u64 seed, float scale) {
     }
 }
 
+// *at = the GPU's global nanosecond clock: a stage boundary inside a CUDA graph, where events
+// are not timed. One thread.
+__global__ void stamp_clock(u64* at) {
+    u64 now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    *at = now;
+}
+
 __global__ void fill_uniform_f32(float* y, long n, u64 seed, float scale) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);

@@ -91,8 +91,9 @@ impl CudaDualBatch {
     /// the dispatched bytes both halves' (the experts used are not counted).
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         let parts = split(tokens);
-        let [(a, sa), (b, sb)] =
-            self.on_both(|layer, j, hook| layer.timed_marks(parts[j], seed ^ ((j as u64) << 40), false, hook))?;
+        let [(a, sa), (b, sb)] = self.on_both(|layer, j, hook| {
+            layer.timed_marks(parts[j], seed ^ ((j as u64) << 40), super::Replay::Direct, hook)
+        })?;
         let total = match (sa, sb) {
             (Some(sa), Some(sb)) => whole(&sa, &sb)?,
             _ => a.total.max(b.total),

@@ -4,7 +4,7 @@
 //! implementations in [`super::experts`].
 
 use super::fp8_weights::Fp8Experts;
-use super::hopper_fp8_gemm::{Fp8Operand, HopperFp8Gemm};
+use super::hopper_fp8_gemm::{Fp8Operand, GemmOut, HopperFp8Gemm};
 use super::hopper_gemm::Epilogue;
 use super::masked_gemm::Fp8Rows;
 use super::{check, dptr, err, Buffers, CudaMoeLayer};
@@ -111,10 +111,10 @@ impl CudaMoeLayer {
         self.quantize_rows_on(s, dptr(&b.x_bf, g), [t, h], 1, 0, [a.codes, a.scales, 0])?;
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
         let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
-        gemm.run(s, w13, [2 * si, h], a, dptr(&b.sact, g), [t, t], co, 1, act, None)?;
+        gemm.run(s, w13, [2 * si, h], a, GemmOut::Bf16(dptr(&b.sact, g)), [t, t], co, 1, act, None)?;
         self.quantize_rows_on(s, dptr(&b.sact, g), [t, si], 1, 0, [a.codes, a.scales, 0])?;
         let w2 = Fp8Operand { codes: dptr(&fp8.w2, g), scales: dptr(&fp8.s2, g) };
-        gemm.run(s, w2, [h, si], a, dptr(&b.sy, g), [t, t], co, 1, Epilogue::Product, None)
+        gemm.run(s, w2, [h, si], a, GemmOut::Bf16(dptr(&b.sy, g)), [t, t], co, 1, Epilogue::Product, None)
     }
 
     /// Sets `b.shared_rows` on `s` to the shared expert's `t` rows from offset 0, and returns

@@ -7,10 +7,10 @@
 //! counts on the device) with bf16 experts, or W8A8 experts on the fp8 Hopper GEMM.
 //! [`super::CudaOptions::cuda_graphs`] turns it off.
 
-use super::{dptr, err, Buffers, CudaMoeLayer, GpuStageTimes};
+use super::{dptr, err, Buffers, CudaMoeLayer, GpuStageTimes, Ran};
 use crate::error::Result;
 use cudarc::cublas::{sys as cb, CudaBlas};
-use cudarc::driver::{sys as drv, CudaEvent, CudaGraph, CudaSlice};
+use cudarc::driver::{sys as drv, CudaEvent, CudaGraph, CudaSlice, PushKernelArg};
 
 /// cuBLAS workspace per handle, set before capture so no GEMM allocates inside a graph.
 pub(super) const BLAS_WORKSPACE: usize = 32 << 20;
@@ -93,7 +93,7 @@ pub(super) struct LocalGraphs {
     workspaces: Vec<CudaSlice<u8>>,
     /// Where the layer's fp8 row buffers were when the graphs were captured: the graphs of a
     /// W8A8 layer point into them, so they go when the buffers move.
-    fp8_rows_at: [u64; 2],
+    fp8_rows_at: [u64; 4],
     /// Captures still to spoil on purpose (tests of the fallback).
     #[cfg(test)]
     spoil: usize,
@@ -216,8 +216,10 @@ impl CudaMoeLayer {
         Ok(true)
     }
 
-    /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph.
-    pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize) -> Result<LayerGraph> {
+    /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph,
+    /// and what its run does. With `stamps`, the graph writes the GPU's clock at every stage
+    /// boundary n (0..=9, as the layer's events mark them) to the u64 at `stamps + 8 n`.
+    pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize, stamps: Option<u64>) -> Result<(LayerGraph, Ran)> {
         let s = &self.gpu.stream;
         let _no_blas_handle_changes = super::super::blas_handle::capture_lock();
         let spoil = b.graphs.spoils_this_capture();
@@ -229,6 +231,14 @@ impl CudaMoeLayer {
             if spoil && stage == 4 {
                 let _ = s.synchronize();
             }
+            if let Some(at) = stamps {
+                let at = at + 8 * stage as u64;
+                let one =
+                    cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: stamp_clock(u64*) writes one u64 at `at`, inside the caller's
+                // buffer of ten.
+                unsafe { s.launch_builder(&self.k.stamp_clock).arg(&at).launch(one) }.map_err(|e| err("stamp", e))?;
+            }
             Ok(())
         });
         if enqueued.is_err() {
@@ -237,9 +247,9 @@ impl CudaMoeLayer {
             let _ = self.side.join(s, self.side.all());
         }
         let captured = s.end_capture(drv::CUgraphInstantiate_flags_enum(0));
-        enqueued?;
+        let ran = enqueued?;
         let graph = captured.map_err(|e| err("end capture", e))?.ok_or_else(|| err("end capture", "empty graph"))?;
-        Ok(LayerGraph(graph))
+        Ok((LayerGraph(graph), ran))
     }
 
     /// Captures the layer for `t` tokens into `b`'s graphs; `false` when the capture failed
@@ -254,8 +264,8 @@ impl CudaMoeLayer {
         // The direct run may have grown the fp8 row buffers.
         self.drop_moved_graphs(b);
         let _one_at_a_time = CAPTURING.lock().unwrap_or_else(|p| p.into_inner());
-        match self.capture_layer(b, t) {
-            Ok(graph) => {
+        match self.capture_layer(b, t, None) {
+            Ok((graph, _)) => {
                 if b.graphs.graphs.len() == GRAPHS_KEPT {
                     b.graphs.graphs.remove(0);
                 }

@@ -2,7 +2,8 @@
 //! (one f32 scale per 128 values) times fp8 e4m3 expert weights (one per 128 × 128 block) on
 //! the fp8 tensor cores, every expert's rows in one persistent launch that reads the expert
 //! counts and row offsets on the device, bf16 out, with the activation in the up projection's
-//! epilogue and the rows optionally gathered from the tokens by the kernel itself.
+//! epilogue (and optionally its quantization to fp8 for the down projection) and the rows
+//! optionally gathered from the tokens by the kernel itself.
 
 use super::err;
 use super::hopper_gemm::{persistent_blocks, persistent_kernel, tensor_map, Epilogue, MAX_EXPERTS};
@@ -29,6 +30,12 @@ const TILES_128_ONE_SET: Variant =
     Variant { name: "grouped_gemm_fp8_sm90_one_set", rows: 128, stages: 6, threads: 384 };
 const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 64, stages: 9, threads: 256 };
 
+/// [`TILES_128_ONE_SET`] and [`TILES_64`] with the activation quantized in the epilogue.
+const TILES_128_ACT_FP8: Variant =
+    Variant { name: "grouped_gemm_fp8_sm90_act_fp8", rows: 128, stages: 6, threads: 384 };
+const TILES_64_ACT_FP8: Variant =
+    Variant { name: "grouped_gemm_fp8_sm90_short_act_fp8", rows: 64, stages: 9, threads: 256 };
+
 /// Rows an expert on average up to which a product takes 64-row tiles, as the bf16 Hopper GEMM
 /// does (its `SHORT_TO_ROWS`): their deeper ring keeps more weight bytes in flight.
 const SHORT_TO_ROWS: usize = 32;
@@ -49,6 +56,17 @@ pub(super) struct Fp8Operand {
     pub scales: u64,
 }
 
+/// What the GEMM writes for its `[rows, width]` output.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum GemmOut {
+    /// bf16 rows at this device address.
+    Bf16(u64),
+    /// fp8 codes with one scale per 128 values, as [`Fp8Operand`] rows: the activation of an
+    /// up projection quantized in its epilogue for the down projection, with the codes and
+    /// scales a separate pass over its bf16 values would give (`width` a multiple of 128).
+    Fp8(Fp8Operand),
+}
+
 /// Rows of `A` gathered by the GEMM itself: row `r` is token `slot_of_row[r] / k` of `x`, the
 /// tokens' codes and scales (as [`Fp8Operand`]).
 #[derive(Clone, Copy, Debug)]
@@ -58,13 +76,16 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`]), the SMs its
+/// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`] and the two
+/// that quantize the activation), the SMs its
 /// persistent blocks fill, their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s)
 /// and the tile rows the options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
     one_set: CudaFunction,
     short: CudaFunction,
+    act_fp8: CudaFunction,
+    short_act_fp8: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
     rows_asked: Option<u32>,
@@ -80,34 +101,40 @@ impl HopperFp8Gemm {
         }
         let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
         let (f, one_set, short) = (load(TILES_128)?, load(TILES_128_ONE_SET)?, load(TILES_64)?);
+        let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
         let (sms, next_tile) = persistent_blocks(gpu)?;
-        Ok(Some(HopperFp8Gemm { f, one_set, short, sms, next_tile, rows_asked: opts.gemm_tile_rows }))
+        let rows_asked = opts.gemm_tile_rows;
+        Ok(Some(HopperFp8Gemm { f, one_set, short, act_fp8, short_act_fp8, sms, next_tile, rows_asked }))
     }
 
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
     /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask); 128-row tiles over
     /// rows the kernel gathers itself keep one set of partial sums, which holds one stage of the
-    /// ring less while the gathered rows come in (docs/tuning.md).
-    fn variant(&self, rows: usize, experts: usize, gathered: bool) -> Variant {
+    /// ring less while the gathered rows come in (docs/tuning.md). An activation quantized in
+    /// the epilogue (`fp8_out`) keeps one set in either case.
+    fn variant(&self, rows: usize, experts: usize, gathered: bool, fp8_out: bool) -> Variant {
         let short = match self.rows_asked {
             Some(r) => r == TILES_64.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         };
-        match (short, gathered) {
-            (true, _) => TILES_64,
-            (false, true) => TILES_128_ONE_SET,
-            (false, false) => TILES_128,
+        match (short, gathered, fp8_out) {
+            (true, _, false) => TILES_64,
+            (true, _, true) => TILES_64_ACT_FP8,
+            (false, _, true) => TILES_128_ACT_FP8,
+            (false, true, false) => TILES_128_ONE_SET,
+            (false, false, false) => TILES_128,
         }
     }
 
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
     /// `offsets[x] .. offsets[x] + counts[x]` (device ints; `busy` rows at most in all, which
     /// picks the tiles), `A` fp8 rows `[rows, kdim]`, `W`
-    /// fp8 weights `[experts · n, kdim]` (see [`Fp8Operand`]), `C` bf16 `[rows, n]` at `c` (or,
-    /// with an activation, `[rows, n / 2]`: see [`Epilogue`]); f32 sums, each 128-deep block
-    /// scaled into them. `kdim` must be a multiple of 16, `n` of 8 (of 128 with an activation,
-    /// whose halves then start on weight scale blocks). With `gather` the rows of `A` are read
-    /// from the tokens it names instead of from `a`.
+    /// fp8 weights `[experts · n, kdim]` (see [`Fp8Operand`]), `C` `[rows, n]` written as `out`
+    /// says (or, with an activation, `[rows, n / 2]`: see [`Epilogue`]); f32 sums, each
+    /// 128-deep block scaled into them. `kdim` must be a multiple of 16, `n` of 8 (of 128 with
+    /// an activation, whose halves then start on weight scale blocks; of 256 for fp8 out, which
+    /// needs an activation). With `gather` the rows of `A` are read from the tokens it names
+    /// instead of from `a`.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -115,7 +142,7 @@ impl HopperFp8Gemm {
         w: Fp8Operand,
         [n, kdim]: [usize; 2],
         a: Fp8Operand,
-        c: u64,
+        out: GemmOut,
         [rows, busy]: [usize; 2],
         [counts, offsets]: [u64; 2],
         experts: usize,
@@ -130,10 +157,20 @@ impl HopperFp8Gemm {
                  {MAX_EXPERTS} experts (got n {n}, k {kdim}, {experts} experts)"
             )));
         }
+        let (c, q) = match out {
+            GemmOut::Bf16(c) => (c, Fp8Operand { codes: 0, scales: 0 }),
+            GemmOut::Fp8(q) if kind >= 0 && n % 256 == 0 => (0, q),
+            GemmOut::Fp8(_) => {
+                return Err(MoeError::Unsupported(format!(
+                    "fp8 output from the fp8 Hopper grouped GEMM needs an activation over a width divisible by 256 \
+                     (got n {n})"
+                )))
+            }
+        };
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let v = self.variant(busy, experts, gather.is_some());
+        let v = self.variant(busy, experts, gather.is_some(), q.codes != 0);
         let a_map = tensor_map(a.codes, rows, kdim, v.rows, 1)?;
         let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
@@ -149,23 +186,26 @@ impl HopperFp8Gemm {
             None => (a.scales, 0u64, 0u64, 1i32),
         };
         // SAFETY: grouped_gemm_fp8_sm90(map, map, bf16*, int*, int*, int, int, int, int*, int,
-        // float, float, float*, float*, float*, u8*, int*, int) with its threads and shared
-        // memory: the maps describe A's codes ([rows, kdim]) and W's ([experts · n, kdim]);
+        // float, float, float*, float*, float*, u8*, int*, int, u8*, float*) with its threads
+        // and shared memory: the maps describe A's codes ([rows, kdim]) and W's ([experts · n, kdim]);
         // the scales hold a row's (or a token's) ceil(kdim / 128) and an expert's
         // ceil(n / 128) · ceil(kdim / 128); C holds `rows` rows of n (n / 2 with an
         // activation); counts and offsets hold `experts` ints placing rows inside `rows`; the
         // counter is two ints, zero at every launch; the bias, when given, `experts · n`
-        // floats; a gather's slots name tokens of its x.
+        // floats; a gather's slots name tokens of its x; fp8 out (then C is 0) holds `rows` rows
+        // of n / 2 codes and n / 256 scales.
         unsafe {
             let f = match v {
                 TILES_64 => &self.short,
                 TILES_128_ONE_SET => &self.one_set,
+                TILES_128_ACT_FP8 => &self.act_fp8,
+                TILES_64_ACT_FP8 => &self.short_act_fp8,
                 _ => &self.f,
             };
             let mut l = stream.launch_builder(f);
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
-            l.arg(&a_scales).arg(&w.scales).arg(&gx).arg(&gs).arg(&gk);
+            l.arg(&a_scales).arg(&w.scales).arg(&gx).arg(&gs).arg(&gk).arg(&q.codes).arg(&q.scales);
             l.launch(cfg)
         }
         .map(|_| ())
@@ -176,7 +216,7 @@ impl HopperFp8Gemm {
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
-    use super::{Epilogue, Fp8Gather, Fp8Operand, HopperFp8Gemm};
+    use super::{Epilogue, Fp8Gather, Fp8Operand, GemmOut, HopperFp8Gemm};
     use crate::experts::Activation;
     use crate::quant::fp8_e4m3_decode;
     use half::bf16;
@@ -199,13 +239,74 @@ mod tests {
             .collect()
     }
 
+    /// The up projection with its activation quantized in the epilogue (`GemmOut::Fp8`), two
+    /// launches, against the activation's bf16 rows `bf16_out` (the same GEMM with bf16 out)
+    /// quantized on the host: the same codes and scales bit for bit on the experts' rows, the
+    /// other rows' poison left alone. A width that is not a multiple of 128 is refused.
+    #[allow(clippy::type_complexity)]
+    fn fp8_out_matches_a_separate_pass(
+        gemm: &HopperFp8Gemm,
+        (w, a, gather): (Fp8Operand, Fp8Operand, Option<Fp8Gather>),
+        [n, k]: [usize; 2],
+        dev: [u64; 2],
+        (counts, offsets): (&[i32], &[i32]),
+        epilogue: Epilogue,
+        bf16_out: &[u16],
+    ) {
+        let gpu = Gpu::new(0).unwrap();
+        let s = &gpu.stream;
+        let (width, e) = (n / 2, counts.len());
+        let rows = bf16_out.len() / width;
+        let groups = width.div_ceil(128);
+        let (code_poison, scale_poison) = (0x5au8, -3.0f32);
+        let mut codes = s.clone_htod(&vec![code_poison; rows * width]).unwrap();
+        let mut scales = s.clone_htod(&vec![scale_poison; rows * groups]).unwrap();
+        let q = Fp8Operand { codes: dptr(&codes, &gpu), scales: dptr(&scales, &gpu) };
+        let run = || gemm.run(s, w, [n, k], a, GemmOut::Fp8(q), [rows, rows], dev, e, epilogue, gather);
+        if width % 128 != 0 {
+            assert!(run().is_err(), "fp8 out over {width} columns was not refused");
+            return;
+        }
+        let mut first = None;
+        for _ in 0..2 {
+            s.memcpy_htod(&vec![code_poison; rows * width], &mut codes).unwrap();
+            s.memcpy_htod(&vec![scale_poison; rows * groups], &mut scales).unwrap();
+            run().unwrap();
+            first.get_or_insert_with(|| (s.clone_dtoh(&codes).unwrap(), s.clone_dtoh(&scales).unwrap()));
+        }
+        let (got_codes, got_scales) = (s.clone_dtoh(&codes).unwrap(), s.clone_dtoh(&scales).unwrap());
+        assert!(
+            first == Some((got_codes.clone(), got_scales.clone())),
+            "width {width}: a second launch gives other bits"
+        );
+        let mut owned = vec![false; rows];
+        for (&c, &o) in counts.iter().zip(offsets) {
+            owned[o as usize..(o + c) as usize].iter_mut().for_each(|x| *x = true);
+        }
+        for r in 0..rows {
+            let (code_row, scale_row) =
+                (&got_codes[r * width..(r + 1) * width], &got_scales[r * groups..(r + 1) * groups]);
+            if !owned[r] {
+                assert!(code_row.iter().all(|&c| c == code_poison), "width {width}: codes of row {r} written");
+                assert!(scale_row.iter().all(|&c| c == scale_poison), "width {width}: scales of row {r} written");
+                continue;
+            }
+            let values: Vec<f32> =
+                bf16_out[r * width..(r + 1) * width].iter().map(|&b| bf16::from_bits(b).to_f32()).collect();
+            let want = crate::quant::quantize(crate::quant::QuantConfig::Fp8Block, &values, width).unwrap();
+            assert_eq!(code_row, &want.data[..], "width {width}: codes of row {r}");
+            assert_eq!(scale_row, &want.scales[..], "width {width}: scales of row {r}");
+        }
+    }
+
     /// The fp8 grouped GEMM, in 128- and 64-row tiles, against an f64 product of the values
     /// the codes and scales stand for, with poisoned outputs: experts with 0, 1, a partial
     /// tile, exactly one tile and several tiles of rows, grouped and padded layouts, widths that
     /// are not tile multiples and depths that are not multiples of the 128-deep stage; every
     /// activation in the epilogue (with and without a bias); rows gathered by the GEMM from a
-    /// shuffled copy of the tokens (three slots a token). The second of two launches is
-    /// checked, and has the first's bits. Needs a Hopper GPU; says loudly when it skips.
+    /// shuffled copy of the tokens (three slots a token); every activation also quantized in the
+    /// epilogue. The second of two launches is checked, and has the first's bits. Needs a
+    /// Hopper GPU; says loudly when it skips.
     #[test]
     fn fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
         let name = "fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone";
@@ -284,11 +385,12 @@ mod tests {
             let mut first = None;
             for _ in 0..2 {
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
-                gemm.run(s, wop, [n, k], aop, dptr(&cd, &gpu), [rows, rows], ptrs, e, epilogue, gather).unwrap();
+                let out = GemmOut::Bf16(dptr(&cd, &gpu));
+                gemm.run(s, wop, [n, k], aop, out, [rows, rows], ptrs, e, epilogue, gather).unwrap();
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            let tile_rows = gemm.variant(rows, e, gathered).rows;
+            let tile_rows = gemm.variant(rows, e, gathered, false).rows;
             let what = format!("{tile_rows}-row tiles, n {n} k {k} activation {act:?} gathered {gathered}");
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
             let av = |r: usize, q: usize| fp8_e4m3_decode(a[r * k + q]) as f64 * as_[r * kb + q / 128] as f64;
@@ -331,6 +433,18 @@ mod tests {
                 assert!(got[r * width..(r + 1) * width].iter().all(|&x| x == poison), "{what}: row {r} written");
             }
             eprintln!("fp8 grouped GEMM matches f64: {what}");
+            if act.is_some() {
+                fp8_out_matches_a_separate_pass(
+                    gemm,
+                    (wop, aop, gather),
+                    [n, k],
+                    ptrs,
+                    (&counts, &offsets),
+                    epilogue,
+                    &got,
+                );
+                eprintln!("  and its activation quantized in the epilogue has the separate pass's codes");
+            }
         }
     }
 }

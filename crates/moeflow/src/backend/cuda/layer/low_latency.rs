@@ -8,10 +8,12 @@
 //! This file holds the layer's side of it (the switch, the buffers, the graph's capture and
 //! replay); the dispatch and combine are the [`super::strategy::LowLatency`] strategy, and the
 //! experts run on its padded layout (the Hopper or the masked grouped GEMM, which read the
-//! counts on the device).
+//! counts on the device). Events cannot time stages inside a graph, so a second capture of the
+//! layer stamps the GPU's clock at every stage boundary for
+//! [`CudaMoeLayer::forward_timed_stages`].
 
 use super::graph::{blas_workspaces, elapsed_ms, LayerGraph};
-use super::{err, strategy, CudaMoeLayer, GpuStageTimes};
+use super::{err, strategy, CudaMoeLayer, GpuStageTimes, Ran};
 use crate::error::{MoeError, Result};
 use cudarc::driver::CudaSlice;
 
@@ -35,6 +37,10 @@ pub(super) struct LlBuffers {
     /// cuBLAS workspaces (main handle, shared-expert handle); they must outlive the graph.
     _workspaces: Vec<CudaSlice<u8>>,
     graph: Option<LayerGraph>,
+    /// The layer captured with a clock stamp at each of its ten stage boundaries, written to
+    /// `stamps`, and what its run does.
+    stamped: Option<(LayerGraph, Ran)>,
+    stamps: CudaSlice<u64>,
 }
 
 impl LlBuffers {
@@ -127,6 +133,8 @@ impl CudaMoeLayer {
             back: z16(msg * h)?,
             _workspaces: Vec::new(),
             graph: None,
+            stamped: None,
+            stamps: s.alloc_zeros::<u64>(10).map_err(|e| err("allocating workspace", e))?,
         })
     }
 
@@ -148,7 +156,7 @@ impl CudaMoeLayer {
             // A direct run first: NCCL connects its peers, cuBLAS picks its kernels, the
             // modules load, none of which may happen inside a capture.
             self.warm_up(b, m)?;
-            let graph = self.capture_layer(b, m)?;
+            let (graph, _) = self.capture_layer(b, m, None)?;
             b.ll.as_mut().expect("allocated").graph = Some(graph);
         }
         let graph = b.ll.as_ref().expect("allocated").graph.as_ref().expect("captured above");
@@ -159,6 +167,48 @@ impl CudaMoeLayer {
             total: elapsed_ms(&events)?,
             dispatch_bytes: self.ll_sent_bytes(),
             ..GpuStageTimes::default()
+        })
+    }
+
+    /// [`CudaMoeLayer::ll_run`] timed stage by stage inside the graph: replays the layer's
+    /// stamped capture (capturing it on the first call, after the plain graph's) and reads its
+    /// clock stamps. The stamps, one-thread kernels between the stages, add a few microseconds
+    /// to the whole.
+    pub(super) fn ll_run_stamped(&self, b: &mut super::Buffers, t: usize) -> Result<GpuStageTimes> {
+        let link = self.ep.as_ref().expect("low-latency layers are expert-parallel");
+        let m = link.capacity.expect("low-latency layers have a capacity");
+        if b.ll.as_ref().expect("allocated by low_latency()").graph.is_none() {
+            self.ll_run(b, t, false)?;
+        }
+        self.ll_set_tokens(b, t)?;
+        if b.ll.as_ref().expect("allocated").stamped.is_none() {
+            let at = super::dptr(&b.ll.as_ref().expect("allocated").stamps, &self.gpu);
+            let stamped = self.capture_layer(b, m, Some(at))?;
+            b.ll.as_mut().expect("allocated").stamped = Some(stamped);
+        }
+        let ll = b.ll.as_ref().expect("allocated");
+        let (graph, ran) = ll.stamped.as_ref().expect("captured above");
+        graph.launch(&self.gpu, false)?;
+        link.check_transport(link.comm.wait("moe layer", &self.gpu.stream))?;
+        let ns = self.gpu.stream.clone_dtoh(&ll.stamps).map_err(|e| err("reading clock stamps", e))?;
+        let ms = |a: usize, z: usize| ns[z].saturating_sub(ns[a]) as f64 * 1e-6;
+        Ok(GpuStageTimes {
+            route: ms(0, 1),
+            permute: ms(1, 2),
+            dispatch: ms(2, 3),
+            gemm1: ms(3, 4),
+            act: ms(4, 5),
+            gemm2: ms(5, 6),
+            collect: ms(6, 7),
+            combine: ms(7, 8),
+            shared: ms(8, 9),
+            total: ms(0, 9),
+            dispatch_bytes: self.ll_sent_bytes(),
+            experts_used: 0,
+            strategy: ran.strategy,
+            experts: ran.experts,
+            transport: link.transport_name(),
+            device_plan: false,
         })
     }
 

@@ -16,6 +16,14 @@ pub(super) struct Fp8Rows {
     pub(super) scales: CudaSlice<f32>,
 }
 
+/// The fp8 rows of a layer's W8A8 GEMMs: the up projection's input (its rows, or the tokens
+/// it gathers them from) and the activation the down projection reads.
+#[derive(Default)]
+pub(super) struct Fp8RowBuffers {
+    pub(super) input: Option<Fp8Rows>,
+    pub(super) act: Option<Fp8Rows>,
+}
+
 /// Dynamic shared memory of the masked GEMM, the larger of its two forms (masked_gemm.cu):
 /// bf16, 4 stages of 128 weight rows and 64 token rows 64 deep, 144 bytes apart; fp8 needs
 /// 4 · (128 · 144 + 32 · 272) = 108544.
@@ -112,7 +120,8 @@ impl CudaMoeLayer {
         let s = &self.gpu.stream;
         if let (Some((codes, scales)), true) = (fp8, self.w8a8) {
             let mut guard = self.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
-            let q = self.quantize_rows_fp8(&mut guard, a, rows, kdim, cap, if offsets == 0 { counts } else { 0 })?;
+            let q =
+                self.quantize_rows_fp8(&mut guard.input, a, rows, kdim, cap, if offsets == 0 { counts } else { 0 })?;
             let (wp, sp, qa, qs) = (
                 dptr(codes, &self.gpu),
                 dptr(scales, &self.gpu),
@@ -155,11 +164,16 @@ impl CudaMoeLayer {
         .map_err(|e| err("masked_gemm", e))
     }
 
-    /// The device addresses of the fp8 rows' codes and scales (0 before the first use):
-    /// [`CudaMoeLayer::quantize_rows_fp8`] moves them when it grows the buffers.
-    pub(super) fn fp8_rows_at(&self) -> [u64; 2] {
+    /// The device addresses of the fp8 rows' codes and scales, the input's then the
+    /// activation's (0 before the first use): [`CudaMoeLayer::quantize_rows_fp8`] and
+    /// [`Fp8Rows::at_least`] move them when they grow the buffers.
+    pub(super) fn fp8_rows_at(&self) -> [u64; 4] {
         let rows = self.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
-        rows.as_ref().map_or([0, 0], |q| [dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu)])
+        let at = |q: &Option<Fp8Rows>| {
+            q.as_ref().map_or([0, 0], |q| [dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu)])
+        };
+        let ([a, b], [c, d]) = (at(&rows.input), at(&rows.act));
+        [a, b, c, d]
     }
 
     /// The `rows` bf16 rows of `kdim` values at `a` as fp8 codes with one scale per 128 values,
@@ -175,11 +189,7 @@ impl CudaMoeLayer {
         cap: usize,
         counts: u64,
     ) -> Result<&'a Fp8Rows> {
-        let len = rows * kdim;
-        if buf.as_ref().is_none_or(|q| q.len < len) {
-            *buf = Some(Fp8Rows::new(&self.gpu.stream, len)?);
-        }
-        let q = buf.as_ref().expect("allocated above");
+        let q = Fp8Rows::at_least(buf, &self.gpu.stream, rows * kdim)?;
         let out = [dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu), 0];
         self.quantize_rows_on(&self.gpu.stream, a, [rows, kdim], cap, counts, out)?;
         Ok(q)
@@ -244,6 +254,18 @@ impl Fp8Rows {
             codes: stream.alloc_zeros::<u8>(len.max(1)).map_err(|e| err("allocating fp8 rows", e))?,
             scales: stream.alloc_zeros::<f32>(len / 16 + 1).map_err(|e| err("allocating fp8 rows", e))?,
         })
+    }
+
+    /// The buffers in `buf`, replaced by ones for `len` values when they hold fewer.
+    pub(super) fn at_least<'a>(
+        buf: &'a mut Option<Fp8Rows>,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+        len: usize,
+    ) -> Result<&'a Fp8Rows> {
+        if buf.as_ref().is_none_or(|q| q.len < len) {
+            *buf = Some(Fp8Rows::new(stream, len)?);
+        }
+        Ok(buf.as_ref().expect("allocated above"))
     }
 }
 

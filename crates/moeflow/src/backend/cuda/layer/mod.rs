@@ -85,6 +85,7 @@ struct Kernels {
     add_shared: CudaFunction,
     fill_bf16: CudaFunction,
     fill_f32: CudaFunction,
+    stamp_clock: CudaFunction,
     ll_pack: CudaFunction,
     ll_group: CudaFunction,
     ll_gather: CudaFunction,
@@ -153,6 +154,15 @@ struct Ran {
     experts: &'static str,
 }
 
+/// How a timed run goes where the layer replays graphs: the graph, timed whole; its capture
+/// with clock stamps between the stages (low-latency layers); or the stages run directly.
+#[derive(Clone, Copy)]
+enum Replay {
+    Graph,
+    Stamped,
+    Direct,
+}
+
 /// The first and last events of a timed run.
 struct Span {
     first: cudarc::driver::CudaEvent,
@@ -171,7 +181,7 @@ pub struct CudaMoeLayer {
     /// Whether the masked GEMMs quantize their rows to fp8 (see `fp8_activations`).
     w8a8: bool,
     /// Their rows' fp8 codes and scales.
-    fp8_rows: Mutex<Option<masked_gemm::Fp8Rows>>,
+    fp8_rows: Mutex<masked_gemm::Fp8RowBuffers>,
     blas: BlasHandle,
     config: MoeConfig,
     k: Kernels,
@@ -255,6 +265,7 @@ impl CudaMoeLayer {
             add_shared: f("add_shared")?,
             fill_bf16: f("fill_uniform_bf16")?,
             fill_f32: f("fill_uniform_f32")?,
+            stamp_clock: f("stamp_clock")?,
             ll_pack: f("ll_pack")?,
             ll_group: f("ll_group")?,
             ll_gather: f("ll_gather")?,
@@ -309,7 +320,7 @@ impl CudaMoeLayer {
             masked: masked_gemm::masked_gemm_fits(config, opts.low_latency_gemm),
             opts: opts.clone(),
             w8a8: false,
-            fp8_rows: Mutex::new(None),
+            fp8_rows: Mutex::new(Default::default()),
             blas,
             config: config.clone(),
             k,
@@ -676,26 +687,29 @@ impl CudaMoeLayer {
     /// share of the batch and times the whole layer, the TP all-gather included (in the
     /// combine stage).
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
-        self.timed(tokens, seed, true)
+        self.timed(tokens, seed, Replay::Graph)
     }
 
-    /// [`CudaMoeLayer::forward_timed`] with every stage timed, without a graph (a low-latency
-    /// layer runs its stages directly, on all `M` rows of its capacity).
+    /// [`CudaMoeLayer::forward_timed`] with every stage timed: a low-latency layer replays a
+    /// capture of its graph that stamps the GPU's clock between the stages (a strategy it
+    /// does not capture runs its stages directly, on all `M` rows of its capacity); a small
+    /// batch on one GPU runs directly, with events.
     pub fn forward_timed_stages(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
-        self.timed(tokens, seed, false)
+        self.timed(tokens, seed, Replay::Stamped)
     }
 
-    fn timed(&self, tokens: usize, seed: u64, graph: bool) -> Result<GpuStageTimes> {
-        self.timed_marks(tokens, seed, graph, &no_hook).map(|(times, _)| times)
+    fn timed(&self, tokens: usize, seed: u64, replay: Replay) -> Result<GpuStageTimes> {
+        self.timed_marks(tokens, seed, replay, &no_hook).map(|(times, _)| times)
     }
 
-    /// [`CudaMoeLayer::timed`], calling `hook` at every stage boundary and also returning the
-    /// run's first and last events (none when nothing ran, or for a graph replay).
+    /// [`CudaMoeLayer::timed`], calling `hook` at every stage boundary of a direct run and also
+    /// returning the run's first and last events (none when nothing ran, or for a graph
+    /// replay).
     fn timed_marks(
         &self,
         tokens: usize,
         seed: u64,
-        graph: bool,
+        replay: Replay,
         hook: &StageHook<'_>,
     ) -> Result<(GpuStageTimes, Option<Span>)> {
         let (a, z) = self.strategy.token_window(tokens);
@@ -713,14 +727,16 @@ impl CudaMoeLayer {
             self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n))
         }
         .map_err(|e| err("fill", e))?;
-        match capacity {
-            Some(m) if !graph => {
+        let captures = self.strategy.captures();
+        match (capacity, replay) {
+            (Some(_), Replay::Graph) => Ok((self.ll_run(b, rows, true)?, None)),
+            (Some(_), Replay::Stamped) if captures => Ok((self.ll_run_stamped(b, rows)?, None)),
+            (Some(m), _) => {
                 self.ll_set_tokens(b, rows)?;
                 self.run_marks(b, m, true, hook)
             }
-            Some(_) => Ok((self.ll_run(b, rows, true)?, None)),
-            None if graph && self.takes_graph(rows) => Ok((self.graph_run(b, rows, true)?, None)),
-            None => self.run_marks(b, rows, true, hook),
+            (None, Replay::Graph) if self.takes_graph(rows) => Ok((self.graph_run(b, rows, true)?, None)),
+            (None, _) => self.run_marks(b, rows, true, hook),
         }
     }
 

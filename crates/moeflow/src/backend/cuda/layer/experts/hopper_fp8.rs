@@ -2,12 +2,14 @@
 //! the grouped layout, the tokens the GEMM gathers them from) and the activation quantized to
 //! fp8 e4m3 with one scale per 128 values, times the fp8 expert weights with their 128 × 128
 //! block scales; expert sizes read on the device, the activation in the up projection's
-//! epilogue. The same quantized values as the bf16 path's W8A8 rounding, summed in another
-//! order.
+//! epilogue, and quantized for the down projection by a separate pass or (an option, where the
+//! intermediate size is a multiple of 128) in that epilogue, to the same codes. The same quantized values as
+//! the bf16 path's W8A8 rounding, summed in another order.
 
 use super::{DeviceExperts, ExpertRows};
-use crate::backend::cuda::layer::hopper_fp8_gemm::{Fp8Gather, Fp8Operand};
+use crate::backend::cuda::layer::hopper_fp8_gemm::{Fp8Gather, Fp8Operand, GemmOut};
 use crate::backend::cuda::layer::hopper_gemm::Epilogue;
+use crate::backend::cuda::layer::masked_gemm::Fp8Rows;
 use crate::backend::cuda::layer::strategy::Mark;
 use crate::backend::cuda::layer::{dptr, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
@@ -40,7 +42,7 @@ impl DeviceExperts for HopperFp8 {
                 let x = match gt.fp8_scales {
                     Some(scales) => Fp8Operand { codes: gt.x, scales },
                     None => {
-                        let q = layer.quantize_rows_fp8(&mut rows, gt.x, gt.tokens, h, 0, 0)?;
+                        let q = layer.quantize_rows_fp8(&mut rows.input, gt.x, gt.tokens, h, 0, 0)?;
                         Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) }
                     }
                 };
@@ -48,22 +50,32 @@ impl DeviceExperts for HopperFp8 {
             }
             None => {
                 let counts = if r.cap > 0 { r.counts } else { 0 };
-                let q = layer.quantize_rows_fp8(&mut rows, r.a, r.rows, h, r.cap, counts)?;
+                let q = layer.quantize_rows_fp8(&mut rows.input, r.a, r.rows, h, r.cap, counts)?;
                 (Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) }, None)
             }
         };
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
         let up = Epilogue::Activation { activation: layer.config.activation, bias: layer.b13_ptr() };
-        gemm.run(s, w13, [2 * i, h], a, r.act, [r.rows, r.busy], dev, r.experts, up, gather)?;
-        mark(4)?;
-        // The activation's codes take the same buffer: the stream runs this after the up
-        // projection has read the rows'.
-        let counts = if r.cap > 0 { r.counts } else { 0 };
-        let q = layer.quantize_rows_fp8(&mut rows, r.act, r.rows, i, r.cap, counts)?;
-        let act = Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) };
+        let act = if layer.opts.fp8_act_epilogue && i % 128 == 0 {
+            // The epilogue writes the activation's codes: its own buffer, since the up
+            // projection still reads the input's.
+            let q = Fp8Rows::at_least(&mut rows.act, s, r.rows * i)?;
+            let act = Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) };
+            gemm.run(s, w13, [2 * i, h], a, GemmOut::Fp8(act), [r.rows, r.busy], dev, r.experts, up, gather)?;
+            mark(4)?;
+            act
+        } else {
+            gemm.run(s, w13, [2 * i, h], a, GemmOut::Bf16(r.act), [r.rows, r.busy], dev, r.experts, up, gather)?;
+            mark(4)?;
+            // The activation's codes take the input's buffer: the stream runs this after the
+            // up projection has read the rows'.
+            let counts = if r.cap > 0 { r.counts } else { 0 };
+            let q = layer.quantize_rows_fp8(&mut rows.input, r.act, r.rows, i, r.cap, counts)?;
+            Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) }
+        };
         mark(5)?;
         let w2 = Fp8Operand { codes: dptr(&fp8.w2, g), scales: dptr(&fp8.s2, g) };
-        gemm.run(s, w2, [h, i], act, r.y, [r.rows, r.busy], dev, r.experts, Epilogue::Product, None)?;
+        gemm.run(s, w2, [h, i], act, GemmOut::Bf16(r.y), [r.rows, r.busy], dev, r.experts, Epilogue::Product, None)?;
         mark(6)
     }
 }

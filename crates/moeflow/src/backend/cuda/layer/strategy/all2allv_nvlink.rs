@@ -127,7 +127,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         // The push runs on the layer's stream, so it reads the codes before anything
         // requantizes into these buffers.
         let mut rows = l.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
-        let q = l.quantize_rows_fp8(&mut rows, x, t, h, 0, 0)?;
+        let q = l.quantize_rows_fp8(&mut rows.input, x, t, h, 0, 0)?;
         lanes.push(counted(dptr(&q.codes, g), Some(send_idx), h, ROWS));
         lanes.push(counted(dptr(&q.scales, g), Some(send_idx), 4 * h.div_ceil(128), ROW_SCALES));
     } else {
