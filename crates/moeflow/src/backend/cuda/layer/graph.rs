@@ -218,7 +218,9 @@ impl CudaMoeLayer {
 
     /// The layer on the `rows` rows of `b` (`enqueue`'s), captured from its stream into a graph,
     /// and what its run does. With `stamps`, the graph writes the GPU's clock at every stage
-    /// boundary n (0..=9, as the layer's events mark them) to the u64 at `stamps + 8 n`.
+    /// boundary n (0..=9, as the layer's events mark them) to the u64 at `stamps + 8 n`, and an
+    /// expert-parallel layer over NVLink first waits at a barrier of its ranks on the device,
+    /// so that a stage does not count a peer's later start.
     pub(super) fn capture_layer(&self, b: &mut Buffers, rows: usize, stamps: Option<u64>) -> Result<(LayerGraph, Ran)> {
         let s = &self.gpu.stream;
         let _no_blas_handle_changes = super::super::blas_handle::capture_lock();
@@ -232,6 +234,9 @@ impl CudaMoeLayer {
                 let _ = s.synchronize();
             }
             if let Some(at) = stamps {
+                if let (0, Some(link)) = (stage, self.ep.as_ref()) {
+                    self.device_barrier(link)?;
+                }
                 let at = at + 8 * stage as u64;
                 let one =
                     cudarc::driver::LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };

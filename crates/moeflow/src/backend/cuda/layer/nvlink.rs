@@ -168,6 +168,18 @@ impl CudaMoeLayer {
         self.await_pushes(nv, link, slot as i32)
     }
 
+    /// A barrier of the link's ranks on the device, when its rows move over NVLink: an exchange
+    /// of no rows (every rank's flags raised, then waited for, within the deadline), after
+    /// which the ranks' streams go on within about one flag's flight of each other; `false`,
+    /// with nothing enqueued, over NCCL or before the first exchange decided the transport.
+    pub(super) fn device_barrier(&self, link: &EpLink) -> Result<bool> {
+        let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let LinkTransport::NvLink(nv) = &mut *guard else { return Ok(false) };
+        self.push(nv, link, 0, &[])?;
+        self.await_pushes(nv, link, 0)?;
+        Ok(true)
+    }
+
     /// A fresh window with regions of `sizes` bytes and its device state. Collective.
     fn open_nvlink(&self, link: &EpLink, sizes: &[usize]) -> Result<NvLink> {
         let (n, rank) = (link.comm.size(), link.comm.rank());
