@@ -24,6 +24,8 @@ pub(super) struct LlBuffers {
     pub(super) send: CudaSlice<u8>,
     pub(super) recv: CudaSlice<u8>,
     pub(super) home_rows: CudaSlice<i32>,
+    /// The rows of each message that go: the batch, once per rank.
+    pub(super) live: CudaSlice<i32>,
     pub(super) row_of_slot: CudaSlice<i32>,
     pub(super) counts: CudaSlice<i32>,
     /// Where each local expert's rows start: `x · cap` (for the Hopper GEMM).
@@ -120,6 +122,7 @@ impl CudaMoeLayer {
             send: z8(msg * row_stride(h, k))?,
             recv: z8(msg * row_stride(h, k))?,
             home_rows: z32(m * n)?,
+            live: z32(n)?,
             row_of_slot: z32(msg * k)?,
             counts: z32(el)?,
             offsets: s
@@ -165,7 +168,7 @@ impl CudaMoeLayer {
         let Some(events) = events else { return Ok(GpuStageTimes::default()) };
         Ok(GpuStageTimes {
             total: elapsed_ms(&events)?,
-            dispatch_bytes: self.ll_sent_bytes(),
+            dispatch_bytes: self.ll_sent_bytes(t),
             ..GpuStageTimes::default()
         })
     }
@@ -203,7 +206,7 @@ impl CudaMoeLayer {
             combine: ms(7, 8),
             shared: ms(8, 9),
             total: ms(0, 9),
-            dispatch_bytes: self.ll_sent_bytes(),
+            dispatch_bytes: self.ll_sent_bytes(t),
             experts_used: 0,
             strategy: ran.strategy,
             experts: ran.experts,
@@ -230,11 +233,14 @@ impl CudaMoeLayer {
         self.gpu.stream.memcpy_htod(&[t as i32], &mut ll.tokens).map_err(|e| err("batch size", e))
     }
 
-    /// Bytes one rank sends to the others per call: one message of `M` rows to each.
-    pub(super) fn ll_sent_bytes(&self) -> usize {
+    /// Bytes one rank sends to the others per call of `t` tokens: one message to each, of the
+    /// batch's rows over NVLink, of all `M` rows over NCCL.
+    pub(super) fn ll_sent_bytes(&self, t: usize) -> usize {
         use crate::comm::Communicator;
         let link = self.ep.as_ref().expect("expert-parallel");
         let c = &self.config;
-        (link.comm.size() - 1) * link.capacity.unwrap_or(0) * row_stride(c.hidden, c.top_k)
+        let m = link.capacity.unwrap_or(0);
+        let rows = if link.transport_name() == "nvlink" { t.min(m) } else { m };
+        (link.comm.size() - 1) * rows * row_stride(c.hidden, c.top_k)
     }
 }

@@ -6,7 +6,9 @@
 //! lays the rows out `n·M` per local expert (a token reaches an expert at most once) and counts
 //! them on the device; the weighted sum per message row goes back as one bf16 row, summed at
 //! home in rank order. Over the NVLink transport both messages are pushed straight into the
-//! peers' windows, and the push and its wait are captured in the graph with the rest.
+//! peers' windows, only their rows within the batch (the sender's batch size travels with them,
+//! and the receiver's kernels skip the rest), and the push and its wait are captured in the
+//! graph with the rest.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
@@ -21,10 +23,12 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 pub(in crate::backend::cuda::layer) struct LowLatency;
 
 /// Where the messages landed and where the returned rows come home: the layer's buffers over
-/// NCCL, the NVLink window's two regions otherwise.
+/// NCCL, the NVLink window's regions otherwise, with the senders' batch sizes (an int per
+/// rank; 0 over NCCL, whose messages arrive whole).
 struct Landing {
     recv: u64,
     back: u64,
+    batches: u64,
     nvlink: bool,
 }
 
@@ -44,37 +48,43 @@ impl DevicePrepareFinalize for LowLatency {
         let s = &g.stream;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
         let (xb, ids, w, tokens) = (dptr(&b.x_bf, g), dptr(&b.ids, g), dptr(&b.weights, g), dptr(&ll.tokens, g));
-        let (send, recv, home_rows) = (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g));
+        let (send, recv, home_rows, live) =
+            (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g), dptr(&ll.live, g));
         let (mi, ki, hi, stride_l) = (m as i32, k as i32, h as i32, stride as i64);
         let placed = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tables = placed.ptrs(g);
         // Which replicated experts share this batch, counted on the device (null: all).
         let shared = l.replica_shares(placed, ids, tokens, n)?;
-        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*)
-        // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
-        // placement's tables cover every expert, and `shared` (when not null) too.
+        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*,
+        // int*) over M tokens × n destinations of buffers sized for them (routing ran on M
+        // rows; `live` holds n ints); the placement's tables cover every expert, and `shared`
+        // (when not null) too.
         unsafe {
             let mut p = s.launch_builder(&l.k.ll_pack);
             p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
             p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
-            p.arg(&stride_l).arg(&send).arg(&home_rows);
+            p.arg(&stride_l).arg(&send).arg(&home_rows).arg(&live);
             p.launch(LaunchConfig { grid_dim: (m as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
         }
         .map_err(|e| err("ll_pack", e))?;
         mark(2)?;
-        let regions = [n * m * stride, n * m * 2 * h];
+        let regions = [n * m * stride, n * m * 2 * h, 4 * n];
         if let Some(at) = l.nvlink(link, &regions)? {
-            let every = vec![m; n * n];
-            let lane = Lane { src: send, idx: None, row_bytes: stride, region: 0, counts: &every, live: None };
-            l.exchange_nvlink(link, 0, &[lane])?;
-            return Ok(Box::new(Landing { recv: at[0], back: at[1], nvlink: true }));
+            // The rows within the batch, and the batch size (`live` holds it once per rank, as a
+            // lane's rows for the ranks in order), to every rank.
+            let (every, one) = (vec![m; n * n], vec![1; n * n]);
+            let rows = Lane { src: send, idx: None, row_bytes: stride, region: 0, counts: &every, live: Some(live) };
+            let batch = Lane { src: live, idx: None, row_bytes: 4, region: 2, counts: &one, live: None };
+            l.exchange_nvlink(link, 0, &[rows, batch])?;
+            return Ok(Box::new(Landing { recv: at[0], back: at[1], batches: at[2], nvlink: true }));
         }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency dispatch", &[(send, stride)], &every, &[(recv, stride)], &every)?;
-        Ok(Box::new(Landing { recv, back: dptr(&ll.back, g), nvlink: false }))
+        Ok(Box::new(Landing { recv, back: dptr(&ll.back, g), batches: 0, nvlink: false }))
     }
 
-    /// Lays the received rows out `n·M` per local expert and counts them, on the device.
+    /// Lays the received rows out `n·M` per local expert and counts them, on the device (rows
+    /// past their sender's batch count as empty).
     fn prepare_finish(
         &self,
         l: &CudaMoeLayer,
@@ -93,19 +103,20 @@ impl DevicePrepareFinalize for LowLatency {
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
         let (recv, row_of_slot, counts, a) =
             (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.counts, g), dptr(&ll.a, g));
-        let (ki, hi, msg_i, cap_i) = (k as i32, h as i32, msg as i32, cap as i32);
-        // SAFETY: row_of_slot holds msg · k ints; ll_group(u8*, long, int, int, int, int*, int*)
-        // and ll_gather(u8*, long, int, int, int, int*, bf16*) read the msg received rows and
-        // write rows below el · cap of `a`.
+        let (ki, hi, msg_i, cap_i, mi) = (k as i32, h as i32, msg as i32, cap as i32, m as i32);
+        // SAFETY: row_of_slot holds msg · k ints; ll_group(u8*, long, int, int, int, int*, int,
+        // int*, int*) and ll_gather(u8*, long, int, int, int, int*, bf16*) read the msg received
+        // rows (and, when not null, the n senders' batch sizes) and write rows below el · cap
+        // of `a`.
         unsafe {
-            cudarc::driver::result::memset_d8_async(row_of_slot, 0xff, 4 * msg * k, s.cu_stream())
-                .map_err(|e| err("memset", e))?;
             s.launch_builder(&l.k.ll_group)
                 .arg(&recv)
                 .arg(&stride)
                 .arg(&msg_i)
                 .arg(&ki)
                 .arg(&cap_i)
+                .arg(&landing.batches)
+                .arg(&mi)
                 .arg(&row_of_slot)
                 .arg(&counts)
                 .launch(LaunchConfig { grid_dim: (el as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
@@ -141,10 +152,12 @@ impl DevicePrepareFinalize for LowLatency {
             offsets: dptr(&ll.offsets, g),
             gather: None,
         };
-        Ok(Dispatched { rows, sent: Sent::Bytes(l.ll_sent_bytes()), state: landing })
+        // The batch lives on the device: counted as a full message (as it is over NCCL).
+        Ok(Dispatched { rows, sent: Sent::Bytes(l.ll_sent_bytes(m)), state: landing })
     }
 
-    /// The weighted sum per message row, sent back to its rank.
+    /// The weighted sum per message row, sent back to its rank (over NVLink, the rows within its
+    /// batch).
     fn finalize_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, d: &mut Dispatched) -> Result<()> {
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, k) = (l.config.hidden, l.config.top_k);
@@ -155,18 +168,21 @@ impl DevicePrepareFinalize for LowLatency {
         let landing = d.state.downcast_ref::<Landing>().expect("this strategy's state");
         let (recv, row_of_slot, part, back) = (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.part, g), landing.back);
         let (b2, y) = (l.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)), d.rows.y);
-        let (msg_i, ki, hi) = (msg as i32, k as i32, h as i32);
-        // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, bf16*) over the msg
-        // received rows; their expert rows come from ll_group.
+        let (msg_i, ki, hi, mi, batches) = (msg as i32, k as i32, h as i32, m as i32, landing.batches);
+        // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, int*, int, bf16*) over
+        // the msg received rows (and the senders' batch sizes, when not null); their expert rows
+        // come from ll_group.
         unsafe {
             let mut c = g.stream.launch_builder(&l.k.ll_combine);
-            c.arg(&recv).arg(&stride).arg(&y).arg(&b2).arg(&row_of_slot).arg(&msg_i).arg(&ki).arg(&hi).arg(&part);
+            c.arg(&recv).arg(&stride).arg(&y).arg(&b2).arg(&row_of_slot).arg(&msg_i).arg(&ki).arg(&hi);
+            c.arg(&batches).arg(&mi).arg(&part);
             c.launch(rows(msg, 256))
         }
         .map_err(|e| err("ll_combine", e))?;
         if landing.nvlink {
+            // Each rank's rows back, as many as its batch sent here.
             let every = vec![m; n * n];
-            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: 1, counts: &every, live: None };
+            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: 1, counts: &every, live: Some(batches) };
             return l.exchange_nvlink(link, 1, &[lane]);
         }
         let every = vec![m; n];
