@@ -269,15 +269,17 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
         gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
     // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
     // partial sums), or 128 and a sub-tile's activation: the producer warpgroup gives them
-    // its registers. The block holds 168 a thread (384 threads): 128 · 40 + 256 · 232 of them.
+    // registers. The block holds 168 a thread (384 threads), 128 · P + 256 · C of them: the
+    // producer keeps 40 (P) where it only issues TMA loads, 88 where it gathers rows too.
     constexpr bool SHIFT_REGISTERS = WGS == 2 && (SETS == 2 || QUANT);
+    constexpr int PRODUCER_REGS = QUANT ? 88 : 40, CONSUMER_REGS = (168 * 3 - PRODUCER_REGS) / 2 / 8 * 8;
     if (threadIdx.x < 128) {
-        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n" ::: "memory");
+        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
         gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
                                                             col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
                                                             gather_k, QUANT ? 2 : 1);
     } else {
-        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n" ::: "memory");
+        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
         g8_consume<WGS, STAGES, SETS, QUANT>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha,
                                       limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k, Q, S);
     }
