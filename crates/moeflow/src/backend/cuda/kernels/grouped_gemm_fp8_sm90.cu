@@ -274,14 +274,17 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     constexpr bool SHIFT_REGISTERS = WGS == 2 && (SETS == 2 || QUANT);
     constexpr int PRODUCER_REGS = QUANT ? 88 : 40, CONSUMER_REGS = (168 * 3 - PRODUCER_REGS) / 2 / 8 * 8;
     if (threadIdx.x < 128) {
-        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        if constexpr (SHIFT_REGISTERS)
+            asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
         gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
                                                             col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
                                                             gather_k, QUANT ? 2 : 1);
     } else {
-        if constexpr (SHIFT_REGISTERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
-        g8_consume<WGS, STAGES, SETS, QUANT>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha,
-                                      limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k, Q, S);
+        if constexpr (SHIFT_REGISTERS)
+            asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
+        g8_consume<WGS, STAGES, SETS, QUANT>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind,
+                                             alpha, limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k, Q,
+                                             S);
     }
 }
 #endif
@@ -294,23 +297,26 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 // gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the same row (or
 // token); W [experts · N, K] through w_map in boxes of 64 rows, its scales w_scales [experts,
 // ceil(N / 128), ceil(K / 128)]. An activation needs N / 2 a multiple of 64 (each half of a
-// tile inside one scale block). With Q (an activation, N / 2 a multiple of 128) the activation
-// goes out as fp8 codes Q [rows, N / 2] with one scale per 128 values in S [rows, N / 256]
-// (the bf16 values' amax / 448), and C is not written. next_tile: as in grouped_gemm_sm90.
+// tile inside one scale block). The `_act_fp8` entry points (an activation, N / 2 a multiple
+// of 128) write it as fp8 codes Q [rows, N / 2] with one scale per 128 values in S [rows,
+// N / 256] (the bf16 values' amax / 448) and not C; the others ignore Q and S. next_tile: as
+// in grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G8_BODY(WGS, STAGES, SETS, QUANT)                                                                     \
-    g8_kernel<WGS, STAGES, SETS, QUANT>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha,     \
-                                 limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k, Q, S);
+#define G8_BODY(WGS, STAGES, SETS, QUANT)                                                                  \
+    g8_kernel<WGS, STAGES, SETS, QUANT>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, \
+                                        alpha, limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k, \
+                                        Q, S);
 #else
 #define G8_BODY(WGS, STAGES, SETS, QUANT)
 #endif
-#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT)                                                               \
-    extern "C" __global__ void __launch_bounds__(threads, 1)                                                      \
-        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C, \
-             const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,     \
-             float alpha, float limit, const float* b13, const float* a_scales, const float* w_scales,           \
-             const unsigned char* gather_x, const int* slot_of_row, int gather_k, unsigned char* Q, float* S) {   \
-        G8_BODY(WGS, STAGES, SETS, QUANT)                                                                         \
+#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT)                                                  \
+    extern "C" __global__ void __launch_bounds__(threads, 1)                                               \
+        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,     \
+             bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,  \
+             int act_kind, float alpha, float limit, const float* b13, const float* a_scales,              \
+             const float* w_scales, const unsigned char* gather_x, const int* slot_of_row, int gather_k,   \
+             unsigned char* Q, float* S) {                                                                 \
+        G8_BODY(WGS, STAGES, SETS, QUANT)                                                                  \
     }
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.

@@ -3,8 +3,8 @@
 //! fp8 e4m3 with one scale per 128 values, times the fp8 expert weights with their 128 × 128
 //! block scales; expert sizes read on the device, the activation in the up projection's
 //! epilogue, and quantized for the down projection by a separate pass or (an option, where the
-//! intermediate size is a multiple of 128) in that epilogue, to the same codes. The same quantized values as
-//! the bf16 path's W8A8 rounding, summed in another order.
+//! intermediate size is a multiple of 128) in that epilogue, to the same codes. The same
+//! quantized values as the bf16 path's W8A8 rounding, summed in another order.
 
 use super::{DeviceExperts, ExpertRows};
 use crate::backend::cuda::layer::hopper_fp8_gemm::{Fp8Gather, Fp8Operand, GemmOut};
