@@ -46,11 +46,29 @@ __device__ __forceinline__ u64 lane_rows(const PushLane& p) {
     return p.live ? (u64)min((long long)p.rows, (long long)max(*(const int*)p.live, 0)) : (u64)p.rows;
 }
 
+// The end of a push, after this block's stores to the peers: a system fence, and the last block
+// of the grid to get here raises the push's number (`*sent` + 1) in each of `flags[0..nflags]`
+// (the receivers' flag of this rank), after another fence, so a receiver that sees the number
+// also sees the rows; `done` counts finished blocks (left at 0 for the next push).
+__device__ __forceinline__ void nvl_raise(u64* const* flags, int nflags, u64* sent, unsigned int* done) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        unsigned int before = atomicAdd(done, 1u);
+        if (before == gridDim.x - 1) {
+            __threadfence_system();
+            u64 seq = *sent + 1;
+            *sent = seq;
+            *done = 0;
+            for (int f = 0; f < nflags; f++) {
+                asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flags[f]), "l"(seq) : "memory");
+            }
+        }
+    }
+}
+
 // Copies every lane's rows (a warp per row, in 16-byte words where the lane's rows are aligned
-// to them), then the last block to finish raises this push's number
-// (`*sent` + 1) in each of `flags[0..nflags]` (the receivers' flag of this rank) after a system
-// fence, so a receiver that sees the number also sees the rows. `done` counts finished blocks
-// (left at 0 for the next push).
+// to them), then raises the push's number in the receivers' flags (nvl_raise).
 __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, int nflags, u64* sent,
                          unsigned int* done) {
     int lane = threadIdx.x % 32;
@@ -81,20 +99,26 @@ __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, i
         }
         base += span;
     }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        unsigned int before = atomicAdd(done, 1u);
-        if (before == gridDim.x - 1) {
-            __threadfence_system();
-            u64 seq = *sent + 1;
-            *sent = seq;
-            *done = 0;
-            for (int f = 0; f < nflags; f++) {
-                asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flags[f]), "l"(seq) : "memory");
-            }
-        }
+    nvl_raise(flags, nflags, sent, done);
+}
+
+// The low-latency combine (ll_combine in low_latency.cu) writing its rows straight home: message
+// row r = s M + t of the `tokens` = n M received (sender, then token order), when within its
+// sender's batch (batches[s]), goes to row rank M + t of region `region` of sender s's window
+// (which starts at regions[s nregions + region]); then the exchange's flags are raised as
+// nvl_push raises them (nvl_wait waits for them). One block per message row, as ll_combine.
+__global__ void ll_combine_push(const unsigned char* recv, long stride, const bf16_t* y, const float* b2,
+                                const int* row_of_slot, int tokens, int k, int H, const int* batches, int M,
+                                int rank, const u64* regions, int nregions, int region, u64* const* flags,
+                                int nflags, u64* sent, unsigned int* done) {
+    for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
+        if (!ll_live(batches, (int)r, M)) continue;
+        const int* rid = (const int*)(recv + r * stride);
+        const float* rw = (const float*)(recv + r * stride + 4L * k);
+        bf16_t* row = (bf16_t*)regions[(r / M) * nregions + region] + ((long)rank * M + r % M) * H;
+        weighted_row_bf16(y, b2, row_of_slot + r * k, rid, rw, k, H, row);
     }
+    nvl_raise(flags, nflags, sent, done);
 }
 
 // Waits until every one of the `n` senders' flags (this rank's window, `flags[src]`) reached

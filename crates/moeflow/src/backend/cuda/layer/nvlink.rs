@@ -41,6 +41,9 @@ pub(super) struct NvLink {
     counters: CudaSlice<u64>,
     /// Each rank's flag for this rank, as this rank's kernels address them.
     flags: CudaSlice<u64>,
+    /// Where each region starts in each rank's window, `[rank, region]`, as this rank's kernels
+    /// address them (for kernels that write rows into the peers' windows themselves).
+    peer_regions: CudaSlice<u64>,
     /// Lane tables, one per exchange slot (dispatch, combine), and what they hold.
     tables: [CudaSlice<u8>; 2],
     held: [Vec<u8>; 2],
@@ -60,6 +63,19 @@ pub(super) struct Lane<'a> {
     pub(super) region: usize,
     pub(super) counts: &'a [usize],
     pub(super) live: Option<u64>,
+}
+
+/// What a kernel that writes rows into the peers' windows itself, in place of a push, needs
+/// (device addresses): where each region starts in each rank's window, `[rank, nregions]`
+/// u64s; the receivers' flags for this rank (`nflags` u64 addresses), and the push's counters
+/// `sent` (u64) and `done` (u32), which it raises and resets as nvl_push does (`nvl_raise`).
+pub(super) struct WindowWrite {
+    pub(super) regions: u64,
+    pub(super) nregions: i32,
+    pub(super) flags: u64,
+    pub(super) nflags: i32,
+    pub(super) sent: u64,
+    pub(super) done: u64,
 }
 
 /// Bytes of a lane record (`PushLane` in nvlink.cu).
@@ -168,6 +184,33 @@ impl CudaMoeLayer {
         self.await_pushes(nv, link, slot as i32)
     }
 
+    /// An exchange over the link's NVLink window whose rows `write` enqueues itself: a kernel
+    /// that stores them into the peers' window regions and raises the flags (see
+    /// [`WindowWrite`]), in place of a push; then the wait, as [`CudaMoeLayer::exchange_nvlink`]
+    /// does (`slot` 0 dispatch, 1 combine).
+    pub(super) fn exchange_written(
+        &self,
+        link: &EpLink,
+        slot: usize,
+        write: impl FnOnce(&WindowWrite) -> Result<()>,
+    ) -> Result<()> {
+        let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let LinkTransport::NvLink(nv) = &mut *guard else {
+            return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
+        };
+        let g = &self.gpu;
+        let counters = dptr(&nv.counters, g);
+        write(&WindowWrite {
+            regions: dptr(&nv.peer_regions, g),
+            nregions: nv.regions.len() as i32,
+            flags: dptr(&nv.flags, g),
+            nflags: link.comm.size() as i32,
+            sent: counters,
+            done: counters + 16,
+        })?;
+        self.await_pushes(nv, link, slot as i32)
+    }
+
     /// A barrier of the link's ranks on the device, when its rows move over NVLink: an exchange
     /// of no rows (every rank's flags raised, then waited for, within the deadline), after
     /// which the ranks' streams go on within about one flag's flight of each other; `false`,
@@ -195,9 +238,13 @@ impl CudaMoeLayer {
         let s = &self.gpu.stream;
         let flag_addrs: Vec<u64> = (0..n).map(|p| win.peer(p) + 8 * rank as u64).collect();
         let flags = s.clone_htod(&flag_addrs).map_err(|e| err("upload", e))?;
+        let region_addrs: Vec<u64> =
+            (0..n).flat_map(|p| regions.iter().map(|r| win.peer(p) + r.0 as u64).collect::<Vec<_>>()).collect();
+        let peer_regions = s.clone_htod(&region_addrs).map_err(|e| err("upload", e))?;
         let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("allocating workspace", e))?;
         let table = || s.alloc_zeros::<u8>(8 * n * LANE).map_err(|e| err("allocating workspace", e));
-        Ok(NvLink { win, regions, counters, flags, tables: [table()?, table()?], held: [Vec::new(), Vec::new()] })
+        let (tables, held) = ([table()?, table()?], [Vec::new(), Vec::new()]);
+        Ok(NvLink { win, regions, counters, flags, peer_regions, tables, held })
     }
 
     /// Pushes `lanes` to every rank (see [`Lane`]). `slot` picks the lane table (0 dispatch, 1

@@ -5,10 +5,11 @@
 //! local ids | k weights | H bf16]`, ids -1 where the token has no expert there); the receiver
 //! lays the rows out `n·M` per local expert (a token reaches an expert at most once) and counts
 //! them on the device; the weighted sum per message row goes back as one bf16 row, summed at
-//! home in rank order. Over the NVLink transport both messages are pushed straight into the
-//! peers' windows, only their rows within the batch (the sender's batch size travels with them,
-//! and the receiver's kernels skip the rest), and the push and its wait are captured in the
-//! graph with the rest.
+//! home in rank order. Over the NVLink transport the dispatch is pushed straight into the peers'
+//! windows, only its rows within the batch (the sender's batch size travels with them, and the
+//! receiver's kernels skip the rest), and the combine's kernel writes each weighted row straight
+//! into its home rank's window (no staging rows, no push); the kernels and their waits are
+//! captured in the graph with the rest.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
@@ -156,8 +157,8 @@ impl DevicePrepareFinalize for LowLatency {
         Ok(Dispatched { rows, sent: Sent::Bytes(l.ll_sent_bytes(m)), state: landing })
     }
 
-    /// The weighted sum per message row, sent back to its rank (over NVLink, the rows within its
-    /// batch).
+    /// The weighted sum per message row, sent back to its rank (over NVLink, written there by the
+    /// kernel that sums it, for the rows within the rank's batch).
     fn finalize_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, d: &mut Dispatched) -> Result<()> {
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, k) = (l.config.hidden, l.config.top_k);
@@ -169,6 +170,27 @@ impl DevicePrepareFinalize for LowLatency {
         let (recv, row_of_slot, part, back) = (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.part, g), landing.back);
         let (b2, y) = (l.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)), d.rows.y);
         let (msg_i, ki, hi, mi, batches) = (msg as i32, k as i32, h as i32, m as i32, landing.batches);
+        if landing.nvlink {
+            // The weighted rows go straight into their home ranks' windows from the kernel that
+            // sums them (no staging rows, no push), as many of each rank's as its batch sent.
+            let rank = link.comm.rank() as i32;
+            return l.exchange_written(link, 1, |w| {
+                // SAFETY: ll_combine_push(u8*, long, bf16*, float*, int*, int, int, int, int*,
+                // int, int, u64*, int, int, u64**, int, u64*, unsigned*) over the msg received
+                // rows (the senders' batch sizes at `batches`); each home row lands inside
+                // region 1 of its sender's window (M rows a rank, sized by the capacity); the
+                // flags and counters are the link's (see WindowWrite).
+                unsafe {
+                    let mut c = g.stream.launch_builder(&l.k.ll_combine_push);
+                    c.arg(&recv).arg(&stride).arg(&y).arg(&b2).arg(&row_of_slot).arg(&msg_i).arg(&ki).arg(&hi);
+                    c.arg(&batches).arg(&mi).arg(&rank).arg(&w.regions).arg(&w.nregions).arg(&1i32);
+                    c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done);
+                    c.launch(rows(msg, 256))
+                }
+                .map(|_| ())
+                .map_err(|e| err("ll_combine_push", e))
+            });
+        }
         // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, int*, int, bf16*) over
         // the msg received rows (and the senders' batch sizes, when not null); their expert rows
         // come from ll_group.
@@ -179,12 +201,6 @@ impl DevicePrepareFinalize for LowLatency {
             c.launch(rows(msg, 256))
         }
         .map_err(|e| err("ll_combine", e))?;
-        if landing.nvlink {
-            // Each rank's rows back, as many as its batch sent here.
-            let every = vec![m; n * n];
-            let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: 1, counts: &every, live: Some(batches) };
-            return l.exchange_nvlink(link, 1, &[lane]);
-        }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)
     }
