@@ -339,6 +339,11 @@ fn fp8_experts_quantized_on_the_device_match_the_cpu_quantization() {
     }
 }
 
+/// A W8A8 layer on GPU 0: fp8 experts (quantized on the device) and fp8 rows, with `opts`.
+fn w8a8_layer(config: &MoeConfig, weights: &MoeWeights, opts: &moeflow::backend::cuda::CudaOptions) -> CudaMoeLayer {
+    CudaMoeLayer::new(config, weights, opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
+}
+
 /// W8A8 experts on the fp8 tensor cores (the fp8 Hopper GEMM, 125 rows an expert): against
 /// the reference on the quantized weights within fp8 rows' bound, against the bf16 GEMMs on the
 /// same quantized values (the W8A8 rounding) within bf16 rounding, and the same bits run after
@@ -362,12 +367,9 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     }
     let mut quantized = weights.clone();
     quantized.experts = weights.experts.quantized(moeflow::quant::WeightQuant::Fp8Block(128)).unwrap();
-    let w8a8_with = |opts: &CudaOptions| {
-        CudaMoeLayer::new(&config, &weights, opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
-    };
-    let w8a8 = |fp8_gemm: bool| w8a8_with(&CudaOptions { fp8_gemm, ..Default::default() });
+    let w8a8 = |fp8_gemm: bool| w8a8_layer(&config, &weights, &CudaOptions { fp8_gemm, ..Default::default() });
     let (tensor_cores, bf16_gemms) = (w8a8(true), w8a8(false));
-    let epilogue = w8a8_with(&CudaOptions { fp8_act_epilogue: true, ..Default::default() });
+    let epilogue = w8a8_layer(&config, &weights, &CudaOptions { fp8_act_epilogue: true, ..Default::default() });
     let (x, xt) = hidden(1000, config.hidden, 22);
     let got = tensor_cores.forward(&xt).unwrap().to_f32_vec();
     assert_eq!(tensor_cores.forward_timed(1000, 1).unwrap().experts, "hopper-fp8");
@@ -403,10 +405,7 @@ fn fp8_shared_expert_matches_the_reference() {
     quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
     let sh = quantized.shared.as_mut().unwrap();
     sh.mlp = sh.mlp.quantized(WeightQuant::Fp8Block(128)).unwrap();
-    let w8a8 = |fp8_gemm: bool| {
-        let opts = CudaOptions { fp8_gemm, ..Default::default() };
-        CudaMoeLayer::new(&config, &weights, &opts).unwrap().fp8_experts().unwrap().fp8_activations().unwrap()
-    };
+    let w8a8 = |fp8_gemm: bool| w8a8_layer(&config, &weights, &CudaOptions { fp8_gemm, ..Default::default() });
     let bf16_shared = w8a8(true);
     assert!(!bf16_shared.has_fp8_shared_expert());
     let (tensor_cores, bf16_gemms) =

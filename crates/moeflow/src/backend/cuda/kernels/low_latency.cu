@@ -106,6 +106,16 @@ __global__ void ll_gather(const unsigned char* recv, long stride, int tokens, in
     }
 }
 
+// out[h] = the weighted sum of received message row r's expert rows (see ll_combine), by the
+// block.
+__device__ __forceinline__ void ll_combine_row(const unsigned char* recv, long stride, const bf16_t* y,
+                                               const float* b2, const int* row_of_slot, int k, int H, long r,
+                                               bf16_t* out) {
+    const int* rid = (const int*)(recv + r * stride);
+    const float* rw = (const float*)(recv + r * stride + 4L * k);
+    weighted_row_bf16(y, b2, row_of_slot + r * k, rid, rw, k, H, out);
+}
+
 // part[r, h] = sum over the slots j of message row r that have a row here, in slot order, of
 // weight_j * (y[row, h] + b2[local id_j, h]), as bf16 (0 for rows with no slot here), for the
 // rows that arrived (the others go back to no one). One block per message row, as combine.
@@ -113,10 +123,7 @@ __global__ void ll_combine(const unsigned char* recv, long stride, const bf16_t*
                            const int* row_of_slot, int tokens, int k, int H, const int* batches, int M,
                            bf16_t* part) {
     for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
-        if (!ll_live(batches, (int)r, M)) continue;
-        const int* rid = (const int*)(recv + r * stride);
-        const float* rw = (const float*)(recv + r * stride + 4L * k);
-        weighted_row_bf16(y, b2, row_of_slot + r * k, rid, rw, k, H, part + r * H);
+        if (ll_live(batches, (int)r, M)) ll_combine_row(recv, stride, y, b2, row_of_slot, k, H, r, part + r * H);
     }
 }
 

@@ -113,10 +113,8 @@ __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf
                                 int nflags, u64* sent, unsigned int* done) {
     for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
         if (!ll_live(batches, (int)r, M)) continue;
-        const int* rid = (const int*)(recv + r * stride);
-        const float* rw = (const float*)(recv + r * stride + 4L * k);
         bf16_t* row = (bf16_t*)regions[(r / M) * nregions + region] + ((long)rank * M + r % M) * H;
-        weighted_row_bf16(y, b2, row_of_slot + r * k, rid, rw, k, H, row);
+        ll_combine_row(recv, stride, y, b2, row_of_slot, k, H, r, row);
     }
     nvl_raise(flags, nflags, sent, done);
 }

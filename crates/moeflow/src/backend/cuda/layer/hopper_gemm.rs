@@ -232,9 +232,8 @@ impl HopperGemm {
     /// is `[experts, n, kdim]` at `w`; bf16, f32 accumulation. `kdim` and `n` must be
     /// multiples of 8 (16 with an activation, whose `C` is `[rows, n / 2]`: see [`Epilogue`]).
     /// With `gather` the rows of `A` are read from where it says instead of from `a` (see
-    /// [`Gather`]). In 64-row tiles where
-    /// [`HopperGemm::short_for`] says so (a product 224 columns wide where
-    /// [`HopperGemm::narrow_for`] says so), else in 128-row tiles.
+    /// [`Gather`]). In 64-row tiles where [`HopperGemm::short_for`] says so (a product 224
+    /// columns wide where [`HopperGemm::narrow_for`] says so), else in 128-row tiles.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
