@@ -11,17 +11,14 @@ extern "C" {
 
 __device__ __forceinline__ long ll_row_offset(int k) { return ((8L * k + 15) / 16) * 16; }
 
-// At home, one block per (token t < M, destination d): message row (d, t) of `send` gets token
-// t when t < *tokens (the batch, read on the device) and rank d serves one of its slots (the
-// placement's tables and `shared`, see placed_replica), with its ids local to d (-1 for slots
-// served elsewhere) and its weights; otherwise only ids of -1. home_rows[t n + d] = d M + t, or -1
-// when token t sent nothing to d; live[d] = the batch (the rows of each message that go).
-__global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
-                        const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
-                        const int* shared, long stride, unsigned char* send, int* home_rows, int* live) {
-    int t = blockIdx.x, d = blockIdx.y, n = gridDim.y, T = *tokens;
-    if (t == 0 && threadIdx.x == 0) live[d] = T;
-    unsigned char* row = send + ((long)d * M + t) * stride;
+// Message row (t, d) at `row`, by the block: token t (of the batch `T`) with its ids local to
+// rank d (-1 for slots served elsewhere; the placement's tables and `shared`, see
+// placed_replica) and its weights, and its values when rank d serves one of its slots; only
+// ids of -1 for t >= T. Returns whether token t goes to rank d.
+__device__ __forceinline__ bool ll_pack_row(const bf16_t* x, const int* ids, const float* w, int t, int T, int d,
+                                            int k, int H, const int* rep_first, const int* rep_count,
+                                            const int* rep_rank, const int* rep_slot, const int* shared,
+                                            unsigned char* row) {
     int* rid = (int*)row;
     float* rw = (float*)(row + 4L * k);
     bool any = false;
@@ -36,8 +33,20 @@ __global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const i
         rid[j] = here ? rep_slot[p] : -1;
         rw[j] = here ? w[t * k + j] : 0.0f;
     }
-    if (threadIdx.x == 0) home_rows[t * n + d] = any ? d * M + t : -1;
     if (any) copy_row(x + (long)t * H, (bf16_t*)(row + ll_row_offset(k)), H);
+    return any;
+}
+
+// At home, one block per (token t < M, destination d): message row (d, t) of `send` (see
+// ll_pack_row; the batch is read on the device at `tokens`); home_rows[t n + d] = d M + t, or
+// -1 when token t sent nothing to d.
+__global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
+                        const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
+                        const int* shared, long stride, unsigned char* send, int* home_rows) {
+    int t = blockIdx.x, d = blockIdx.y, n = gridDim.y, T = *tokens;
+    bool any = ll_pack_row(x, ids, w, t, T, d, k, H, rep_first, rep_count, rep_rank, rep_slot, shared,
+                           send + ((long)d * M + t) * stride);
+    if (threadIdx.x == 0) home_rows[t * n + d] = any ? d * M + t : -1;
 }
 
 // Whether message row r (of M a rank) arrived: always without `batches`, else when it lies
@@ -46,16 +55,41 @@ __device__ __forceinline__ bool ll_live(const int* batches, int r, int M) {
     return !batches || r % M < batches[r / M];
 }
 
-// Where the experts are, one block of 32 warps per local expert e: the received message rows
-// (`tokens` = n M of them, in rank then token order) that arrived and name e get rows
-// e cap + 0, 1, ... in that order: row_of_slot[row k + j] for the slot j naming e, counts[e]
-// the number of rows. Every other entry of row_of_slot becomes -1, written by block
-// (row k + j) % gridDim.x, so no entry is written twice.
-__global__ void ll_group(const unsigned char* recv, long stride, int tokens, int k, int cap, const int* batches,
-                         int M, int* row_of_slot, int* counts) {
-    __shared__ int part[SCAN_WARPS];
-    int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int lo, hi = chunk_of(tokens, w, &lo);
+// One bf16 row of H values from src to dst by the lanes of a warp, 16-byte moves (four in
+// flight a lane) when H % 8 == 0.
+__device__ __forceinline__ void copy_row_warp(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst, int H,
+                                              int lane) {
+    if (H % 8 == 0) {
+        const uint4* s4 = (const uint4*)src;
+        uint4* d4 = (uint4*)dst;
+        int units = H / 8;
+        for (int c0 = lane; c0 < units; c0 += 128) {
+            uint4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (c0 + 32 * u < units) v[u] = s4[c0 + 32 * u];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (c0 + 32 * u < units) d4[c0 + 32 * u] = v[u];
+            }
+        }
+    } else {
+        for (int h = lane; h < H; h += 32) dst[h] = src[h];
+    }
+}
+
+// Where local expert e (of `el`) goes, by one block (up to 32 warps), and its rows themselves:
+// the received message rows (`tokens` = n M of them, in rank then token order) that arrived and
+// name e get rows e cap + 0, 1, ... of `a` in that order, with their values copied there:
+// row_of_slot[row k + j] for the slot j naming e, counts[e] the number of rows. Every other
+// entry of row_of_slot becomes -1, written by the block of expert (row k + j) % el, so no entry
+// is written twice.
+__device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long stride, int tokens, int k, int H,
+                                  int cap, const int* batches, int M, int* row_of_slot, int* counts, bf16_t* a) {
+    __shared__ int part[32];
+    int w = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
+    int per = (tokens + warps - 1) / warps, lo = min(tokens, w * per), hi = min(tokens, lo + per);
     int c = 0;
     for (int base = lo; base < hi; base += 32) {
         int r = base + lane;
@@ -79,30 +113,35 @@ __global__ void ll_group(const unsigned char* recv, long stride, int tokens, int
             for (int j = 0; j < k; j++) {
                 const int id = live ? rid[j] : -1;
                 if (id == e) slot = j;
-                if (id < 0 && ((long)r * k + j) % gridDim.x == e) row_of_slot[(long)r * k + j] = -1;
+                if (id < 0 && ((long)r * k + j) % el == e) row_of_slot[(long)r * k + j] = -1;
             }
         }
         unsigned int mask = __ballot_sync(0xffffffffu, slot >= 0);
-        if (slot >= 0) row_of_slot[(long)r * k + slot] = pos + __popc(mask & ((1u << lane) - 1u));
+        int row = pos + __popc(mask & ((1u << lane) - 1u));
+        if (slot >= 0) row_of_slot[(long)r * k + slot] = row;
+        // The warp copies its hit rows together, one after another.
+        for (unsigned int left = mask; left; left &= left - 1) {
+            int from = __ffs(left) - 1;
+            long src = __shfl_sync(0xffffffffu, r, from);
+            int dst = __shfl_sync(0xffffffffu, row, from);
+            copy_row_warp((const bf16_t*)(recv + src * stride + ll_row_offset(k)), a + (long)dst * H, H, lane);
+        }
         pos += __popc(mask);
     }
     if (threadIdx.x == 0) {
         int total = 0;
-        for (int i = 0; i < SCAN_WARPS; i++) total += part[i];
+        for (int i = 0; i < warps; i++) total += part[i];
         counts[e] = total;
     }
+    __syncthreads();
 }
 
-// a[row_of_slot[r k + j]] = the bf16 values of received message row r, for every slot with a
-// row; one block per message row.
-__global__ void ll_gather(const unsigned char* recv, long stride, int tokens, int k, int H, const int* row_of_slot,
-                          bf16_t* a) {
-    int r = blockIdx.x;
-    if (r >= tokens) return;
-    const bf16_t* src = (const bf16_t*)(recv + (long)r * stride + ll_row_offset(k));
-    for (int j = 0; j < k; j++) {
-        int row = row_of_slot[(long)r * k + j];
-        if (row >= 0) copy_row(src, a + (long)row * H, H);
+// The received messages laid out per local expert (ll_arrange_expert), the `el` experts shared
+// out over the blocks (of up to 1024 threads).
+__global__ void __launch_bounds__(1024) ll_arrange(const unsigned char* recv, long stride, int tokens, int k, int H, int cap,
+                           const int* batches, int M, int el, int* row_of_slot, int* counts, bf16_t* a) {
+    for (int e = blockIdx.x; e < el; e += gridDim.x) {
+        ll_arrange_expert(e, el, recv, stride, tokens, k, H, cap, batches, M, row_of_slot, counts, a);
     }
 }
 

@@ -2,7 +2,8 @@
 // (a peer window, see peer_window.rs), and sequence flags that say they have landed. Every
 // exchange is one push (copy every lane's rows to every rank, then bump each receiver's flag for
 // this rank) and one wait (spin until every sender's flag reached this exchange's number, with a
-// clock deadline). (Compiled after moe.cu.)
+// clock deadline). A strategy's kernel that writes its rows into the peers' windows itself
+// raises the flags as the push does (nvl_raise). (Compiled after moe.cu and low_latency.cu.)
 
 // Copies row `s` of `src` to row `r` of `dst`, `units` words of type W, one warp per row: each
 // lane loads up to PUSH_BATCH words (bypassing L1) before it stores them, so that many loads are
@@ -116,6 +117,28 @@ __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf
         bf16_t* row = (bf16_t*)regions[(r / M) * nregions + region] + ((long)rank * M + r % M) * H;
         ll_combine_row(recv, stride, y, b2, row_of_slot, k, H, r, row);
     }
+    nvl_raise(flags, nflags, sent, done);
+}
+
+// The low-latency dispatch's sending half over NVLink, one block per (token t < M, destination
+// d), t = blockIdx.x / n: message row (t, d) (see ll_pack_row) written straight into row
+// rank M + t of region 0 of rank d's window (regions[d nregions], see ll_combine_push), for
+// the tokens of the batch (`*tokens`) only, and the batch into int `rank` of region 2;
+// home_rows[t n + d] = d M + t, or -1 when token t sent nothing to d; then the exchange's
+// flags raised as nvl_push raises them.
+__global__ void ll_send(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
+                        const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
+                        const int* shared, long stride, int rank, const u64* regions, int nregions, int* home_rows,
+                        u64* const* flags, int nflags, u64* sent, unsigned int* done) {
+    int n = gridDim.x / M, t = blockIdx.x / n, d = blockIdx.x % n, T = *tokens;
+    const u64* at = regions + (long)d * nregions;
+    if (t == 0 && threadIdx.x == 0) ((int*)at[2])[rank] = T;
+    bool any = false;
+    if (t < T) {
+        unsigned char* row = (unsigned char*)at[0] + ((long)rank * M + t) * stride;
+        any = ll_pack_row(x, ids, w, t, T, d, k, H, rep_first, rep_count, rep_rank, rep_slot, shared, row);
+    }
+    if (threadIdx.x == 0) home_rows[t * n + d] = any ? d * M + t : -1;
     nvl_raise(flags, nflags, sent, done);
 }
 

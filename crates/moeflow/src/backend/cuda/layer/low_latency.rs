@@ -24,8 +24,6 @@ pub(super) struct LlBuffers {
     pub(super) send: CudaSlice<u8>,
     pub(super) recv: CudaSlice<u8>,
     pub(super) home_rows: CudaSlice<i32>,
-    /// The rows of each message that go: the batch, once per rank.
-    pub(super) live: CudaSlice<i32>,
     pub(super) row_of_slot: CudaSlice<i32>,
     pub(super) counts: CudaSlice<i32>,
     /// Where each local expert's rows start: `x · cap` (for the Hopper GEMM).
@@ -122,7 +120,6 @@ impl CudaMoeLayer {
             send: z8(msg * row_stride(h, k))?,
             recv: z8(msg * row_stride(h, k))?,
             home_rows: z32(m * n)?,
-            live: z32(n)?,
             row_of_slot: z32(msg * k)?,
             counts: z32(el)?,
             offsets: s

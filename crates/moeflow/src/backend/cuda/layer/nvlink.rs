@@ -8,6 +8,8 @@
 //! row index where the strategy has one, so no staging copy; then a sequence number raised in
 //! each receiver's flags) and one wait kernel (until every sender's number arrived, or a clock
 //! deadline). Neither reads anything back to the host, so both are captured in CUDA graphs.
+//! A strategy's own kernel may take the push's place: one that writes its rows into the peers'
+//! windows and raises the flags itself ([`WindowWrite`]).
 //!
 //! A window region is written by the previous exchange's senders only after the receiver has
 //! sent its own next rows, which it does after reading the region: dispatch and combine
@@ -184,18 +186,13 @@ impl CudaMoeLayer {
         self.await_pushes(nv, link, slot as i32)
     }
 
-    /// An exchange over the link's NVLink window whose rows `write` enqueues itself: a kernel
-    /// that stores them into the peers' window regions and raises the flags (see
-    /// [`WindowWrite`]), in place of a push; then the wait, as [`CudaMoeLayer::exchange_nvlink`]
-    /// does (`slot` 0 dispatch, 1 combine).
-    pub(super) fn exchange_written(
-        &self,
-        link: &EpLink,
-        slot: usize,
-        write: impl FnOnce(&WindowWrite) -> Result<()>,
-    ) -> Result<()> {
-        let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
-        let LinkTransport::NvLink(nv) = &mut *guard else {
+    /// The sending half of an exchange over the link's NVLink window whose rows `write`
+    /// enqueues itself: a kernel that stores them into the peers' window regions and raises
+    /// the flags (see [`WindowWrite`]), in place of a push. The receiving half is
+    /// [`CudaMoeLayer::await_window`].
+    pub(super) fn write_window(&self, link: &EpLink, write: impl FnOnce(&WindowWrite) -> Result<()>) -> Result<()> {
+        let guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let LinkTransport::NvLink(nv) = &*guard else {
             return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
         };
         let g = &self.gpu;
@@ -207,8 +204,18 @@ impl CudaMoeLayer {
             nflags: link.comm.size() as i32,
             sent: counters,
             done: counters + 16,
-        })?;
-        self.await_pushes(nv, link, slot as i32)
+        })
+    }
+
+    /// The receiving half of an exchange over the link's NVLink window: a wait on the device
+    /// until every rank's rows of this exchange have landed here (`stage` 0 dispatch, 1
+    /// combine, as its timeout reports it).
+    pub(super) fn await_window(&self, link: &EpLink, stage: i32) -> Result<()> {
+        let guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+        let LinkTransport::NvLink(nv) = &*guard else {
+            return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
+        };
+        self.await_pushes(nv, link, stage)
     }
 
     /// A barrier of the link's ranks on the device, when its rows move over NVLink: an exchange

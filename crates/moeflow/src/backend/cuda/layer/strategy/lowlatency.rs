@@ -5,16 +5,17 @@
 //! local ids | k weights | H bf16]`, ids -1 where the token has no expert there); the receiver
 //! lays the rows out `n·M` per local expert (a token reaches an expert at most once) and counts
 //! them on the device; the weighted sum per message row goes back as one bf16 row, summed at
-//! home in rank order. Over the NVLink transport the dispatch is pushed straight into the peers'
-//! windows, only its rows within the batch (the sender's batch size travels with them, and the
-//! receiver's kernels skip the rest), and the combine's kernel writes each weighted row straight
-//! into its home rank's window (no staging rows, no push); the kernels and their waits are
-//! captured in the graph with the rest.
+//! home in rank order. Over the NVLink transport each way writes straight into the peers'
+//! windows from the kernel that makes the rows: the dispatch's pack writes the rows within the
+//! batch (with the batch size; the receiver's kernels skip the rest), the combine's weighted
+//! sum its rows home, and each raises the receivers' flags; one wait on the device then lets the
+//! arrangement (or the sum at home) read them. Over NCCL the messages travel whole between a
+//! pack and an arrangement. Either way the kernels and their waits are captured in the graph
+//! with the rest.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
 use crate::backend::cuda::layer::low_latency::row_stride;
-use crate::backend::cuda::layer::nvlink::Lane;
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -49,36 +50,49 @@ impl DevicePrepareFinalize for LowLatency {
         let s = &g.stream;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
         let (xb, ids, w, tokens) = (dptr(&b.x_bf, g), dptr(&b.ids, g), dptr(&b.weights, g), dptr(&ll.tokens, g));
-        let (send, recv, home_rows, live) =
-            (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g), dptr(&ll.live, g));
+        let (send, recv, home_rows) = (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g));
         let (mi, ki, hi, stride_l) = (m as i32, k as i32, h as i32, stride as i64);
         let placed = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tables = placed.ptrs(g);
         // Which replicated experts share this batch, counted on the device (null: all).
         let shared = l.replica_shares(placed, ids, tokens, n)?;
-        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*,
-        // int*) over M tokens × n destinations of buffers sized for them (routing ran on M
-        // rows; `live` holds n ints); the placement's tables cover every expert, and `shared`
-        // (when not null) too.
+        let regions = [n * m * stride, n * m * 2 * h, 4 * n];
+        if let Some(at) = l.nvlink(link, &regions)? {
+            // One kernel packs the rows within the batch straight into every rank's window, with
+            // the batch size, and raises the flags: the pack is part of the dispatch here.
+            mark(2)?;
+            let rank = link.comm.rank() as i32;
+            l.write_window(link, |win| {
+                // SAFETY: ll_send(bf16*, int*, float*, int*, int, int, int, int* x5, long, int,
+                // u64*, int, int*, u64**, int, u64*, unsigned*) over M tokens × n destinations
+                // (routing ran on M rows); each row lands inside region 0 of its destination's
+                // window (n M rows, sized by the capacity) and the batch inside region 2 (n
+                // ints); the flags and counters are the link's (see WindowWrite).
+                unsafe {
+                    let mut p = s.launch_builder(&l.k.ll_send);
+                    p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
+                    p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
+                    p.arg(&stride_l).arg(&rank).arg(&win.regions).arg(&win.nregions).arg(&home_rows);
+                    p.arg(&win.flags).arg(&win.nflags).arg(&win.sent).arg(&win.done);
+                    p.launch(rows(m * n, 128))
+                }
+                .map(|_| ())
+                .map_err(|e| err("ll_send", e))
+            })?;
+            return Ok(Box::new(Landing { recv: at[0], back: at[1], batches: at[2], nvlink: true }));
+        }
+        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*)
+        // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
+        // placement's tables cover every expert, and `shared` (when not null) too.
         unsafe {
             let mut p = s.launch_builder(&l.k.ll_pack);
             p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
             p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
-            p.arg(&stride_l).arg(&send).arg(&home_rows).arg(&live);
+            p.arg(&stride_l).arg(&send).arg(&home_rows);
             p.launch(LaunchConfig { grid_dim: (m as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
         }
         .map_err(|e| err("ll_pack", e))?;
         mark(2)?;
-        let regions = [n * m * stride, n * m * 2 * h, 4 * n];
-        if let Some(at) = l.nvlink(link, &regions)? {
-            // The rows within the batch, and the batch size (`live` holds it once per rank, as a
-            // lane's rows for the ranks in order), to every rank.
-            let (every, one) = (vec![m; n * n], vec![1; n * n]);
-            let rows = Lane { src: send, idx: None, row_bytes: stride, region: 0, counts: &every, live: Some(live) };
-            let batch = Lane { src: live, idx: None, row_bytes: 4, region: 2, counts: &one, live: None };
-            l.exchange_nvlink(link, 0, &[rows, batch])?;
-            return Ok(Box::new(Landing { recv: at[0], back: at[1], batches: at[2], nvlink: true }));
-        }
         let every = vec![m; n];
         l.exchange_rows(link, "moe low-latency dispatch", &[(send, stride)], &every, &[(recv, stride)], &every)?;
         Ok(Box::new(Landing { recv, back: dptr(&ll.back, g), batches: 0, nvlink: false }))
@@ -104,35 +118,21 @@ impl DevicePrepareFinalize for LowLatency {
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
         let (recv, row_of_slot, counts, a) =
             (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.counts, g), dptr(&ll.a, g));
-        let (ki, hi, msg_i, cap_i, mi) = (k as i32, h as i32, msg as i32, cap as i32, m as i32);
-        // SAFETY: row_of_slot holds msg · k ints; ll_group(u8*, long, int, int, int, int*, int,
-        // int*, int*) and ll_gather(u8*, long, int, int, int, int*, bf16*) read the msg received
-        // rows (and, when not null, the n senders' batch sizes) and write rows below el · cap
-        // of `a`.
-        unsafe {
-            s.launch_builder(&l.k.ll_group)
-                .arg(&recv)
-                .arg(&stride)
-                .arg(&msg_i)
-                .arg(&ki)
-                .arg(&cap_i)
-                .arg(&landing.batches)
-                .arg(&mi)
-                .arg(&row_of_slot)
-                .arg(&counts)
-                .launch(LaunchConfig { grid_dim: (el as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
-                .map_err(|e| err("ll_group", e))?;
-            s.launch_builder(&l.k.ll_gather)
-                .arg(&recv)
-                .arg(&stride)
-                .arg(&msg_i)
-                .arg(&ki)
-                .arg(&hi)
-                .arg(&row_of_slot)
-                .arg(&a)
-                .launch(rows(msg, 128))
-                .map_err(|e| err("ll_gather", e))?;
+        let (ki, hi, msg_i, cap_i, mi, el_i, batches) =
+            (k as i32, h as i32, msg as i32, cap as i32, m as i32, el as i32, landing.batches);
+        if landing.nvlink {
+            l.await_window(link, 0)?;
         }
+        // SAFETY: ll_arrange(u8*, long, int, int, int, int, int*, int, int, int*, int*, bf16*)
+        // reads the msg received rows (and, when not null, the n senders' batch sizes) once they
+        // have landed; row_of_slot holds msg · k ints, counts el, and `a` el · cap rows.
+        unsafe {
+            let mut r = s.launch_builder(&l.k.ll_arrange);
+            r.arg(&recv).arg(&stride).arg(&msg_i).arg(&ki).arg(&hi).arg(&cap_i);
+            r.arg(&batches).arg(&mi).arg(&el_i).arg(&row_of_slot).arg(&counts).arg(&a);
+            r.launch(rows(el, 1024))
+        }
+        .map_err(|e| err("ll_arrange", e))?;
         mark(3)?;
         // Without the masked GEMM's shapes, cuBLAS over the padded layout.
         let imp = l.device_counted(el * cap, el, Form::LowLatency).unwrap_or(&CublasPadded);
@@ -174,7 +174,7 @@ impl DevicePrepareFinalize for LowLatency {
             // The weighted rows go straight into their home ranks' windows from the kernel that
             // sums them (no staging rows, no push), as many of each rank's as its batch sent.
             let rank = link.comm.rank() as i32;
-            return l.exchange_written(link, 1, |w| {
+            l.write_window(link, |w| {
                 // SAFETY: ll_combine_push(u8*, long, bf16*, float*, int*, int, int, int, int*,
                 // int, int, u64*, int, int, u64**, int, u64*, unsigned*) over the msg received
                 // rows (the senders' batch sizes at `batches`); each home row lands inside
@@ -189,11 +189,12 @@ impl DevicePrepareFinalize for LowLatency {
                 }
                 .map(|_| ())
                 .map_err(|e| err("ll_combine_push", e))
-            });
+            })?;
+            return l.await_window(link, 1);
         }
         // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, int*, int, bf16*) over
         // the msg received rows (and the senders' batch sizes, when not null); their expert rows
-        // come from ll_group.
+        // come from ll_arrange.
         unsafe {
             let mut c = g.stream.launch_builder(&l.k.ll_combine);
             c.arg(&recv).arg(&stride).arg(&y).arg(&b2).arg(&row_of_slot).arg(&msg_i).arg(&ki).arg(&hi);
