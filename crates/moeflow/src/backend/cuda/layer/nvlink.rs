@@ -178,12 +178,10 @@ impl CudaMoeLayer {
     /// pushes `lanes` to every rank and waits on the device until every rank's push has landed
     /// here. `slot` 0 is the dispatch, 1 the combine.
     pub(super) fn exchange_nvlink(&self, link: &EpLink, slot: usize, lanes: &[Lane]) -> Result<()> {
-        let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
-        let LinkTransport::NvLink(nv) = &mut *guard else {
-            return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
-        };
-        self.push(nv, link, slot, lanes)?;
-        self.await_pushes(nv, link, slot as i32)
+        with_window(link, |nv| {
+            self.push(nv, link, slot, lanes)?;
+            self.await_pushes(nv, link, slot as i32)
+        })
     }
 
     /// The sending half of an exchange over the link's NVLink window whose rows `write`
@@ -191,19 +189,17 @@ impl CudaMoeLayer {
     /// the flags (see [`WindowWrite`]), in place of a push. The receiving half is
     /// [`CudaMoeLayer::await_window`].
     pub(super) fn write_window(&self, link: &EpLink, write: impl FnOnce(&WindowWrite) -> Result<()>) -> Result<()> {
-        let guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
-        let LinkTransport::NvLink(nv) = &*guard else {
-            return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
-        };
-        let g = &self.gpu;
-        let counters = dptr(&nv.counters, g);
-        write(&WindowWrite {
-            regions: dptr(&nv.peer_regions, g),
-            nregions: nv.regions.len() as i32,
-            flags: dptr(&nv.flags, g),
-            nflags: link.comm.size() as i32,
-            sent: counters,
-            done: counters + 16,
+        with_window(link, |nv| {
+            let g = &self.gpu;
+            let counters = dptr(&nv.counters, g);
+            write(&WindowWrite {
+                regions: dptr(&nv.peer_regions, g),
+                nregions: nv.regions.len() as i32,
+                flags: dptr(&nv.flags, g),
+                nflags: link.comm.size() as i32,
+                sent: counters,
+                done: counters + 16,
+            })
         })
     }
 
@@ -211,11 +207,7 @@ impl CudaMoeLayer {
     /// until every rank's rows of this exchange have landed here (`stage` 0 dispatch, 1
     /// combine, as its timeout reports it).
     pub(super) fn await_window(&self, link: &EpLink, stage: i32) -> Result<()> {
-        let guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
-        let LinkTransport::NvLink(nv) = &*guard else {
-            return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
-        };
-        self.await_pushes(nv, link, stage)
+        with_window(link, |nv| self.await_pushes(nv, link, stage))
     }
 
     /// A barrier of the link's ranks on the device, when its rows move over NVLink: an exchange
@@ -374,6 +366,16 @@ impl EpLink {
             LinkTransport::NvLink(_) => "nvlink",
         }
     }
+}
+
+/// `f` on the link's NVLink window (its transport's lock held), or an error when its rows move
+/// over NCCL or it has no window yet.
+fn with_window<R>(link: &EpLink, f: impl FnOnce(&mut NvLink) -> Result<R>) -> Result<R> {
+    let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
+    let LinkTransport::NvLink(nv) = &mut *guard else {
+        return Err(MoeError::Unsupported("an NVLink exchange on a link without an NVLink window".into()));
+    };
+    f(nv)
 }
 
 /// The message of a wait that timed out on rank `src`'s rows.
