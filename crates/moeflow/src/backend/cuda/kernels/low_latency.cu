@@ -138,8 +138,9 @@ __device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long
 
 // The received messages laid out per local expert (ll_arrange_expert), the `el` experts shared
 // out over the blocks (of up to 1024 threads).
-__global__ void __launch_bounds__(1024) ll_arrange(const unsigned char* recv, long stride, int tokens, int k, int H, int cap,
-                           const int* batches, int M, int el, int* row_of_slot, int* counts, bf16_t* a) {
+__global__ void __launch_bounds__(1024)
+    ll_arrange(const unsigned char* recv, long stride, int tokens, int k, int H, int cap, const int* batches, int M,
+               int el, int* row_of_slot, int* counts, bf16_t* a) {
     for (int e = blockIdx.x; e < el; e += gridDim.x) {
         ll_arrange_expert(e, el, recv, stride, tokens, k, H, cap, batches, M, row_of_slot, counts, a);
     }
