@@ -236,8 +236,9 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let (mut records, (floor_inputs, ours, staged)) = ctx.rows(&args.tokens, measured);
     if capacity.is_some() {
         println!(
-            "stages inside the graph, from clock stamps between them (a one-thread kernel each); the stamped \
-             graph's layer ms on rank 0 (median): {}",
+            "stages inside the graph, from clock stamps between them (a one-thread kernel each; over NVLink the \
+             dispatch's own kernel packs its rows, so permute is empty); the stamped graph's layer ms on rank 0 \
+             (median): {}",
             staged.join(", ")
         );
     }
