@@ -270,7 +270,8 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
     // partial sums), or 128 and a sub-tile's activation: the producer warpgroup gives them
     // registers. The block holds 168 a thread (384 threads), 128 · P + 256 · C of them: the
-    // producer keeps 40 (P) where it only issues TMA loads, 88 where it gathers rows too.
+    // producer keeps 40 (P) beside two sets; beside the quantizing tiles, whose consumers need
+    // fewer, it keeps 88, since at 40 its gathering of rows spilled.
     constexpr bool SHIFT_REGISTERS = WGS == 2 && (SETS == 2 || QUANT);
     constexpr int PRODUCER_REGS = QUANT ? 88 : 40, CONSUMER_REGS = (168 * 3 - PRODUCER_REGS) / 2 / 8 * 8;
     if (threadIdx.x < 128) {

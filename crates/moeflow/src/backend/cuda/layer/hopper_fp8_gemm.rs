@@ -77,9 +77,8 @@ pub(super) struct Fp8Gather {
 }
 
 /// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`] and the two
-/// that quantize the activation), the SMs its
-/// persistent blocks fill, their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s)
-/// and the tile rows the options ask for.
+/// that quantize the activation), the SMs its persistent blocks fill, their shared tile counter
+/// (as [`super::hopper_gemm::HopperGemm`]'s) and the tile rows the options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
     one_set: CudaFunction,
@@ -187,8 +186,8 @@ impl HopperFp8Gemm {
         };
         // SAFETY: grouped_gemm_fp8_sm90(map, map, bf16*, int*, int*, int, int, int, int*, int,
         // float, float, float*, float*, float*, u8*, int*, int, u8*, float*) with its threads
-        // and shared memory: the maps describe A's codes ([rows, kdim]) and W's ([experts · n, kdim]);
-        // the scales hold a row's (or a token's) ceil(kdim / 128) and an expert's
+        // and shared memory: the maps describe A's codes ([rows, kdim]) and W's ([experts · n,
+        // kdim]); the scales hold a row's (or a token's) ceil(kdim / 128) and an expert's
         // ceil(n / 128) · ceil(kdim / 128); C holds `rows` rows of n (n / 2 with an
         // activation); counts and offsets hold `experts` ints placing rows inside `rows`; the
         // counter is two ints, zero at every launch; the bias, when given, `experts · n`

@@ -191,24 +191,13 @@ impl CudaMoeLayer {
         graph.launch(&self.gpu, false)?;
         link.check_transport(link.comm.wait("moe layer", &self.gpu.stream))?;
         let ns = self.gpu.stream.clone_dtoh(&ll.stamps).map_err(|e| err("reading clock stamps", e))?;
-        let ms = |a: usize, z: usize| ns[z].saturating_sub(ns[a]) as f64 * 1e-6;
+        let ms = |a: usize, z: usize| Ok(ns[z].saturating_sub(ns[a]) as f64 * 1e-6);
         Ok(GpuStageTimes {
-            route: ms(0, 1),
-            permute: ms(1, 2),
-            dispatch: ms(2, 3),
-            gemm1: ms(3, 4),
-            act: ms(4, 5),
-            gemm2: ms(5, 6),
-            collect: ms(6, 7),
-            combine: ms(7, 8),
-            shared: ms(8, 9),
-            total: ms(0, 9),
             dispatch_bytes: self.ll_sent_bytes(t),
-            experts_used: 0,
             strategy: ran.strategy,
             experts: ran.experts,
             transport: link.transport_name(),
-            device_plan: false,
+            ..super::stages_between(ms)?
         })
     }
 

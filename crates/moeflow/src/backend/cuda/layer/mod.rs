@@ -821,22 +821,13 @@ impl CudaMoeLayer {
             Ok(marks[a].elapsed_ms(&marks[z]).map_err(|e| err("event time", e))? as f64)
         };
         let times = GpuStageTimes {
-            route: ms(0, 1)?,
-            permute: ms(1, 2)?,
-            dispatch: ms(2, 3)?,
-            gemm1: ms(3, 4)?,
-            act: ms(4, 5)?,
-            gemm2: ms(5, 6)?,
-            collect: ms(6, 7)?,
-            combine: ms(7, 8)?,
-            shared: ms(8, 9)?,
-            total: ms(0, 9)?,
             dispatch_bytes: self.sent_bytes(ran.sent)?,
             experts_used: self.experts_used(b)?,
             strategy: ran.strategy,
             experts: ran.experts,
             transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
             device_plan: self.dispatch_planned_on_device(),
+            ..stages_between(ms)?
         };
         let mut marks = marks;
         let last = marks.pop().expect("ten marks");
@@ -954,6 +945,24 @@ impl CudaMoeLayer {
         }
         Ok(())
     }
+}
+
+/// The stages of a run between its ten boundaries (`mark(0..=9)` in `enqueue`), `ms(a, z)` the
+/// milliseconds from boundary `a` to `z`; the other fields left at their defaults.
+fn stages_between(ms: impl Fn(usize, usize) -> Result<f64>) -> Result<GpuStageTimes> {
+    Ok(GpuStageTimes {
+        route: ms(0, 1)?,
+        permute: ms(1, 2)?,
+        dispatch: ms(2, 3)?,
+        gemm1: ms(3, 4)?,
+        act: ms(4, 5)?,
+        gemm2: ms(5, 6)?,
+        collect: ms(6, 7)?,
+        combine: ms(7, 8)?,
+        shared: ms(8, 9)?,
+        total: ms(0, 9)?,
+        ..GpuStageTimes::default()
+    })
 }
 
 fn check(st: cb::cublasStatus_t, what: &str) -> Result<()> {
