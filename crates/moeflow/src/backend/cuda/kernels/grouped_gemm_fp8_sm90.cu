@@ -77,10 +77,12 @@ __device__ __forceinline__ void g8_promote(float* d, const float* p, g8_scales s
 // (pair 2j + h: row r0 + 8h, columns 8j + 2q + {0,1} of the half, q = lane % 4), the four
 // lanes of a quad one row's 128 values between them. Writes their fp8 codes to Q [·, width]
 // and the group's scale (amax / 448, as quantize_rows_bf16 computes it, so the codes are
-// bit for bit the separate pass's) to S [·, width / 128], rows below `rows_end` only.
+// bit for bit the separate pass's) to S [·, width / 128], rows below `rows_end` only. The
+// codes go out 8 bytes a lane: the quad trades its code pairs of four column groups (a 4 × 4
+// transpose in four shuffles), so that each lane holds 8 consecutive codes of one group.
 __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned* hi, unsigned char* Q, float* S,
                                              long r0, int rows_end, int col0, int width) {
-    const int q = threadIdx.x % 4;
+    const int q = threadIdx.x % 4, quad = (threadIdx.x % 32) & ~3;
 #pragma unroll
     for (int h = 0; h < 2; h++) {
         float a = 0.0f;
@@ -94,18 +96,34 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
         const float sc = group_scale(a, 2);
         const long r = r0 + 8 * h;
-        if (r >= rows_end) continue;
-        if (q == 0) S[r * (width / 128) + col0 / 128] = sc;
-        unsigned char* row = Q + r * width + col0 + 2 * q;
+        const bool here = r < rows_end;
+        if (here && q == 0) S[r * (width / 128) + col0 / 128] = sc;
+        unsigned char* row = Q + r * width + col0;
 #pragma unroll
         for (int half = 0; half < 2; half++) {
 #pragma unroll
-            for (int j = 0; j < 8; j++) {
-                const unsigned v = (half ? hi : lo)[2 * j + h];
-                const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
-                const unsigned c0 = sc > 0.0f ? fp8_e4m3_encode(v0 / sc) : 0;
-                const unsigned c1 = sc > 0.0f ? fp8_e4m3_encode(v1 / sc) : 0;
-                *(unsigned short*)(row + 64 * half + 8 * j) = (unsigned short)(c0 | (c1 << 8));
+            for (int jb = 0; jb < 8; jb += 4) {
+                // This lane's code pairs (columns 8j + 2q, + 1) of groups jb .. jb + 3.
+                unsigned code[4];
+#pragma unroll
+                for (int u = 0; u < 4; u++) {
+                    const unsigned v = (half ? hi : lo)[2 * (jb + u) + h];
+                    const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
+                    const unsigned c0 = sc > 0.0f ? fp8_e4m3_encode(v0 / sc) : 0;
+                    const unsigned c1 = sc > 0.0f ? fp8_e4m3_encode(v1 / sc) : 0;
+                    code[u] = c0 | (c1 << 8);
+                }
+                // Round t: lane s sends its pair of group jb + (s - t) % 4 and takes lane
+                // (q + t) % 4's pair of group jb + q, its bytes 2 ((q + t) % 4) of that group.
+                unsigned long long word = 0;
+#pragma unroll
+                for (int t = 0; t < 4; t++) {
+                    const int give = (q - t) & 3, from = (q + t) & 3;
+                    const unsigned send = give == 0 ? code[0] : give == 1 ? code[1] : give == 2 ? code[2] : code[3];
+                    const unsigned got = __shfl_sync(0xffffffffu, send, quad | from);
+                    word |= (unsigned long long)(got & 0xffffu) << (16 * from);
+                }
+                if (here) *(unsigned long long*)(row + 64 * half + 8 * (jb + q)) = word;
             }
         }
     }
