@@ -135,15 +135,26 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
     __syncwarp();
     if (n_group > 1) {
         // Group scores (the best, or with kind 2 the best two, of each group's experts), then
-        // the topk_group best groups kept: lane g ranks groups g and g + 32.
-        int per = E / n_group;
-        for (int g = lane; g < n_group; g += 32) {
+        // the topk_group best groups kept: lane g ranks groups g and g + 32. Each group is
+        // scanned by `lpg` lanes (a power of two, up to 32 / n_group), each taking every lpg-th
+        // expert, their best two merged by shuffles (the best two of a union are the larger
+        // best and the largest of the rest, so the scores are those of one serial scan).
+        int per = E / n_group, lpg = 1;
+        while (lpg * 2 * n_group <= 32) lpg *= 2;
+        for (int g0 = 0; g0 < n_group; g0 += 32 / lpg) {
+            int g = g0 + lane / lpg, sub = lane % lpg;
             float a = -INFINITY, b = -INFINITY;
-            for (int e = g * per; e < (g + 1) * per; e++) {
-                float v = s[e];
-                if (v > a) { b = a; a = v; } else if (v > b) { b = v; }
+            if (g < n_group)
+                for (int e = g * per + sub; e < (g + 1) * per; e += lpg) {
+                    float v = s[e];
+                    if (v > a) { b = a; a = v; } else if (v > b) { b = v; }
+                }
+            for (int o = 1; o < lpg; o <<= 1) {
+                float a2 = __shfl_xor_sync(0xffffffffu, a, o), b2 = __shfl_xor_sync(0xffffffffu, b, o);
+                b = fmaxf(fminf(a, a2), fmaxf(b, b2));
+                a = fmaxf(a, a2);
             }
-            gs[g] = kind == 2 ? a + b : a;
+            if (g < n_group && sub == 0) gs[g] = kind == 2 ? a + b : a;
         }
         __syncwarp();
         unsigned long long keep = 0;
@@ -173,11 +184,25 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
     }
     if (lane < k) pk[lane] = -1;
     __syncwarp();
-    for (int i = lane; i < n; i += 32) {
-        float v = s[i];
-        int r = 0;
-        for (int j = 0; j < n; j++) r += ranks_above(s[j], j, v, i);
-        if (r < k) pk[r] = c[i];
+    // Each lane ranks four candidates at a time (lane, lane + 32, ... of each 128), so every
+    // score read from shared memory serves four independent comparisons.
+    for (int base = 0; base < n; base += 128) {
+        float v[4];
+        int r[4];
+        for (int q = 0; q < 4; q++) {
+            int i = base + lane + 32 * q;
+            v[q] = i < n ? s[i] : -INFINITY;
+            r[q] = 0;
+        }
+#pragma unroll 4
+        for (int j = 0; j < n; j++) {
+            float u = s[j];
+            for (int q = 0; q < 4; q++) r[q] += ranks_above(u, j, v[q], base + lane + 32 * q);
+        }
+        for (int q = 0; q < 4; q++) {
+            int i = base + lane + 32 * q;
+            if (i < n && r[q] < k) pk[r[q]] = c[i];
+        }
     }
     __syncwarp();
     int chosen = lane < k ? pk[lane] : -1;  // lane j < k holds choice j
@@ -203,15 +228,16 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
     }
 }
 
+// Top-k of every token (a warp each), or of the first *live when `live` is not null.
 __global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
-                      int renorm, float scaling, int* ids, float* weights) {
+                      int renorm, float scaling, const int* live, int* ids, float* weights) {
     __shared__ float sc[WARPS][MAX_E];
     __shared__ int cand[WARPS][MAX_E];
     __shared__ float group_score[WARPS][64];
     __shared__ int pick[WARPS][MAX_K];
     int warp = threadIdx.x / 32;
     int t = blockIdx.x * WARPS + warp;
-    if (t >= T) return;
+    if (t >= T || (live && t >= *live)) return;
     route_token(logits + (long)t * E, bias, E, k, kind, n_group, topk_group, renorm, scaling, ids + (long)t * k,
                 weights + (long)t * k, sc[warp], cand[warp], group_score[warp], pick[warp]);
 }
@@ -1030,13 +1056,95 @@ __global__ void router_partials_fixed_wide(const float* x, const float* gate, in
     }
 }
 
-// Then logits[t, e] = the sum of the `blocks` partials in block order.
-__global__ void router_sum_fixed(const float* partial, int T, int E, int blocks, float* logits) {
-    long n = (long)T * E;
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
+// Then logits[t, e] = the sum of the `blocks` partials in block order, plus bias[e] when `bias` is
+// not null; with `live` (not null) only the first *live rows.
+__global__ void router_sum_fixed(const float* partial, int T, int E, int blocks, const float* bias, const int* live,
+                                 float* logits) {
+    long n = (long)T * E, m = live ? (long)min(T, max(*live, 0)) * E : n;
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < m; i += (long)gridDim.x * blockDim.x) {
+        // Eight loads in flight before their additions (in order), not one load per addition.
         float s = 0.0f;
-        for (int z = 0; z < blocks; z++) s += partial[z * n + i];
-        logits[i] = s;
+        int z = 0;
+        for (; z + 8 <= blocks; z += 8) {
+            float v[8];
+#pragma unroll
+            for (int u = 0; u < 8; u++) v[u] = partial[(z + u) * n + i];
+#pragma unroll
+            for (int u = 0; u < 8; u++) s += v[u];
+        }
+        for (; z < blocks; z++) s += partial[z * n + i];
+        logits[i] = bias ? s + bias[i % E] : s;
+    }
+}
+
+// The low-latency graph's router GEMM, for the first *live of T rows (the batch, read on the
+// device; the grid covers all T): partial[z, t, e] = the sum over the ROUTER_LIVE_COLS columns of
+// block z, in order, of x[t, k] * gate[e, k] (f32 fma). A block takes 64 experts (blockIdx.x), one
+// column block (blockIdx.y) and up to ROUTER_LIVE_ROWS rows (blockIdx.z): it loads its whole gate
+// tile at once (every load in flight, where a loop over the columns would wait for each chunk),
+// then takes the live rows 32 at a time, each thread rows ty and ty + 16 of experts 4 tx .. 4 tx
+// + 3 (one 16-byte read of the gate tile a column). router_sum_fixed adds the partials.
+#define ROUTER_LIVE_COLS 112
+#define ROUTER_LIVE_ROWS 128
+__global__ void __launch_bounds__(256) router_live_partials(const float* x, const float* gate, int T, int E, int H,
+                                                            const int* live, float* partial) {
+    __shared__ __align__(16) float gs[ROUTER_LIVE_COLS][68];
+    __shared__ float xs[ROUTER_LIVE_COLS][33];
+    const int rows = min(T, max(*live, 0));
+    const int e0 = blockIdx.x * 64, k0 = blockIdx.y * ROUTER_LIVE_COLS, t_lo = blockIdx.z * ROUTER_LIVE_ROWS;
+    const int t_hi = min(rows, t_lo + ROUTER_LIVE_ROWS), depth = min(ROUTER_LIVE_COLS, H - k0);
+    if (t_lo >= t_hi) return;
+    const int tid = threadIdx.x, tx = tid % 16, ty = tid / 16;
+    // Every load of a tile is issued before any of them is stored (256 threads a block).
+    constexpr int GATE_LOADS = 64 * ROUTER_LIVE_COLS / 256, X_LOADS = 32 * ROUTER_LIVE_COLS / 256;
+    {
+        float v[GATE_LOADS];
+#pragma unroll
+        for (int u = 0; u < GATE_LOADS; u++) {
+            const int q = tid + 256 * u, r = q / ROUTER_LIVE_COLS, kk = q % ROUTER_LIVE_COLS, e = e0 + r;
+            v[u] = (e < E && kk < depth) ? gate[(long)e * H + k0 + kk] : 0.0f;
+        }
+#pragma unroll
+        for (int u = 0; u < GATE_LOADS; u++) {
+            const int q = tid + 256 * u;
+            gs[q % ROUTER_LIVE_COLS][q / ROUTER_LIVE_COLS] = v[u];
+        }
+    }
+    float* out = partial + (long)blockIdx.y * T * E;
+    for (int t0 = t_lo; t0 < t_hi; t0 += 32) {
+        float v[X_LOADS];
+#pragma unroll
+        for (int u = 0; u < X_LOADS; u++) {
+            const int q = tid + 256 * u, r = q / ROUTER_LIVE_COLS, kk = q % ROUTER_LIVE_COLS, t = t0 + r;
+            v[u] = (t < t_hi && kk < depth) ? x[(long)t * H + k0 + kk] : 0.0f;
+        }
+        __syncthreads();  // the gate tile is in; the last row tile's reads are done
+#pragma unroll
+        for (int u = 0; u < X_LOADS; u++) {
+            const int q = tid + 256 * u;
+            xs[q % ROUTER_LIVE_COLS][q / ROUTER_LIVE_COLS] = v[u];
+        }
+        __syncthreads();
+        float acc[2][4] = {};
+        for (int kk = 0; kk < depth; kk++) {
+            const float a0 = xs[kk][ty], a1 = xs[kk][ty + 16];
+            const float4 g = *reinterpret_cast<const float4*>(&gs[kk][4 * tx]);
+            const float gv[4] = {g.x, g.y, g.z, g.w};
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                acc[0][j] = fmaf(a0, gv[j], acc[0][j]);
+                acc[1][j] = fmaf(a1, gv[j], acc[1][j]);
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            const int t = t0 + ty + 16 * i;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int e = e0 + 4 * tx + j;
+                if (t < t_hi && e < E) out[(long)t * E + e] = acc[i][j];
+            }
+        }
     }
 }
 

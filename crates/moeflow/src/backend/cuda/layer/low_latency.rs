@@ -21,6 +21,8 @@ use cudarc::driver::CudaSlice;
 pub(super) struct LlBuffers {
     /// Tokens in the current batch, read on the device.
     pub(super) tokens: CudaSlice<i32>,
+    /// The router's partial sums, `[H / ROUTER_LIVE_COLS, M, E]` (see `router_live`).
+    pub(super) router_partials: CudaSlice<f32>,
     pub(super) send: CudaSlice<u8>,
     pub(super) recv: CudaSlice<u8>,
     pub(super) home_rows: CudaSlice<i32>,
@@ -115,8 +117,10 @@ impl CudaMoeLayer {
         let z16 = |n: usize| s.alloc_zeros::<u16>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n.max(1)).map_err(|e| err("allocating workspace", e));
         let z8 = |n: usize| s.alloc_zeros::<u8>(n.max(1)).map_err(|e| err("allocating workspace", e));
+        let partials = h.div_ceil(super::route::ROUTER_LIVE_COLS) * m * c.num_experts;
         Ok(LlBuffers {
             tokens: z32(1)?,
+            router_partials: s.alloc_zeros::<f32>(partials.max(1)).map_err(|e| err("allocating workspace", e))?,
             send: z8(msg * row_stride(h, k))?,
             recv: z8(msg * row_stride(h, k))?,
             home_rows: z32(m * n)?,
@@ -226,7 +230,7 @@ impl CudaMoeLayer {
         let link = self.ep.as_ref().expect("expert-parallel");
         let c = &self.config;
         let m = link.capacity.unwrap_or(0);
-        let rows = if link.transport_name() == "nvlink" { t.min(m) } else { m };
+        let rows = if link.writes_windows() { t.min(m) } else { m };
         (link.comm.size() - 1) * rows * row_stride(c.hidden, c.top_k)
     }
 }

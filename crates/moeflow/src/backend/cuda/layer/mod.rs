@@ -77,6 +77,7 @@ struct Kernels {
     router_partials: CudaFunction,
     router_partials_wide: CudaFunction,
     router_sum: CudaFunction,
+    router_live: CudaFunction,
     compact_served: CudaFunction,
     sum_partials: CudaFunction,
     localize: CudaFunction,
@@ -258,6 +259,7 @@ impl CudaMoeLayer {
             router_partials: f("router_partials_fixed")?,
             router_partials_wide: f("router_partials_fixed_wide")?,
             router_sum: f("router_sum_fixed")?,
+            router_live: f("router_live_partials")?,
             compact_served: f("compact_served")?,
             sum_partials: f("sum_partials")?,
             localize: f("localize_ids")?,
@@ -895,12 +897,17 @@ impl CudaMoeLayer {
             self.load.record(dptr(&b.ids, g), t * self.config.top_k, live)?;
         }
         mark(1)?;
-        if t > 0 {
+        // The modular kernel: prepare → experts → finalize, with the shared experts on a side
+        // stream from the end of the routing or of the send (see `shared_after_begin`).
+        let pf = self.strategy_for(b, t)?;
+        let shared_late = pf.shared_after_begin(self);
+        if t > 0 && !shared_late {
             self.shared_on_side_stream(b, t)?;
         }
-        // The modular kernel: prepare → experts → finalize.
-        let pf = self.strategy_for(b, t)?;
         let pending = pf.prepare_begin(self, b, t, mark)?;
+        if t > 0 && shared_late {
+            self.shared_on_side_stream(b, t)?;
+        }
         let mut d = pf.prepare_finish(self, b, t, pending, mark)?;
         if d.rows.rows > 0 {
             d.rows.imp.run(self, b, &d.rows, mark)?;

@@ -357,6 +357,11 @@ impl EpLink {
         }
     }
 
+    /// Whether this link's rows move through NVLink windows (known from its first exchange on).
+    pub(super) fn writes_windows(&self) -> bool {
+        matches!(&*self.transport.lock().unwrap_or_else(|p| p.into_inner()), LinkTransport::NvLink(_))
+    }
+
     /// The transport that moves this link's rows, as `bench` prints it ("nvlink", "nccl", or
     /// the option asked for before the first exchange).
     pub(super) fn transport_name(&self) -> &'static str {

@@ -2,6 +2,7 @@
 //! choices match the CPU reference's), the logits' bias and top-k for every router kind; small
 //! batches on one GPU do all of that, and the permute's counts and maps, in one launch.
 
+use super::low_latency::LlBuffers;
 use super::{check, dptr, err, grid, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
 use crate::router::RouterConfig;
@@ -17,6 +18,13 @@ const FUSED_ROUTE_EXPERTS: usize = 128;
 /// Columns each partial sum of deterministic mode's router GEMM takes (`ROUTER_FIXED_COLS`
 /// in moe.cu).
 pub(super) const ROUTER_FIXED_COLS: usize = 256;
+
+/// Columns each partial sum of the low-latency graph's router takes (`ROUTER_LIVE_COLS` in
+/// moe.cu).
+pub(super) const ROUTER_LIVE_COLS: usize = 112;
+
+/// Rows each block of the low-latency graph's router takes at most (`ROUTER_LIVE_ROWS` in moe.cu).
+const ROUTER_LIVE_ROWS: usize = 128;
 
 /// Columns of `x` each block of the fused router takes (`ROUTE_SMALL_COLS` in moe.cu).
 pub(super) const ROUTE_COLS: usize = 128;
@@ -55,18 +63,23 @@ impl CudaMoeLayer {
                 .launch(grid(n_th))
                 .map_err(|e| err("to_bf16", e))?;
         }
-        if self.opts.deterministic {
+        // The low-latency graph routes its capacity's rows, but computes the batch's alone (its
+        // size read on the device).
+        let live = b.ll.as_ref().map_or(0u64, |ll| dptr(&ll.tokens, g));
+        if let Some(ll) = &b.ll {
+            self.router_live(b, t, ll)?;
+        } else if self.opts.deterministic {
             self.router_fixed(b, t)?;
         } else {
             self.gemm_f32_router(b, t)?;
+            if let Some(bias) = &self.w.gate_bias {
+                let (lp, bp, ti, ei) = (p(&b.logits), p(bias), t as i32, e as i32);
+                // SAFETY: as above.
+                unsafe { s.launch_builder(&self.k.add_bias).arg(&lp).arg(&bp).arg(&ti).arg(&ei).launch(grid(t * e)) }
+                    .map_err(|e| err("add_bias", e))?;
+            }
         }
-        if let Some(bias) = &self.w.gate_bias {
-            let (lp, bp, ti, ei) = (p(&b.logits), p(bias), t as i32, e as i32);
-            // SAFETY: as above.
-            unsafe { s.launch_builder(&self.k.add_bias).arg(&lp).arg(&bp).arg(&ti).arg(&ei).launch(grid(t * e)) }
-                .map_err(|e| err("add_bias", e))?;
-        }
-        self.top_k(dptr(&b.logits, g), t, dptr(&b.ids, g), dptr(&b.weights, g))?;
+        self.top_k_live(dptr(&b.logits, g), t, live, dptr(&b.ids, g), dptr(&b.weights, g))?;
         if overlap {
             self.side.join(s, [self.side.shared()])?;
         }
@@ -76,6 +89,12 @@ impl CudaMoeLayer {
     /// Top-k ids `[t, k]` and weights `[t, k]` at `ids` and `weights` from the router logits
     /// `[t, E]` (bias added) at `logits`, for the layer's router kind.
     pub(super) fn top_k(&self, logits: u64, t: usize, ids: u64, weights: u64) -> Result<()> {
+        self.top_k_live(logits, t, 0, ids, weights)
+    }
+
+    /// [`CudaMoeLayer::top_k`] of the first `*live` of the `t` rows when `live` (a device int)
+    /// is not null; the other rows' ids and weights are left as they were.
+    fn top_k_live(&self, logits: u64, t: usize, live: u64, ids: u64, weights: u64) -> Result<()> {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         let g = &self.gpu;
         let [kind, n_group, topk_group, renorm] = self.router_kind()?;
@@ -85,8 +104,9 @@ impl CudaMoeLayer {
         }
         let bp = self.w.correction_bias.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ti, ei, ki) = (t as i32, e as i32, k as i32);
-        // SAFETY: route(float*, float*, int, int, int, int, int, int, int, float, int*, float*)
-        // reads t · E logits (and E bias values) and writes t · k ids and weights.
+        // SAFETY: route(float*, float*, int, int, int, int, int, int, int, float, int*, int*,
+        // float*) reads t · E logits (and E bias values, and one int at `live` when not null) and
+        // writes t · k ids and weights.
         unsafe {
             g.stream
                 .launch_builder(&self.k.route)
@@ -100,6 +120,7 @@ impl CudaMoeLayer {
                 .arg(&topk_group)
                 .arg(&renorm)
                 .arg(&scaling)
+                .arg(&live)
                 .arg(&ids)
                 .arg(&weights)
                 .launch(LaunchConfig {
@@ -112,9 +133,10 @@ impl CudaMoeLayer {
         .map_err(|e| err("route", e))
     }
 
-    /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32, each sum in one fixed order for
-    /// any batch (deterministic mode): partial sums over [`ROUTER_FIXED_COLS`] columns each,
-    /// then those added in column order (`router_partials_fixed`, `router_sum_fixed` in moe.cu).
+    /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 plus the gate's bias, each sum in
+    /// one fixed order for any batch (deterministic mode): partial sums over
+    /// [`ROUTER_FIXED_COLS`] columns each, then those added in column order
+    /// (`router_partials_fixed`, `router_sum_fixed` in moe.cu).
     pub(super) fn router_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
         let (h, e) = (self.config.hidden, self.config.num_experts);
         let g = &self.gpu;
@@ -122,7 +144,8 @@ impl CudaMoeLayer {
         let blocks = h.div_ceil(ROUTER_FIXED_COLS);
         let partial = b.router_fixed.as_ref().expect("allocated for deterministic layers");
         let (xp, gp, lp, pp) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.logits, g), dptr(partial, g));
-        let (ti, ei, hi, bi) = (t as i32, e as i32, h as i32, blocks as i32);
+        let (bias, live) = (self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g)), 0u64);
+        let (ti, ei, hi) = (t as i32, e as i32, h as i32);
         // Large batches take 128 × 128 tiles (the same sums in the same order, bit for bit;
         // docs/tuning.md), small ones 64 × 64.
         let (kernel, tile) = if t >= 256 && e >= 128 && h.is_multiple_of(4) {
@@ -136,8 +159,7 @@ impl CudaMoeLayer {
             shared_mem_bytes: 0,
         };
         // SAFETY: router_partials_fixed(_wide)(float*, float*, int, int, int, float*) reads t · H and
-        // E · H floats and writes blocks · t · E partials, which `partial` holds;
-        // router_sum_fixed(float*, int, int, int, float*) reads them and writes t · E logits.
+        // E · H floats and writes blocks · t · E partials, which `partial` holds.
         unsafe {
             s.launch_builder(kernel)
                 .arg(&xp)
@@ -148,16 +170,68 @@ impl CudaMoeLayer {
                 .arg(&pp)
                 .launch(cfg)
                 .map_err(|e| err("router_partials_fixed", e))?;
-            s.launch_builder(&self.k.router_sum)
-                .arg(&pp)
+        }
+        self.router_sum(pp, t, blocks, bias, live, lp)
+    }
+
+    /// logits `[T, E]` = the sum of the `blocks` partials `[blocks, T, E]` at `partials` in block
+    /// order, plus `bias` `[E]` (when not null), for the first `*live` rows (all `T` when `live`
+    /// is null).
+    fn router_sum(&self, partials: u64, t: usize, blocks: usize, bias: u64, live: u64, logits: u64) -> Result<()> {
+        let (ti, ei, bi) = (t as i32, self.config.num_experts as i32, blocks as i32);
+        // SAFETY: router_sum_fixed(float*, int, int, int, float*, int*, float*) reads blocks · t · E
+        // partials (E bias values and one int at `live` when not null) and writes t · E logits.
+        unsafe {
+            self.gpu
+                .stream
+                .launch_builder(&self.k.router_sum)
+                .arg(&partials)
                 .arg(&ti)
                 .arg(&ei)
                 .arg(&bi)
-                .arg(&lp)
-                .launch(grid(t * e))
-                .map(|_| ())
-                .map_err(|e| err("router_sum_fixed", e))
+                .arg(&bias)
+                .arg(&live)
+                .arg(&logits)
+                .launch(grid(t * self.config.num_experts))
         }
+        .map(|_| ())
+        .map_err(|e| err("router_sum_fixed", e))
+    }
+
+    /// The low-latency graph's router: logits `[M, E]` = x `[M, H]` · gate `[E, H]`ᵀ in f32 plus
+    /// the gate's bias, for the batch's rows alone (`ll.tokens`, read on the device), in partial
+    /// sums over [`ROUTER_LIVE_COLS`] columns (`router_live_partials` in moe.cu) added in order.
+    /// A token's logits do not depend on the batch it comes in.
+    fn router_live(&self, b: &Buffers, m: usize, ll: &LlBuffers) -> Result<()> {
+        let (h, e) = (self.config.hidden, self.config.num_experts);
+        let g = &self.gpu;
+        let blocks = h.div_ceil(ROUTER_LIVE_COLS);
+        let (xp, gp, live, pp) =
+            (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&ll.tokens, g), dptr(&ll.router_partials, g));
+        let bias = self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g));
+        let (mi, ei, hi) = (m as i32, e as i32, h as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (e.div_ceil(64) as u32, blocks as u32, m.div_ceil(ROUTER_LIVE_ROWS) as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: router_live_partials(float*, float*, int, int, int, int*, float*) reads the first
+        // *live (at most M) rows of x and E · H gate floats, and writes blocks · M · E partials,
+        // which `ll.router_partials` holds.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.router_live)
+                .arg(&xp)
+                .arg(&gp)
+                .arg(&mi)
+                .arg(&ei)
+                .arg(&hi)
+                .arg(&live)
+                .arg(&pp)
+                .launch(cfg)
+        }
+        .map_err(|e| err("router_live_partials", e))?;
+        self.router_sum(pp, m, blocks, bias, live, dptr(&b.logits, g))
     }
 
     /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 (pedantic f32: no TF32).

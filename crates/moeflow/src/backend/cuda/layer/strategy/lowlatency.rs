@@ -39,6 +39,12 @@ impl DevicePrepareFinalize for LowLatency {
         "lowlatency"
     }
 
+    /// Over NVLink, the send is one short kernel that writes the peers' windows: the shared
+    /// experts wait for it, then run beside the wait and the arrangement.
+    fn shared_after_begin(&self, layer: &CudaMoeLayer) -> bool {
+        layer.ep.as_ref().is_some_and(|link| link.writes_windows())
+    }
+
     /// Packs the `M` rows (the batch size is read on the device) into one message per rank
     /// and exchanges them.
     fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, mark: Mark) -> Result<State> {

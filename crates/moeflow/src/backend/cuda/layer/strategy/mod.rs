@@ -131,6 +131,12 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     /// (with the shared experts' output where the strategy adds it at home).
     fn finalize_finish(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, d: Dispatched, mark: Mark)
         -> Result<()>;
+    /// Whether the shared experts start after [`DevicePrepareFinalize::prepare_begin`] has
+    /// enqueued the transfer rather than before it (their GEMMs would hold the SMs a short
+    /// sending kernel needs).
+    fn shared_after_begin(&self, _layer: &CudaMoeLayer) -> bool {
+        false
+    }
     /// Whether finalize adds the shared experts' output (one GPU's combine, and deterministic
     /// mode's combine at home); otherwise the layer adds it after finalize.
     fn adds_shared(&self, layer: &CudaMoeLayer) -> bool {
