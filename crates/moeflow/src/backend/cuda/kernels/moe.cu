@@ -640,8 +640,10 @@ __global__ void combine_partial(const bf16_t* y, const float* b2, const int* loc
 }
 
 // Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
-// (rows -1 where token t sent nothing to d). One block per token, as combine.
-__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, float* out) {
+// (rows -1 where token t sent nothing to d). One block per token, as combine; the first *live
+// tokens only when `live` is not null.
+__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, const int* live, float* out) {
+    if (live) T = min(T, *live);
     for (long t = blockIdx.x; t < T; t += gridDim.x) {
         const int* rt = rows + t * n;
         if (H % 8 == 0) {
@@ -726,10 +728,12 @@ __global__ void scale_rows_bf16(bf16_t* x, const float* w, int T, int H) {
         x[idx] = f32_to_bf16(bf16_to_f32(x[idx]) * w[idx / H]);
 }
 
-// out[t, :] += g_t * ys[t, :], g_t = sigmoid(x[t] . gate) when gate is given, else 1. One block per token.
-__global__ void add_shared(float* out, const bf16_t* ys, const float* x, const float* gate, int T, int H) {
+// out[t, :] += g_t * ys[t, :], g_t = sigmoid(x[t] . gate) when gate is given, else 1. One block per token
+// (the first *live when `live` is not null).
+__global__ void add_shared(float* out, const bf16_t* ys, const float* x, const float* gate, int T, int H,
+                           const int* live) {
     int t = blockIdx.x;
-    if (t >= T) return;
+    if (t >= T || (live && t >= *live)) return;
     __shared__ float red[32];
     float g = shared_gate(x, gate, t, H, red);
     for (int h = threadIdx.x; h < H; h += blockDim.x) out[(long)t * H + h] += g * bf16_to_f32(ys[(long)t * H + h]);

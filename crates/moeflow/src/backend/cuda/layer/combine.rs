@@ -69,12 +69,27 @@ impl CudaMoeLayer {
     /// `out [t, H]` (f32) = for each home token, the sum in order of the `n` bf16 rows of
     /// `back` that `home_rows` (`t · n` ints, -1: none) names for it.
     pub(super) fn sum_home(&self, back: u64, home_rows: u64, t: usize, n: usize, out: u64) -> Result<()> {
+        self.sum_home_live(back, home_rows, t, n, 0, out)
+    }
+
+    /// [`CudaMoeLayer::sum_home`] of the first `*live` tokens when `live` (a device int) is not
+    /// null (the low-latency batch within its capacity `t`).
+    pub(super) fn sum_home_live(
+        &self,
+        back: u64,
+        home_rows: u64,
+        t: usize,
+        n: usize,
+        live: u64,
+        out: u64,
+    ) -> Result<()> {
         if t == 0 {
             return Ok(());
         }
         let (ti, ni, hi) = (t as i32, n as i32, self.config.hidden as i32);
-        // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds t · n
-        // entries, each -1 or a row of `back`; `out` holds t rows of H.
+        // SAFETY: sum_partials(bf16*, int*, int, int, int, int*, float*): home_rows holds t · n
+        // entries, each -1 or a row of `back`; `out` holds t rows of H; `live`, when not null,
+        // is one int.
         unsafe {
             self.gpu
                 .stream
@@ -84,6 +99,7 @@ impl CudaMoeLayer {
                 .arg(&ti)
                 .arg(&ni)
                 .arg(&hi)
+                .arg(&live)
                 .arg(&out)
                 .launch(rows(t, 256))
         }

@@ -937,8 +937,11 @@ impl CudaMoeLayer {
         let gate = sh.gate.as_ref().map_or(0u64, |x| dptr(x, g));
         let (yp, xp, ti, hi, outp) =
             (dptr(&b.sy, g), dptr(&b.x, g), t as i32, self.config.hidden as i32, dptr(&b.out, g));
-        // SAFETY: add_shared(float*, bf16*, float*, float*, int, int) over `t` rows; the
-        // shared output was computed on the side stream joined above.
+        // The low-latency batch's rows alone, its size read on the device.
+        let live = b.ll.as_ref().map_or(0u64, |ll| dptr(&ll.tokens, g));
+        // SAFETY: add_shared(float*, bf16*, float*, float*, int, int, int*) over `t` rows (the
+        // first `*live` when not null); the shared output was computed on the side stream
+        // joined above.
         unsafe {
             s.launch_builder(&self.k.add_shared)
                 .arg(&outp)
@@ -947,6 +950,7 @@ impl CudaMoeLayer {
                 .arg(&gate)
                 .arg(&ti)
                 .arg(&hi)
+                .arg(&live)
                 .launch(rows(t, 256))
                 .map_err(|e| err("add_shared", e))?;
         }

@@ -212,7 +212,7 @@ impl DevicePrepareFinalize for LowLatency {
         l.exchange_rows(link, "moe low-latency combine", &[(part, 2 * h)], &every, &[(back, 2 * h)], &every)
     }
 
-    /// Sums each home token's returned rows in rank order into `b.out`.
+    /// Sums each home token's returned rows in rank order into `b.out` (the batch's tokens).
     fn finalize_finish(&self, l: &CudaMoeLayer, b: &mut Buffers, _t: usize, d: Dispatched, mark: Mark) -> Result<()> {
         mark(7)?;
         let landing = state_of::<Landing>(d.state, self.name())?;
@@ -220,22 +220,7 @@ impl DevicePrepareFinalize for LowLatency {
         let (n, m) = (link.comm.size(), link.capacity.expect("a low-latency layer"));
         let g = &l.gpu;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
-        let (back, home_rows, outp) = (landing.back, dptr(&ll.home_rows, g), dptr(&b.out, g));
-        let (mi, ni, hi) = (m as i32, n as i32, l.config.hidden as i32);
-        // SAFETY: sum_partials(bf16*, int*, int, int, int, float*): home_rows holds M · n
-        // entries, each -1 or a row of `back`.
-        unsafe {
-            g.stream
-                .launch_builder(&l.k.sum_partials)
-                .arg(&back)
-                .arg(&home_rows)
-                .arg(&mi)
-                .arg(&ni)
-                .arg(&hi)
-                .arg(&outp)
-                .launch(rows(m, 256))
-        }
-        .map(|_| ())
-        .map_err(|e| err("sum_partials", e))
+        let (home_rows, tokens, outp) = (dptr(&ll.home_rows, g), dptr(&ll.tokens, g), dptr(&b.out, g));
+        l.sum_home_live(landing.back, home_rows, m, n, tokens, outp)
     }
 }
