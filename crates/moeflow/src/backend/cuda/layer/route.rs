@@ -1,6 +1,8 @@
 //! Stage 1, routing on the device: the tokens' bf16 copy, the f32 router GEMM (no TF32, so the
 //! choices match the CPU reference's), the logits' bias and top-k for every router kind; small
-//! batches on one GPU do all of that, and the permute's counts and maps, in one launch.
+//! batches on one GPU do all of that, and the permute's counts and maps, in one launch. The
+//! low-latency graph, captured on its capacity's rows, computes the logits and top-k of the
+//! batch's rows alone, reading the batch size on the device.
 
 use super::low_latency::LlBuffers;
 use super::{check, dptr, err, grid, Buffers, CudaMoeLayer};
