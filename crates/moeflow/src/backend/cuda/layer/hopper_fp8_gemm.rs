@@ -125,6 +125,13 @@ impl HopperFp8Gemm {
         }
     }
 
+    /// Whether the up projection over `n` weight rows (gate and up halves) can write its
+    /// activation as fp8 codes with per-128 scales ([`GemmOut::Fp8`]): each half a whole number
+    /// of 128-value groups.
+    pub(super) fn writes_fp8_activation(n: usize) -> bool {
+        n.is_multiple_of(256)
+    }
+
     /// `C[r] = A[r] · W[x]ᵀ` for every expert `x < experts` and its rows `r` in
     /// `offsets[x] .. offsets[x] + counts[x]` (device ints; `busy` rows at most in all, which
     /// picks the tiles), `A` fp8 rows `[rows, kdim]`, `W`
@@ -158,7 +165,7 @@ impl HopperFp8Gemm {
         }
         let (c, q) = match out {
             GemmOut::Bf16(c) => (c, Fp8Operand { codes: 0, scales: 0 }),
-            GemmOut::Fp8(q) if kind >= 0 && n % 256 == 0 => (0, q),
+            GemmOut::Fp8(q) if kind >= 0 && Self::writes_fp8_activation(n) => (0, q),
             GemmOut::Fp8(_) => {
                 return Err(MoeError::Unsupported(format!(
                     "fp8 output from the fp8 Hopper grouped GEMM needs an activation over a width divisible by 256 \

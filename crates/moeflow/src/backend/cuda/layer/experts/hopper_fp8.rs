@@ -7,7 +7,7 @@
 //! quantized values as the bf16 path's W8A8 rounding, summed in another order.
 
 use super::{DeviceExperts, ExpertRows};
-use crate::backend::cuda::layer::hopper_fp8_gemm::{Fp8Gather, Fp8Operand, GemmOut};
+use crate::backend::cuda::layer::hopper_fp8_gemm::{Fp8Gather, Fp8Operand, GemmOut, HopperFp8Gemm};
 use crate::backend::cuda::layer::hopper_gemm::Epilogue;
 use crate::backend::cuda::layer::masked_gemm::Fp8Rows;
 use crate::backend::cuda::layer::strategy::Mark;
@@ -56,7 +56,7 @@ impl DeviceExperts for HopperFp8 {
         };
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
         let up = Epilogue::Activation { activation: layer.config.activation, bias: layer.b13_ptr() };
-        let act = if layer.opts.fp8_act_epilogue && i % 128 == 0 {
+        let act = if layer.opts.fp8_act_epilogue && HopperFp8Gemm::writes_fp8_activation(2 * i) {
             // The epilogue writes the activation's codes: its own buffer, since the up
             // projection still reads the input's.
             let q = Fp8Rows::at_least(&mut rows.act, s, r.rows * i)?;
