@@ -47,20 +47,21 @@ __device__ __forceinline__ u64 lane_rows(const PushLane& p) {
     return p.live ? (u64)min((long long)p.rows, (long long)max(*(const int*)p.live, 0)) : (u64)p.rows;
 }
 
-// The end of a push, after this block's stores to the peers: a system fence, and the last block
-// of the grid to get here raises the push's number (`*sent` + 1) in each of `flags[0..nflags]`
-// (the receivers' flag of this rank), after another fence, so a receiver that sees the number
-// also sees the rows; `done` counts finished blocks (left at 0 for the next push).
+// The end of a push, after this block's stores to the peers: the block's threads meet, then
+// thread 0 counts the block done with a release at GPU scope (no system fence a block); the last
+// block to count (its acquire sees every other block's release) raises the push's number
+// (`*sent` + 1) in each of `flags[0..nflags]` (the receivers' flag of this rank) with a release
+// at system scope, which carries every block's rows with it (releases are cumulative), so a
+// receiver that acquires the number also sees the rows. `done` counts finished blocks and wraps
+// to 0 at the last one, ready for the next push.
 __device__ __forceinline__ void nvl_raise(u64* const* flags, int nflags, u64* sent, unsigned int* done) {
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned int before = atomicAdd(done, 1u);
-        if (before == gridDim.x - 1) {
-            __threadfence_system();
+        unsigned int before, last = gridDim.x - 1;
+        asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(before) : "l"(done), "r"(last) : "memory");
+        if (before == last) {
             u64 seq = *sent + 1;
             *sent = seq;
-            *done = 0;
             for (int f = 0; f < nflags; f++) {
                 asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flags[f]), "l"(seq) : "memory");
             }
