@@ -983,14 +983,28 @@ __global__ void router_partials_fixed(const float* x, const float* gate, int T, 
     float acc[4][4];
     for (int i = 0; i < 4; i++)
         for (int j = 0; j < 4; j++) acc[i][j] = 0.0f;
-    for (int k0 = k_lo; k0 < k_hi; k0 += 16) {
-        for (int q = threadIdx.x; q < 64 * 16; q += blockDim.x) {
-            int r = q / 16, kk = q % 16, k = k0 + kk;
+    // 256 threads: each loads 4 values of each 64 × 16 chunk, the next chunk's loads issued
+    // before this chunk's products (the same products in the same order).
+    float xr[4], gr[4];
+    auto load = [&](int k0) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int q = threadIdx.x + 256 * u, r = q / 16, kk = q % 16, k = k0 + kk;
             int t = t0 + r, e = e0 + r;
-            xs[kk][r] = (t < T && k < k_hi) ? x[(long)t * H + k] : 0.0f;
-            gs[kk][r] = (e < E && k < k_hi) ? gate[(long)e * H + k] : 0.0f;
+            xr[u] = (t < T && k < k_hi) ? x[(long)t * H + k] : 0.0f;
+            gr[u] = (e < E && k < k_hi) ? gate[(long)e * H + k] : 0.0f;
+        }
+    };
+    load(k_lo);
+    for (int k0 = k_lo; k0 < k_hi; k0 += 16) {
+#pragma unroll
+        for (int u = 0; u < 4; u++) {
+            int q = threadIdx.x + 256 * u;
+            xs[q % 16][q / 16] = xr[u];
+            gs[q % 16][q / 16] = gr[u];
         }
         __syncthreads();
+        if (k0 + 16 < k_hi) load(k0 + 16);
         int depth = min(16, k_hi - k0);
         for (int kk = 0; kk < depth; kk++) {
             float a[4], b[4];
