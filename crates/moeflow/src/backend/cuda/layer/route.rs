@@ -146,7 +146,7 @@ impl CudaMoeLayer {
         let blocks = h.div_ceil(ROUTER_FIXED_COLS);
         let partial = b.router_fixed.as_ref().expect("allocated for deterministic layers");
         let (xp, gp, lp, pp) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.logits, g), dptr(partial, g));
-        let (bias, live) = (self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g)), 0u64);
+        let bias = self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ti, ei, hi) = (t as i32, e as i32, h as i32);
         // Large batches take 128 × 128 tiles (the same sums in the same order, bit for bit;
         // docs/tuning.md), small ones 64 × 64.
@@ -173,7 +173,8 @@ impl CudaMoeLayer {
                 .launch(cfg)
                 .map_err(|e| err("router_partials_fixed", e))?;
         }
-        self.router_sum(pp, t, blocks, bias, live, lp)
+        // Every row of the batch (no live count).
+        self.router_sum(pp, t, blocks, bias, 0, lp)
     }
 
     /// logits `[T, E]` = the sum of the `blocks` partials `[blocks, T, E]` at `partials` in block
