@@ -25,32 +25,32 @@
 
 #define G8_D8(b) "+f"(d[b]), "+f"(d[b + 1]), "+f"(d[b + 2]), "+f"(d[b + 3]), "+f"(d[b + 4]), "+f"(d[b + 5]), "+f"(d[b + 6]), "+f"(d[b + 7])
 
-// d[64 × 128 fragment] (+)= A[64 × 32] · B[128 × 32]ᵀ, e4m3 codes from shared memory, f32 sums;
-// `accumulate` 0 overwrites d.
-__device__ __forceinline__ void g8_mma(float* d, u64 a, u64 b, int accumulate) {
+// d[64 × 128 fragment] (+)= A[64 × 32] · B[128 × 32]ᵀ, e4m3 codes from shared memory at the
+// descriptors whose low words are a and b (high words GG_DESC_HI), f32 sums; `accumulate` 0
+// overwrites d.
+__device__ __forceinline__ void g8_mma(float* d, unsigned a, unsigned b, int accumulate) {
     asm volatile(
-        "{\n .reg .pred acc;\n setp.ne.b32 acc, %66, 0;\n"
+        "{\n .reg .pred acc;\n .reg .b64 da, db;\n setp.ne.b32 acc, %66, 0;\n"
+        "mov.b64 da, {%64, %67};\n mov.b64 db, {%65, %67};\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
         "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
         "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
         "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
         "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-        "}, %64, %65, acc, 1, 1;\n}\n"
+        "}, da, db, acc, 1, 1;\n}\n"
         : G8_D8(0), G8_D8(8), G8_D8(16), G8_D8(24), G8_D8(32), G8_D8(40), G8_D8(48), G8_D8(56)
-        : "l"(a), "l"(b), "r"(accumulate));
+        : "r"(a), "r"(b), "r"(accumulate), "n"(GG_DESC_HI));
 }
 
-// Four wgmma over the 128-deep block in stage `stage` into p (overwritten), one commit group.
-template <int A_BYTES, int B_BYTES, int STAGES>
-__device__ __forceinline__ void g8_issue(float* p, unsigned char* ring, int stage, int wg, bool gather) {
+// Four wgmma over the 128-deep block whose A and B tiles have descriptor low words a and b
+// (gg_desc_lo) into p (overwritten), one commit group.
+__device__ __forceinline__ void g8_issue(float* p, unsigned a, unsigned b, bool gather) {
     // Rows gathered by cp.async were written through the generic proxy; wgmma reads through
     // the async one.
     if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-    const u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
-    const u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
     gg_fence();
 #pragma unroll
-    for (int kk = 0; kk < G8_BK / 32; kk++) g8_mma(p, da + 2 * kk, db + 2 * kk, kk > 0);
+    for (int kk = 0; kk < G8_BK / 32; kk++) g8_mma(p, a + 2 * kk, b + 2 * kk, kk > 0);
     gg_commit();
 }
 
@@ -148,13 +148,22 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
     const int kblocks = (K + G8_BK - 1) / G8_BK;
     const int n_blocks = (N + 127) / 128;  // weight scale blocks down an expert
     constexpr int subs = QUANT ? 2 : 1;
-    const int wg = threadIdx.x / 128 - 1, lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    // The warpgroup's index from lane 0, so that the compiler knows it is one value a warp and
+    // keeps the descriptors below in uniform registers.
+    const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
+    // Descriptor low words of stage 0's A rows (this warpgroup's 64) and weight rows.
+    const unsigned a_desc = gg_desc_lo(ring + wg * 64 * 128), b_desc = gg_desc_lo(ring + STAGES * A_BYTES);
     float d[64], p0[64], p1[64];
     unsigned held[16];
     int stage = 0;
     unsigned phase = 0;
     auto next = [&]() {
         if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    };
+    auto issue = [&](float* into) {
+        const int s = __shfl_sync(0xffffffffu, stage, 0);  // one value a warp, as for wg
+        g8_issue(into, a_desc + s * (A_BYTES / 16), b_desc + s * (B_BYTES / 16), gather);
     };
     for (;;) {
         gg_bar_wait(&sh.full[stage], phase);
@@ -192,7 +201,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
             int held_stage = stage;  // the stage of the block in flight longest
             auto step = [&](float* into, float* done, g8_scales s) {
                 gg_bar_wait(&sh.full[stage], phase);
-                g8_issue<A_BYTES, B_BYTES, STAGES>(into, ring, stage, wg, gather);
+                issue(into);
                 gg_wait<1>();
                 gg_pin<64>(done);
                 gg_bar_arrive(&sh.empty[held_stage]);
@@ -211,7 +220,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
                 // goes into p1 while p0 is scaled in, and block kb + 2 into p0 while p1 is. The
                 // last one or two blocks follow the loop, so every path leaves the same set in
                 // flight.
-                g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+                issue(p0);
                 next();
                 int kb = 0;
                 for (; kb + 2 < kblocks; kb += 2) {
@@ -230,7 +239,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
                 g8_scales s = scales(0);
                 for (int kb = 0; kb < kblocks; kb++) {
                     if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
-                    g8_issue<A_BYTES, B_BYTES, STAGES>(p0, ring, stage, wg, gather);
+                    issue(p0);
                     const g8_scales ahead = scales(min(kb + 1, kblocks - 1));
                     held_stage = stage;
                     last(p0, s);

@@ -83,6 +83,12 @@ __device__ __forceinline__ void gg_copies_arrive(u64* bar) {
 __device__ __forceinline__ u64 gg_desc(const void* p) {
     return (u64)((gg_smem(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
 }
+// The same descriptor as its two words: the low one (start address in 16-byte units and the
+// leading offset) from gg_desc_lo, the high one (8-row groups 1024 bytes apart, 128-byte
+// swizzle) always GG_DESC_HI. A tile n bytes further has the low word n / 16 larger, with no
+// carry out of the address field while shared memory stays below 256 KiB.
+#define GG_DESC_HI 0x40000040u
+__device__ __forceinline__ unsigned gg_desc_lo(const void* p) { return ((gg_smem(p) & 0x3FFFF) >> 4) | (1u << 16); }
 
 __device__ __forceinline__ void gg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void gg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -360,38 +366,47 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
         const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : BN / 2);
         // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
         // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from the
-        // rows' tokens (null: past the expert's rows, left as they are and dropped).
+        // rows' tokens; rows past the expert's end (bit j of `live` clear) are left as they
+        // are and dropped. Every row r = me / 8 + 16 j has the same r % 8, so the 128-byte
+        // swizzle TMA would apply (chunk c of row r at c ^ (r % 8)) puts this thread's chunk
+        // at the same place in each of its rows, 2048 bytes apart.
         const int chunk = me % 8;
+        const int to = (me / 8) * 128 + ((chunk ^ ((me / 8) & 7)) << 4);
         const T* src[ROWS_PER_THREAD];
+        unsigned live = 0;
 #pragma unroll
         for (int j = 0; j < ROWS_PER_THREAD; j++) {
             const int row = t.row0 + me / 8 + 16 * j;
-            src[j] = gather && row < t.rows_end ? gather_x + (long)(slot_of_row[row] / gather_k) * K : 0;
+            src[j] = gather_x;
+            if (gather && row < t.rows_end) {
+                src[j] += (long)(slot_of_row[row] / gather_k) * K + CHUNK * chunk;
+                live |= 1u << j;
+            }
         }
-        for (int step = 0; step < subs * kblocks; step++) {
-            const int kb = step % kblocks, sub = step / kblocks;
-            gg_bar_wait(&sh.empty[stage], phase ^ 1);
-            unsigned char* a = ring + stage * A_BYTES;
-            if (me == 0) {
-                sh.stage_tile[stage] = tile;
-                gg_bar_expect(&sh.full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
-                if (!gather) gg_tma_load(a, &a_map, &sh.full[stage], kb * DEPTH, t.row0);
-                unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
-                gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow + sub * BN / 2);
-                gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2 + sub * BN / 2);
-            }
-            if (gather) {
-                // The 128-byte swizzle TMA would apply: 16-byte chunk c of row r at c ^ (r % 8).
-                const int col = kb * DEPTH + CHUNK * chunk;
-                const unsigned bytes = col < K ? 16 : 0;
-#pragma unroll
-                for (int j = 0; j < ROWS_PER_THREAD; j++) {
-                    const int r = me / 8 + 16 * j;
-                    if (src[j]) gg_copy16(a + r * 128 + ((chunk ^ (r & 7)) << 4), src[j] + (bytes ? col : 0), bytes);
+        for (int sub = 0; sub < subs; sub++) {
+            for (int kb = 0; kb < kblocks; kb++) {
+                gg_bar_wait(&sh.empty[stage], phase ^ 1);
+                unsigned char* a = ring + stage * A_BYTES;
+                if (me == 0) {
+                    sh.stage_tile[stage] = tile;
+                    gg_bar_expect(&sh.full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
+                    if (!gather) gg_tma_load(a, &a_map, &sh.full[stage], kb * DEPTH, t.row0);
+                    unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
+                    gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow + sub * BN / 2);
+                    gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2 + sub * BN / 2);
                 }
-                gg_copies_arrive(&sh.full[stage]);
+                if (gather) {
+                    // Columns past K come as zeros (a copy of 0 bytes from the row's start).
+                    const bool inside = kb * DEPTH + CHUNK * chunk < K;
+                    const int col = inside ? kb * DEPTH : -CHUNK * chunk;
+                    const unsigned bytes = inside ? 16 : 0;
+#pragma unroll
+                    for (int j = 0; j < ROWS_PER_THREAD; j++)
+                        if (live >> j & 1) gg_copy16(a + to + 2048 * j, src[j] + col, bytes);
+                    gg_copies_arrive(&sh.full[stage]);
+                }
+                if (++stage == STAGES) { stage = 0; phase ^= 1; }
             }
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
         }
     }
 }
