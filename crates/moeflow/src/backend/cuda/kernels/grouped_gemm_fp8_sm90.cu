@@ -305,8 +305,8 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
         gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
-                                                            col_blocks, tile_cols, next_tile, gather_x, slot_of_row,
-                                                            gather_k, QUANT ? 2 : 1);
+                                                            col_blocks, tile_cols, next_tile, gather_x, (long)K,
+                                                            slot_of_row, gather_k, QUANT ? 2 : 1);
     } else {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");

@@ -327,7 +327,8 @@ template <typename T, int DEPTH, int BM, int BN, int STAGES>
 __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* ring, const gg_tensor_map& a_map,
                                            const gg_tensor_map& w_map, int tiles, int experts, int N, int K,
                                            int width, bool act, int col_blocks, int tile_cols, int* next_tile,
-                                           const T* gather_x, const int* slot_of_row, int gather_k, int subs) {
+                                           const T* gather_x, long gather_stride, const int* slot_of_row, int gather_k,
+                                           int subs) {
     constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;
     constexpr int ROWS_PER_THREAD = BM / 16;  // gathering: eight threads a row
     constexpr int CHUNK = 16 / sizeof(T);     // elements a 16-byte copy
@@ -379,7 +380,7 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
             const int row = t.row0 + me / 8 + 16 * j;
             src[j] = gather_x;
             if (gather && row < t.rows_end) {
-                src[j] += (long)(slot_of_row[row] / gather_k) * K + CHUNK * chunk;
+                src[j] += (slot_of_row[row] / gather_k) * gather_stride + CHUNK * chunk;
                 live |= 1u << j;
             }
         }
@@ -417,7 +418,8 @@ template <int WGS, int STAGES, int BN>
 __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
                                           int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                                          const bf16_t* gather_x, const int* slot_of_row, int gather_k) {
+                                          const bf16_t* gather_x, const int* slot_of_row, int gather_k,
+                                          long gather_stride) {
     constexpr int BM = 64 * WGS;                  // rows of a tile
     constexpr int A_BYTES = BM * GG_BK * 2;       // 8 KiB a warpgroup
     constexpr int B_BYTES = BN * GG_BK * 2;       // 32 KiB at 256 columns
@@ -437,7 +439,8 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
               *start_of = sh.start_of;
     if (threadIdx.x < 128) {
         gg_produce<bf16_t, GG_BK, BM, BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act, col_blocks,
-                                                  tile_cols, next_tile, gather_x, slot_of_row, gather_k, 1);
+                                                  tile_cols, next_tile, gather_x, gather_stride, slot_of_row,
+                                                  gather_k, 1);
         return;
     }
 
@@ -508,12 +511,13 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
 // bias b13 [experts, N] (null: none); A is read in boxes of the tile's rows, W in boxes of
 // half its columns; next_tile is two ints, zero at the launch (the tile counter and the blocks
 // done claiming), which the kernel leaves zero. With gather_x, row r of A is row
-// slot_of_row[r] / gather_k of gather_x [·, K] (the permute's gather done by the producer
-// warpgroup's cp.async copies), and a_map is not read.
+// slot_of_row[r] / gather_k of gather_x, whose rows of K values (16-byte aligned) start
+// gather_stride values apart (the permute's gather done by the producer warpgroup's cp.async
+// copies), and a_map is not read.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GG_BODY(WGS, STAGES, BN)                                                                                   \
     gg_kernel<WGS, STAGES, BN>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
-                               b13, gather_x, slot_of_row, gather_k);
+                               b13, gather_x, slot_of_row, gather_k, gather_stride);
 #else
 #define GG_BODY(WGS, STAGES, BN)
 #endif
@@ -522,7 +526,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
         name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C,  \
              const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,      \
              float alpha, float limit, const float* b13, const bf16_t* gather_x, const int* slot_of_row,          \
-             int gather_k) {                                                                                      \
+             int gather_k, long gather_stride) {                                                                  \
         GG_BODY(WGS, STAGES, BN)                                                                                   \
     }
 

@@ -81,12 +81,14 @@ __device__ __forceinline__ void copy_row_warp(const bf16_t* __restrict__ src, bf
 
 // Where local expert e (of `el`) goes, by one block (up to 32 warps), and its rows themselves:
 // the received message rows (`tokens` = n M of them, in rank then token order) that arrived and
-// name e get rows e cap + 0, 1, ... of `a` in that order, with their values copied there:
-// row_of_slot[row k + j] for the slot j naming e, counts[e] the number of rows. Every other
-// entry of row_of_slot becomes -1, written by the block of expert (row k + j) % el, so no entry
-// is written twice.
+// name e get rows e cap + 0, 1, ... of `a` in that order: row_of_slot[r k + j] for the slot j
+// of message row r naming e, counts[e] the number of rows, and either their values copied
+// into `a` or, with `a` null, slot_of_row[row] = r k + j (for a GEMM that gathers the rows from
+// the messages itself). Every other entry of row_of_slot becomes -1, written by the block of
+// expert (r k + j) % el, so no entry is written twice.
 __device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long stride, int tokens, int k, int H,
-                                  int cap, const int* batches, int M, int* row_of_slot, int* counts, bf16_t* a) {
+                                  int cap, const int* batches, int M, int* row_of_slot, int* counts, bf16_t* a,
+                                  int* slot_of_row) {
     __shared__ int part[32];
     int w = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     int per = (tokens + warps - 1) / warps, lo = min(tokens, w * per), hi = min(tokens, lo + per);
@@ -119,8 +121,9 @@ __device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long
         unsigned int mask = __ballot_sync(0xffffffffu, slot >= 0);
         int row = pos + __popc(mask & ((1u << lane) - 1u));
         if (slot >= 0) row_of_slot[(long)r * k + slot] = row;
+        if (slot >= 0 && !a) slot_of_row[row] = r * k + slot;
         // The warp copies its hit rows together, one after another.
-        for (unsigned int left = mask; left; left &= left - 1) {
+        for (unsigned int left = a ? mask : 0; left; left &= left - 1) {
             int from = __ffs(left) - 1;
             long src = __shfl_sync(0xffffffffu, r, from);
             int dst = __shfl_sync(0xffffffffu, row, from);
@@ -140,9 +143,9 @@ __device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long
 // out over the blocks (of up to 1024 threads).
 __global__ void __launch_bounds__(1024)
     ll_arrange(const unsigned char* recv, long stride, int tokens, int k, int H, int cap, const int* batches, int M,
-               int el, int* row_of_slot, int* counts, bf16_t* a) {
+               int el, int* row_of_slot, int* counts, bf16_t* a, int* slot_of_row) {
     for (int e = blockIdx.x; e < el; e += gridDim.x) {
-        ll_arrange_expert(e, el, recv, stride, tokens, k, H, cap, batches, M, row_of_slot, counts, a);
+        ll_arrange_expert(e, el, recv, stride, tokens, k, H, cap, batches, M, row_of_slot, counts, a, slot_of_row);
     }
 }
 

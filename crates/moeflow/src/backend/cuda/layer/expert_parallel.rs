@@ -362,6 +362,7 @@ impl CudaMoeLayer {
             tokens: received,
             slot_of_row: maps[1],
             k,
+            stride: self.config.hidden,
         });
         let copy_rows = gather.is_none();
         let grouping =

@@ -71,7 +71,9 @@ impl Epilogue {
 /// Rows of `A` gathered by the GEMM itself: row `r` is row `slot_of_row[r] / k` of
 /// `x [tokens, kdim]` (device pointers), as the permute would have copied it: bf16 values, or,
 /// with `fp8_scales`, fp8 e4m3 codes with those scales (`[tokens, ceil(kdim / 128)]` f32), for
-/// the fp8 GEMM.
+/// the fp8 GEMM. The rows of `x` start `stride` values apart: `kdim`, or more where they sit
+/// inside larger records (the low-latency layer's received messages; bf16 only, 16-byte
+/// aligned).
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Gather {
     pub x: u64,
@@ -79,6 +81,7 @@ pub(super) struct Gather {
     pub tokens: usize,
     pub slot_of_row: u64,
     pub k: usize,
+    pub stride: usize,
 }
 
 /// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
@@ -302,13 +305,13 @@ impl HopperGemm {
             shared_mem_bytes: smem_bytes(v, experts),
         };
         // SAFETY: grouped_gemm_sm90, _short and _short224(map, map, bf16*, int*, int*, int,
-        // int, int, int*, int, float, float, float*, bf16*, int*, int), launched with their
+        // int, int, int*, int, float, float, float*, bf16*, int*, int, long), launched with their
         // threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
         // variant's tile rows) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
         // with an activation); counts and offsets hold `experts` ints that place rows inside
         // A's `rows`; the counter is two ints, zero at every launch (see `HopperGemm`); the bias, when
         // given, holds `experts · n` floats; a gather's map holds `rows` slots whose tokens are
-        // rows of its x.
+        // rows of its x, `stride` values apart.
         unsafe {
             let f = match v {
                 TILES_64 => &self.short,
@@ -318,8 +321,9 @@ impl HopperGemm {
             let mut l = stream.launch_builder(f);
             l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
-            let (gx, gs, gk) = gather.map_or((0u64, 0u64, 1i32), |g| (g.x, g.slot_of_row, g.k as i32));
-            l.arg(&gx).arg(&gs).arg(&gk);
+            let (gx, gs, gk, gst) =
+                gather.map_or((0u64, 0u64, 1i32, kdim as i64), |g| (g.x, g.slot_of_row, g.k as i32, g.stride as i64));
+            l.arg(&gx).arg(&gs).arg(&gk).arg(&gst);
             l.launch(cfg)
         }
         .map(|_| ())
@@ -443,11 +447,13 @@ mod tests {
             let mut cd = s.clone_htod(&vec![poison; rows * width]).unwrap();
             let (countd, offd) = (s.clone_htod(&counts).unwrap(), s.clone_htod(&offsets).unwrap());
             let ptrs = [dptr(&countd, &gpu), dptr(&offd, &gpu)];
-            // Row r of A is token (r · 7919) % rows of x, held by slot 3 · token + r % 3.
+            // Row r of A is token (r · 7919) % rows of x, held by slot 3 · token + r % 3; x's
+            // rows start k + 8 values apart, as rows inside larger records do.
             let token = |r: usize| (r * 7919) % rows;
-            let mut x = vec![0u16; rows * k];
+            let xs = k + 8;
+            let mut x = vec![0u16; rows * xs];
             for r in 0..rows {
-                x[token(r) * k..(token(r) + 1) * k].copy_from_slice(&a[r * k..(r + 1) * k]);
+                x[token(r) * xs..token(r) * xs + k].copy_from_slice(&a[r * k..(r + 1) * k]);
             }
             let slot_of_row: Vec<i32> = (0..rows).map(|r| (3 * token(r) + r % 3) as i32).collect();
             let (xd, sd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&slot_of_row).unwrap());
@@ -457,6 +463,7 @@ mod tests {
                 tokens: rows,
                 slot_of_row: dptr(&sd, &gpu),
                 k: 3,
+                stride: xs,
             });
             let epilogue = match act {
                 None => Epilogue::Product,

@@ -27,6 +27,9 @@ pub(super) struct LlBuffers {
     pub(super) recv: CudaSlice<u8>,
     pub(super) home_rows: CudaSlice<i32>,
     pub(super) row_of_slot: CudaSlice<i32>,
+    /// The message slot (`row · k + j`) of each row of the padded layout, where the expert GEMM
+    /// gathers its rows from the received messages.
+    pub(super) slot_of_row: CudaSlice<i32>,
     pub(super) counts: CudaSlice<i32>,
     /// Where each local expert's rows start: `x · cap` (for the Hopper GEMM).
     pub(super) offsets: CudaSlice<i32>,
@@ -55,7 +58,13 @@ impl LlBuffers {
 
 /// Bytes of one message row: `k` ids and `k` weights, padded to 16 bytes, then `h` bf16.
 pub(super) fn row_stride(h: usize, k: usize) -> usize {
-    (8 * k).div_ceil(16) * 16 + (2 * h).div_ceil(16) * 16
+    row_offset(k) + (2 * h).div_ceil(16) * 16
+}
+
+/// Where a message row's values start: past its `k` ids and `k` weights, padded to 16 bytes
+/// (the kernels' `ll_row_offset`).
+pub(super) fn row_offset(k: usize) -> usize {
+    (8 * k).div_ceil(16) * 16
 }
 
 impl CudaMoeLayer {
@@ -125,6 +134,7 @@ impl CudaMoeLayer {
             recv: z8(msg * row_stride(h, k))?,
             home_rows: z32(m * n)?,
             row_of_slot: z32(msg * k)?,
+            slot_of_row: z32(el * cap)?,
             counts: z32(el)?,
             offsets: s
                 .clone_htod(&(0..el as i32).map(|x| x * cap as i32).collect::<Vec<_>>())

@@ -21,6 +21,10 @@ impl DeviceExperts for Hopper {
         cap == 0 && !layer.w8a8
     }
 
+    fn gathers_received_rows(&self, layer: &CudaMoeLayer) -> bool {
+        !layer.w8a8
+    }
+
     fn run(&self, layer: &CudaMoeLayer, _b: &mut Buffers, r: &ExpertRows, mark: Mark) -> Result<()> {
         let hg = layer
             .k

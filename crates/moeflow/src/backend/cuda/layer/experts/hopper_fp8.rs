@@ -38,6 +38,12 @@ impl DeviceExperts for HopperFp8 {
         // (quantized here, unless they came quantized), else the permuted rows (padding rows
         // of a padded layout skipped).
         let (a, gather) = match r.gather {
+            Some(gt) if gt.stride != h => {
+                return Err(MoeError::Unsupported(format!(
+                    "the fp8 Hopper GEMM gathers rows of {h} values laid end to end (got rows {} values apart)",
+                    gt.stride
+                )))
+            }
             Some(gt) => {
                 let x = match gt.fp8_scales {
                     Some(scales) => Fp8Operand { codes: gt.x, scales },

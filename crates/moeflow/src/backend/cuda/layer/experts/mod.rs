@@ -76,6 +76,12 @@ pub(super) trait DeviceExperts: Send + Sync {
     fn gathers_rows(&self, _layer: &CudaMoeLayer, _cap: usize) -> bool {
         false
     }
+    /// Whether it reads the low-latency layer's input rows from the received messages
+    /// themselves (a [`Gather`] whose rows sit inside the message records), so that they are
+    /// not copied into the padded layout first.
+    fn gathers_received_rows(&self, _layer: &CudaMoeLayer) -> bool {
+        false
+    }
     /// `y` = down(act(up(a))) for every row of `rows`, on the layer's stream; marks 4 after
     /// the up projection, 5 after the activation, 6 after the down projection.
     fn run(&self, layer: &CudaMoeLayer, b: &mut Buffers, rows: &ExpertRows, mark: Mark) -> Result<()>;

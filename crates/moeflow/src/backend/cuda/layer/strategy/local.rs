@@ -49,6 +49,7 @@ impl DevicePrepareFinalize for Local {
             tokens: t,
             slot_of_row: dptr(&b.slot_of_row, g),
             k,
+            stride: l.config.hidden,
         });
         if !fused {
             l.permute(b, t, cap, gather.is_none())?;

@@ -15,7 +15,8 @@
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
-use crate::backend::cuda::layer::low_latency::row_stride;
+use crate::backend::cuda::layer::hopper_gemm::Gather;
+use crate::backend::cuda::layer::low_latency::{row_offset, row_stride};
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -126,22 +127,37 @@ impl DevicePrepareFinalize for LowLatency {
             (landing.recv, dptr(&ll.row_of_slot, g), dptr(&ll.counts, g), dptr(&ll.a, g));
         let (ki, hi, msg_i, cap_i, mi, el_i, batches) =
             (k as i32, h as i32, msg as i32, cap as i32, m as i32, el as i32, landing.batches);
+        // Without the masked GEMM's shapes, cuBLAS over the padded layout.
+        let imp = l.device_counted(el * cap, el, Form::LowLatency).unwrap_or(&CublasPadded);
+        // The Hopper GEMM reads its rows from the received messages (their values start
+        // `row_offset` bytes into each), so they are not copied into the padded layout.
+        let gather = imp.gathers_received_rows(l).then(|| Gather {
+            x: recv + row_offset(k) as u64,
+            fp8_scales: None,
+            tokens: msg,
+            slot_of_row: dptr(&ll.slot_of_row, g),
+            k,
+            stride: stride as usize / 2,
+        });
+        let (copy_to, slot_of_row) = match gather {
+            Some(gt) => (0u64, gt.slot_of_row),
+            None => (a, 0u64),
+        };
         if landing.nvlink {
             l.await_window(link, 0)?;
         }
-        // SAFETY: ll_arrange(u8*, long, int, int, int, int, int*, int, int, int*, int*, bf16*)
-        // reads the msg received rows (and, when not null, the n senders' batch sizes) once they
-        // have landed; row_of_slot holds msg · k ints, counts el, and `a` el · cap rows.
+        // SAFETY: ll_arrange(u8*, long, int, int, int, int, int*, int, int, int*, int*, bf16*,
+        // int*) reads the msg received rows (and, when not null, the n senders' batch sizes)
+        // once they have landed; row_of_slot holds msg · k ints, counts el, and `a` (when not
+        // null) el · cap rows, else slot_of_row el · cap ints.
         unsafe {
             let mut r = s.launch_builder(&l.k.ll_arrange);
             r.arg(&recv).arg(&stride).arg(&msg_i).arg(&ki).arg(&hi).arg(&cap_i);
-            r.arg(&batches).arg(&mi).arg(&el_i).arg(&row_of_slot).arg(&counts).arg(&a);
+            r.arg(&batches).arg(&mi).arg(&el_i).arg(&row_of_slot).arg(&counts).arg(&copy_to).arg(&slot_of_row);
             r.launch(rows(el, 1024))
         }
         .map_err(|e| err("ll_arrange", e))?;
         mark(3)?;
-        // Without the masked GEMM's shapes, cuBLAS over the padded layout.
-        let imp = l.device_counted(el * cap, el, Form::LowLatency).unwrap_or(&CublasPadded);
         let rows = ExpertRows {
             imp,
             a,
@@ -157,7 +173,7 @@ impl DevicePrepareFinalize for LowLatency {
             groups: Vec::new(),
             counts,
             offsets: dptr(&ll.offsets, g),
-            gather: None,
+            gather,
         };
         // The batch lives on the device: counted as a full message (as it is over NCCL).
         Ok(Dispatched { rows, sent: Sent::Bytes(l.ll_sent_bytes(m)), state: landing })
