@@ -78,17 +78,15 @@ __device__ __forceinline__ void gg_copies_arrive(u64* bar) {
 }
 
 // wgmma descriptor of a K-major tile in shared memory with 128-byte swizzle: rows of 128
-// bytes, 8-row groups 1024 bytes apart (the tile starts 1024-aligned). Adding 2 steps 32
-// bytes (16 bf16) deeper.
-__device__ __forceinline__ u64 gg_desc(const void* p) {
-    return (u64)((gg_smem(p) & 0x3FFFF) >> 4) | (1ull << 16) | ((u64)(1024 >> 4) << 32) | (1ull << 62);
-}
-// The same descriptor as its two words: the low one (start address in 16-byte units and the
-// leading offset) from gg_desc_lo, the high one (8-row groups 1024 bytes apart, 128-byte
-// swizzle) always GG_DESC_HI. A tile n bytes further has the low word n / 16 larger, with no
-// carry out of the address field while shared memory stays below 256 KiB.
+// bytes, 8-row groups 1024 bytes apart (the tile starts 1024-aligned), as its two words: the
+// low one (start address in 16-byte units and the leading offset) from gg_desc_lo, the high
+// one (the group stride and the swizzle) always GG_DESC_HI. A tile n bytes further has the low
+// word n / 16 larger (2 more: 32 bytes deeper), with no carry out of the address field while
+// shared memory stays below 256 KiB.
 #define GG_DESC_HI 0x40000040u
 __device__ __forceinline__ unsigned gg_desc_lo(const void* p) { return ((gg_smem(p) & 0x3FFFF) >> 4) | (1u << 16); }
+// The whole descriptor.
+__device__ __forceinline__ u64 gg_desc(const void* p) { return (u64)GG_DESC_HI << 32 | gg_desc_lo(p); }
 
 __device__ __forceinline__ void gg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void gg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
