@@ -11,29 +11,53 @@ extern "C" {
 
 __device__ __forceinline__ long ll_row_offset(int k) { return ((8L * k + 15) / 16) * 16; }
 
-// Message row (t, d) at `row`, by the block: token t (of the batch `T`) with its ids local to
-// rank d (-1 for slots served elsewhere; the placement's tables and `shared`, see
-// placed_replica) and its weights, and its values when rank d serves one of its slots; only
-// ids of -1 for t >= T. Returns whether token t goes to rank d.
+// One bf16 row of H values from src to dst by `step` threads (a warp's lanes, or a block's),
+// this one the `first`-th: 16-byte moves (four loads in flight a thread before their stores)
+// when H % 8 == 0.
+__device__ __forceinline__ void copy_row_by(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst, int H,
+                                            int first, int step) {
+    if (H % 8 == 0) {
+        const uint4* s4 = (const uint4*)src;
+        uint4* d4 = (uint4*)dst;
+        int units = H / 8;
+        for (int c0 = first; c0 < units; c0 += 4 * step) {
+            uint4 v[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (c0 + u * step < units) v[u] = s4[c0 + u * step];
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                if (c0 + u * step < units) d4[c0 + u * step] = v[u];
+            }
+        }
+    } else {
+        for (int h = first; h < H; h += step) dst[h] = src[h];
+    }
+}
+
+// Message row (t, d) at `row`, by the block (every thread of it calls this): token t (of the
+// batch `T`) with its ids local to rank d (-1 for slots served elsewhere; the placement's
+// tables and `shared`, see placed_replica) and its weights, and its values when rank d serves
+// one of its slots; only ids of -1 for t >= T. A thread a slot looks its slot up. Returns
+// whether token t goes to rank d.
 __device__ __forceinline__ bool ll_pack_row(const bf16_t* x, const int* ids, const float* w, int t, int T, int d,
                                             int k, int H, const int* rep_first, const int* rep_count,
                                             const int* rep_rank, const int* rep_slot, const int* shared,
                                             unsigned char* row) {
     int* rid = (int*)row;
     float* rw = (float*)(row + 4L * k);
-    bool any = false;
-    for (int j = 0; j < k; j++) {
-        int id = t < T ? ids[t * k + j] : -1;
-        any |= id >= 0 && rep_rank[placed_replica(rep_first, rep_count, shared, id, t, j)] == d;
-    }
+    bool mine = false;
     for (int j = threadIdx.x; j < k; j += blockDim.x) {
         int id = t < T ? ids[t * k + j] : -1;
         int p = id >= 0 ? placed_replica(rep_first, rep_count, shared, id, t, j) : 0;
         bool here = id >= 0 && rep_rank[p] == d;
         rid[j] = here ? rep_slot[p] : -1;
         rw[j] = here ? w[t * k + j] : 0.0f;
+        mine |= here;
     }
-    if (any) copy_row(x + (long)t * H, (bf16_t*)(row + ll_row_offset(k)), H);
+    bool any = __syncthreads_or(mine);
+    if (any) copy_row_by(x + (long)t * H, (bf16_t*)(row + ll_row_offset(k)), H, threadIdx.x, blockDim.x);
     return any;
 }
 
@@ -53,30 +77,6 @@ __global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const i
 // within its sender's batch.
 __device__ __forceinline__ bool ll_live(const int* batches, int r, int M) {
     return !batches || r % M < batches[r / M];
-}
-
-// One bf16 row of H values from src to dst by the lanes of a warp, 16-byte moves (four in
-// flight a lane) when H % 8 == 0.
-__device__ __forceinline__ void copy_row_warp(const bf16_t* __restrict__ src, bf16_t* __restrict__ dst, int H,
-                                              int lane) {
-    if (H % 8 == 0) {
-        const uint4* s4 = (const uint4*)src;
-        uint4* d4 = (uint4*)dst;
-        int units = H / 8;
-        for (int c0 = lane; c0 < units; c0 += 128) {
-            uint4 v[4];
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                if (c0 + 32 * u < units) v[u] = s4[c0 + 32 * u];
-            }
-#pragma unroll
-            for (int u = 0; u < 4; u++) {
-                if (c0 + 32 * u < units) d4[c0 + 32 * u] = v[u];
-            }
-        }
-    } else {
-        for (int h = lane; h < H; h += 32) dst[h] = src[h];
-    }
 }
 
 // Where local expert e (of `el`) goes, by one block (up to 32 warps), and its rows themselves:
@@ -127,7 +127,7 @@ __device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long
             int from = __ffs(left) - 1;
             long src = __shfl_sync(0xffffffffu, r, from);
             int dst = __shfl_sync(0xffffffffu, row, from);
-            copy_row_warp((const bf16_t*)(recv + src * stride + ll_row_offset(k)), a + (long)dst * H, H, lane);
+            copy_row_by((const bf16_t*)(recv + src * stride + ll_row_offset(k)), a + (long)dst * H, H, lane, 32);
         }
         pos += __popc(mask);
     }

@@ -539,17 +539,20 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 }
 
 // out_row[h] = the bf16 weighted sum of one token's rows (sum_rows8 / sum_rows1 over its k
-// slots: rows, ids, weights), every column h < H, shared among the calling block's threads.
+// slots: rows, ids, weights), every column h < H, shared among the threads of the gridDim.y
+// blocks of the token (this one the blockIdx.y-th).
 __device__ __forceinline__ void weighted_row_bf16(const bf16_t* y, const float* b2, const int* rows, const int* ids,
                                                   const float* w, int k, int H, bf16_t* out_row) {
     if (H % 8 == 0) {
-        for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+        for (int c = threadIdx.x + blockIdx.y * blockDim.x; c < H / 8; c += blockDim.x * gridDim.y) {
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
             sum_rows8(y, b2, rows, ids, w, k, H, c, acc);
             ((uint4*)out_row)[c] = pack8(acc);
         }
     } else {
-        for (int h = threadIdx.x; h < H; h += blockDim.x) out_row[h] = f32_to_bf16(sum_rows1(y, b2, rows, ids, w, k, H, h));
+        for (int h = threadIdx.x + blockIdx.y * blockDim.x; h < H; h += blockDim.x * gridDim.y) {
+            out_row[h] = f32_to_bf16(sum_rows1(y, b2, rows, ids, w, k, H, h));
+        }
     }
 }
 
@@ -640,14 +643,24 @@ __global__ void combine_partial(const bf16_t* y, const float* b2, const int* loc
 }
 
 // Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
-// (rows -1 where token t sent nothing to d). One block per token, as combine; the first *live
-// tokens only when `live` is not null.
+// (rows -1 where token t sent nothing to d), for the first T tokens, or the first *live when
+// `live` is not null. A token's columns are shared by `chunks` blocks: gridDim.y (per_token's
+// split) without `live`; with it, as many as keep about gridDim.x blocks busy (a graph's grid
+// is set by the capacity T, the batch is read here: one token takes gridDim.y blocks, a full
+// batch one each).
 __global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, const int* live, float* out) {
-    if (live) T = min(T, *live);
-    for (long t = blockIdx.x; t < T; t += gridDim.x) {
+    int chunks = gridDim.y;
+    if (live) {
+        T = min(T, *live);
+        chunks = max(1, min((int)gridDim.y, (int)gridDim.x / max(T, 1)));
+    }
+    for (long item = (long)blockIdx.y * gridDim.x + blockIdx.x; item < (long)T * chunks;
+         item += (long)gridDim.x * gridDim.y) {
+        long t = item / chunks;
+        int first = (int)(item % chunks) * blockDim.x + threadIdx.x, step = blockDim.x * chunks;
         const int* rt = rows + t * n;
         if (H % 8 == 0) {
-            for (int c = threadIdx.x; c < H / 8; c += blockDim.x) {
+            for (int c = first; c < H / 8; c += step) {
                 float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
                 sum_rows8(part, 0, rt, 0, 0, n, H, c, acc);
                 float4* o = (float4*)(out + t * H + 8 * c);
@@ -655,7 +668,7 @@ __global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, 
                 o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
             }
         } else {
-            for (int h = threadIdx.x; h < H; h += blockDim.x) out[t * H + h] = sum_rows1(part, 0, rt, 0, 0, n, H, h);
+            for (int h = first; h < H; h += step) out[t * H + h] = sum_rows1(part, 0, rt, 0, 0, n, H, h);
         }
     }
 }

@@ -1,9 +1,10 @@
 // moeflow CUDA kernels of the NVLink transport: rows written straight into peer GPUs' memory
 // (a peer window, see peer_window.rs), and sequence flags that say they have landed. Every
-// exchange is one push (copy every lane's rows to every rank, then bump each receiver's flag for
-// this rank) and one wait (spin until every sender's flag reached this exchange's number, with a
-// clock deadline). A strategy's kernel that writes its rows into the peers' windows itself
-// raises the flags as the push does (nvl_raise). (Compiled after moe.cu and low_latency.cu.)
+// exchange is one kernel: it copies every lane's rows to every rank, bumps each receiver's flag
+// for this rank, and its last block then spins until every sender's flag reached this
+// exchange's number, with a clock deadline (nvl_push). A strategy's kernel that writes its rows
+// into the peers' windows itself ends as the push does (nvl_raise_and_wait). (Compiled after
+// moe.cu and low_latency.cu.)
 
 // Copies row `s` of `src` to row `r` of `dst`, `units` words of type W, one warp per row: each
 // lane loads up to PUSH_BATCH words (bypassing L1) before it stores them, so that many loads are
@@ -47,32 +48,101 @@ __device__ __forceinline__ u64 lane_rows(const PushLane& p) {
     return p.live ? (u64)min((long long)p.rows, (long long)max(*(const int*)p.live, 0)) : (u64)p.rows;
 }
 
-// The end of a push, after this block's stores to the peers: the block's threads meet, then
-// thread 0 counts the block done with a release at GPU scope (no system fence a block); the last
-// block to count (its acquire sees every other block's release) raises the push's number
-// (`*sent` + 1) in each of `flags[0..nflags]` (the receivers' flag of this rank) with a release
-// at system scope, which carries every block's rows with it (releases are cumulative), so a
-// receiver that acquires the number also sees the rows. `done` counts finished blocks and wraps
-// to 0 at the last one, ready for the next push.
-__device__ __forceinline__ void nvl_raise(u64* const* flags, int nflags, u64* sent, unsigned int* done) {
+// A wait on the peers' flags (NvlWait in nvlink.rs): this rank's `n` flags (one u64 a sender,
+// in its window), the count of exchanges received (`received`, a u64), the host word `status`
+// (mapped into the device), the deadline in ns of the GPU's global timer, and the stage that a
+// timeout reports (0 dispatch, 1 combine).
+struct NvlWait {
+    u64 flags;
+    u64 received;
+    u64 status;
+    long long timeout_ns;
+    int n;
+    int stage;
+};
+
+// How often a spinning wait reads the host's status word (a read across PCIe, so not at every
+// spin): a failure elsewhere stops the wait within this many ns.
+#define NVL_STATUS_EVERY_NS 10000ull
+
+// The wait, by one block: its threads share the `n` senders, and for each spin until sender
+// src's flag reached this exchange's number (`*received` + 1), polling with relaxed loads and
+// acquiring the flag once it is there (so the rows released before it are visible to this
+// kernel and the stream's later ones). A sender not there within the deadline sets `*status`
+// to (stage + 1) << 16 | (src + 1) and the wait ends; a nonzero `*status` (set by the host on a
+// failure elsewhere, or by an earlier timeout) ends every wait.
+__device__ void nvl_await(const NvlWait& w) {
+    const u64* flags = (const u64*)w.flags;
+    volatile unsigned int* status = (volatile unsigned int*)w.status;
+    u64 want = *(const u64*)w.received + 1, start, now, checked;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    checked = start;
+    bool stopped = false;
+    for (int src = threadIdx.x; src < w.n && !stopped; src += blockDim.x) {
+        for (unsigned int spins = 1;; spins++) {
+            u64 got;
+            asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(got) : "l"(flags + src) : "memory");
+            if (got >= want) break;
+            if ((spins & 63u) == 0) {
+                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+                if (now - checked > NVL_STATUS_EVERY_NS) {
+                    checked = now;
+                    stopped = *status != 0;
+                }
+                if (!stopped && (long long)(now - start) > w.timeout_ns) {
+                    atomicCAS((unsigned int*)status, 0u,
+                              ((unsigned int)(w.stage + 1) << 16) | (unsigned int)(src + 1));
+                    stopped = true;
+                }
+                if (stopped) break;
+            }
+        }
+        if (!stopped) {
+            asm volatile("{ .reg .u64 seen; ld.acquire.sys.global.u64 seen, [%0]; }" ::"l"(flags + src) : "memory");
+        }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) *(u64*)w.received = want;
+}
+
+// The end of an exchange's sending kernel, after this block's stores to the peers: the block's
+// threads meet, then thread 0 counts the block done with a release at GPU scope (no system
+// fence a block); the last block to count (its acquire sees every other block's release) raises
+// the exchange's number (`*sent` + 1) in each of `flags[0..nflags]` (the receivers' flag of this
+// rank) after one fence at system scope, which carries every block's rows with it (fences are
+// cumulative), so a receiver that acquires the number also sees the rows. `done` counts
+// finished blocks and wraps to 0 at the last one, ready for the next exchange. The last block
+// then waits for every sender's rows of this exchange (nvl_await), so the kernel ends when the
+// exchange has landed here.
+__device__ __forceinline__ void nvl_raise_and_wait(u64* const* flags, int nflags, u64* sent, unsigned int* done,
+                                                   const NvlWait& wait) {
+    __shared__ int last;
     __syncthreads();
     if (threadIdx.x == 0) {
-        unsigned int before, last = gridDim.x - 1;
-        asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;" : "=r"(before) : "l"(done), "r"(last) : "memory");
-        if (before == last) {
+        unsigned int before, final_count = gridDim.x * gridDim.y * gridDim.z - 1;
+        asm volatile("atom.acq_rel.gpu.global.inc.u32 %0, [%1], %2;"
+                     : "=r"(before)
+                     : "l"(done), "r"(final_count)
+                     : "memory");
+        last = before == final_count;
+        if (last) {
             u64 seq = *sent + 1;
             *sent = seq;
+            asm volatile("fence.acq_rel.sys;" ::: "memory");
             for (int f = 0; f < nflags; f++) {
-                asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(flags[f]), "l"(seq) : "memory");
+                asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(flags[f]), "l"(seq) : "memory");
             }
         }
     }
+    __syncthreads();
+    if (last) nvl_await(wait);
 }
 
 // Copies every lane's rows (a warp per row, in 16-byte words where the lane's rows are aligned
-// to them), then raises the push's number in the receivers' flags (nvl_raise).
+// to them), then raises the push's number in the receivers' flags and waits for the senders'
+// (nvl_raise_and_wait).
 __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, int nflags, u64* sent,
-                         unsigned int* done) {
+                         unsigned int* done, NvlWait wait) {
     int lane = threadIdx.x % 32;
     long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     long warps = (long)gridDim.x * blockDim.x / 32;
@@ -101,24 +171,24 @@ __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, i
         }
         base += span;
     }
-    nvl_raise(flags, nflags, sent, done);
+    nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
 // The low-latency combine (ll_combine in low_latency.cu) writing its rows straight home: message
 // row r = s M + t of the `tokens` = n M received (sender, then token order), when within its
 // sender's batch (batches[s]), goes to row rank M + t of region `region` of sender s's window
-// (which starts at regions[s nregions + region]); then the exchange's flags are raised as
-// nvl_push raises them (nvl_wait waits for them). One block per message row, as ll_combine.
+// (which starts at regions[s nregions + region]); then the exchange's flags are raised, and
+// the senders' waited for, as nvl_push does. Blocks per message row as combine's per token.
 __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf16_t* y, const float* b2,
                                 const int* row_of_slot, int tokens, int k, int H, const int* batches, int M,
                                 int rank, const u64* regions, int nregions, int region, u64* const* flags,
-                                int nflags, u64* sent, unsigned int* done) {
+                                int nflags, u64* sent, unsigned int* done, NvlWait wait) {
     for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
         if (!ll_live(batches, (int)r, M)) continue;
         bf16_t* row = (bf16_t*)regions[(r / M) * nregions + region] + ((long)rank * M + r % M) * H;
         ll_combine_row(recv, stride, y, b2, row_of_slot, k, H, r, row);
     }
-    nvl_raise(flags, nflags, sent, done);
+    nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
 // The low-latency dispatch's sending half over NVLink, one block per (token t < M, destination
@@ -126,11 +196,11 @@ __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf
 // rank M + t of region 0 of rank d's window (regions[d nregions], see ll_combine_push), for
 // the tokens of the batch (`*tokens`) only, and the batch into int `rank` of region 2;
 // home_rows[t n + d] = d M + t, or -1 when token t sent nothing to d; then the exchange's
-// flags raised as nvl_push raises them.
+// flags raised, and the senders' waited for, as nvl_push does.
 __global__ void ll_send(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
                         const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
                         const int* shared, long stride, int rank, const u64* regions, int nregions, int* home_rows,
-                        u64* const* flags, int nflags, u64* sent, unsigned int* done) {
+                        u64* const* flags, int nflags, u64* sent, unsigned int* done, NvlWait wait) {
     int n = gridDim.x / M, t = blockIdx.x / n, d = blockIdx.x % n, T = *tokens;
     const u64* at = regions + (long)d * nregions;
     if (t == 0 && threadIdx.x == 0) ((int*)at[2])[rank] = T;
@@ -140,38 +210,7 @@ __global__ void ll_send(const bf16_t* x, const int* ids, const float* w, const i
         any = ll_pack_row(x, ids, w, t, T, d, k, H, rep_first, rep_count, rep_rank, rep_slot, shared, row);
     }
     if (threadIdx.x == 0) home_rows[t * n + d] = any ? d * M + t : -1;
-    nvl_raise(flags, nflags, sent, done);
-}
-
-// Waits until every one of the `n` senders' flags (this rank's window, `flags[src]`) reached
-// this exchange's number (`*received` + 1), one thread per sender. A sender not there within
-// `timeout_ns` (the GPU's global timer) sets `*status` to (stage + 1) << 16 | (src + 1) and the
-// wait ends; a nonzero `*status` (set by the host on a failure elsewhere, or by an earlier
-// timeout) ends every wait at once. `status` is host memory mapped into the device.
-__global__ void nvl_wait(const u64* flags, int n, u64* received, long long timeout_ns, volatile unsigned int* status,
-                         int stage) {
-    u64 want = *received + 1;
-    int src = threadIdx.x;
-    if (src < n) {
-        u64 start, now;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
-        for (unsigned int spins = 0;; spins++) {
-            u64 got;
-            asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(got) : "l"(flags + src) : "memory");
-            if (got >= want) break;
-            if ((spins & 255u) == 0) {
-                if (*status != 0) break;
-                asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-                if ((long long)(now - start) > timeout_ns) {
-                    atomicCAS((unsigned int*)status, 0u, ((unsigned int)(stage + 1) << 16) | (unsigned int)(src + 1));
-                    break;
-                }
-            }
-        }
-    }
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) *received = want;
+    nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
 // The first step of all-to-all-v's device plan, a thread per token of the T (ids [T, k]): where

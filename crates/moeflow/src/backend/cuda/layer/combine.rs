@@ -1,7 +1,7 @@
 //! Stage 4, the combine: each token's expert rows weighted and summed in slot order (one GPU),
 //! or the partial sums that came back from each rank summed in rank order (expert-parallel).
 
-use super::{dptr, err, rows, Buffers, CudaMoeLayer};
+use super::{dptr, err, Buffers, CudaMoeLayer};
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
@@ -101,7 +101,7 @@ impl CudaMoeLayer {
                 .arg(&hi)
                 .arg(&live)
                 .arg(&out)
-                .launch(rows(t, 256))
+                .launch(per_token(t, self.config.hidden))
         }
         .map(|_| ())
         .map_err(|e| err("sum_partials", e))

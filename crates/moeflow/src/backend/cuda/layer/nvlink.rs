@@ -4,12 +4,12 @@
 //! Every rank holds one [`PeerWindow`] per layer, cut into regions (one per kind of rows a
 //! strategy receives: token rows, their ids, their weights, returned outputs), each sized for
 //! the most rows any rank receives, and reopened larger, by every rank at once, when a batch
-//! needs more. An exchange is one push kernel (every lane's rows to every rank, gathered by a
+//! needs more. An exchange is one push kernel: every lane's rows to every rank, gathered by a
 //! row index where the strategy has one, so no staging copy; then a sequence number raised in
-//! each receiver's flags) and one wait kernel (until every sender's number arrived, or a clock
-//! deadline). Neither reads anything back to the host, so both are captured in CUDA graphs.
-//! A strategy's own kernel may take the push's place: one that writes its rows into the peers'
-//! windows and raises the flags itself ([`WindowWrite`]).
+//! each receiver's flags; then its last block waits until every sender's number arrived here,
+//! or a clock deadline passed ([`NvlWait`]). It reads nothing back to the host, so it is
+//! captured in CUDA graphs. A strategy's own kernel may take the push's place: one that writes
+//! its rows into the peers' windows, raises the flags and waits itself ([`WindowWrite`]).
 //!
 //! A window region is written by the previous exchange's senders only after the receiver has
 //! sent its own next rows, which it does after reading the region: dispatch and combine
@@ -49,6 +49,11 @@ pub(super) struct NvLink {
     /// Lane tables, one per exchange slot (dispatch, combine), and what they hold.
     tables: [CudaSlice<u8>; 2],
     held: [Vec<u8>; 2],
+    /// The smaller windows this one replaced, freed only with the link: freeing device memory
+    /// waits for the whole device, which may be running a sibling layer's exchange (the other
+    /// half of a dual batch, on a stream of its own) that spins until the peers' rows arrive,
+    /// while those peers wait for this rank in the collective that opens the next window.
+    retired: Vec<PeerWindow>,
 }
 
 /// One kind of rows of a push: `row_bytes` each, at `src` grouped by destination rank (in
@@ -69,8 +74,9 @@ pub(super) struct Lane<'a> {
 
 /// What a kernel that writes rows into the peers' windows itself, in place of a push, needs
 /// (device addresses): where each region starts in each rank's window, `[rank, nregions]`
-/// u64s; the receivers' flags for this rank (`nflags` u64 addresses), and the push's counters
-/// `sent` (u64) and `done` (u32), which it raises and resets as nvl_push does (`nvl_raise`).
+/// u64s; the receivers' flags for this rank (`nflags` u64 addresses), the push's counters
+/// `sent` (u64) and `done` (u32), which it raises and resets as nvl_push does, and the wait its
+/// last block then does (`nvl_raise_and_wait`).
 pub(super) struct WindowWrite {
     pub(super) regions: u64,
     pub(super) nregions: i32,
@@ -78,7 +84,27 @@ pub(super) struct WindowWrite {
     pub(super) nflags: i32,
     pub(super) sent: u64,
     pub(super) done: u64,
+    pub(super) wait: NvlWait,
 }
+
+/// The wait that ends an exchange (`NvlWait` in nvlink.cu, passed by value): until every one of
+/// the `n` senders' flags in this rank's window (at `flags`) reached the exchange's number (the
+/// u64 count at `received`, plus one), or `timeout_ns` of the GPU's clock passed, which sets the
+/// window's mapped host word `status` to name `stage` (0 dispatch, 1 combine) and the sender.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub(super) struct NvlWait {
+    flags: u64,
+    received: u64,
+    status: u64,
+    timeout_ns: i64,
+    n: i32,
+    stage: i32,
+}
+
+// SAFETY: NvlWait is plain old data laid out as the C struct the kernels take by value (#[repr(C)]:
+// three u64, an i64, two i32; 40 bytes, no padding).
+unsafe impl cudarc::driver::DeviceRepr for NvlWait {}
 
 /// Bytes of a lane record (`PushLane` in nvlink.cu).
 const LANE: usize = 40;
@@ -159,9 +185,17 @@ impl CudaMoeLayer {
             .enumerate()
             .map(|(i, &w)| w.max(old.get(i).copied().unwrap_or(0)).max(1).next_power_of_two())
             .collect();
-        *t = LinkTransport::Pending(Transport::NvLink);
+        let mut retired = match std::mem::replace(&mut *t, LinkTransport::Pending(Transport::NvLink)) {
+            LinkTransport::NvLink(nv) => {
+                let NvLink { win, mut retired, .. } = *nv;
+                retired.push(win);
+                retired
+            }
+            _ => Vec::new(),
+        };
         match self.open_nvlink(link, &sizes) {
-            Ok(nv) => {
+            Ok(mut nv) => {
+                nv.retired.append(&mut retired);
                 let at = starts(&nv);
                 *t = LinkTransport::NvLink(Box::new(nv));
                 Ok(Some(at))
@@ -178,17 +212,19 @@ impl CudaMoeLayer {
     /// pushes `lanes` to every rank and waits on the device until every rank's push has landed
     /// here. `slot` 0 is the dispatch, 1 the combine.
     pub(super) fn exchange_nvlink(&self, link: &EpLink, slot: usize, lanes: &[Lane]) -> Result<()> {
-        with_window(link, |nv| {
-            self.push(nv, link, slot, lanes)?;
-            self.await_pushes(nv, link, slot as i32)
-        })
+        with_window(link, |nv| self.push(nv, link, slot, lanes))
     }
 
-    /// The sending half of an exchange over the link's NVLink window whose rows `write`
-    /// enqueues itself: a kernel that stores them into the peers' window regions and raises
-    /// the flags (see [`WindowWrite`]), in place of a push. The receiving half is
-    /// [`CudaMoeLayer::await_window`].
-    pub(super) fn write_window(&self, link: &EpLink, write: impl FnOnce(&WindowWrite) -> Result<()>) -> Result<()> {
+    /// An exchange over the link's NVLink window whose rows `write` enqueues itself: a kernel
+    /// that stores them into the peers' window regions, raises the flags and waits for every
+    /// rank's rows (see [`WindowWrite`]), in place of a push. `stage` 0 is the dispatch, 1 the
+    /// combine.
+    pub(super) fn write_window(
+        &self,
+        link: &EpLink,
+        stage: i32,
+        write: impl FnOnce(&WindowWrite) -> Result<()>,
+    ) -> Result<()> {
         with_window(link, |nv| {
             let g = &self.gpu;
             let counters = dptr(&nv.counters, g);
@@ -199,15 +235,9 @@ impl CudaMoeLayer {
                 nflags: link.comm.size() as i32,
                 sent: counters,
                 done: counters + 16,
+                wait: self.wait_of(nv, link, stage),
             })
         })
-    }
-
-    /// The receiving half of an exchange over the link's NVLink window: a wait on the device
-    /// until every rank's rows of this exchange have landed here (`stage` 0 dispatch, 1
-    /// combine, as its timeout reports it).
-    pub(super) fn await_window(&self, link: &EpLink, stage: i32) -> Result<()> {
-        with_window(link, |nv| self.await_pushes(nv, link, stage))
     }
 
     /// A barrier of the link's ranks on the device, when its rows move over NVLink: an exchange
@@ -218,7 +248,6 @@ impl CudaMoeLayer {
         let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
         let LinkTransport::NvLink(nv) = &mut *guard else { return Ok(false) };
         self.push(nv, link, 0, &[])?;
-        self.await_pushes(nv, link, 0)?;
         Ok(true)
     }
 
@@ -243,7 +272,7 @@ impl CudaMoeLayer {
         let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("allocating workspace", e))?;
         let table = || s.alloc_zeros::<u8>(8 * n * LANE).map_err(|e| err("allocating workspace", e));
         let (tables, held) = ([table()?, table()?], [Vec::new(), Vec::new()]);
-        Ok(NvLink { win, regions, counters, flags, peer_regions, tables, held })
+        Ok(NvLink { win, regions, counters, flags, peer_regions, tables, held, retired: Vec::new() })
     }
 
     /// Pushes `lanes` to every rank (see [`Lane`]). `slot` picks the lane table (0 dispatch, 1
@@ -293,9 +322,11 @@ impl CudaMoeLayer {
         let (lanes_p, flags, counters) = (dptr(&nv.tables[slot], g), dptr(&nv.flags, g), dptr(&nv.counters, g));
         let (nl, nf, done) = (records as i32, n as i32, counters + 16);
         let blocks = self.opts.transport_sms.max(1);
-        // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*): `records` lanes whose
-        // sources lie in this rank's buffers and destinations inside peers' windows (checked
-        // above); `flags` holds n peer addresses; the counters live as long as the window.
+        let wait = self.wait_of(nv, link, slot as i32);
+        // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*, NvlWait): `records` lanes
+        // whose sources lie in this rank's buffers and destinations inside peers' windows
+        // (checked above); `flags` holds n peer addresses; the counters live as long as the
+        // window, whose first n words are this rank's flags (`wait`).
         unsafe {
             s.launch_builder(&self.k.nvl_push)
                 .arg(&lanes_p)
@@ -304,33 +335,24 @@ impl CudaMoeLayer {
                 .arg(&nf)
                 .arg(&counters)
                 .arg(&done)
+                .arg(&wait)
                 .launch(LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (PUSH_THREADS, 1, 1), shared_mem_bytes: 0 })
         }
         .map(|_| ())
         .map_err(|e| err("nvl_push", e))
     }
 
-    /// Waits on the device until every rank's push of this exchange has landed here (stage 0:
-    /// dispatch, 1: combine, in the timeout's report), at most the communicator's deadline.
-    fn await_pushes(&self, nv: &NvLink, link: &EpLink, stage: i32) -> Result<()> {
-        let g = &self.gpu;
-        let (flags, received, status) = (nv.win.local(), dptr(&nv.counters, g) + 8, nv.win.status_device());
-        let (n, timeout) = (link.comm.size() as i32, link.comm.timeout().as_nanos().min(i64::MAX as u128) as i64);
-        // SAFETY: nvl_wait(u64*, int, u64*, long long, unsigned*, int): the first n words of this
-        // rank's window are its flags; `status` is the window's mapped host word.
-        unsafe {
-            g.stream
-                .launch_builder(&self.k.nvl_wait)
-                .arg(&flags)
-                .arg(&n)
-                .arg(&received)
-                .arg(&timeout)
-                .arg(&status)
-                .arg(&stage)
-                .launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (n.max(1) as u32, 1, 1), shared_mem_bytes: 0 })
+    /// The wait that ends an exchange over `nv` (stage 0: dispatch, 1: combine, in the
+    /// timeout's report), at most the communicator's deadline.
+    fn wait_of(&self, nv: &NvLink, link: &EpLink, stage: i32) -> NvlWait {
+        NvlWait {
+            flags: nv.win.local(),
+            received: dptr(&nv.counters, &self.gpu) + 8,
+            status: nv.win.status_device(),
+            timeout_ns: link.comm.timeout().as_nanos().min(i64::MAX as u128) as i64,
+            n: link.comm.size() as i32,
+            stage,
         }
-        .map(|_| ())
-        .map_err(|e| err("nvl_wait", e))
     }
 }
 
@@ -401,5 +423,18 @@ mod tests {
         assert_eq!([word(0), word(8), word(16), word(24)], [0x1111, 0x2222, 0x3333, 0x4444]);
         assert_eq!([half(32), half(36)], [7, 14336]);
         assert_eq!(r.len(), super::LANE);
+    }
+
+    /// The wait passed by value has `NvlWait`'s C layout: the flags, received-count and status
+    /// addresses and the deadline (8 bytes each), then the ranks and the stage (4 each), 40
+    /// bytes with no padding.
+    #[test]
+    fn a_wait_lays_out_nvl_wait() {
+        use super::NvlWait;
+        use std::mem::offset_of;
+        assert_eq!(std::mem::size_of::<NvlWait>(), 40);
+        let at = [offset_of!(NvlWait, received), offset_of!(NvlWait, status), offset_of!(NvlWait, timeout_ns)];
+        assert_eq!([offset_of!(NvlWait, flags), at[0], at[1], at[2]], [0, 8, 16, 24]);
+        assert_eq!([offset_of!(NvlWait, n), offset_of!(NvlWait, stage)], [32, 36]);
     }
 }

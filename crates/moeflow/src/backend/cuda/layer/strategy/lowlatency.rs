@@ -8,12 +8,13 @@
 //! home in rank order. Over the NVLink transport each way writes straight into the peers'
 //! windows from the kernel that makes the rows: the dispatch's pack writes the rows within the
 //! batch (with the batch size; the receiver's kernels skip the rest), the combine's weighted
-//! sum its rows home, and each raises the receivers' flags; one wait on the device then lets the
-//! arrangement (or the sum at home) read them. Over NCCL the messages travel whole between a
-//! pack and an arrangement. Either way the kernels and their waits are captured in the graph
-//! with the rest.
+//! sum its rows home, and each raises the receivers' flags, then waits in its last block for
+//! the senders' rows, which the arrangement (or the sum at home) reads next. Over NCCL the
+//! messages travel whole between a pack and an arrangement. Either way the kernels and their
+//! waits are captured in the graph with the rest.
 
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
+use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
 use crate::backend::cuda::layer::hopper_gemm::Gather;
 use crate::backend::cuda::layer::low_latency::{row_offset, row_stride};
@@ -40,8 +41,8 @@ impl DevicePrepareFinalize for LowLatency {
         "lowlatency"
     }
 
-    /// Over NVLink, the send is one short kernel that writes the peers' windows: the shared
-    /// experts wait for it, then run beside the wait and the arrangement.
+    /// Over NVLink, the send is one short kernel that writes the peers' windows and waits for
+    /// theirs: the shared experts wait for it, then run beside the arrangement.
     fn shared_after_begin(&self, layer: &CudaMoeLayer) -> bool {
         layer.ep.as_ref().is_some_and(|link| link.writes_windows())
     }
@@ -66,21 +67,23 @@ impl DevicePrepareFinalize for LowLatency {
         let regions = [n * m * stride, n * m * 2 * h, 4 * n];
         if let Some(at) = l.nvlink(link, &regions)? {
             // One kernel packs the rows within the batch straight into every rank's window, with
-            // the batch size, and raises the flags: the pack is part of the dispatch here.
+            // the batch size, raises the flags and waits for every rank's rows: the pack is part
+            // of the dispatch here.
             mark(2)?;
             let rank = link.comm.rank() as i32;
-            l.write_window(link, |win| {
+            l.write_window(link, 0, |win| {
                 // SAFETY: ll_send(bf16*, int*, float*, int*, int, int, int, int* x5, long, int,
-                // u64*, int, int*, u64**, int, u64*, unsigned*) over M tokens × n destinations
-                // (routing ran on M rows); each row lands inside region 0 of its destination's
-                // window (n M rows, sized by the capacity) and the batch inside region 2 (n
-                // ints); the flags and counters are the link's (see WindowWrite).
+                // u64*, int, int*, u64**, int, u64*, unsigned*, NvlWait) over M tokens × n
+                // destinations (routing ran on M rows); each row lands inside region 0 of its
+                // destination's window (n M rows, sized by the capacity) and the batch inside
+                // region 2 (n ints); the flags, counters and wait are the link's (see
+                // WindowWrite).
                 unsafe {
                     let mut p = s.launch_builder(&l.k.ll_send);
                     p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
                     p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
                     p.arg(&stride_l).arg(&rank).arg(&win.regions).arg(&win.nregions).arg(&home_rows);
-                    p.arg(&win.flags).arg(&win.nflags).arg(&win.sent).arg(&win.done);
+                    p.arg(&win.flags).arg(&win.nflags).arg(&win.sent).arg(&win.done).arg(&win.wait);
                     p.launch(rows(m * n, 128))
                 }
                 .map(|_| ())
@@ -143,9 +146,6 @@ impl DevicePrepareFinalize for LowLatency {
             Some(gt) => (0u64, gt.slot_of_row),
             None => (a, 0u64),
         };
-        if landing.nvlink {
-            l.await_window(link, 0)?;
-        }
         // SAFETY: ll_arrange(u8*, long, int, int, int, int, int*, int, int, int*, int*, bf16*,
         // int*) reads the msg received rows (and, when not null, the n senders' batch sizes)
         // once they have landed; row_of_slot holds msg · k ints, counts el, and `a` (when not
@@ -194,25 +194,25 @@ impl DevicePrepareFinalize for LowLatency {
         let (msg_i, ki, hi, mi, batches) = (msg as i32, k as i32, h as i32, m as i32, landing.batches);
         if landing.nvlink {
             // The weighted rows go straight into their home ranks' windows from the kernel that
-            // sums them (no staging rows, no push), as many of each rank's as its batch sent.
+            // sums them (no staging rows, no push), as many of each rank's as its batch sent; it
+            // then waits for this rank's own rows to come home.
             let rank = link.comm.rank() as i32;
-            l.write_window(link, |w| {
+            return l.write_window(link, 1, |w| {
                 // SAFETY: ll_combine_push(u8*, long, bf16*, float*, int*, int, int, int, int*,
-                // int, int, u64*, int, int, u64**, int, u64*, unsigned*) over the msg received
-                // rows (the senders' batch sizes at `batches`); each home row lands inside
-                // region 1 of its sender's window (M rows a rank, sized by the capacity); the
-                // flags and counters are the link's (see WindowWrite).
+                // int, int, u64*, int, int, u64**, int, u64*, unsigned*, NvlWait) over the msg
+                // received rows (the senders' batch sizes at `batches`); each home row lands
+                // inside region 1 of its sender's window (M rows a rank, sized by the capacity);
+                // the flags, counters and wait are the link's (see WindowWrite).
                 unsafe {
                     let mut c = g.stream.launch_builder(&l.k.ll_combine_push);
                     c.arg(&recv).arg(&stride).arg(&y).arg(&b2).arg(&row_of_slot).arg(&msg_i).arg(&ki).arg(&hi);
                     c.arg(&batches).arg(&mi).arg(&rank).arg(&w.regions).arg(&w.nregions).arg(&1i32);
-                    c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done);
-                    c.launch(rows(msg, 256))
+                    c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done).arg(&w.wait);
+                    c.launch(per_token(msg, h))
                 }
                 .map(|_| ())
                 .map_err(|e| err("ll_combine_push", e))
-            })?;
-            return l.await_window(link, 1);
+            });
         }
         // SAFETY: ll_combine(u8*, long, bf16*, float*, int*, int, int, int, int*, int, bf16*) over
         // the msg received rows (and the senders' batch sizes, when not null); their expert rows
