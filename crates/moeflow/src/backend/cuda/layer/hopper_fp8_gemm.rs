@@ -399,15 +399,25 @@ mod tests {
             let tile_rows = gemm.variant(rows, e, gathered, false).rows;
             let what = format!("{tile_rows}-row tiles, n {n} k {k} activation {act:?} gathered {gathered}");
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
-            let av = |r: usize, q: usize| fp8_e4m3_decode(a[r * k + q]) as f64 * as_[r * kb + q / 128] as f64;
-            let wv = |x: usize, j: usize, q: usize| {
-                fp8_e4m3_decode(w[(x * n + j) * k + q]) as f64 * ws[(x * nb + j / 128) * kb + q / 128] as f64
-            };
+            // The values the codes and scales stand for, decoded once: A [rows, k], W [e n, k].
+            let af: Vec<f64> =
+                (0..rows * k).map(|i| fp8_e4m3_decode(a[i]) as f64 * as_[(i / k) * kb + i % k / 128] as f64).collect();
+            let wf: Vec<f64> = (0..e * n * k)
+                .map(|i| {
+                    let (x, j, q) = (i / k / n, i / k % n, i % k);
+                    fp8_e4m3_decode(w[i]) as f64 * ws[(x * nb + j / 128) * kb + q / 128] as f64
+                })
+                .collect();
             let mut owned = vec![false; rows];
             for (x, (&cnt, &off)) in counts.iter().zip(&offsets).enumerate() {
                 // The exact sum and the sum of the products' magnitudes.
                 let dot = |r: usize, j: usize| {
-                    (0..k).map(|q| av(r, q) * wv(x, j, q)).fold((0.0, 0.0), |(s, m), v| (s + v, m + v.abs()))
+                    let col = (x * n + j) * k;
+                    af[r * k..(r + 1) * k]
+                        .iter()
+                        .zip(&wf[col..col + k])
+                        .map(|(p, q)| p * q)
+                        .fold((0.0, 0.0), |(s, m), v| (s + v, m + v.abs()))
                 };
                 for r in off as usize..(off + cnt) as usize {
                     owned[r] = true;
