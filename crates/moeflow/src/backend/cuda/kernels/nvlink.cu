@@ -191,6 +191,28 @@ __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf
     nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
+// All-to-all-v's return over NVLink: the weighted sum over the slots served here of each
+// received token (combine_partial) written straight home. Received row r of the T is rank s's
+// row r - starts[s] (starts: n + 1 ints), sent when below counts[s]; its sum goes to row
+// rank (starts[s + 1] - starts[s]) + r - starts[s] of region `region` of rank s's window (room
+// for s's batch from every rank, in rank order). Then the exchange's flags are raised, and the
+// senders' waited for, as nvl_push does. Blocks per token as combine's per_token.
+__global__ void nvl_combine_push(const bf16_t* y, const float* b2, const int* local_ids, const float* w,
+                                 const int* row_of_slot, int T, int k, int H, const int* starts, const int* counts,
+                                 int n, int rank, const u64* regions, int nregions, int region, u64* const* flags,
+                                 int nflags, u64* sent, unsigned int* done, NvlWait wait) {
+    for (long r = blockIdx.x; r < T; r += gridDim.x) {
+        int s = 0;
+        while (s + 1 < n && r >= starts[s + 1]) s++;
+        long p = r - starts[s];
+        if (p >= counts[s]) continue;
+        long room = starts[s + 1] - starts[s];
+        bf16_t* row = (bf16_t*)regions[(long)s * nregions + region] + ((long)rank * room + p) * H;
+        weighted_row_bf16(y, b2, row_of_slot + r * k, local_ids + r * k, w + r * k, k, H, row);
+    }
+    nvl_raise_and_wait(flags, nflags, sent, done, wait);
+}
+
 // The low-latency dispatch's sending half over NVLink, one block per (token t < M, destination
 // d), t = blockIdx.x / n: message row (t, d) (see ll_pack_row) written straight into row
 // rank M + t of region 0 of rank d's window (regions[d nregions], see ll_combine_push), for

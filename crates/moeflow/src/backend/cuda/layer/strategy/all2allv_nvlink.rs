@@ -13,12 +13,14 @@
 //! counts to every rank, with only as many rows as the plan counted; the receiver marks the
 //! rows no rank sent as served elsewhere, groups the slots by local expert and runs the Hopper
 //! GEMM, which reads the experts' sizes on the device and gathers the rows from the window
-//! itself (the permute fused into its loads). The weighted sums over the slots served here go
-//! home the same way, each in the room its home left for this rank, and are summed there in
-//! rank order, as the host-planned all-to-all-v does.
+//! itself (the permute fused into its loads). The kernel that sums each token's slots served
+//! here writes the sum straight into its home's window, in the room its home left for this
+//! rank (no staging rows, no push); home sums them in rank order, as the host-planned
+//! all-to-all-v does.
 
 use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, WEIGHTS};
 use super::{Dispatched, Mark, Sent, State};
+use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
 use crate::backend::cuda::layer::nvlink::Lane;
 use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
@@ -31,8 +33,6 @@ const MAX_RANKS: usize = 32;
 
 /// What the halves share.
 pub(super) struct DevicePlan {
-    /// Every rank's batch.
-    tokens: Vec<usize>,
     /// The rows received (room for every rank's batch).
     received: usize,
     landed: Landed,
@@ -136,7 +136,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     l.exchange_nvlink(link, 0, &lanes)?;
     let fp8_scales = fp8.then_some(at[ROW_SCALES]);
     let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
-    Ok(Some(Box::new(DevicePlan { tokens, received, landed, back: at[BACK], counts: at[COUNTS] })))
+    Ok(Some(Box::new(DevicePlan { received, landed, back: at[BACK], counts: at[COUNTS] })))
 }
 
 /// Groups the slots served here by local expert, from the counts in the window (marks 3).
@@ -158,17 +158,36 @@ pub(super) fn prepare_finish(l: &CudaMoeLayer, b: &mut Buffers, p: Box<DevicePla
     Ok(Dispatched { rows, sent, state: p })
 }
 
-/// The weighted sums over the slots served here, pushed home: to each rank as many rows as
-/// it sent, into the room it left for this rank.
+/// The weighted sums over the slots served here, written home by the kernel that sums them
+/// (`nvl_combine_push`): to each rank as many rows as it sent, into the room it left for this
+/// rank; the kernel then waits for this rank's own sums to come home.
 pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
-    let (h, n) = (l.config.hidden, link.comm.size());
-    l.partial_sums(b, p.received, p.landed)?;
-    let part = dptr(&b.ep.as_ref().expect("allocated").part, &l.gpu);
-    // From any rank to rank s: room for s's batch.
-    let room: Vec<usize> = (0..n * n).map(|i| p.tokens[i % n]).collect();
-    let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK, counts: &room, live: Some(p.counts) };
-    l.exchange_nvlink(link, 1, &[lane])
+    let (h, k) = (l.config.hidden, l.config.top_k);
+    let (n, rank) = (link.comm.size() as i32, link.comm.rank() as i32);
+    let g = &l.gpu;
+    let ep = b.ep.as_ref().expect("allocated");
+    let (y, local_ids, row_of_slot) = (dptr(&ep.y, g), dptr(&ep.local_ids, g), dptr(&ep.row_of_slot, g));
+    let b2 = l.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
+    // The plan's device array starts with where each rank's rows start (n + 1 ints).
+    let starts = dptr(&ep.plan, g);
+    let (ri, ki, hi, back) = (p.received as i32, k as i32, h as i32, BACK as i32);
+    l.write_window(link, 1, |w| {
+        // SAFETY: nvl_combine_push(bf16*, float*, int*, float*, int*, int, int, int, int*, int*,
+        // int, int, u64*, int, int, u64**, int, u64*, unsigned*, NvlWait) over the received
+        // rows, grouped by `group_received`; rank s's sums land in region BACK of its window,
+        // which holds n times its batch (`regions_of` above); the flags, counters and wait are
+        // the link's (see WindowWrite).
+        unsafe {
+            let mut c = g.stream.launch_builder(&l.k.nvl_combine_push);
+            c.arg(&y).arg(&b2).arg(&local_ids).arg(&p.landed.w).arg(&row_of_slot).arg(&ri).arg(&ki).arg(&hi);
+            c.arg(&starts).arg(&p.counts).arg(&n).arg(&rank).arg(&w.regions).arg(&w.nregions).arg(&back);
+            c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done).arg(&w.wait);
+            c.launch(per_token(p.received, h))
+        }
+        .map(|_| ())
+        .map_err(|e| err("nvl_combine_push", e))
+    })
 }
 
 /// Sums each token's returned rows in rank order into `b.out` (marks 7).
