@@ -164,6 +164,10 @@ pub struct CudaOptions {
     pub cuda_graphs: bool,
     /// Up to four tokens on one GPU route in one launch.
     pub fused_route: bool,
+    /// The router GEMM runs on the tensor cores at f32 accuracy (three TF32 products a
+    /// product); off: cuBLAS's f32 GEMM. Deterministic mode and the low-latency graph keep
+    /// their fixed-order routers either way.
+    pub router_tf32: bool,
     /// Side streams that run per-expert cuBLAS GEMMs concurrently (at least 1).
     pub gemm_streams: usize,
     /// SMs the side streams' cuBLAS kernels are sized for; `None`: half the GPU's, `Some(0)`:
@@ -220,6 +224,7 @@ impl Default for CudaOptions {
             gemm_tile_cols: None,
             cuda_graphs: true,
             fused_route: true,
+            router_tf32: true,
             gemm_streams: 4,
             gemm_sm_target: None,
             low_latency_gemm: LowLatencyGemm::Masked,
@@ -237,12 +242,13 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 16] = [
+pub const CUDA_VARIABLES: [(&str, &str); 17] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
     ("MOEFLOW_CUDA_GRAPHS", "0|1: small batches on one GPU replay CUDA graphs (default 1)"),
     ("MOEFLOW_FUSED_ROUTE", "0|1: up to four tokens on one GPU route in one launch (default 1)"),
+    ("MOEFLOW_ROUTER_TF32", "0|1: the router GEMM on the tensor cores at f32 accuracy, else cuBLAS f32 (default 1)"),
     ("MOEFLOW_GEMM_STREAMS", "N >= 1: side streams of per-expert cuBLAS GEMMs (default 4)"),
     ("MOEFLOW_GEMM_SM_TARGET", "N: SMs their cuBLAS kernels are sized for (0: all; default half)"),
     ("MOEFLOW_LL_GEMM", "masked|padded: the low-latency layer's GEMMs (default masked)"),
@@ -287,6 +293,7 @@ impl CudaOptions {
                 "MOEFLOW_GEMM_TILE_COLS" => self.gemm_tile_cols = Some(one_of(key, value, &[224, 256])?),
                 "MOEFLOW_CUDA_GRAPHS" => self.cuda_graphs = flag(key, value)?,
                 "MOEFLOW_FUSED_ROUTE" => self.fused_route = flag(key, value)?,
+                "MOEFLOW_ROUTER_TF32" => self.router_tf32 = flag(key, value)?,
                 "MOEFLOW_GEMM_STREAMS" => {
                     self.gemm_streams = value
                         .parse()
@@ -352,6 +359,9 @@ impl CudaOptions {
         }
         if !self.fused_route {
             parts.push("unfused router".into());
+        }
+        if !self.router_tf32 {
+            parts.push("router on cuBLAS f32".into());
         }
         if self.gemm_streams != d.gemm_streams {
             parts.push(format!("{} GEMM streams", self.gemm_streams));
@@ -426,6 +436,7 @@ mod tests {
             ("MOEFLOW_GEMM_TILE_COLS", "224"),
             ("MOEFLOW_CUDA_GRAPHS", "0"),
             ("MOEFLOW_FUSED_ROUTE", "0"),
+            ("MOEFLOW_ROUTER_TF32", "0"),
             ("MOEFLOW_GEMM_STREAMS", "2"),
             ("MOEFLOW_GEMM_SM_TARGET", "0"),
             ("MOEFLOW_LL_GEMM", "padded"),
@@ -446,6 +457,7 @@ mod tests {
             gemm_tile_cols: Some(224),
             cuda_graphs: false,
             fused_route: false,
+            router_tf32: false,
             gemm_streams: 2,
             gemm_sm_target: Some(0),
             low_latency_gemm: LowLatencyGemm::Padded,

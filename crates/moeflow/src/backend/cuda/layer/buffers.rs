@@ -51,6 +51,9 @@ pub(super) struct Buffers {
     pub(super) shared_rows: CudaSlice<i32>,
     /// Deterministic mode's router partial sums, `[H / ROUTER_FIXED_COLS, T, E]`.
     pub(super) router_fixed: Option<CudaSlice<f32>>,
+    /// The tensor-core router's partial sums, `[splits, T, E]`, where a batch up to `T` splits
+    /// its depth (see `router_tf32::partial_floats`).
+    pub(super) router_split: Option<CudaSlice<f32>>,
     /// TP slicing: every TP rank's output share, gathered (see [`super::strategy`]).
     pub(super) tp_gathered: Option<CudaSlice<f32>>,
     /// Low-latency buffers and the captured layer (see [`low_latency`]).
@@ -134,6 +137,11 @@ impl CudaMoeLayer {
                     Some(z!(f32, h.div_ceil(super::route::ROUTER_FIXED_COLS) * t * e))
                 } else {
                     None
+                },
+                router_split: match super::router_tf32::partial_floats(t, e, h, self.sms) {
+                    0 => None,
+                    n if self.router_on_tensor_cores() && !self.opts.deterministic => Some(z!(f32, n)),
+                    _ => None,
                 },
                 tp_gathered: None,
                 ll: None,

@@ -49,6 +49,7 @@ mod placement;
 mod rebalance;
 mod route;
 mod router_skew;
+mod router_tf32;
 mod side_streams;
 mod strategy;
 #[cfg(test)]
@@ -78,6 +79,7 @@ struct Kernels {
     router_partials_wide: CudaFunction,
     router_sum: CudaFunction,
     router_live: CudaFunction,
+    router_tf32: CudaFunction,
     compact_served: CudaFunction,
     sum_partials: CudaFunction,
     localize: CudaFunction,
@@ -192,6 +194,8 @@ pub struct CudaMoeLayer {
     bufs: Mutex<Option<Buffers>>,
     /// Set when the layer is one rank of an expert-parallel group.
     ep: Option<EpLink>,
+    /// The GPU's SMs (grids sized to fill it).
+    sms: usize,
     /// How tokens reach the experts and their outputs come home.
     strategy: std::sync::Arc<dyn strategy::DevicePrepareFinalize>,
     /// `--strategy auto`: the table that picks the strategy per batch instead.
@@ -260,6 +264,7 @@ impl CudaMoeLayer {
             router_partials_wide: f("router_partials_fixed_wide")?,
             router_sum: f("router_sum_fixed")?,
             router_live: f("router_live_partials")?,
+            router_tf32: f("router_partials_tf32")?,
             compact_served: f("compact_served")?,
             sum_partials: f("sum_partials")?,
             localize: f("localize_ids")?,
@@ -295,6 +300,7 @@ impl CudaMoeLayer {
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_w8a8)?;
+        router_tf32::allow_router_tf32_smem(&k.router_tf32)?;
         Ok((gpu, blas, k))
     }
 
@@ -315,7 +321,13 @@ impl CudaMoeLayer {
             link.transport = Mutex::new(nvlink::LinkTransport::Pending(opts.transport));
         }
         let opts = &Self::effective_options(config, &k, opts)?;
+        let sms = gpu
+            .ctx
+            .attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map_err(|e| err("SM count", e))?
+            .max(1) as usize;
         Ok(CudaMoeLayer {
+            sms,
             side: SideStreams::new(&gpu, opts)?,
             load: super::load_stats::DeviceLoadStats::new(&gpu, config.num_experts)?,
             warming_up: std::sync::atomic::AtomicBool::new(false),

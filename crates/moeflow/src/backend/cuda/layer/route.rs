@@ -1,5 +1,6 @@
-//! Stage 1, routing on the device: the tokens' bf16 copy, the f32 router GEMM (no TF32, so the
-//! choices match the CPU reference's), the logits' bias and top-k for every router kind; small
+//! Stage 1, routing on the device: the tokens' bf16 copy, the router GEMM at f32 accuracy (on
+//! the tensor cores, `router_tf32.rs`, or cuBLAS's f32 path; never plain TF32, so the choices
+//! match the CPU reference's), the logits' bias and top-k for every router kind; small
 //! batches on one GPU do all of that, and the permute's counts and maps, in one launch. The
 //! low-latency graph, captured on its capacity's rows, computes the logits and top-k of the
 //! batch's rows alone, reading the batch size on the device.
@@ -72,6 +73,8 @@ impl CudaMoeLayer {
             self.router_live(b, t, ll)?;
         } else if self.opts.deterministic {
             self.router_fixed(b, t)?;
+        } else if self.router_on_tensor_cores() {
+            self.router_tf32(b, t)?;
         } else {
             self.gemm_f32_router(b, t)?;
             if let Some(bias) = &self.w.gate_bias {
@@ -180,7 +183,15 @@ impl CudaMoeLayer {
     /// logits `[T, E]` = the sum of the `blocks` partials `[blocks, T, E]` at `partials` in block
     /// order, plus `bias` `[E]` (when not null), for the first `*live` rows (all `T` when `live`
     /// is null).
-    fn router_sum(&self, partials: u64, t: usize, blocks: usize, bias: u64, live: u64, logits: u64) -> Result<()> {
+    pub(super) fn router_sum(
+        &self,
+        partials: u64,
+        t: usize,
+        blocks: usize,
+        bias: u64,
+        live: u64,
+        logits: u64,
+    ) -> Result<()> {
         let (ti, ei, bi) = (t as i32, self.config.num_experts as i32, blocks as i32);
         // SAFETY: router_sum_fixed(float*, int, int, int, float*, int*, float*) reads blocks · t · E
         // partials (E bias values and one int at `live` when not null) and writes t · E logits.

@@ -1,0 +1,153 @@
+// moeflow's router GEMM on the tensor cores at f32 accuracy ("3xTF32"): each f32 operand is split
+// into a TF32 head and a TF32 tail (rt_split), and a product is the sum of three TF32 products,
+// head·tail + tail·head + head·head; the tail·tail term is below f32's rounding. The tensor cores add the products of one 8-deep step, and the accumulators of chained
+// steps, with truncation, so their accumulators are chained over RT_BK columns only and then
+// added into f32 registers with rounding: the logits land as close to the exact sums as a plain
+// f32 GEMM's. (Compiled after masked_gemm.cu, whose cp.async helpers it uses.)
+
+#define RT_BM 128     // tokens a block
+#define RT_BN 128     // experts a block
+#define RT_BK 32      // columns a stage (and a chain of tensor-core accumulation)
+#define RT_LD 36      // floats between rows in shared memory: the fragments' loads miss no bank
+#define RT_STAGES 3
+#define RT_THREADS 256
+
+// v = head + tail, each a TF32 value in a register: the head is v with its mantissa cut to TF32's
+// 10 bits (exact), the tail the rest (exact in f32), which the tensor cores read cut to TF32
+// too: head + tail is then within 2^-20 |v| of v, and the products' errors have random signs.
+__device__ __forceinline__ void rt_split(float v, unsigned& head, unsigned& tail) {
+    head = __float_as_uint(v) & 0xffffe000u;
+    tail = __float_as_uint(v - __uint_as_float(head));
+}
+
+// c += a · b for one 16 × 8 × 8 TF32 tile (f32 accumulators).
+__device__ __forceinline__ void rt_mma(float* c, const unsigned* a, const unsigned* b) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+extern "C" {
+
+// partial[z, t, e] = the sum over the columns of split z (`cols` columns each, the last one
+// to H) of x[t, k] · gate[e, k], for x [T, H] and gate [E, H] in f32, H a multiple of 4; plus
+// bias[e] when `bias` is not null (a caller with one split adds the bias here). A block of 256
+// threads takes 128 tokens (blockIdx.y) by 128 experts (blockIdx.x, so the blocks that read the
+// same tokens run together) of one split (blockIdx.z); its 8 warps take 64 × 32 outputs each.
+// The tiles stream through RT_STAGES stages of shared memory with cp.async.
+__global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* x, const float* gate, int T, int E,
+                                                                   int H, int cols, const float* bias,
+                                                                   float* partial) {
+    extern __shared__ __align__(16) float rt_smem[];
+    int e0 = blockIdx.x * RT_BN, t0 = blockIdx.y * RT_BM;
+    int k_lo = blockIdx.z * cols, k_hi = min(H, k_lo + cols);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    int wm = warp / 4, wn = warp % 4;
+    float* xs = rt_smem;                          // [stage][RT_BM][RT_LD]
+    float* gs = rt_smem + RT_STAGES * RT_BM * RT_LD;  // [stage][RT_BN][RT_LD]
+    int chunks = k_hi > k_lo ? (k_hi - k_lo + RT_BK - 1) / RT_BK : 0;
+    // This warp's 16-row tiles that hold tokens (a small batch leaves the others zero).
+    int live = min(4, max(0, (T - t0 - wm * 64 + 15) / 16));
+
+    // Stage s gets chunk c: 128 rows × 32 columns of each operand, 16 bytes a copy, zeros past
+    // T, E and the split's last column.
+    auto load = [&](int c, int s) {
+        int k0 = k_lo + c * RT_BK;
+#pragma unroll
+        for (int u = 0; u < (RT_BM * RT_BK / 4) / RT_THREADS; u++) {
+            int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), c4 = (i % (RT_BK / 4)) * 4, k = k0 + c4;
+            int t = t0 + r, e = e0 + r;
+            bool kin = k < k_hi;
+            mg_cp_async16(xs + ((long)s * RT_BM + r) * RT_LD + c4, kin && t < T ? x + (long)t * H + k : x,
+                          kin && t < T ? 16 : 0);
+            mg_cp_async16(gs + ((long)s * RT_BN + r) * RT_LD + c4, kin && e < E ? gate + (long)e * H + k : gate,
+                          kin && e < E ? 16 : 0);
+        }
+    };
+
+    float sum[4][4][4], acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int v = 0; v < 4; v++) sum[i][j][v] = 0.0f;
+
+    for (int c = 0; c < RT_STAGES - 1; c++) {
+        if (c < chunks) load(c, c);
+        mg_commit();
+    }
+    for (int c = 0; c < chunks; c++) {
+        mg_wait_stages<RT_STAGES - 2>();
+        __syncthreads();
+        // The stage read RT_STAGES - 1 chunks ago is free again (every warp passed the barrier).
+        if (c + RT_STAGES - 1 < chunks) load(c + RT_STAGES - 1, (c + RT_STAGES - 1) % RT_STAGES);
+        mg_commit();
+        const float* xa = xs + (long)(c % RT_STAGES) * RT_BM * RT_LD + (wm * 64 + g) * RT_LD + q;
+        const float* gb = gs + (long)(c % RT_STAGES) * RT_BN * RT_LD + (wn * 32 + g) * RT_LD + q;
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int v = 0; v < 4; v++) acc[i][j][v] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < RT_BK; kk += 8) {
+            unsigned ah[4][4], at[4][4], bh[4][2], bt[4][2];
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                const float* p = xa + i * 16 * RT_LD + kk;
+                rt_split(p[0], ah[i][0], at[i][0]);
+                rt_split(p[8 * RT_LD], ah[i][1], at[i][1]);
+                rt_split(p[4], ah[i][2], at[i][2]);
+                rt_split(p[8 * RT_LD + 4], ah[i][3], at[i][3]);
+            }
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const float* p = gb + j * 8 * RT_LD + kk;
+                rt_split(p[0], bh[j][0], bt[j][0]);
+                rt_split(p[4], bh[j][1], bt[j][1]);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+#pragma unroll
+                for (int j = 0; j < 4; j++) {
+                    if (i >= live) continue;
+                    rt_mma(acc[i][j], ah[i], bt[j]);
+                    rt_mma(acc[i][j], at[i], bh[j]);
+                    rt_mma(acc[i][j], ah[i], bh[j]);
+                }
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++)
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+#pragma unroll
+                for (int v = 0; v < 4; v++) sum[i][j][v] += acc[i][j][v];
+    }
+
+    float* out = partial + (long)blockIdx.z * T * E;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int e = e0 + wn * 32 + j * 8 + 2 * q;
+#pragma unroll
+            for (int half = 0; half < 2; half++) {
+                int t = t0 + wm * 64 + i * 16 + g + 8 * half;
+                if (t >= T) continue;
+#pragma unroll
+                for (int v = 0; v < 2; v++) {
+                    if (e + v < E) {
+                        float s = sum[i][j][2 * half + v];
+                        out[(long)t * E + e + v] = bias ? s + bias[e + v] : s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+}  // extern "C"

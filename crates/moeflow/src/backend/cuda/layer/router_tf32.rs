@@ -1,0 +1,213 @@
+//! The router GEMM on the tensor cores at f32 accuracy (`router_partials_tf32` in
+//! router_tf32.cu): logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ + bias, each f32 product the
+//! sum of three TF32 products of the operands' heads and tails, the tensor cores' truncating
+//! sums cut every 32 columns and added in f32. The depth is split so the grid fills the GPU;
+//! with more than one split, `router_sum_fixed` adds the splits' partials in order.
+
+use super::{dptr, err, Buffers, CudaMoeLayer};
+use crate::error::Result;
+use cudarc::driver::sys as drv;
+use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+
+/// Tokens and experts of a block's tile (`RT_BM`, `RT_BN` in router_tf32.cu).
+const TILE: usize = 128;
+
+/// Columns of a stage (`RT_BK`): a split's columns are a multiple of it.
+const DEPTH: usize = 32;
+
+/// Fewest columns a split takes (four stages), so a small batch's many splits still stream.
+const MIN_COLS: usize = 128;
+
+/// Dynamic shared memory of `router_partials_tf32`: 3 stages of 128 token rows and 128 gate
+/// rows, 36 floats apart.
+const SMEM: u32 = 3 * (2 * TILE as u32) * 36 * 4;
+
+/// Lets `router_partials_tf32` take its shared memory (above the 48 KiB a launch gets by
+/// default).
+pub(super) fn allow_router_tf32_smem(f: &CudaFunction) -> Result<()> {
+    f.set_attribute(drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
+        .map_err(|e| err("router_partials_tf32 shared memory", e))
+}
+
+/// How the depth `h` of `t` tokens' router GEMM over `e` experts splits on a GPU of `sms` SMs:
+/// (splits, columns a split). As many splits as bring the tiles to about one block an SM, each
+/// at least [`MIN_COLS`] columns, a multiple of [`DEPTH`].
+pub(super) fn splits(t: usize, e: usize, h: usize, sms: usize) -> (usize, usize) {
+    let tiles = t.div_ceil(TILE).max(1) * e.div_ceil(TILE).max(1);
+    let most = (h / MIN_COLS).max(1);
+    let want = (sms / tiles).clamp(1, most);
+    let cols = h.div_ceil(want).div_ceil(DEPTH).max(1) * DEPTH;
+    (h.div_ceil(cols).max(1), cols)
+}
+
+/// Floats of partials the router of up to `t` tokens needs on a GPU of `sms` SMs (0 when one
+/// split does: it writes the logits).
+pub(super) fn partial_floats(t: usize, e: usize, h: usize, sms: usize) -> usize {
+    // Every batch up to t; from sms · 128 tokens on, one split fills the GPU.
+    (1..=t.min(sms * TILE))
+        .chain(std::iter::once(t))
+        .map(|m| match splits(m, e, h, sms) {
+            (1, _) => 0,
+            (s, _) => s * m * e,
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+impl CudaMoeLayer {
+    /// Whether the router GEMM runs on the tensor cores (`router_partials_tf32`): the option
+    /// on and the hidden size a multiple of 4 (its 16-byte copies).
+    pub(super) fn router_on_tensor_cores(&self) -> bool {
+        self.opts.router_tf32 && self.config.hidden.is_multiple_of(4)
+    }
+
+    /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
+    /// tensor cores at f32 accuracy.
+    pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
+        if t == 0 {
+            return Ok(());
+        }
+        let (h, e) = (self.config.hidden, self.config.num_experts);
+        let g = &self.gpu;
+        let (split, cols) = splits(t, e, h, self.sms);
+        let bias = self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g));
+        let logits = dptr(&b.logits, g);
+        let (out, in_kernel_bias) = match split {
+            1 => (logits, bias),
+            _ => (dptr(b.router_split.as_ref().expect("allocated with the tensor-core router"), g), 0u64),
+        };
+        let (xp, gp) = (dptr(&b.x, g), dptr(&self.w.gate, g));
+        let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (e.div_ceil(TILE) as u32, t.div_ceil(TILE) as u32, split as u32),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: SMEM,
+        };
+        // SAFETY: router_partials_tf32(float*, float*, int, int, int, int, float*, float*) reads t ·
+        // H and E · H floats (H a multiple of 4, checked by `router_on_tensor_cores`) and writes
+        // split · t · E floats: the logits for one split, else the partials, which
+        // `partial_floats` sized for this many tokens.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.router_tf32)
+                .arg(&xp)
+                .arg(&gp)
+                .arg(&ti)
+                .arg(&ei)
+                .arg(&hi)
+                .arg(&ci)
+                .arg(&in_kernel_bias)
+                .arg(&out)
+                .launch(cfg)
+        }
+        .map_err(|e| err("router_partials_tf32", e))?;
+        if split > 1 {
+            self.router_sum(out, t, split, bias, 0, logits)?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{partial_floats, splits, DEPTH, MIN_COLS};
+    use crate::backend::cuda::layer::CudaMoeLayer;
+    use crate::experts::Activation;
+    use crate::router::RouterConfig;
+    use crate::{preset, DType};
+
+    /// The tensor-core router's logits (on poisoned outputs) against f64 dot products, within
+    /// 2e-6 of the sum of the products' magnitudes (f32 accumulation over a few thousand
+    /// columns), next to cuBLAS's f32 GEMM on the same values; the same bits at a second launch.
+    /// Widths that are and are not multiples of the 32-column stage, batches from 1 token to
+    /// several tiles and splits, experts not a multiple of the 128-expert tile, with and
+    /// without the gate's bias. Needs a GPU; says loudly when it skips.
+    #[test]
+    fn tensor_core_router_matches_f64_dot_products() {
+        let name = "tensor_core_router_matches_f64_dot_products";
+        if crate::backend::cuda::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let softmax = RouterConfig::Softmax { renormalize: true };
+        let cases = [
+            (softmax.clone(), 256, 8, 7168, vec![1usize, 7, 128, 129, 1000, 4096]),
+            (RouterConfig::TopKSoftmax, 32, 4, 2880, vec![1, 300]),
+            (softmax.clone(), 1000, 8, 132, vec![3, 257]),
+            (softmax, 8, 2, 100, vec![1, 130]),
+        ];
+        for (case_no, (router, e, k, h, batches)) in cases.into_iter().enumerate() {
+            let config = preset::config(h, 16, e, k, router, Activation::Silu, None);
+            let weights = preset::random_weights(&config, DType::BF16, 40 + case_no as u64);
+            let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
+            assert!(layer.router_on_tensor_cores(), "H {h}: the tensor-core router runs");
+            let gate = weights.gate.to_f32_vec();
+            let bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
+            let most = *batches.iter().max().unwrap();
+            let mut guard = layer.bufs.lock().unwrap();
+            let b = layer.buffers(&mut guard, most).unwrap();
+            let s = layer.gpu.stream.clone();
+            for t in batches {
+                let case = format!("{e} experts, H {h}, {t} tokens, bias {}", bias.is_some());
+                let x = preset::uniform(t * h, 1.0, 7 * t as u64 + case_no as u64);
+                s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
+                let mut logits_of = |tensor_cores: bool| {
+                    s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
+                    if tensor_cores {
+                        layer.router_tf32(b, t).unwrap();
+                    } else {
+                        layer.gemm_f32_router(b, t).unwrap();
+                    }
+                    s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap()
+                };
+                let (got, again, cublas) = (logits_of(true), logits_of(true), logits_of(false));
+                let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{case}: a second launch gives the same bits");
+                // Every row of small batches, every seventh of large ones.
+                let step = if t > 300 { 7 } else { 1 };
+                let (mut worst, mut worst_cublas) = (0f64, 0f64);
+                for tok in (0..t).step_by(step) {
+                    let xs = &x[tok * h..(tok + 1) * h];
+                    for x_e in 0..e {
+                        let row = &gate[x_e * h..(x_e + 1) * h];
+                        let dot: f64 = xs.iter().zip(row).map(|(&a, &g)| a as f64 * g as f64).sum();
+                        let size: f64 = xs.iter().zip(row).map(|(&a, &g)| (a as f64 * g as f64).abs()).sum();
+                        let b_e = bias.as_ref().map_or(0.0, |b| b[x_e] as f64);
+                        let i = tok * e + x_e;
+                        let off = (got[i] as f64 - dot - b_e).abs() / size.max(1e-30);
+                        assert!(off <= 2e-6, "{case}: logit {i}: {} against {}", got[i], dot + b_e);
+                        worst = worst.max(off);
+                        worst_cublas = worst_cublas.max((cublas[i] as f64 - dot).abs() / size.max(1e-30));
+                    }
+                }
+                eprintln!(
+                    "{case}: worst error {worst:.2e} of the products' magnitudes (cuBLAS f32: {worst_cublas:.2e})"
+                );
+            }
+        }
+    }
+
+    /// Splits cover the depth exactly once in multiples of 32 columns, at least 128 each unless
+    /// the depth is shorter, about one block an SM; the partials' room is what the largest
+    /// batch up to `t` needs.
+    #[test]
+    fn router_splits_cover_the_depth_and_fill_the_gpu() {
+        for &(e, h) in &[(256usize, 7168usize), (64, 2048), (8, 100), (1000, 132), (128, 4)] {
+            for t in [1usize, 7, 128, 129, 1000, 4096, 16384] {
+                let (s, cols) = splits(t, e, h, 132);
+                assert_eq!(cols % DEPTH, 0, "{t} {e} {h}");
+                assert!(s >= 1 && (s - 1) * cols < h && s * cols >= h, "{t} {e} {h}: {s} × {cols}");
+                assert!(cols >= MIN_COLS.min(h.div_ceil(DEPTH) * DEPTH), "{t} {e} {h}: {cols}");
+                let tiles = t.div_ceil(128) * e.div_ceil(128);
+                assert!(s == 1 || tiles * s <= 132 + tiles, "{t} {e} {h}: {s} splits of {tiles} tiles");
+                let room = partial_floats(t, e, h, 132);
+                for m in 1..=t.min(300) {
+                    let (sm, _) = splits(m, e, h, 132);
+                    assert!(sm == 1 || sm * m * e <= room, "{m} of {t}: {sm} splits");
+                }
+            }
+        }
+        assert_eq!(splits(4096, 256, 7168, 132), (2, 3584));
+        assert_eq!(splits(128, 256, 7168, 132), (56, 128));
+    }
+}
