@@ -20,9 +20,10 @@ __device__ __forceinline__ void rt_split(float v, unsigned& head, unsigned& tail
     tail = __float_as_uint(v - __uint_as_float(head));
 }
 
-// c += a · b for one 16 × 8 × 8 TF32 tile (f32 accumulators).
+// c += a · b for one 16 × 8 × 8 TF32 tile (f32 accumulators). Not volatile: the compiler may
+// interleave independent products.
 __device__ __forceinline__ void rt_mma(float* c, const unsigned* a, const unsigned* b) {
-    asm volatile(
+    asm(
         "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
         "{%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
@@ -110,15 +111,17 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
                 rt_split(p[0], bh[j][0], bt[j][0]);
                 rt_split(p[4], bh[j][1], bt[j][1]);
             }
+            // Each product over every tile before the next, so 16 independent products lie
+            // between two into the same accumulator.
 #pragma unroll
-            for (int i = 0; i < 4; i++)
+            for (int p = 0; p < 3; p++)
 #pragma unroll
-                for (int j = 0; j < 4; j++) {
-                    if (i >= live) continue;
-                    rt_mma(acc[i][j], ah[i], bt[j]);
-                    rt_mma(acc[i][j], at[i], bh[j]);
-                    rt_mma(acc[i][j], ah[i], bh[j]);
-                }
+                for (int i = 0; i < 4; i++)
+#pragma unroll
+                    for (int j = 0; j < 4; j++) {
+                        if (i >= live) continue;
+                        rt_mma(acc[i][j], p == 1 ? at[i] : ah[i], p == 0 ? bt[j] : bh[j]);
+                    }
         }
 #pragma unroll
         for (int i = 0; i < 4; i++)

@@ -56,9 +56,11 @@ pub(super) fn partial_floats(t: usize, e: usize, h: usize, sms: usize) -> usize 
 
 impl CudaMoeLayer {
     /// Whether the router GEMM runs on the tensor cores (`router_partials_tf32`): the option
-    /// on and the hidden size a multiple of 4 (its 16-byte copies).
+    /// on, the hidden size a multiple of 4 (its 16-byte copies) and at least a tile's
+    /// [`TILE`] experts; with fewer, half a tile or more multiplies zeros and cuBLAS's f32
+    /// GEMM is as fast (docs/tuning.md).
     pub(super) fn router_on_tensor_cores(&self) -> bool {
-        self.opts.router_tf32 && self.config.hidden.is_multiple_of(4)
+        self.opts.router_tf32 && self.config.hidden.is_multiple_of(4) && self.config.num_experts >= TILE
     }
 
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
@@ -116,7 +118,8 @@ mod tests {
     use crate::router::RouterConfig;
     use crate::{preset, DType};
 
-    /// The tensor-core router's logits (on poisoned outputs) against f64 dot products, within
+    /// The tensor-core router's logits (on poisoned outputs; called directly, also for expert
+    /// counts the layer leaves to cuBLAS) against f64 dot products, within
     /// 2e-6 of the sum of the products' magnitudes (f32 accumulation over a few thousand
     /// columns), next to cuBLAS's f32 GEMM on the same values; the same bits at a second launch.
     /// Widths that are and are not multiples of the 32-column stage, batches from 1 token to
@@ -140,13 +143,18 @@ mod tests {
             let config = preset::config(h, 16, e, k, router, Activation::Silu, None);
             let weights = preset::random_weights(&config, DType::BF16, 40 + case_no as u64);
             let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
-            assert!(layer.router_on_tensor_cores(), "H {h}: the tensor-core router runs");
+            assert_eq!(layer.router_on_tensor_cores(), e >= 128, "{e} experts, H {h}");
             let gate = weights.gate.to_f32_vec();
             let bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
             let most = *batches.iter().max().unwrap();
             let mut guard = layer.bufs.lock().unwrap();
             let b = layer.buffers(&mut guard, most).unwrap();
             let s = layer.gpu.stream.clone();
+            // The layer keeps partials only where it routes on the tensor cores.
+            if b.router_split.is_none() {
+                let room = partial_floats(most, e, h, layer.sms).max(1);
+                b.router_split = Some(s.alloc_zeros::<f32>(room).unwrap());
+            }
             for t in batches {
                 let case = format!("{e} experts, H {h}, {t} tokens, bias {}", bias.is_some());
                 let x = preset::uniform(t * h, 1.0, 7 * t as u64 + case_no as u64);
