@@ -548,8 +548,12 @@ fn low_latency_fp8_experts_match_the_reference() {
         // up projection's epilogue (padded rows left alone).
         let opts = moeflow::backend::cuda::CudaOptions { fp8_act_epilogue: config.inter == 128, ..Default::default() };
         let results = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            // Quantized on the device after the low-latency setup, whose buffers then follow
+            // the GEMM the layer runs (a bf16 layer's Hopper GEMM reads no padded rows, the
+            // masked and fp8 GEMMs do); quantized on the host before it.
             let mut layer = if on_device {
-                CudaMoeLayer::new_ep(config, weights, c.duplicate()?, even(config, n), &opts)?.fp8_experts()?
+                let bf16 = CudaMoeLayer::new_ep(config, weights, c.duplicate()?, even(config, n), &opts)?;
+                bf16.low_latency(M)?.fp8_experts()?
             } else {
                 CudaMoeLayer::new_ep(config, quantized, c.duplicate()?, even(config, n), &Default::default())?
             };
@@ -557,7 +561,7 @@ fn low_latency_fp8_experts_match_the_reference() {
             if rows8 {
                 layer = layer.fp8_activations()?;
             }
-            let layer = layer.low_latency(M)?;
+            let layer = if on_device { layer } else { layer.low_latency(M)? };
             let x = &inputs[c.rank()];
             let out = layer.forward(&Tensor::from_f32(&[x.len() / h, h], x.clone())?)?.to_f32_vec();
             let want = if rows8 && layer.has_fp8_gemm() && config.inter % 64 == 0 { "hopper-fp8" } else { "masked" };

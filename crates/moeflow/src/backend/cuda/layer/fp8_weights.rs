@@ -61,6 +61,8 @@ impl CudaMoeLayer {
         let (w13, s13) = quantize_blocks(gpu, kernel, &mut w.w13, [held, 2 * i, h])?;
         let (w2, s2) = quantize_blocks(gpu, kernel, &mut w.w2, [held, h, i])?;
         w.fp8 = Some(Fp8Experts { w13, s13, w2, s2 });
+        // A low-latency layer set up before now runs the masked GEMM on its padded rows.
+        self.size_ll_rows()?;
         Ok(self)
     }
 

@@ -33,6 +33,8 @@ pub(super) struct LlBuffers {
     pub(super) counts: CudaSlice<i32>,
     /// Where each local expert's rows start: `x · cap` (for the Hopper GEMM).
     pub(super) offsets: CudaSlice<i32>,
+    /// The up projection's rows in the padded layout, `[el · cap, H]`; one value where the
+    /// expert GEMM gathers its rows from the received messages instead.
     pub(super) a: CudaSlice<u16>,
     pub(super) h13: CudaSlice<u16>,
     pub(super) act: CudaSlice<u16>,
@@ -139,7 +141,7 @@ impl CudaMoeLayer {
             offsets: s
                 .clone_htod(&(0..el as i32).map(|x| x * cap as i32).collect::<Vec<_>>())
                 .map_err(|e| err("allocating workspace", e))?,
-            a: z16(el * cap * h)?,
+            a: z16(self.ll_padded_values(m, el))?,
             h13: z16(el * cap * 2 * i)?,
             act: z16(el * cap * i)?,
             y: z16(el * cap * h)?,
@@ -150,6 +152,40 @@ impl CudaMoeLayer {
             stamped: None,
             stamps: s.alloc_zeros::<u64>(10).map_err(|e| err("allocating workspace", e))?,
         })
+    }
+
+    /// Values of the padded rows `LlBuffers::a` at capacity `m` with `el` local experts:
+    /// `el · n·m` rows of H, or one where the expert GEMM gathers its rows from the received
+    /// messages and never reads them (470 MB saved at EP 2, capacity 128, DeepSeek-V3). The
+    /// GEMM is fixed by the capacity and the options, and by whether the rows are fp8.
+    fn ll_padded_values(&self, m: usize, el: usize) -> usize {
+        use crate::comm::Communicator;
+        let n = self.ep.as_ref().map_or(1, |l| l.comm.size());
+        let cap = n * m;
+        let gathers = self
+            .device_counted(el * cap, el, super::experts::Form::LowLatency)
+            .is_some_and(|imp| imp.gathers_received_rows(self));
+        if gathers {
+            1
+        } else {
+            el * cap * self.config.hidden
+        }
+    }
+
+    /// Grows the low-latency buffers' padded rows to what the layer's expert GEMM now needs
+    /// (after `fp8_activations`, which copies the rows there); nothing on other layers.
+    pub(super) fn size_ll_rows(&self) -> Result<()> {
+        let Some((m, el)) = self.ep.as_ref().and_then(|l| l.capacity.map(|m| (m, l.local))) else {
+            return Ok(());
+        };
+        let need = self.ll_padded_values(m, el);
+        let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(ll) = guard.as_mut().and_then(|b| b.ll.as_mut()) {
+            if ll.a.len() < need {
+                ll.a = self.gpu.stream.alloc_zeros::<u16>(need).map_err(|e| err("allocating workspace", e))?;
+            }
+        }
+        Ok(())
     }
 
     /// Runs the low-latency layer on the first `t` of the capacity's rows of `b.x` (into

@@ -84,6 +84,8 @@ impl CudaMoeLayer {
             ));
         }
         self.w8a8 = true;
+        // A low-latency layer set up before now copies its rows into the padded layout again.
+        self.size_ll_rows()?;
         Ok(self)
     }
 
