@@ -1,9 +1,10 @@
 // moeflow's router GEMM on the tensor cores at f32 accuracy ("3xTF32"): each f32 operand is split
 // into a TF32 head and a TF32 tail (rt_split), and a product is the sum of three TF32 products,
-// head·tail + tail·head + head·head; the tail·tail term is below f32's rounding. The tensor cores add the products of one 8-deep step, and the accumulators of chained
-// steps, with truncation, so their accumulators are chained over RT_BK columns only and then
-// added into f32 registers with rounding: the logits land as close to the exact sums as a plain
-// f32 GEMM's. (Compiled after masked_gemm.cu, whose cp.async helpers it uses.)
+// head·tail + tail·head + head·head; the tail·tail term is below f32's rounding. The tensor
+// cores add the products of one 8-deep step, and the accumulators of chained steps, with
+// truncation, so their accumulators are chained over RT_BK columns only and then added into f32
+// registers with rounding: the logits land as close to the exact sums as a plain f32 GEMM's.
+// (Compiled after masked_gemm.cu, whose cp.async helpers it uses.)
 
 #define RT_BM 128     // tokens a block
 #define RT_BN 128     // experts a block

@@ -138,9 +138,15 @@ impl CudaMoeLayer {
                 } else {
                     None
                 },
+                // Deterministic mode and the low-latency graph keep their fixed-order routers.
                 router_split: match super::router_tf32::partial_floats(t, e, h, self.sms) {
-                    0 => None,
-                    n if self.router_on_tensor_cores() && !self.opts.deterministic => Some(z!(f32, n)),
+                    n if n > 0
+                        && self.router_on_tensor_cores()
+                        && !self.opts.deterministic
+                        && self.capacity().is_none() =>
+                    {
+                        Some(z!(f32, n))
+                    }
                     _ => None,
                 },
                 tp_gathered: None,

@@ -173,7 +173,8 @@ impl CudaMoeLayer {
     }
 
     /// Grows the low-latency buffers' padded rows to what the layer's expert GEMM now needs
-    /// (after `fp8_activations`, which copies the rows there); nothing on other layers.
+    /// (after `fp8_experts` or `fp8_activations`, whose GEMMs read them); nothing on other
+    /// layers.
     pub(super) fn size_ll_rows(&self) -> Result<()> {
         let Some((m, el)) = self.ep.as_ref().and_then(|l| l.capacity.map(|m| (m, l.local))) else {
             return Ok(());

@@ -160,7 +160,7 @@ pub(super) fn prepare_finish(l: &CudaMoeLayer, b: &mut Buffers, p: Box<DevicePla
 
 /// The weighted sums over the slots served here, written home by the kernel that sums them
 /// (`nvl_combine_push`): to each rank as many rows as it sent, into the room it left for this
-/// rank; the kernel then waits for this rank's own sums to come home.
+/// rank; the kernel then waits until every rank's sums for this rank's tokens have landed.
 pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     let (h, k) = (l.config.hidden, l.config.top_k);
