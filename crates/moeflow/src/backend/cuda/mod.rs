@@ -48,9 +48,9 @@ const KERNELS: &str = concat!(
     include_str!("kernels/moe.cu"),
     include_str!("kernels/low_latency.cu"),
     include_str!("kernels/masked_gemm.cu"),
-    include_str!("kernels/router_tf32.cu"),
     include_str!("kernels/grouped_gemm_sm90.cu"),
     include_str!("kernels/grouped_gemm_fp8_sm90.cu"),
+    include_str!("kernels/router_tf32.cu"),
     include_str!("kernels/finite.cu"),
     include_str!("kernels/load_stats.cu"),
     include_str!("kernels/nvlink.cu")

@@ -155,3 +155,143 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
 }
 
 }  // extern "C"
+
+// The same partial sums on Hopper's wgmma (router_partials_tf32_sm90): a block's two warpgroups
+// take 64 tokens each by the tile's 128 experts, each 8-deep step three wgmma.m64n128k8 (the
+// token heads and tails from registers, the gate's from shared memory, where each thread splits
+// the 16-byte pieces it copied into a head tile and a tail tile in the 128-byte swizzled layout
+// wgmma reads). The accumulators are chained over RT_BK columns, then added into f32
+// registers, as above. Needs sm_90a; the host launches it only there.
+#define RT_GATE_TILE (RT_BN * RT_BK * 4)  // bytes of a stage's gate heads (or tails)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// d[64 × 128 fragment] (+)= a[64 × 8, registers] · B[128 × 8]ᵀ (descriptor b); `accumulate` 0
+// overwrites d.
+__device__ __forceinline__ void rt_wgmma(float* d, const unsigned* a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, acc, 1, 1;\n}\n"
+        : GG_D8(0), GG_D8(8), GG_D8(16), GG_D8(24), GG_D8(32), GG_D8(40), GG_D8(48), GG_D8(56)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
+    router_partials_tf32_sm90(const float* x, const float* gate, int T, int E, int H, int cols, const float* bias,
+                              float* partial) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ __align__(16) unsigned char rt_raw[];
+    // The gate tiles start 1024-aligned (the swizzle pattern repeats every 1024 bytes).
+    unsigned char* heads = rt_raw + ((1024 - (gg_smem(rt_raw) & 1023)) & 1023);
+    unsigned char* tails = heads + RT_STAGES * RT_GATE_TILE;
+    float* xs = (float*)(tails + RT_STAGES * RT_GATE_TILE);  // [stage][RT_BM][RT_LD]
+    int e0 = blockIdx.x * RT_BN, t0 = blockIdx.y * RT_BM;
+    int k_lo = blockIdx.z * cols, k_hi = min(H, k_lo + cols);
+    int wg = threadIdx.x / 128, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
+    int wq = (threadIdx.x % 128) / 32;
+    int chunks = k_hi > k_lo ? (k_hi - k_lo + RT_BK - 1) / RT_BK : 0;
+    // A warpgroup whose 64 tokens all lie past the batch only takes part in the loads.
+    bool busy = t0 + wg * 64 < T;
+    constexpr int PIECES = (RT_BN * RT_BK / 4) / RT_THREADS;  // 16-byte gate pieces a thread copies
+
+    // Stage s gets chunk c: the tokens' 128 × 32 values padded as above, and the gate's 128
+    // rows of 32 values (128 bytes), piece p of row r at p ^ (r % 8); zeros past T, E and the
+    // split's last column.
+    auto load = [&](int c, int s) {
+        int k0 = k_lo + c * RT_BK;
+#pragma unroll
+        for (int u = 0; u < PIECES; u++) {
+            int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), p = i % (RT_BK / 4), k = k0 + 4 * p;
+            int t = t0 + r, e = e0 + r;
+            bool kin = k < k_hi;
+            mg_cp_async16(xs + ((long)s * RT_BM + r) * RT_LD + 4 * p, kin && t < T ? x + (long)t * H + k : x,
+                          kin && t < T ? 16 : 0);
+            mg_cp_async16(heads + s * RT_GATE_TILE + r * 128 + ((p ^ (r & 7)) << 4),
+                          kin && e < E ? gate + (long)e * H + k : gate, kin && e < E ? 16 : 0);
+        }
+    };
+
+    float sum[64], acc[64];
+#pragma unroll
+    for (int j = 0; j < 64; j++) sum[j] = 0.0f;
+
+    for (int c = 0; c < RT_STAGES - 1; c++) {
+        if (c < chunks) load(c, c);
+        mg_commit();
+    }
+    for (int c = 0; c < chunks; c++) {
+        int s = c % RT_STAGES;
+        mg_wait_stages<RT_STAGES - 2>();
+        // This thread's gate pieces of the chunk have landed: each becomes its head, in place,
+        // and its tail, at the same place of the tail tile.
+#pragma unroll
+        for (int u = 0; u < PIECES; u++) {
+            int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), p = i % (RT_BK / 4);
+            int at = s * RT_GATE_TILE + r * 128 + ((p ^ (r & 7)) << 4);
+            float4 v = *(float4*)(heads + at);
+            unsigned hx, tx, hy, ty, hz, tz, hw, tw;
+            rt_split(v.x, hx, tx);
+            rt_split(v.y, hy, ty);
+            rt_split(v.z, hz, tz);
+            rt_split(v.w, hw, tw);
+            *(uint4*)(heads + at) = make_uint4(hx, hy, hz, hw);
+            *(uint4*)(tails + at) = make_uint4(tx, ty, tz, tw);
+        }
+        // Written through the generic proxy, read by wgmma through the async one.
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        __syncthreads();
+        // The stage read RT_STAGES - 1 chunks ago is free again (its wgmmas were waited for).
+        if (c + RT_STAGES - 1 < chunks) load(c + RT_STAGES - 1, (c + RT_STAGES - 1) % RT_STAGES);
+        mg_commit();
+        if (!busy) continue;
+        const float* xa = xs + (long)s * RT_BM * RT_LD + (wg * 64 + wq * 16 + g) * RT_LD + q;
+        unsigned ah[4][4], at[4][4];
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            const float* p = xa + kk * 8;
+            rt_split(p[0], ah[kk][0], at[kk][0]);
+            rt_split(p[8 * RT_LD], ah[kk][1], at[kk][1]);
+            rt_split(p[4], ah[kk][2], at[kk][2]);
+            rt_split(p[8 * RT_LD + 4], ah[kk][3], at[kk][3]);
+        }
+        u64 dh = gg_desc(heads + s * RT_GATE_TILE), dt = gg_desc(tails + s * RT_GATE_TILE);
+        gg_fence();
+#pragma unroll
+        for (int kk = 0; kk < 4; kk++) {
+            rt_wgmma(acc, ah[kk], dt + 2 * kk, kk > 0);
+            rt_wgmma(acc, at[kk], dh + 2 * kk, 1);
+            rt_wgmma(acc, ah[kk], dh + 2 * kk, 1);
+        }
+        gg_commit();
+        gg_wait<0>();
+        gg_pin<64>(acc);
+#pragma unroll
+        for (int j = 0; j < 64; j++) sum[j] += acc[j];
+    }
+    if (!busy) return;
+
+    // d[4j + {0,1}]: token 16·warp + lane/4 of the warpgroup's 64, experts 8j + 2·(lane%4) +
+    // {0,1}; d[4j + {2,3}] the token 8 below.
+    float* out = partial + (long)blockIdx.z * T * E;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        int e = e0 + 8 * j + 2 * q;
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int t = t0 + wg * 64 + wq * 16 + g + 8 * half;
+            if (t >= T) continue;
+#pragma unroll
+            for (int v = 0; v < 2; v++) {
+                if (e + v < E) {
+                    float s = sum[4 * j + 2 * half + v];
+                    out[(long)t * E + e + v] = bias ? s + bias[e + v] : s;
+                }
+            }
+        }
+    }
+#endif
+}

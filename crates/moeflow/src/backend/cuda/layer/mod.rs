@@ -80,6 +80,8 @@ struct Kernels {
     router_sum: CudaFunction,
     router_live: CudaFunction,
     router_tf32: CudaFunction,
+    /// The tensor-core router on wgmma, on Hopper only.
+    router_tf32_sm90: Option<CudaFunction>,
     compact_served: CudaFunction,
     sum_partials: CudaFunction,
     localize: CudaFunction,
@@ -265,6 +267,7 @@ impl CudaMoeLayer {
             router_sum: f("router_sum_fixed")?,
             router_live: f("router_live_partials")?,
             router_tf32: f("router_partials_tf32")?,
+            router_tf32_sm90: router_tf32::load_sm90(&gpu)?,
             compact_served: f("compact_served")?,
             sum_partials: f("sum_partials")?,
             localize: f("localize_ids")?,
@@ -300,7 +303,7 @@ impl CudaMoeLayer {
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_w8a8)?;
-        router_tf32::allow_router_tf32_smem(&k.router_tf32)?;
+        router_tf32::allow_router_tf32_smem(&k.router_tf32, &k.router_tf32_sm90)?;
         Ok((gpu, blas, k))
     }
 

@@ -5,7 +5,7 @@
 //! with more than one split, `router_sum_fixed` adds the splits' partials in order.
 
 use super::{dptr, err, Buffers, CudaMoeLayer};
-use crate::error::Result;
+use crate::error::{MoeError, Result};
 use cudarc::driver::sys as drv;
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
@@ -22,11 +22,30 @@ const MIN_COLS: usize = 128;
 /// rows, 36 floats apart.
 const SMEM: u32 = 3 * (2 * TILE as u32) * 36 * 4;
 
-/// Lets `router_partials_tf32` take its shared memory (above the 48 KiB a launch gets by
+/// Dynamic shared memory of `router_partials_tf32_sm90`: 3 stages of 128 token rows 36 floats
+/// apart and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate
+/// tiles.
+const SMEM_SM90: u32 = 3 * (TILE as u32 * 36 * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
+
+/// The wgmma form of the router (`router_partials_tf32_sm90`) where the GPU is a Hopper
+/// (compute capability 9.0, where the module is built for sm_90a).
+pub(super) fn load_sm90(gpu: &super::Gpu) -> Result<Option<CudaFunction>> {
+    let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+    if cc != (9, 0) {
+        return Ok(None);
+    }
+    gpu.function("router_partials_tf32_sm90").map(Some)
+}
+
+/// Lets the router's kernels take their shared memory (above the 48 KiB a launch gets by
 /// default).
-pub(super) fn allow_router_tf32_smem(f: &CudaFunction) -> Result<()> {
-    f.set_attribute(drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, SMEM as i32)
-        .map_err(|e| err("router_partials_tf32 shared memory", e))
+pub(super) fn allow_router_tf32_smem(f: &CudaFunction, sm90: &Option<CudaFunction>) -> Result<()> {
+    let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+    f.set_attribute(attr, SMEM as i32).map_err(|e| err("router_partials_tf32 shared memory", e))?;
+    if let Some(f) = sm90 {
+        f.set_attribute(attr, SMEM_SM90 as i32).map_err(|e| err("router_partials_tf32_sm90 shared memory", e))?;
+    }
+    Ok(())
 }
 
 /// How the depth `h` of `t` tokens' router GEMM over `e` experts splits on a GPU of `sms` SMs:
@@ -64,8 +83,13 @@ impl CudaMoeLayer {
     }
 
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
-    /// tensor cores at f32 accuracy.
+    /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync`.
     pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
+        self.router_tf32_on(b, t, self.k.router_tf32_sm90.is_some())
+    }
+
+    /// [`CudaMoeLayer::router_tf32`] with wgmma (`sm90`, on Hopper only) or `mma.sync`.
+    pub(super) fn router_tf32_on(&self, b: &Buffers, t: usize, sm90: bool) -> Result<()> {
         if t == 0 {
             return Ok(());
         }
@@ -80,18 +104,23 @@ impl CudaMoeLayer {
         };
         let (xp, gp) = (dptr(&b.x, g), dptr(&self.w.gate, g));
         let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
+        let (kernel, smem) = match (&self.k.router_tf32_sm90, sm90) {
+            (Some(k), true) => (k, SMEM_SM90),
+            (None, true) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
+            (_, false) => (&self.k.router_tf32, SMEM),
+        };
         let cfg = LaunchConfig {
             grid_dim: (e.div_ceil(TILE) as u32, t.div_ceil(TILE) as u32, split as u32),
             block_dim: (256, 1, 1),
-            shared_mem_bytes: SMEM,
+            shared_mem_bytes: smem,
         };
-        // SAFETY: router_partials_tf32(float*, float*, int, int, int, int, float*, float*) reads t ·
+        // SAFETY: router_partials_tf32(_sm90)(float*, float*, int, int, int, int, float*, float*) reads t ·
         // H and E · H floats (H a multiple of 4, checked by `router_on_tensor_cores`) and writes
         // split · t · E floats: the logits for one split, else the partials, which
         // `partial_floats` sized for this many tokens.
         unsafe {
             g.stream
-                .launch_builder(&self.k.router_tf32)
+                .launch_builder(kernel)
                 .arg(&xp)
                 .arg(&gp)
                 .arg(&ti)
@@ -118,10 +147,11 @@ mod tests {
     use crate::router::RouterConfig;
     use crate::{preset, DType};
 
-    /// The tensor-core router's logits (on poisoned outputs; called directly, also for expert
-    /// counts the layer leaves to cuBLAS) against f64 dot products, within
-    /// 2e-6 of the sum of the products' magnitudes (f32 accumulation over a few thousand
-    /// columns), next to cuBLAS's f32 GEMM on the same values; the same bits at a second launch.
+    /// The tensor-core router's logits, both kernels (`mma.sync`, and wgmma on Hopper; on
+    /// poisoned outputs; called directly, also for expert counts the layer leaves to cuBLAS)
+    /// against f64 dot products, within 2e-6 of the sum of the products' magnitudes (f32
+    /// accumulation over a few thousand columns), next to cuBLAS's f32 GEMM on the same
+    /// values; the same bits at a second launch.
     /// Widths that are and are not multiples of the 32-column stage, batches from 1 token to
     /// several tiles and splits, experts not a multiple of the 128-expert tile, with and
     /// without the gate's bias. Needs a GPU; says loudly when it skips.
@@ -159,37 +189,50 @@ mod tests {
                 let case = format!("{e} experts, H {h}, {t} tokens, bias {}", bias.is_some());
                 let x = preset::uniform(t * h, 1.0, 7 * t as u64 + case_no as u64);
                 s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
-                let mut logits_of = |tensor_cores: bool| {
+                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma (Hopper only).
+                let mut logits_of = |kernel: usize| {
                     s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
-                    if tensor_cores {
-                        layer.router_tf32(b, t).unwrap();
-                    } else {
-                        layer.gemm_f32_router(b, t).unwrap();
+                    match kernel {
+                        0 => layer.gemm_f32_router(b, t).unwrap(),
+                        k => layer.router_tf32_on(b, t, k == 2).unwrap(),
                     }
                     s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap()
                 };
-                let (got, again, cublas) = (logits_of(true), logits_of(true), logits_of(false));
-                let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
-                assert!(same, "{case}: a second launch gives the same bits");
-                // Every row of small batches, every seventh of large ones.
-                let step = if t > 300 { 7 } else { 1 };
-                let (mut worst, mut worst_cublas) = (0f64, 0f64);
-                for tok in (0..t).step_by(step) {
-                    let xs = &x[tok * h..(tok + 1) * h];
-                    for x_e in 0..e {
-                        let row = &gate[x_e * h..(x_e + 1) * h];
-                        let dot: f64 = xs.iter().zip(row).map(|(&a, &g)| a as f64 * g as f64).sum();
-                        let size: f64 = xs.iter().zip(row).map(|(&a, &g)| (a as f64 * g as f64).abs()).sum();
-                        let b_e = bias.as_ref().map_or(0.0, |b| b[x_e] as f64);
-                        let i = tok * e + x_e;
-                        let off = (got[i] as f64 - dot - b_e).abs() / size.max(1e-30);
-                        assert!(off <= 2e-6, "{case}: logit {i}: {} against {}", got[i], dot + b_e);
-                        worst = worst.max(off);
-                        worst_cublas = worst_cublas.max((cublas[i] as f64 - dot).abs() / size.max(1e-30));
+                let cublas = logits_of(0);
+                let kernels: Vec<usize> = if layer.k.router_tf32_sm90.is_some() { vec![1, 2] } else { vec![1] };
+                let mut worst = [0f64; 3];
+                for &kernel in &kernels {
+                    let (got, again) = (logits_of(kernel), logits_of(kernel));
+                    let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same, "{case}, kernel {kernel}: a second launch gives the same bits");
+                    // Every row of small batches, every seventh of large ones.
+                    let step = if t > 300 { 7 } else { 1 };
+                    for tok in (0..t).step_by(step) {
+                        let xs = &x[tok * h..(tok + 1) * h];
+                        for x_e in 0..e {
+                            let row = &gate[x_e * h..(x_e + 1) * h];
+                            let dot: f64 = xs.iter().zip(row).map(|(&a, &g)| a as f64 * g as f64).sum();
+                            let size: f64 = xs.iter().zip(row).map(|(&a, &g)| (a as f64 * g as f64).abs()).sum();
+                            let b_e = bias.as_ref().map_or(0.0, |b| b[x_e] as f64);
+                            let i = tok * e + x_e;
+                            let off = (got[i] as f64 - dot - b_e).abs() / size.max(1e-30);
+                            assert!(
+                                off <= 2e-6,
+                                "{case}, kernel {kernel}: logit {i}: {} against {}",
+                                got[i],
+                                dot + b_e
+                            );
+                            worst[kernel] = worst[kernel].max(off);
+                            if kernel == 1 {
+                                worst[0] = worst[0].max((cublas[i] as f64 - dot).abs() / size.max(1e-30));
+                            }
+                        }
                     }
                 }
+                let [worst_cublas, worst_sync, worst_wgmma] = worst;
                 eprintln!(
-                    "{case}: worst error {worst:.2e} of the products' magnitudes (cuBLAS f32: {worst_cublas:.2e})"
+                    "{case}: worst error of the products' magnitudes: mma.sync {worst_sync:.2e}, wgmma \
+                     {worst_wgmma:.2e} (0: not run), cuBLAS f32 {worst_cublas:.2e}"
                 );
             }
         }
