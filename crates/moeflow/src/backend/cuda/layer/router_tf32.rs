@@ -1,5 +1,6 @@
-//! The router GEMM on the tensor cores at f32 accuracy (`router_partials_tf32` in
-//! router_tf32.cu): logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ + bias, each f32 product the
+//! The router GEMM on the tensor cores at f32 accuracy (router_tf32.cu: on `wgmma` on Hopper,
+//! `router_partials_tf32_sm90`, else `mma.sync`, `router_partials_tf32`): logits `[T, E]` =
+//! x `[T, H]` · gate `[E, H]`ᵀ + bias, each f32 product the
 //! sum of three TF32 products of the operands' heads and tails, the tensor cores' truncating
 //! sums cut every 32 columns and added in f32. The depth is split so the grid fills the GPU;
 //! with more than one split, `router_sum_fixed` adds the splits' partials in order.
