@@ -1,9 +1,9 @@
 //! The router GEMM on the tensor cores at f32 accuracy (router_tf32.cu: on `wgmma` on Hopper,
 //! `router_partials_tf32_sm90`, else `mma.sync`, `router_partials_tf32`): logits `[T, E]` =
-//! x `[T, H]` · gate `[E, H]`ᵀ + bias, each f32 product the
-//! sum of three TF32 products of the operands' heads and tails, the tensor cores' truncating
-//! sums cut every 32 columns and added in f32. The depth is split so the grid fills the GPU;
-//! with more than one split, `router_sum_fixed` adds the splits' partials in order.
+//! x `[T, H]` · gate `[E, H]`ᵀ + bias, each f32 product the sum of three TF32 products of the
+//! operands' heads and tails, the tensor cores' truncating sums cut every 32 columns and added
+//! in f32. The depth is split so the grid fills the GPU; with more than one split,
+//! `router_sum_fixed` adds the splits' partials in order.
 
 use super::{dptr, err, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
@@ -99,9 +99,14 @@ impl CudaMoeLayer {
         let (split, cols) = splits(t, e, h, self.sms);
         let bias = self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g));
         let logits = dptr(&b.logits, g);
-        let (out, in_kernel_bias) = match split {
-            1 => (logits, bias),
-            _ => (dptr(b.router_split.as_ref().expect("allocated with the tensor-core router"), g), 0u64),
+        let (out, in_kernel_bias) = match (split, &b.router_split) {
+            (1, _) => (logits, bias),
+            (_, Some(partials)) => (dptr(partials, g), 0u64),
+            (_, None) => {
+                return Err(MoeError::Unsupported(format!(
+                    "the tensor-core router's {split} splits need partials these buffers lack"
+                )))
+            }
         };
         let (xp, gp) = (dptr(&b.x, g), dptr(&self.w.gate, g));
         let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
@@ -115,9 +120,9 @@ impl CudaMoeLayer {
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
-        // SAFETY: router_partials_tf32(_sm90)(float*, float*, int, int, int, int, float*, float*) reads t ·
-        // H and E · H floats (H a multiple of 4, checked by `router_on_tensor_cores`) and writes
-        // split · t · E floats: the logits for one split, else the partials, which
+        // SAFETY: router_partials_tf32(_sm90)(float*, float*, int, int, int, int, float*, float*)
+        // reads t · H and E · H floats (H a multiple of 4, checked by `router_on_tensor_cores`)
+        // and writes split · t · E floats: the logits for one split, else the partials, which
         // `partial_floats` sized for this many tokens.
         unsafe {
             g.stream
