@@ -19,14 +19,19 @@ const DEPTH: usize = 32;
 /// Fewest columns a split takes (four stages), so a small batch's many splits still stream.
 const MIN_COLS: usize = 128;
 
-/// Dynamic shared memory of `router_partials_tf32`: 3 stages of 128 token rows and 128 gate
-/// rows, 36 floats apart.
-const SMEM: u32 = 3 * (2 * TILE as u32) * 36 * 4;
+/// Floats between rows of a padded tile in shared memory (`RT_LD`).
+const ROW_FLOATS: u32 = 36;
 
-/// Dynamic shared memory of `router_partials_tf32_sm90`: 3 stages of 128 token rows 36 floats
-/// apart and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate
-/// tiles.
-const SMEM_SM90: u32 = 3 * (TILE as u32 * 36 * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
+/// Stages of the kernels' rings (`RT_STAGES`).
+const STAGES: u32 = 3;
+
+/// Dynamic shared memory of `router_partials_tf32`: the stages of 128 token rows and 128 gate
+/// rows, padded.
+const SMEM: u32 = STAGES * (2 * TILE as u32) * ROW_FLOATS * 4;
+
+/// Dynamic shared memory of `router_partials_tf32_sm90`: the stages of 128 padded token rows
+/// and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate tiles.
+const SMEM_SM90: u32 = STAGES * (TILE as u32 * ROW_FLOATS * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
 
 /// The wgmma form of the router (`router_partials_tf32_sm90`) where the GPU is a Hopper
 /// (compute capability 9.0, where the module is built for sm_90a).
@@ -265,6 +270,7 @@ mod tests {
             }
         }
         assert_eq!(splits(4096, 256, 7168, 132), (2, 3584));
+        assert_eq!([super::SMEM, super::SMEM_SM90], [110_592, 153_600 + 1024]);
         assert_eq!(splits(128, 256, 7168, 132), (56, 128));
     }
 }
