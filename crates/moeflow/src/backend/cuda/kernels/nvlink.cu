@@ -258,61 +258,72 @@ __global__ void nvl_plan_slots(const int* ids, int T, int k, const int* rep_firs
     }
 }
 
-// The dispatch plan of all-to-all-v, by one block of 1024 threads from nvl_plan_slots' `dest`
-// and `ranks`: each of the T tokens goes once to every rank d in its mask, in token order. For
-// the token sent p-th to d: send_idx[d T + p] = the token, send_ids[(d T + p) k + j] = slot j's
-// local expert on d (-1 where another rank serves it), home_rows[token n + d] = d T + p (-1 for
-// the ranks it skips); sent[d] = the tokens sent to d. Ranks n <= 32.
-__global__ void nvl_plan(const int* dest, const unsigned int* ranks, int T, int k, int n, int* send_idx,
-                         int* send_ids, int* home_rows, int* sent) {
-    __shared__ int warp_sum[32];
-    __shared__ int base[32];
-    int per = (T + blockDim.x - 1) / blockDim.x;
-    int lo = min(T, (int)threadIdx.x * per), hi = min(T, lo + per);
-    int lane = threadIdx.x % 32, w = threadIdx.x / 32, warps = blockDim.x / 32;
-    // This thread's first position for each rank: a block-wide exclusive scan of the counts of
-    // the threads before it, one rank at a time.
-    int first[32];
-    for (int d = 0; d < n; d++) {
-        int c = 0;
-        for (int i = lo; i < hi; i++) c += (ranks[i] >> d) & 1;
-        int x = c;
-        for (int o = 1; o < 32; o <<= 1) {
-            int y = __shfl_up_sync(0xffffffffu, x, o);
-            if (lane >= o) x += y;
-        }
-        if (lane == 31) warp_sum[w] = x;
-        __syncthreads();
-        if (w == 0) {
-            int v = lane < warps ? warp_sum[lane] : 0;
-            for (int o = 1; o < 32; o <<= 1) {
-                int y = __shfl_up_sync(0xffffffffu, v, o);
-                if (lane >= o) v += y;
-            }
-            warp_sum[lane] = v;
-            if (lane == 31) base[d] = v;
-        }
-        __syncthreads();
-        first[d] = (w > 0 ? warp_sum[w - 1] : 0) + x - c;
-        __syncthreads();
-    }
-    for (int i = lo; i < hi; i++) {
-        unsigned int m = ranks[i];
+// The dispatch plan of all-to-all-v from nvl_plan_slots' `dest` and `ranks`, a thread per
+// token in blocks of NVL_PLAN_THREADS: each of the T tokens goes once to every rank d in its
+// mask, in token order. For the token sent p-th to d: send_idx[d T + p] = the token,
+// send_ids[(d T + p) k + j] = slot j's local expert on d (-1 where another rank serves it),
+// home_rows[token n + d] = d T + p (-1 for the ranks it skips); sent[d] = the tokens sent to
+// d. Each block first counts the tokens before its own that go to each rank (no separate scan
+// runs), then places its own by a block-wide scan of ballots. Ranks n <= 32.
+#define NVL_PLAN_THREADS 256
+__global__ void __launch_bounds__(NVL_PLAN_THREADS)
+    nvl_plan(const int* __restrict__ dest, const unsigned int* __restrict__ ranks, int T, int k, int n,
+             int* __restrict__ send_idx, int* __restrict__ send_ids, int* __restrict__ home_rows,
+             int* __restrict__ sent) {
+    constexpr int PLAN_WARPS = NVL_PLAN_THREADS / 32;
+    __shared__ int before[32];
+    __shared__ int in_warp[PLAN_WARPS][32];
+    const int lane = threadIdx.x % 32, w = threadIdx.x / 32, t0 = blockIdx.x * NVL_PLAN_THREADS;
+    const unsigned below = (1u << lane) - 1u;
+    // The tokens before this block's going to rank d, counted by lane d of every warp, 32
+    // tokens a step.
+    int c = 0;
+    for (int base = w * 32; base < t0; base += NVL_PLAN_THREADS) {
+        const unsigned m = ranks[base + lane];
         for (int d = 0; d < n; d++) {
-            if (!((m >> d) & 1)) {
-                home_rows[(long)i * n + d] = -1;
-                continue;
-            }
-            long row = (long)d * T + first[d]++;
-            send_idx[row] = i;
-            home_rows[(long)i * n + d] = (int)row;
-            for (int j = 0; j < k; j++) {
-                int x = dest[(long)i * k + j];
-                send_ids[row * k + j] = x >= 0 && (x >> 20) == d ? (x & 0xfffff) : -1;
-            }
+            const int hits = __popc(__ballot_sync(0xffffffffu, (m >> d) & 1u));
+            if (lane == d) c += hits;
         }
     }
-    if (threadIdx.x < n) sent[threadIdx.x] = base[threadIdx.x];
+    if (lane < n) in_warp[w][lane] = c;
+    __syncthreads();
+    if (threadIdx.x < n) {
+        int b = 0;
+        for (int v = 0; v < PLAN_WARPS; v++) b += in_warp[v][threadIdx.x];
+        before[threadIdx.x] = b;
+    }
+    __syncthreads();
+    // This block's tokens: each warp's count for each rank, then each token's place.
+    const int t = t0 + threadIdx.x;
+    const unsigned m = t < T ? ranks[t] : 0u;
+    for (int d = 0; d < n; d++) {
+        const unsigned b = __ballot_sync(0xffffffffu, (m >> d) & 1u);
+        if (lane == 0) in_warp[w][d] = __popc(b);
+    }
+    __syncthreads();
+    for (int d = 0; d < n; d++) {
+        const unsigned b = __ballot_sync(0xffffffffu, (m >> d) & 1u);
+        int p = before[d] + __popc(b & below);
+        for (int v = 0; v < w; v++) p += in_warp[v][d];
+        if (t >= T) continue;
+        if (!((m >> d) & 1u)) {
+            home_rows[(long)t * n + d] = -1;
+            continue;
+        }
+        const long row = (long)d * T + p;
+        send_idx[row] = t;
+        home_rows[(long)t * n + d] = (int)row;
+        for (int j = 0; j < k; j++) {
+            const int x = dest[(long)t * k + j];
+            send_ids[row * k + j] = x >= 0 && (x >> 20) == d ? (x & 0xfffff) : -1;
+        }
+    }
+    // The last block's counts end at the batch's end: the tokens sent to each rank.
+    if (blockIdx.x == gridDim.x - 1 && threadIdx.x < n) {
+        int total = before[threadIdx.x];
+        for (int v = 0; v < PLAN_WARPS; v++) total += in_warp[v][threadIdx.x];
+        sent[threadIdx.x] = total;
+    }
 }
 
 // Where the experts are, after a device-planned dispatch: the local expert of each received

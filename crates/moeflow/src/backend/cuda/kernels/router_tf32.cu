@@ -31,6 +31,25 @@ __device__ __forceinline__ void rt_mma(float* c, const unsigned* a, const unsign
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// This lane's TF32 fragment of a 16 × 8 token tile whose lane-own value sits at p (row lane / 4,
+// column lane % 4, RT_LD floats a row): the values at rows +0 / +8 and columns +0 / +4, the
+// order mma.sync's and wgmma's register operand takes, each split into its head and tail.
+__device__ __forceinline__ void rt_split_fragment(const float* p, unsigned* head, unsigned* tail) {
+    rt_split(p[0], head[0], tail[0]);
+    rt_split(p[8 * RT_LD], head[1], tail[1]);
+    rt_split(p[4], head[2], tail[2]);
+    rt_split(p[8 * RT_LD + 4], head[3], tail[3]);
+}
+
+// Stores the sums s0 and s1 of token t and experts e and e + 1 into out [T, E], those within
+// the batch and the experts only, each plus bias[e] when `bias` is not null.
+__device__ __forceinline__ void rt_store_pair(float* out, int T, int E, int t, int e, float s0, float s1,
+                                              const float* bias) {
+    if (t >= T) return;
+    if (e < E) out[(long)t * E + e] = bias ? s0 + bias[e] : s0;
+    if (e + 1 < E) out[(long)t * E + e + 1] = bias ? s1 + bias[e + 1] : s1;
+}
+
 extern "C" {
 
 // partial[z, t, e] = the sum over the columns of split z (`cols` columns each, the last one
@@ -99,13 +118,7 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
         for (int kk = 0; kk < RT_BK; kk += 8) {
             unsigned ah[4][4], at[4][4], bh[4][2], bt[4][2];
 #pragma unroll
-            for (int i = 0; i < 4; i++) {
-                const float* p = xa + i * 16 * RT_LD + kk;
-                rt_split(p[0], ah[i][0], at[i][0]);
-                rt_split(p[8 * RT_LD], ah[i][1], at[i][1]);
-                rt_split(p[4], ah[i][2], at[i][2]);
-                rt_split(p[8 * RT_LD + 4], ah[i][3], at[i][3]);
-            }
+            for (int i = 0; i < 4; i++) rt_split_fragment(xa + i * 16 * RT_LD + kk, ah[i], at[i]);
 #pragma unroll
             for (int j = 0; j < 4; j++) {
                 const float* p = gb + j * 8 * RT_LD + kk;
@@ -141,14 +154,7 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
 #pragma unroll
             for (int half = 0; half < 2; half++) {
                 int t = t0 + wm * 64 + i * 16 + g + 8 * half;
-                if (t >= T) continue;
-#pragma unroll
-                for (int v = 0; v < 2; v++) {
-                    if (e + v < E) {
-                        float s = sum[i][j][2 * half + v];
-                        out[(long)t * E + e + v] = bias ? s + bias[e + v] : s;
-                    }
-                }
+                rt_store_pair(out, T, E, t, e, sum[i][j][2 * half], sum[i][j][2 * half + 1], bias);
             }
         }
     }
@@ -161,8 +167,11 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
 // token heads and tails from registers, the gate's from shared memory, where each thread splits
 // the 16-byte pieces it copied into a head tile and a tail tile in the 128-byte swizzled layout
 // wgmma reads). The accumulators are chained over RT_BK columns, then added into f32
-// registers, as above. Needs sm_90a; the host launches it only there.
+// registers, as above. The chunks flow through RT_SM90_STAGES stages: while chunk c - 1
+// multiplies, chunks c + 1 and c + 2 load and chunk c is split, so the tensor cores wait only
+// while the sums are added and the next chunk's token fragments split. Needs sm_90a; the host launches it only there.
 #define RT_GATE_TILE (RT_BN * RT_BK * 4)  // bytes of a stage's gate heads (or tails)
+#define RT_SM90_STAGES 4                  // chunks c - 1 (multiplying), c (splitting), c + 1, c + 2
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // d[64 × 128 fragment] (+)= a[64 × 8, registers] · B[128 × 8]ᵀ (descriptor b); `accumulate` 0
 // overwrites d.
@@ -184,11 +193,12 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     router_partials_tf32_sm90(const float* x, const float* gate, int T, int E, int H, int cols, const float* bias,
                               float* partial) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    constexpr int STAGES = RT_SM90_STAGES, AHEAD = STAGES - 2;  // chunks loading while one is split
     extern __shared__ __align__(16) unsigned char rt_raw[];
     // The gate tiles start 1024-aligned (the swizzle pattern repeats every 1024 bytes).
     unsigned char* heads = rt_raw + ((1024 - (gg_smem(rt_raw) & 1023)) & 1023);
-    unsigned char* tails = heads + RT_STAGES * RT_GATE_TILE;
-    float* xs = (float*)(tails + RT_STAGES * RT_GATE_TILE);  // [stage][RT_BM][RT_LD]
+    unsigned char* tails = heads + STAGES * RT_GATE_TILE;
+    float* xs = (float*)(tails + STAGES * RT_GATE_TILE);  // [stage][RT_BM][RT_LD]
     int e0 = blockIdx.x * RT_BN, t0 = blockIdx.y * RT_BM;
     int k_lo = blockIdx.z * cols, k_hi = min(H, k_lo + cols);
     int wg = threadIdx.x / 128, lane = threadIdx.x % 32, g = lane / 4, q = lane % 4;
@@ -215,17 +225,21 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         }
     };
 
+    // acc holds the products of the chunk in flight (zeros before the first): every pass waits
+    // for them and adds them in, so no wait sits on a branch (ptxas would serialize the
+    // wgmmas, its warning C7518).
     float sum[64], acc[64];
 #pragma unroll
-    for (int j = 0; j < 64; j++) sum[j] = 0.0f;
+    for (int j = 0; j < 64; j++) sum[j] = acc[j] = 0.0f;
 
-    for (int c = 0; c < RT_STAGES - 1; c++) {
+    for (int c = 0; c < AHEAD; c++) {
         if (c < chunks) load(c, c);
         mg_commit();
     }
-    for (int c = 0; c < chunks; c++) {
-        int s = c % RT_STAGES;
-        mg_wait_stages<RT_STAGES - 2>();
+    // Brings chunk c into stage c % STAGES, split, and starts loading chunk c + AHEAD.
+    auto take = [&](int c) {
+        int s = c % STAGES;
+        mg_wait_stages<AHEAD - 1>();
         // This thread's gate pieces of the chunk have landed: each becomes its head, in place,
         // and its tail, at the same place of the tail tile.
 #pragma unroll
@@ -244,20 +258,28 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         // Written through the generic proxy, read by wgmma through the async one.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
-        // The stage read RT_STAGES - 1 chunks ago is free again (its wgmmas were waited for).
-        if (c + RT_STAGES - 1 < chunks) load(c + RT_STAGES - 1, (c + RT_STAGES - 1) % RT_STAGES);
+        // The stage chunk c + AHEAD loads into held chunk c - 2, whose products every
+        // warpgroup waited for before it issued chunk c - 1's (and then passed the barrier).
+        if (c + AHEAD < chunks) load(c + AHEAD, (c + AHEAD) % STAGES);
         mg_commit();
-        if (!busy) continue;
+    };
+    if (!busy) {
+        for (int c = 0; c < chunks; c++) take(c);
+        return;
+    }
+    for (int c = 0; c < chunks; c++) {
+        take(c);
+        // Chunk c - 1's products, added in once done. Only then are chunk c's token fragments
+        // written: wgmma reads its register operands asynchronously too.
+        gg_wait<0>();
+        gg_pin<64>(acc);
+#pragma unroll
+        for (int j = 0; j < 64; j++) sum[j] += acc[j];
+        int s = c % STAGES;
         const float* xa = xs + (long)s * RT_BM * RT_LD + (wg * 64 + wq * 16 + g) * RT_LD + q;
         unsigned ah[4][4], at[4][4];
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) {
-            const float* p = xa + kk * 8;
-            rt_split(p[0], ah[kk][0], at[kk][0]);
-            rt_split(p[8 * RT_LD], ah[kk][1], at[kk][1]);
-            rt_split(p[4], ah[kk][2], at[kk][2]);
-            rt_split(p[8 * RT_LD + 4], ah[kk][3], at[kk][3]);
-        }
+        for (int kk = 0; kk < 4; kk++) rt_split_fragment(xa + kk * 8, ah[kk], at[kk]);
         u64 dh = gg_desc(heads + s * RT_GATE_TILE), dt = gg_desc(tails + s * RT_GATE_TILE);
         gg_fence();
 #pragma unroll
@@ -267,30 +289,21 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
             rt_wgmma(acc, ah[kk], dh + 2 * kk, 1);
         }
         gg_commit();
-        gg_wait<0>();
-        gg_pin<64>(acc);
-#pragma unroll
-        for (int j = 0; j < 64; j++) sum[j] += acc[j];
     }
-    if (!busy) return;
+    gg_wait<0>();
+    gg_pin<64>(acc);
+#pragma unroll
+    for (int j = 0; j < 64; j++) sum[j] += acc[j];
 
     // d[4j + {0,1}]: token 16·warp + lane/4 of the warpgroup's 64, experts 8j + 2·(lane%4) +
     // {0,1}; d[4j + {2,3}] the token 8 below.
     float* out = partial + (long)blockIdx.z * T * E;
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-        int e = e0 + 8 * j + 2 * q;
 #pragma unroll
         for (int half = 0; half < 2; half++) {
             int t = t0 + wg * 64 + wq * 16 + g + 8 * half;
-            if (t >= T) continue;
-#pragma unroll
-            for (int v = 0; v < 2; v++) {
-                if (e + v < E) {
-                    float s = sum[4 * j + 2 * half + v];
-                    out[(long)t * E + e + v] = bias ? s + bias[e + v] : s;
-                }
-            }
+            rt_store_pair(out, T, E, t, e0 + 8 * j + 2 * q, sum[4 * j + 2 * half], sum[4 * j + 2 * half + 1], bias);
         }
     }
 #endif

@@ -22,8 +22,12 @@ const MIN_COLS: usize = 128;
 /// Floats between rows of a padded tile in shared memory (`RT_LD`).
 const ROW_FLOATS: u32 = 36;
 
-/// Stages of the kernels' rings (`RT_STAGES`).
+/// Stages of the `mma.sync` kernel's ring (`RT_STAGES`).
 const STAGES: u32 = 3;
+
+/// Stages of the `wgmma` kernel's ring (`RT_SM90_STAGES`): one chunk multiplying, one being
+/// split, two loading.
+const STAGES_SM90: u32 = 4;
 
 /// Dynamic shared memory of `router_partials_tf32`: the stages of 128 token rows and 128 gate
 /// rows, padded.
@@ -31,7 +35,7 @@ const SMEM: u32 = STAGES * (2 * TILE as u32) * ROW_FLOATS * 4;
 
 /// Dynamic shared memory of `router_partials_tf32_sm90`: the stages of 128 padded token rows
 /// and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate tiles.
-const SMEM_SM90: u32 = STAGES * (TILE as u32 * ROW_FLOATS * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
+const SMEM_SM90: u32 = STAGES_SM90 * (TILE as u32 * ROW_FLOATS * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
 
 /// The wgmma form of the router (`router_partials_tf32_sm90`) where the GPU is a Hopper
 /// (compute capability 9.0, where the module is built for sm_90a).
@@ -270,7 +274,7 @@ mod tests {
             }
         }
         assert_eq!(splits(4096, 256, 7168, 132), (2, 3584));
-        assert_eq!([super::SMEM, super::SMEM_SM90], [110_592, 153_600 + 1024]);
+        assert_eq!([super::SMEM, super::SMEM_SM90], [110_592, 204_800 + 1024]);
         assert_eq!(splits(128, 256, 7168, 132), (56, 128));
     }
 }

@@ -5,8 +5,8 @@
 //! the only one, which waits for that exchange and not for the routing), which fixes every
 //! buffer and window region: a receiver's window holds rank `s`'s rows from row
 //! `starts[s]` = the batches of the ranks before `s`, room for all of `s`'s tokens. Then, on
-//! the device: a thread per token finds where its slots are served, then one block plans the
-//! dispatch (`nvl_plan` in nvlink.cu: each token's position among those sent to each rank, in
+//! the device: a thread per token finds where its slots are served, then another plans its
+//! dispatch (`nvl_plan` in nvlink.cu: the token's position among those sent to each rank, in
 //! token order, with its ids local there);
 //! the push copies each token's row (fp8 codes and their scales for W8A8 experts on the fp8
 //! GEMM, quantized once at home), ids and weights once to each such rank, and this rank's
@@ -30,6 +30,9 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// The most ranks the device plan takes (a token's destinations are a 32-bit mask).
 const MAX_RANKS: usize = 32;
+
+/// Threads of a block of the plan (`NVL_PLAN_THREADS` in nvlink.cu), a token each.
+const PLAN_THREADS: usize = 256;
 
 /// What the halves share.
 pub(super) struct DevicePlan {
@@ -99,8 +102,8 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*) over the t · k ids
         // into dest (t · k ints) and ranks (t); the tables cover every expert, and `shared`
         // (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int*, int*, int*, int*)
-        // from them: send_idx and send_ids hold n · t rows (of 1 and k ints), home_rows t · n
-        // ints, `sent` n ints.
+        // from them, a thread per token: send_idx and send_ids hold n · t rows (of 1 and k
+        // ints), home_rows t · n ints, `sent` n ints; n <= MAX_RANKS = 32.
         unsafe {
             let mut p = s.launch_builder(&l.k.nvl_plan_slots);
             p.arg(&ids).arg(&ti).arg(&ki);
@@ -109,7 +112,11 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
             let mut p = s.launch_builder(&l.k.nvl_plan);
             p.arg(&dest).arg(&ranks).arg(&ti).arg(&ki).arg(&ni);
             p.arg(&send_idx).arg(&send_ids).arg(&home_rows).arg(&sent);
-            p.launch(LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 })
+            p.launch(LaunchConfig {
+                grid_dim: (t.div_ceil(PLAN_THREADS) as u32, 1, 1),
+                block_dim: (PLAN_THREADS as u32, 1, 1),
+                shared_mem_bytes: 0,
+            })
         }
         .map_err(|e| err("nvl_plan", e))?;
     }
