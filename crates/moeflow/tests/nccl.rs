@@ -178,16 +178,17 @@ fn device_cases() -> Vec<(&'static str, moeflow::MoeConfig, moeflow::MoeWeights)
             Activation::Silu,
             8,
             2,
-            true,
+            Some(true),
             None,
         ),
-        ("GPT-OSS biases, top-1", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 8, 1, false, None),
-        ("DeepSeek grouped, shared", grouped, Activation::Silu, 16, 6, true, None),
-        ("one hot expert", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 12, 2, false, Some(5)),
+        ("GPT-OSS biases, top-1", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 8, 1, None, None),
+        ("DeepSeek grouped, ungated shared", grouped, Activation::Silu, 16, 6, Some(false), None),
+        ("one hot expert", RouterConfig::TopKSoftmax, Activation::GPT_OSS, 12, 2, None, Some(5)),
     ];
     let mut out = Vec::new();
+    // `shared`: a shared expert, gated or not (DeepSeek-V3's is not: the sum at home adds it).
     for (name, router, act, e, k, shared, hot) in cases {
-        let shared = shared.then_some(SharedConfig { inter: 48, gated: true });
+        let shared = shared.map(|gated| SharedConfig { inter: 48, gated });
         let config = small_config(136, 80, e, k, router, act, shared);
         let mut weights = preset::random_weights(&config, DType::BF16, 33);
         if let Some(hot) = hot {

@@ -643,12 +643,13 @@ __global__ void combine_partial(const bf16_t* y, const float* b2, const int* loc
 }
 
 // Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
-// (rows -1 where token t sent nothing to d), for the first T tokens, or the first *live when
-// `live` is not null. A token's columns are shared by `chunks` blocks: gridDim.y (per_token's
-// split) without `live`; with it, as many as keep about gridDim.x blocks busy (a graph's grid
-// is set by the capacity T, the batch is read here: one token takes gridDim.y blocks, a full
-// batch one each).
-__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, const int* live, float* out) {
+// (rows -1 where token t sent nothing to d), then + ys[t, h] (an ungated shared expert's
+// output) when `ys` is not null, for the first T tokens, or the first *live when `live` is not
+// null. A token's columns are shared by `chunks` blocks: gridDim.y (per_token's split) without
+// `live`; with it, as many as keep about gridDim.x blocks busy (a graph's grid is set by the
+// capacity T, the batch is read here: one token takes gridDim.y blocks, a full batch one each).
+__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, const int* live,
+                             const bf16_t* ys, float* out) {
     int chunks = gridDim.y;
     if (live) {
         T = min(T, *live);
@@ -663,12 +664,21 @@ __global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, 
             for (int c = first; c < H / 8; c += step) {
                 float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
                 sum_rows8(part, 0, rt, 0, 0, n, H, c, acc);
+                if (ys) {
+                    float sh[8];
+                    unpack8(((const uint4*)(ys + t * H))[c], sh);
+                    for (int q = 0; q < 8; q++) acc[q] += sh[q];
+                }
                 float4* o = (float4*)(out + t * H + 8 * c);
                 o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
                 o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
             }
         } else {
-            for (int h = first; h < H; h += step) out[t * H + h] = sum_rows1(part, 0, rt, 0, 0, n, H, h);
+            for (int h = first; h < H; h += step) {
+                float acc = sum_rows1(part, 0, rt, 0, 0, n, H, h);
+                if (ys) acc += bf16_to_f32(ys[t * H + h]);
+                out[t * H + h] = acc;
+            }
         }
     }
 }

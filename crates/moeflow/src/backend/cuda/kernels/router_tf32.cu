@@ -50,17 +50,37 @@ __device__ __forceinline__ void rt_store_pair(float* out, int T, int E, int t, i
     if (e + 1 < E) out[(long)t * E + e + 1] = bias ? s1 + bias[e + 1] : s1;
 }
 
+// The bf16 copy of the tokens' values this thread copied into the stage at `xs` (chunk columns
+// from k0, as the kernels' loads deal them): into x_bf [T, H] (f32_to_bf16), the values of the
+// batch's tokens and of the split's columns only. The blocks of the first expert tile call it,
+// so every value is written once, by the router that reads it anyway.
+__device__ __forceinline__ void rt_copy_bf16(const float* xs, bf16_t* x_bf, int t0, int T, int H, int k0,
+                                             int k_hi) {
+#pragma unroll
+    for (int u = 0; u < (RT_BM * RT_BK / 4) / RT_THREADS; u++) {
+        int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), c4 = (i % (RT_BK / 4)) * 4;
+        int t = t0 + r, k = k0 + c4;
+        if (t < T && k < k_hi) {
+            float4 v = *(const float4*)(xs + r * RT_LD + c4);
+            unsigned lo = (unsigned)f32_to_bf16(v.x) | ((unsigned)f32_to_bf16(v.y) << 16);
+            unsigned hi = (unsigned)f32_to_bf16(v.z) | ((unsigned)f32_to_bf16(v.w) << 16);
+            *(uint2*)(x_bf + (long)t * H + k) = make_uint2(lo, hi);
+        }
+    }
+}
+
 extern "C" {
 
 // partial[z, t, e] = the sum over the columns of split z (`cols` columns each, the last one
 // to H) of x[t, k] · gate[e, k], for x [T, H] and gate [E, H] in f32, H a multiple of 4; plus
-// bias[e] when `bias` is not null (a caller with one split adds the bias here). A block of 256
+// bias[e] when `bias` is not null (a caller with one split adds the bias here), and, when `x_bf`
+// is not null, x's bf16 copy into it (rt_copy_bf16). A block of 256
 // threads takes 128 tokens (blockIdx.y) by 128 experts (blockIdx.x, so the blocks that read the
 // same tokens run together) of one split (blockIdx.z); its 8 warps take 64 × 32 outputs each.
 // The tiles stream through RT_STAGES stages of shared memory with cp.async.
 __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* x, const float* gate, int T, int E,
                                                                    int H, int cols, const float* bias,
-                                                                   float* partial) {
+                                                                   float* partial, bf16_t* x_bf) {
     extern __shared__ __align__(16) float rt_smem[];
     int e0 = blockIdx.x * RT_BN, t0 = blockIdx.y * RT_BM;
     int k_lo = blockIdx.z * cols, k_hi = min(H, k_lo + cols);
@@ -100,8 +120,11 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
         if (c < chunks) load(c, c);
         mg_commit();
     }
+    if (blockIdx.x > 0) x_bf = nullptr;
     for (int c = 0; c < chunks; c++) {
         mg_wait_stages<RT_STAGES - 2>();
+        if (x_bf)
+            rt_copy_bf16(xs + (long)(c % RT_STAGES) * RT_BM * RT_LD, x_bf, t0, T, H, k_lo + c * RT_BK, k_hi);
         __syncthreads();
         // The stage read RT_STAGES - 1 chunks ago is free again (every warp passed the barrier).
         if (c + RT_STAGES - 1 < chunks) load(c + RT_STAGES - 1, (c + RT_STAGES - 1) % RT_STAGES);
@@ -167,7 +190,7 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
 // token heads and tails from registers, the gate's from shared memory, where each thread splits
 // the 16-byte pieces it copied into a head tile and a tail tile in the 128-byte swizzled layout
 // wgmma reads). The accumulators are chained over RT_BK columns, then added into f32
-// registers, as above. The chunks flow through RT_SM90_STAGES stages: while chunk c - 1
+// registers, and x's bf16 copy written, as above. The chunks flow through RT_SM90_STAGES stages: while chunk c - 1
 // multiplies, chunks c + 1 and c + 2 load and chunk c is split, so the tensor cores wait only
 // while the sums are added and the next chunk's token fragments split. Needs sm_90a; the host launches it only there.
 #define RT_GATE_TILE (RT_BN * RT_BK * 4)  // bytes of a stage's gate heads (or tails)
@@ -191,7 +214,7 @@ __device__ __forceinline__ void rt_wgmma(float* d, const unsigned* a, u64 b, int
 
 extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     router_partials_tf32_sm90(const float* x, const float* gate, int T, int E, int H, int cols, const float* bias,
-                              float* partial) {
+                              float* partial, bf16_t* x_bf) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     constexpr int STAGES = RT_SM90_STAGES, AHEAD = STAGES - 2;  // chunks loading while one is split
     extern __shared__ __align__(16) unsigned char rt_raw[];
@@ -236,10 +259,13 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         if (c < chunks) load(c, c);
         mg_commit();
     }
-    // Brings chunk c into stage c % STAGES, split, and starts loading chunk c + AHEAD.
+    if (blockIdx.x > 0) x_bf = nullptr;
+    // Brings chunk c into stage c % STAGES, split (and its tokens' bf16 copy written), and
+    // starts loading chunk c + AHEAD.
     auto take = [&](int c) {
         int s = c % STAGES;
         mg_wait_stages<AHEAD - 1>();
+        if (x_bf) rt_copy_bf16(xs + (long)s * RT_BM * RT_LD, x_bf, t0, T, H, k_lo + c * RT_BK, k_hi);
         // This thread's gate pieces of the chunk have landed: each becomes its head, in place,
         // and its tail, at the same place of the tail tile.
 #pragma unroll

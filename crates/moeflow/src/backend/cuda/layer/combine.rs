@@ -66,30 +66,48 @@ impl CudaMoeLayer {
         .map_err(|e| err("combine", e))
     }
 
-    /// `out [t, H]` (f32) = for each home token, the sum in order of the `n` bf16 rows of
-    /// `back` that `home_rows` (`t · n` ints, -1: none) names for it.
-    pub(super) fn sum_home(&self, back: u64, home_rows: u64, t: usize, n: usize, out: u64) -> Result<()> {
-        self.sum_home_live(back, home_rows, t, n, 0, out)
+    /// Whether the sum at home ([`CudaMoeLayer::sum_home`]) adds the shared expert's output:
+    /// a shared expert without a gate; a gated one is added after, with its gate, by
+    /// `add_shared`.
+    pub(super) fn shared_summed_at_home(&self) -> bool {
+        self.w.shared.as_ref().is_some_and(|sh| sh.gate.is_none())
+    }
+
+    /// `b.out [t, H]` (f32) = for each home token, the sum in order of the `n` bf16 rows of
+    /// `back` that `home_rows` (`t · n` ints, -1: none) names for it, plus the shared expert's
+    /// output where the layer adds it here ([`CudaMoeLayer::shared_summed_at_home`]).
+    pub(super) fn sum_home(&self, b: &Buffers, back: u64, home_rows: u64, t: usize, n: usize) -> Result<()> {
+        self.sum_home_live(b, back, home_rows, t, n, 0)
     }
 
     /// [`CudaMoeLayer::sum_home`] of the first `*live` tokens when `live` (a device int) is not
     /// null (the low-latency batch within its capacity `t`).
     pub(super) fn sum_home_live(
         &self,
+        b: &Buffers,
         back: u64,
         home_rows: u64,
         t: usize,
         n: usize,
         live: u64,
-        out: u64,
     ) -> Result<()> {
         if t == 0 {
             return Ok(());
         }
+        let g = &self.gpu;
+        // The shared expert's rows, from the side stream joined here.
+        let ys = match self.shared_summed_at_home() {
+            true => {
+                self.side.join(&g.stream, [self.side.shared()])?;
+                dptr(&b.sy, g)
+            }
+            false => 0u64,
+        };
+        let out = dptr(&b.out, g);
         let (ti, ni, hi) = (t as i32, n as i32, self.config.hidden as i32);
-        // SAFETY: sum_partials(bf16*, int*, int, int, int, int*, float*): home_rows holds t · n
-        // entries, each -1 or a row of `back`; `out` holds t rows of H; `live`, when not null,
-        // is one int.
+        // SAFETY: sum_partials(bf16*, int*, int, int, int, int*, bf16*, float*): home_rows holds
+        // t · n entries, each -1 or a row of `back`; `out` and `ys` (when not null) hold t rows
+        // of H; `live`, when not null, is one int.
         unsafe {
             self.gpu
                 .stream
@@ -100,6 +118,7 @@ impl CudaMoeLayer {
                 .arg(&ni)
                 .arg(&hi)
                 .arg(&live)
+                .arg(&ys)
                 .arg(&out)
                 .launch(per_token(t, self.config.hidden))
         }

@@ -48,23 +48,26 @@ impl CudaMoeLayer {
         let pb = |x: &CudaSlice<u16>| dptr(x, g);
         let (n_th, n) = (t * h, (t * h) as i64);
         let (xp, xbp) = (p(&b.x), pb(&b.x_bf));
-        // Large batches make their bf16 copy on side stream 0, beside the router GEMM (both
-        // read x from memory); for small ones the fork and join cost more than they hide
-        // (docs/tuning.md).
-        let overlap = t * h >= 1 << 23;
+        // The tensor-core router writes the bf16 copy as it reads the tokens. Otherwise large
+        // batches make it on side stream 0, beside the router GEMM (both read x from memory);
+        // for small ones the fork and join cost more than they hide (docs/tuning.md).
+        let router_copies = b.ll.is_none() && !self.opts.deterministic && self.router_on_tensor_cores();
+        let overlap = !router_copies && t * h >= 1 << 23;
         let side = if overlap { &self.side.shared().stream } else { s };
         if overlap {
             self.side.fork(s, [self.side.shared()])?;
         }
-        // SAFETY: every launch below passes device pointers to buffers sized for `t` tokens
-        // (see `buffers`) with the scalar types the kernel in moe.cu declares.
-        unsafe {
-            side.launch_builder(&self.k.to_bf16)
-                .arg(&xp)
-                .arg(&xbp)
-                .arg(&n)
-                .launch(grid(n_th))
-                .map_err(|e| err("to_bf16", e))?;
+        if !router_copies {
+            // SAFETY: f32_to_bf16_kernel(float*, bf16*, long) over the t · H values of `b.x`
+            // into `b.x_bf`, both sized for `t` tokens (see `buffers`).
+            unsafe {
+                side.launch_builder(&self.k.to_bf16)
+                    .arg(&xp)
+                    .arg(&xbp)
+                    .arg(&n)
+                    .launch(grid(n_th))
+                    .map_err(|e| err("to_bf16", e))?;
+            }
         }
         // The low-latency graph routes its capacity's rows, but computes the batch's alone (its
         // size read on the device).
@@ -79,7 +82,7 @@ impl CudaMoeLayer {
             self.gemm_f32_router(b, t)?;
             if let Some(bias) = &self.w.gate_bias {
                 let (lp, bp, ti, ei) = (p(&b.logits), p(bias), t as i32, e as i32);
-                // SAFETY: as above.
+                // SAFETY: add_bias(float*, float*, int, int) over the t · E logits and E biases.
                 unsafe { s.launch_builder(&self.k.add_bias).arg(&lp).arg(&bp).arg(&ti).arg(&ei).launch(grid(t * e)) }
                     .map_err(|e| err("add_bias", e))?;
             }

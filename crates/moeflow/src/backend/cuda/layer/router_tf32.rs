@@ -93,7 +93,8 @@ impl CudaMoeLayer {
     }
 
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
-    /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync`.
+    /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync`; and x's bf16 copy
+    /// into `b.x_bf`, written as the router reads the tokens.
     pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
         self.router_tf32_on(b, t, self.k.router_tf32_sm90.is_some())
     }
@@ -117,7 +118,7 @@ impl CudaMoeLayer {
                 )))
             }
         };
-        let (xp, gp) = (dptr(&b.x, g), dptr(&self.w.gate, g));
+        let (xp, gp, x_bf) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.x_bf, g));
         let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
         let (kernel, smem) = match (&self.k.router_tf32_sm90, sm90) {
             (Some(k), true) => (k, SMEM_SM90),
@@ -129,10 +130,11 @@ impl CudaMoeLayer {
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
-        // SAFETY: router_partials_tf32(_sm90)(float*, float*, int, int, int, int, float*, float*)
-        // reads t · H and E · H floats (H a multiple of 4, checked by `router_on_tensor_cores`)
-        // and writes split · t · E floats: the logits for one split, else the partials, which
-        // `partial_floats` sized for this many tokens.
+        // SAFETY: router_partials_tf32(_sm90)(float*, float*, int, int, int, int, float*, float*,
+        // bf16*) reads t · H and E · H floats (H a multiple of 4, checked by
+        // `router_on_tensor_cores`) and writes split · t · E floats (the logits for one split,
+        // else the partials, which `partial_floats` sized for this many tokens) and t · H bf16
+        // values into `b.x_bf`, sized for `t` tokens.
         unsafe {
             g.stream
                 .launch_builder(kernel)
@@ -144,6 +146,7 @@ impl CudaMoeLayer {
                 .arg(&ci)
                 .arg(&in_kernel_bias)
                 .arg(&out)
+                .arg(&x_bf)
                 .launch(cfg)
         }
         .map_err(|e| err("router_partials_tf32", e))?;
@@ -166,7 +169,8 @@ mod tests {
     /// poisoned outputs; called directly, also for expert counts the layer leaves to cuBLAS)
     /// against f64 dot products, within 2e-6 of the sum of the products' magnitudes (f32
     /// accumulation over a few thousand columns), next to cuBLAS's f32 GEMM on the same
-    /// values; the same bits at a second launch.
+    /// values; the same bits at a second launch; the tokens' bf16 copy each kernel writes
+    /// rounded to nearest even, every value of the batch.
     /// Widths that are and are not multiples of the 32-column stage, batches from 1 token to
     /// several tiles and splits, experts not a multiple of the 128-expert tile, with and
     /// without the gate's bias. Needs a GPU; says loudly when it skips.
@@ -204,22 +208,28 @@ mod tests {
                 let case = format!("{e} experts, H {h}, {t} tokens, bias {}", bias.is_some());
                 let x = preset::uniform(t * h, 1.0, 7 * t as u64 + case_no as u64);
                 s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
-                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma (Hopper only).
+                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma (Hopper only). The logits and
+                // the tokens' bf16 copy, both poisoned before.
                 let mut logits_of = |kernel: usize| {
                     s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
+                    s.memcpy_htod(&vec![0xffffu16; t * h], &mut b.x_bf.slice_mut(0..t * h)).unwrap();
                     match kernel {
                         0 => layer.gemm_f32_router(b, t).unwrap(),
                         k => layer.router_tf32_on(b, t, k == 2).unwrap(),
                     }
-                    s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap()
+                    (s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap(), s.clone_dtoh(&b.x_bf.slice(0..t * h)).unwrap())
                 };
-                let cublas = logits_of(0);
+                let (cublas, _) = logits_of(0);
+                let rounded: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
                 let kernels: Vec<usize> = if layer.k.router_tf32_sm90.is_some() { vec![1, 2] } else { vec![1] };
                 let mut worst = [0f64; 3];
                 for &kernel in &kernels {
-                    let (got, again) = (logits_of(kernel), logits_of(kernel));
+                    let ((got, copy), (again, _)) = (logits_of(kernel), logits_of(kernel));
                     let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{case}, kernel {kernel}: a second launch gives the same bits");
+                    if let Some(i) = (0..t * h).find(|&i| copy[i] != rounded[i]) {
+                        panic!("{case}, kernel {kernel}: bf16 copy of value {i} is {:#x}, not {:#x}", copy[i], rounded[i]);
+                    }
                     // Every row of small batches, every seventh of large ones.
                     let step = if t > 300 { 7 } else { 1 };
                     for tok in (0..t).step_by(step) {

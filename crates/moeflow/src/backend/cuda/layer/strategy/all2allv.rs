@@ -230,7 +230,8 @@ impl DevicePrepareFinalize for All2AllV {
             return l.combine_rows(b, t, back, slot_row, b2);
         }
         let back = p.nvlink.as_ref().map_or(dptr(&ep.back, g), |r| r.back);
-        l.sum_home(back, dptr(&ep.home_rows, g), t, link.comm.size(), dptr(&b.out, g))
+        let home_rows = dptr(&ep.home_rows, g);
+        l.sum_home(b, back, home_rows, t, link.comm.size())
     }
 }
 

@@ -202,5 +202,5 @@ pub(super) fn finalize_finish(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &D
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     mark(7)?;
     let home_rows = dptr(&b.ep.as_ref().expect("allocated").home_rows, &l.gpu);
-    l.sum_home(p.back, home_rows, t, link.comm.size(), dptr(&b.out, &l.gpu))
+    l.sum_home(b, p.back, home_rows, t, link.comm.size())
 }

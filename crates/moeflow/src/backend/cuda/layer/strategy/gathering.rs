@@ -246,6 +246,6 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         let home = b.ep.as_mut().expect("allocated");
         g.stream.memcpy_htod(&identity, &mut home.home_rows.slice_mut(0..t)).map_err(|e| err("upload", e))?;
         let home_rows = dptr(&b.ep.as_ref().expect("allocated").home_rows, g);
-        l.sum_home(p.landed, home_rows, t, 1, dptr(&b.out, g))
+        l.sum_home(b, p.landed, home_rows, t, 1)
     }
 }

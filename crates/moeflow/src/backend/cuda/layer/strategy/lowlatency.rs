@@ -236,7 +236,7 @@ impl DevicePrepareFinalize for LowLatency {
         let (n, m) = (link.comm.size(), link.capacity.expect("a low-latency layer"));
         let g = &l.gpu;
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
-        let (home_rows, tokens, outp) = (dptr(&ll.home_rows, g), dptr(&ll.tokens, g), dptr(&b.out, g));
-        l.sum_home_live(landing.back, home_rows, m, n, tokens, outp)
+        let (home_rows, tokens) = (dptr(&ll.home_rows, g), dptr(&ll.tokens, g));
+        l.sum_home_live(b, landing.back, home_rows, m, n, tokens)
     }
 }

@@ -137,10 +137,11 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     fn shared_after_begin(&self, _layer: &CudaMoeLayer) -> bool {
         false
     }
-    /// Whether finalize adds the shared experts' output (one GPU's combine, and deterministic
-    /// mode's combine at home); otherwise the layer adds it after finalize.
+    /// Whether finalize adds the shared experts' output (one GPU's combine, deterministic
+    /// mode's combine at home, and the sum at home of an ungated shared expert's:
+    /// [`CudaMoeLayer::shared_summed_at_home`]); otherwise the layer adds it after finalize.
     fn adds_shared(&self, layer: &CudaMoeLayer) -> bool {
-        layer.opts.deterministic
+        layer.opts.deterministic || layer.shared_summed_at_home()
     }
 }
 
