@@ -228,7 +228,10 @@ mod tests {
                     let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{case}, kernel {kernel}: a second launch gives the same bits");
                     if let Some(i) = (0..t * h).find(|&i| copy[i] != rounded[i]) {
-                        panic!("{case}, kernel {kernel}: bf16 copy of value {i} is {:#x}, not {:#x}", copy[i], rounded[i]);
+                        panic!(
+                            "{case}, kernel {kernel}: bf16 copy of value {i} is {:#x}, not {:#x}",
+                            copy[i], rounded[i]
+                        );
                     }
                     // Every row of small batches, every seventh of large ones.
                     let step = if t > 300 { 7 } else { 1 };
