@@ -52,15 +52,25 @@ __device__ __forceinline__ void rt_store_pair(float* out, int T, int E, int t, i
 
 // The bf16 copy of the tokens' values this thread copied into the stage at `xs` (chunk columns
 // from k0, as the kernels' loads deal them): into x_bf [T, H] (f32_to_bf16), the values of the
-// batch's tokens and of the split's columns only. The blocks of the first expert tile call it,
-// so every value is written once, by the router that reads it anyway.
-__device__ __forceinline__ void rt_copy_bf16(const float* xs, bf16_t* x_bf, int t0, int T, int H, int k0,
-                                             int k_hi) {
+// batch's tokens and of the split's columns only, by the router that reads them anyway. Row r
+// of a token tile is written by the block of expert tile r mod the tiles (blockIdx.x), so each
+// value is written once and the blocks share the stores: bit u of `mine` (rt_copy_rows) says
+// whether this thread's piece u lies in such a row.
+#define RT_PIECES ((RT_BM * RT_BK / 4) / RT_THREADS)  // 16-byte pieces of a stage a thread copies
+__device__ __forceinline__ unsigned rt_copy_rows() {
+    unsigned mine = 0;
 #pragma unroll
-    for (int u = 0; u < (RT_BM * RT_BK / 4) / RT_THREADS; u++) {
+    for (int u = 0; u < RT_PIECES; u++)
+        if (((threadIdx.x + u * RT_THREADS) / (RT_BK / 4)) % gridDim.x == blockIdx.x) mine |= 1u << u;
+    return mine;
+}
+__device__ __forceinline__ void rt_copy_bf16(const float* xs, bf16_t* x_bf, unsigned mine, int t0, int T, int H,
+                                             int k0, int k_hi) {
+#pragma unroll
+    for (int u = 0; u < RT_PIECES; u++) {
         int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), c4 = (i % (RT_BK / 4)) * 4;
         int t = t0 + r, k = k0 + c4;
-        if (t < T && k < k_hi) {
+        if (((mine >> u) & 1u) && t < T && k < k_hi) {
             float4 v = *(const float4*)(xs + r * RT_LD + c4);
             unsigned lo = (unsigned)f32_to_bf16(v.x) | ((unsigned)f32_to_bf16(v.y) << 16);
             unsigned hi = (unsigned)f32_to_bf16(v.z) | ((unsigned)f32_to_bf16(v.w) << 16);
@@ -120,11 +130,11 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
         if (c < chunks) load(c, c);
         mg_commit();
     }
-    if (blockIdx.x > 0) x_bf = nullptr;
+    const unsigned mine = x_bf ? rt_copy_rows() : 0u;
     for (int c = 0; c < chunks; c++) {
         mg_wait_stages<RT_STAGES - 2>();
-        if (x_bf)
-            rt_copy_bf16(xs + (long)(c % RT_STAGES) * RT_BM * RT_LD, x_bf, t0, T, H, k_lo + c * RT_BK, k_hi);
+        if (mine)
+            rt_copy_bf16(xs + (long)(c % RT_STAGES) * RT_BM * RT_LD, x_bf, mine, t0, T, H, k_lo + c * RT_BK, k_hi);
         __syncthreads();
         // The stage read RT_STAGES - 1 chunks ago is free again (every warp passed the barrier).
         if (c + RT_STAGES - 1 < chunks) load(c + RT_STAGES - 1, (c + RT_STAGES - 1) % RT_STAGES);
@@ -259,13 +269,13 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         if (c < chunks) load(c, c);
         mg_commit();
     }
-    if (blockIdx.x > 0) x_bf = nullptr;
+    const unsigned mine = x_bf ? rt_copy_rows() : 0u;
     // Brings chunk c into stage c % STAGES, split (and its tokens' bf16 copy written), and
     // starts loading chunk c + AHEAD.
     auto take = [&](int c) {
         int s = c % STAGES;
         mg_wait_stages<AHEAD - 1>();
-        if (x_bf) rt_copy_bf16(xs + (long)s * RT_BM * RT_LD, x_bf, t0, T, H, k_lo + c * RT_BK, k_hi);
+        if (mine) rt_copy_bf16(xs + (long)s * RT_BM * RT_LD, x_bf, mine, t0, T, H, k_lo + c * RT_BK, k_hi);
         // This thread's gate pieces of the chunk have landed: each becomes its head, in place,
         // and its tail, at the same place of the tail tile.
 #pragma unroll
