@@ -83,11 +83,11 @@ extern "C" {
 
 // partial[z, t, e] = the sum over the columns of split z (`cols` columns each, the last one
 // to H) of x[t, k] · gate[e, k], for x [T, H] and gate [E, H] in f32, H a multiple of 4; plus
-// bias[e] when `bias` is not null (a caller with one split adds the bias here), and, when `x_bf`
-// is not null, x's bf16 copy into it (rt_copy_bf16). A block of 256
-// threads takes 128 tokens (blockIdx.y) by 128 experts (blockIdx.x, so the blocks that read the
-// same tokens run together) of one split (blockIdx.z); its 8 warps take 64 × 32 outputs each.
-// The tiles stream through RT_STAGES stages of shared memory with cp.async.
+// bias[e] when `bias` is not null (a caller with one split adds the bias here); and, when
+// `x_bf` is not null, x's bf16 copy into it (rt_copy_bf16). A block of 256 threads takes 128
+// tokens (blockIdx.y) by 128 experts (blockIdx.x, so the blocks that read the same tokens run
+// together) of one split (blockIdx.z); its 8 warps take 64 × 32 outputs each. The tiles
+// stream through RT_STAGES stages of shared memory with cp.async.
 __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* x, const float* gate, int T, int E,
                                                                    int H, int cols, const float* bias,
                                                                    float* partial, bf16_t* x_bf) {
@@ -200,9 +200,10 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
 // token heads and tails from registers, the gate's from shared memory, where each thread splits
 // the 16-byte pieces it copied into a head tile and a tail tile in the 128-byte swizzled layout
 // wgmma reads). The accumulators are chained over RT_BK columns, then added into f32
-// registers, and x's bf16 copy written, as above. The chunks flow through RT_SM90_STAGES stages: while chunk c - 1
-// multiplies, chunks c + 1 and c + 2 load and chunk c is split, so the tensor cores wait only
-// while the sums are added and the next chunk's token fragments split. Needs sm_90a; the host launches it only there.
+// registers, and x's bf16 copy is written, as above. The chunks flow through RT_SM90_STAGES
+// stages: while chunk c - 1 multiplies, chunks c + 1 and c + 2 load and chunk c is split, so
+// the tensor cores wait only while the sums are added and the next chunk's token fragments
+// split. Needs sm_90a; the host launches it only there.
 #define RT_GATE_TILE (RT_BN * RT_BK * 4)  // bytes of a stage's gate heads (or tails)
 #define RT_SM90_STAGES 4                  // chunks c - 1 (multiplying), c (splitting), c + 1, c + 2
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -96,12 +96,11 @@ impl CudaMoeLayer {
         }
         let g = &self.gpu;
         // The shared expert's rows, from the side stream joined here.
-        let ys = match self.shared_summed_at_home() {
-            true => {
-                self.side.join(&g.stream, [self.side.shared()])?;
-                dptr(&b.sy, g)
-            }
-            false => 0u64,
+        let ys = if self.shared_summed_at_home() {
+            self.side.join(&g.stream, [self.side.shared()])?;
+            dptr(&b.sy, g)
+        } else {
+            0u64
         };
         let out = dptr(&b.out, g);
         let (ti, ni, hi) = (t as i32, n as i32, self.config.hidden as i32);
