@@ -19,20 +19,17 @@ fn text(o: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
 }
 
-/// A fresh scratch folder for `case`.
-fn scratch(case: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("moeflow-bad-{}-{case}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh scratch folder for `case`, removed when the returned guard drops.
+fn scratch(case: &str) -> tempfile::TempDir {
+    tempfile::Builder::new().prefix(&format!("moeflow-bad-{case}-")).tempdir().unwrap()
 }
 
-/// A copy of fixture `name` in a scratch folder.
-fn copy_fixture(name: &str, case: &str) -> PathBuf {
+/// A copy of fixture `name` in a scratch folder (removed when the guard drops).
+fn copy_fixture(name: &str, case: &str) -> tempfile::TempDir {
     let dir = scratch(case);
     for entry in std::fs::read_dir(fixture(name)).unwrap() {
         let path = entry.unwrap().path();
-        std::fs::copy(&path, dir.join(path.file_name().unwrap())).unwrap();
+        std::fs::copy(&path, dir.path().join(path.file_name().unwrap())).unwrap();
     }
     dir
 }
@@ -86,7 +83,8 @@ fn run_on(model: &Path, input: &Path, output: &Path, extra: &[&str]) -> Output {
 #[test]
 fn huge_expert_counts_are_refused_at_once() {
     for experts in [100_000_000u64, 1 << 40] {
-        let dir = copy_fixture("mixtral", &format!("experts-{experts}"));
+        let dir_guard = copy_fixture("mixtral", &format!("experts-{experts}"));
+        let dir = dir_guard.path();
         edit_config(&dir, |c| {
             c.insert("num_local_experts".into(), experts.into());
         });
@@ -99,13 +97,15 @@ fn huge_expert_counts_are_refused_at_once() {
         assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
     }
     // GPT-OSS stores all experts in one tensor: the count meets the tensor's shape instead.
-    let dir = copy_fixture("gpt_oss", "gpt-oss-experts");
+    let dir_guard = copy_fixture("gpt_oss", "gpt-oss-experts");
+    let dir = dir_guard.path();
     edit_config(&dir, |c| {
         c.insert("num_local_experts".into(), (1u64 << 40).into());
     });
     let out = dir.join("out.safetensors");
     assert_error(&run_on(&dir, &dir.join("input.safetensors"), &out, &[]), &["needs"]);
-    let dir = copy_fixture("mixtral", "layers");
+    let dir_guard = copy_fixture("mixtral", "layers");
+    let dir = dir_guard.path();
     edit_config(&dir, |c| {
         c.insert("num_hidden_layers".into(), (1u64 << 40).into());
     });
@@ -115,7 +115,8 @@ fn huge_expert_counts_are_refused_at_once() {
 #[test]
 fn shard_paths_stay_inside_the_model_folder() {
     for bad in ["../../../../etc/passwd", "/etc/passwd", "sub/../../x.safetensors", ""] {
-        let dir = copy_fixture("mixtral", "shard-path");
+        let dir_guard = copy_fixture("mixtral", "shard-path");
+        let dir = dir_guard.path();
         let path = dir.join("model.safetensors.index.json");
         let mut index: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         let map = index["weight_map"].as_object_mut().unwrap();
@@ -145,7 +146,8 @@ fn non_finite_weights_are_refused_at_load_with_their_name() {
         ("gpt_oss_mxfp4", "model.layers.1.mlp.experts.gate_up_proj_scales", 0, &[254], "gate_up_proj_blocks times"),
     ];
     for (i, (name, tensor, at, bytes, wanted)) in cases.into_iter().enumerate() {
-        let dir = copy_fixture(name, &format!("nonfinite-{i}"));
+        let dir_guard = copy_fixture(name, &format!("nonfinite-{i}"));
+        let dir = dir_guard.path();
         patch_tensor(&dir, tensor, at, bytes);
         let out = dir.join("out.safetensors");
         let layer = "1";
@@ -163,7 +165,8 @@ fn non_finite_weights_are_refused_at_load_with_their_name() {
 
 #[test]
 fn outputs_that_overflow_are_refused_unless_allowed() {
-    let dir = scratch("overflow");
+    let dir_guard = scratch("overflow");
+    let dir = dir_guard.path();
     // The fixture's input times 1e19: finite, but the experts overflow f32.
     let mut data = std::fs::read(fixture("mixtral").join("input.safetensors")).unwrap();
     let n = 8 + u64::from_le_bytes(data[..8].try_into().unwrap()) as usize;
@@ -195,7 +198,8 @@ fn sizes_from_flags_are_checked_before_allocating() {
         let res = moeflow(&["bench", "--experts", "8", "--tokens", tokens]);
         assert_error(&res, &["a forward of", "needs"]);
     }
-    let dir = scratch("lowlatency");
+    let dir_guard = scratch("lowlatency");
+    let dir = dir_guard.path();
     let out = dir.join("out.safetensors");
     let input = fixture("mixtral").join("input.safetensors");
     for (m, wanted) in [("18446744073709551615", "overflows"), ("1000000000", "low-latency buffers")] {
@@ -219,7 +223,8 @@ fn sizes_from_flags_are_checked_before_allocating() {
 
 #[test]
 fn clear_wording_for_common_mistakes() {
-    let dir = scratch("wording");
+    let dir_guard = scratch("wording");
+    let dir = dir_guard.path();
     let out = dir.join("out.safetensors");
     let mixtral = fixture("mixtral");
     // An input that is a directory.
@@ -228,13 +233,15 @@ fn clear_wording_for_common_mistakes() {
     let input = mixtral.join("input.safetensors");
     assert_error(&run_on(&input, &input, &out, &[]), &["not a directory"]);
     // No model_type.
-    let m = copy_fixture("mixtral", "no-model-type");
+    let m_guard = copy_fixture("mixtral", "no-model-type");
+    let m = m_guard.path();
     edit_config(&m, |c| {
         c.remove("model_type");
     });
     assert_error(&moeflow(&["inspect", "--model", &m.display().to_string()]), &["no 'model_type'"]);
     // No layers.
-    let m = copy_fixture("mixtral", "no-layers");
+    let m_guard = copy_fixture("mixtral", "no-layers");
+    let m = m_guard.path();
     edit_config(&m, |c| {
         c.insert("num_hidden_layers".into(), 0.into());
     });
@@ -250,7 +257,8 @@ fn clear_wording_for_common_mistakes() {
 
 #[test]
 fn strategy_auto_is_refused_where_it_cannot_choose() {
-    let dir = scratch("auto");
+    let dir_guard = scratch("auto");
+    let dir = dir_guard.path();
     let demo = ["demo", "--preset", "olmoe-1b-7b", "--experts", "8", "--tokens", "4", "--ep", "2"];
     let with = |extra: &[&str]| moeflow(&[&demo[..], extra].concat());
     assert_error(&with(&["--strategy", "auto"]), &["'auto' picks among the device strategies of GPU ranks"]);
@@ -344,7 +352,8 @@ mod flags {
             dual_batch in any::<bool>(),
             defer in any::<bool>(),
         ) {
-            let dir = scratch("flags");
+            let dir_guard = scratch("flags");
+            let dir = dir_guard.path();
             let out = dir.join("out.safetensors");
             let model = fixture("mixtral");
             let mut args: Vec<String> = ["run", "--model", &model.display().to_string(), "--input",
