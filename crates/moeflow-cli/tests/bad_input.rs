@@ -85,28 +85,28 @@ fn huge_expert_counts_are_refused_at_once() {
     for experts in [100_000_000u64, 1 << 40] {
         let dir_guard = copy_fixture("mixtral", &format!("experts-{experts}"));
         let dir = dir_guard.path();
-        edit_config(&dir, |c| {
+        edit_config(dir, |c| {
             c.insert("num_local_experts".into(), experts.into());
         });
         let start = Instant::now();
         let m = dir.display().to_string();
         assert_error(&moeflow(&["inspect", "--model", &m]), &[&experts.to_string(), "holds only"]);
         let out = dir.join("out.safetensors");
-        assert_error(&run_on(&dir, &dir.join("input.safetensors"), &out, &[]), &["holds only"]);
+        assert_error(&run_on(dir, &dir.join("input.safetensors"), &out, &[]), &["holds only"]);
         assert!(!out.exists());
         assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
     }
     // GPT-OSS stores all experts in one tensor: the count meets the tensor's shape instead.
     let dir_guard = copy_fixture("gpt_oss", "gpt-oss-experts");
     let dir = dir_guard.path();
-    edit_config(&dir, |c| {
+    edit_config(dir, |c| {
         c.insert("num_local_experts".into(), (1u64 << 40).into());
     });
     let out = dir.join("out.safetensors");
-    assert_error(&run_on(&dir, &dir.join("input.safetensors"), &out, &[]), &["needs"]);
+    assert_error(&run_on(dir, &dir.join("input.safetensors"), &out, &[]), &["needs"]);
     let dir_guard = copy_fixture("mixtral", "layers");
     let dir = dir_guard.path();
-    edit_config(&dir, |c| {
+    edit_config(dir, |c| {
         c.insert("num_hidden_layers".into(), (1u64 << 40).into());
     });
     assert_error(&moeflow(&["inspect", "--model", &dir.display().to_string()]), &["num_hidden_layers"]);
@@ -148,15 +148,15 @@ fn non_finite_weights_are_refused_at_load_with_their_name() {
     for (i, (name, tensor, at, bytes, wanted)) in cases.into_iter().enumerate() {
         let dir_guard = copy_fixture(name, &format!("nonfinite-{i}"));
         let dir = dir_guard.path();
-        patch_tensor(&dir, tensor, at, bytes);
+        patch_tensor(dir, tensor, at, bytes);
         let out = dir.join("out.safetensors");
         let layer = "1";
-        let res = run_on(&dir, &dir.join("input.safetensors"), &out, &["--layer", layer]);
+        let res = run_on(dir, &dir.join("input.safetensors"), &out, &["--layer", layer]);
         assert_error(&res, &["non-finite", wanted]);
         assert!(!out.exists());
         // Kept quantized (--quant), the scales are checked against the format's largest code.
         if name == "gpt_oss_mxfp4" || name == "deepseek_v3_fp8" {
-            let res = run_on(&dir, &dir.join("input.safetensors"), &out, &["--layer", layer, "--quant", "fp8"]);
+            let res = run_on(dir, &dir.join("input.safetensors"), &out, &["--layer", layer, "--quant", "fp8"]);
             assert_error(&res, &["non-finite"]);
             assert!(!out.exists());
         }
@@ -228,25 +228,25 @@ fn clear_wording_for_common_mistakes() {
     let out = dir.join("out.safetensors");
     let mixtral = fixture("mixtral");
     // An input that is a directory.
-    assert_error(&run_on(&mixtral, &dir, &out, &[]), &["not a regular file"]);
+    assert_error(&run_on(&mixtral, dir, &out, &[]), &["not a regular file"]);
     // A model folder that is a file.
     let input = mixtral.join("input.safetensors");
     assert_error(&run_on(&input, &input, &out, &[]), &["not a directory"]);
     // No model_type.
     let m_guard = copy_fixture("mixtral", "no-model-type");
     let m = m_guard.path();
-    edit_config(&m, |c| {
+    edit_config(m, |c| {
         c.remove("model_type");
     });
     assert_error(&moeflow(&["inspect", "--model", &m.display().to_string()]), &["no 'model_type'"]);
     // No layers.
     let m_guard = copy_fixture("mixtral", "no-layers");
     let m = m_guard.path();
-    edit_config(&m, |c| {
+    edit_config(m, |c| {
         c.insert("num_hidden_layers".into(), 0.into());
     });
     assert_error(&moeflow(&["inspect", "--model", &m.display().to_string()]), &["no decoder layer has a MoE block"]);
-    assert_error(&run_on(&m, &input, &out, &[]), &["no decoder layer has a MoE block"]);
+    assert_error(&run_on(m, &input, &out, &[]), &["no decoder layer has a MoE block"]);
     // A safetensors file that is not one: a format error, not a configuration error.
     let bad = dir.join("bad.safetensors");
     std::fs::write(&bad, b"not a safetensors file").unwrap();
@@ -393,7 +393,7 @@ mod flags {
                 Some(1) | Some(2) => prop_assert!(t.contains("error"), "{args:?}: {t}"),
                 code => prop_assert!(false, "{args:?}: status {code:?}: {t}"),
             }
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
 }
