@@ -139,15 +139,14 @@ impl CudaMoeLayer {
                     None
                 },
                 // Deterministic mode and the low-latency graph keep their fixed-order routers.
-                router_split: match super::router_tf32::partial_floats(t, e, h, self.sms) {
-                    n if n > 0
-                        && self.router_on_tensor_cores()
-                        && !self.opts.deterministic
-                        && self.capacity().is_none() =>
-                    {
-                        Some(z!(f32, n))
+                router_split: if self.router_on_tensor_cores() && !self.opts.deterministic && self.capacity().is_none()
+                {
+                    match super::router_tf32::partial_floats(t, e, h, self.sms) {
+                        0 => None,
+                        n => Some(z!(f32, n)),
                     }
-                    _ => None,
+                } else {
+                    None
                 },
                 tp_gathered: None,
                 ll: None,
