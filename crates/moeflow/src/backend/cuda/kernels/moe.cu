@@ -377,14 +377,28 @@ __device__ int chunk_of(int slots, int w, int* lo) {
     return min(slots, (w + 1) * per);
 }
 
+// A warp's SCAN_AHEAD loads of ids before it looks at any: the scans are bound by the loads'
+// latency, so each lane keeps that many in flight (v[u] = ids[base + 32 u + lane], or -2 past
+// hi, which matches no expert).
+#define SCAN_AHEAD 8
+__device__ __forceinline__ void scan_load(const int* ids, int base, int hi, int lane, int* v) {
+#pragma unroll
+    for (int u = 0; u < SCAN_AHEAD; u++) {
+        const int s = base + 32 * u + lane;
+        v[u] = s < hi ? ids[s] : -2;
+    }
+}
+
 __global__ void count_slots(const int* ids, int slots, int E, int* counts) {
     __shared__ int part[SCAN_WARPS];
     int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
     int lo, hi = chunk_of(slots, w, &lo);
     int c = 0;
-    for (int base = lo; base < hi; base += 32) {
-        int s = base + lane;
-        c += __popc(__ballot_sync(0xffffffffu, s < hi && ids[s] == e));
+    for (int base = lo; base < hi; base += 32 * SCAN_AHEAD) {
+        int v[SCAN_AHEAD];
+        scan_load(ids, base, hi, lane, v);
+#pragma unroll
+        for (int u = 0; u < SCAN_AHEAD; u++) c += __popc(__ballot_sync(0xffffffffu, v[u] == e));
     }
     if (lane == 0) part[w] = c;
     __syncthreads();
@@ -410,9 +424,11 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* count
     for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
     int lo, hi = chunk_of(slots, w, &lo);
     int c = 0;
-    for (int base = lo; base < hi; base += 32) {
-        int s = base + lane;
-        c += __popc(__ballot_sync(0xffffffffu, s < hi && ids[s] == e));
+    for (int base = lo; base < hi; base += 32 * SCAN_AHEAD) {
+        int v[SCAN_AHEAD];
+        scan_load(ids, base, hi, lane, v);
+#pragma unroll
+        for (int u = 0; u < SCAN_AHEAD; u++) c += __popc(__ballot_sync(0xffffffffu, v[u] == e));
     }
     if (lane == 0) {
         before[w] = b;
@@ -427,19 +443,24 @@ __global__ void scatter_slots(const int* ids, int slots, int E, const int* count
     }
     int pos = cap > 0 ? e * cap : first;
     for (int i = 0; i < w; i++) pos += part[i];
-    for (int base = lo; base < hi; base += 32) {
-        int s = base + lane;
-        bool hit = s < hi && ids[s] == e;
-        unsigned int mask = __ballot_sync(0xffffffffu, hit);
-        if (hit && e == skip) {
-            row_of_slot[s] = -1;
-        } else if (hit) {
-            int r = pos + __popc(mask & ((1u << lane) - 1u));
-            row_of_slot[s] = r;
-            slot_of_row[r] = s;
-            expert_of_row[r] = e;
+    for (int base = lo; base < hi; base += 32 * SCAN_AHEAD) {
+        int v[SCAN_AHEAD];
+        scan_load(ids, base, hi, lane, v);
+#pragma unroll
+        for (int u = 0; u < SCAN_AHEAD; u++) {
+            const int s = base + 32 * u + lane;
+            const bool hit = v[u] == e;
+            const unsigned int mask = __ballot_sync(0xffffffffu, hit);
+            if (hit && e == skip) {
+                row_of_slot[s] = -1;
+            } else if (hit) {
+                int r = pos + __popc(mask & ((1u << lane) - 1u));
+                row_of_slot[s] = r;
+                slot_of_row[r] = s;
+                expert_of_row[r] = e;
+            }
+            pos += __popc(mask);
         }
-        pos += __popc(mask);
     }
 }
 

@@ -146,30 +146,29 @@ __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, i
     int lane = threadIdx.x % 32;
     long warp = ((long)blockIdx.x * blockDim.x + threadIdx.x) / 32;
     long warps = (long)gridDim.x * blockDim.x / 32;
-    // Every lane's rows as one sequence weighted by bytes (plus a fixed cost a row), cut into
-    // equal consecutive parts, one a warp: the copies to every rank, this one's included, run
-    // at once, and lanes of short rows (ids, weights) do not hold warps idle.
-    u64 total = 0;
-    for (int l = 0; l < nlanes; l++) total += lane_rows(lanes[l]) * (lanes[l].row_bytes + 256);
-    u64 lo = total * warp / warps, hi = total * (warp + 1) / warps, base = 0;
-    for (int l = 0; l < nlanes && base < hi; l++) {
-        PushLane p = lanes[l];
-        u64 rows = lane_rows(p), wt = p.row_bytes + 256, span = rows * wt;
-        if (lo < base + span) {
-            long r0 = lo > base ? (long)((lo - base + wt - 1) / wt) : 0;
-            long r1 = (long)min(rows, (hi - base + wt - 1) / wt);
+    // Each lane's rows are cut into equal consecutive shares, one a warp, and a warp walks its
+    // shares of all the lanes together, a row of each in turn: every warp copies to every
+    // rank at once, so the rows to a peer (bound by the link) and those to this rank (bound
+    // by local memory) overlap on every SM, instead of the warps with local rows finishing
+    // early and leaving the link to the others.
+    for (long i = 0;; i++) {
+        bool more = false;
+        for (int l = 0; l < nlanes; l++) {
+            const PushLane p = lanes[l];
+            const long rows = (long)lane_rows(p);
+            const long r = rows * warp / warps + i;
+            if (r >= rows * (warp + 1) / warps) continue;
+            more = true;
             const unsigned char* src = (const unsigned char*)p.src;
             unsigned char* dst = (unsigned char*)p.dst;
-            int rb = (int)p.row_bytes;
-            bool wide = ((p.src | p.dst | (u64)rb) & 15) == 0, word = ((p.src | p.dst | (u64)rb) & 3) == 0;
-            for (long r = r0; r < r1; r++) {
-                long s = p.idx ? (long)((const int*)p.idx)[r] : r;
-                if (wide) push_row<uint4>(src, dst, s, r, rb / 16, rb, lane);
-                else if (word) push_row<unsigned int>(src, dst, s, r, rb / 4, rb, lane);
-                else push_row<unsigned char>(src, dst, s, r, rb, rb, lane);
-            }
+            const int rb = (int)p.row_bytes;
+            const bool wide = ((p.src | p.dst | (u64)rb) & 15) == 0, word = ((p.src | p.dst | (u64)rb) & 3) == 0;
+            const long s = p.idx ? (long)((const int*)p.idx)[r] : r;
+            if (wide) push_row<uint4>(src, dst, s, r, rb / 16, rb, lane);
+            else if (word) push_row<unsigned int>(src, dst, s, r, rb / 4, rb, lane);
+            else push_row<unsigned char>(src, dst, s, r, rb, rb, lane);
         }
-        base += span;
+        if (!more) break;
     }
     nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
@@ -177,13 +176,17 @@ __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, i
 // The low-latency combine (ll_combine in low_latency.cu) writing its rows straight home: message
 // row r = s M + t of the `tokens` = n M received (sender, then token order), when within its
 // sender's batch (batches[s]), goes to row rank M + t of region `region` of sender s's window
-// (which starts at regions[s nregions + region]); then the exchange's flags are raised, and
-// the senders' waited for, as nvl_push does. Blocks per message row as combine's per token.
+// (which starts at regions[s nregions + region]), the senders taken in turn (block i: row
+// i / n of sender i % n) so that rows to peers and to this rank run side by side; then the
+// exchange's flags are raised, and the senders' waited for, as nvl_push does. Blocks per
+// message row as combine's per token.
 __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf16_t* y, const float* b2,
                                 const int* row_of_slot, int tokens, int k, int H, const int* batches, int M,
                                 int rank, const u64* regions, int nregions, int region, u64* const* flags,
                                 int nflags, u64* sent, unsigned int* done, NvlWait wait) {
-    for (long r = blockIdx.x; r < tokens; r += gridDim.x) {
+    const int n = tokens / M;
+    for (long i = blockIdx.x; i < tokens; i += gridDim.x) {
+        const long r = (i % n) * M + i / n;
         if (!ll_live(batches, (int)r, M)) continue;
         bf16_t* row = (bf16_t*)regions[(r / M) * nregions + region] + ((long)rank * M + r % M) * H;
         ll_combine_row(recv, stride, y, b2, row_of_slot, k, H, r, row);
@@ -195,18 +198,23 @@ __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf
 // received token (combine_partial) written straight home. Received row r of the T is rank s's
 // row r - starts[s] (starts: n + 1 ints), sent when below counts[s]; its sum goes to row
 // rank (starts[s + 1] - starts[s]) + r - starts[s] of region `region` of rank s's window (room
-// for s's batch from every rank, in rank order). Then the exchange's flags are raised, and the
-// senders' waited for, as nvl_push does. Blocks per token as combine's per_token.
+// for s's batch from every rank, in rank order). The rows are taken a rank in turn (block i:
+// row i / n of rank i % n, over n times the largest batch), so that the sums going to peers
+// (bound by the link) and those staying here (bound by local memory) run side by side rather
+// than one rank's after another's. Then the exchange's flags are raised, and the senders'
+// waited for, as nvl_push does. Blocks per token as combine's per_token, over n times the
+// largest batch.
 __global__ void nvl_combine_push(const bf16_t* y, const float* b2, const int* local_ids, const float* w,
-                                 const int* row_of_slot, int T, int k, int H, const int* starts, const int* counts,
-                                 int n, int rank, const u64* regions, int nregions, int region, u64* const* flags,
+                                 const int* row_of_slot, int k, int H, const int* starts, const int* counts, int n,
+                                 int rank, const u64* regions, int nregions, int region, u64* const* flags,
                                  int nflags, u64* sent, unsigned int* done, NvlWait wait) {
-    for (long r = blockIdx.x; r < T; r += gridDim.x) {
-        int s = 0;
-        while (s + 1 < n && r >= starts[s + 1]) s++;
-        long p = r - starts[s];
+    long most = 0;
+    for (int s = 0; s < n; s++) most = max(most, (long)(starts[s + 1] - starts[s]));
+    for (long i = blockIdx.x; i < n * most; i += gridDim.x) {
+        const int s = (int)(i % n);
+        const long p = i / n;
         if (p >= counts[s]) continue;
-        long room = starts[s + 1] - starts[s];
+        const long r = starts[s] + p, room = starts[s + 1] - starts[s];
         bf16_t* row = (bf16_t*)regions[(long)s * nregions + region] + ((long)rank * room + p) * H;
         weighted_row_bf16(y, b2, row_of_slot + r * k, local_ids + r * k, w + r * k, k, H, row);
     }

@@ -38,6 +38,8 @@ const PLAN_THREADS: usize = 256;
 pub(super) struct DevicePlan {
     /// The rows received (room for every rank's batch).
     received: usize,
+    /// The largest rank's batch.
+    most: usize,
     landed: Landed,
     /// The window's regions of the returned sums and of the counts every rank sent here.
     back: u64,
@@ -143,7 +145,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     l.exchange_nvlink(link, 0, &lanes)?;
     let fp8_scales = fp8.then_some(at[ROW_SCALES]);
     let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
-    Ok(Some(Box::new(DevicePlan { received, landed, back: at[BACK], counts: at[COUNTS] })))
+    Ok(Some(Box::new(DevicePlan { received, most, landed, back: at[BACK], counts: at[COUNTS] })))
 }
 
 /// Groups the slots served here by local expert, from the counts in the window (marks 3).
@@ -178,19 +180,19 @@ pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) 
     let b2 = l.w.b2.as_ref().map_or(0u64, |x| dptr(x, g));
     // The plan's device array starts with where each rank's rows start (n + 1 ints).
     let starts = dptr(&ep.plan, g);
-    let (ri, ki, hi, back) = (p.received as i32, k as i32, h as i32, BACK as i32);
+    let (ki, hi, back) = (k as i32, h as i32, BACK as i32);
     l.write_window(link, 1, |w| {
-        // SAFETY: nvl_combine_push(bf16*, float*, int*, float*, int*, int, int, int, int*, int*,
-        // int, int, u64*, int, int, u64**, int, u64*, unsigned*, NvlWait) over the received
-        // rows, grouped by `group_received`; rank s's sums land in region BACK of its window,
-        // which holds n times its batch (`regions_of` above); the flags, counters and wait are
-        // the link's (see WindowWrite).
+        // SAFETY: nvl_combine_push(bf16*, float*, int*, float*, int*, int, int, int*, int*, int,
+        // int, u64*, int, int, u64**, int, u64*, unsigned*, NvlWait) over the received rows,
+        // grouped by `group_received` (rank s's from starts[s], at most its batch); rank s's
+        // sums land in region BACK of its window, which holds n times its batch (`regions_of`
+        // above); the flags, counters and wait are the link's (see WindowWrite).
         unsafe {
             let mut c = g.stream.launch_builder(&l.k.nvl_combine_push);
-            c.arg(&y).arg(&b2).arg(&local_ids).arg(&p.landed.w).arg(&row_of_slot).arg(&ri).arg(&ki).arg(&hi);
+            c.arg(&y).arg(&b2).arg(&local_ids).arg(&p.landed.w).arg(&row_of_slot).arg(&ki).arg(&hi);
             c.arg(&starts).arg(&p.counts).arg(&n).arg(&rank).arg(&w.regions).arg(&w.nregions).arg(&back);
             c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done).arg(&w.wait);
-            c.launch(per_token(p.received, h))
+            c.launch(per_token(n as usize * p.most, h))
         }
         .map(|_| ())
         .map_err(|e| err("nvl_combine_push", e))
