@@ -921,6 +921,21 @@ fn nvlink_transport_reports_a_stalled_peer() {
     }
 }
 
+/// The link's ceilings that `bench` prints: a plain copy and the NVLink transport's push kernel
+/// (64 SMs) from GPU 0 into GPU 1 each measure a rate, and the push's stays within what the
+/// copy shows the link carries.
+#[test]
+fn peer_copy_and_push_measure_the_link() {
+    if gpus("peer_copy_and_push_measure_the_link").is_none() {
+        return;
+    }
+    let copy = moeflow::backend::cuda::measure_peer_copy(0, 1).expect("the peer copy");
+    let push = moeflow::backend::cuda::measure_peer_push(0, 1, 64).expect("the push kernel");
+    assert!(copy.is_finite() && copy > 0.0, "peer copy: {copy} GB/s");
+    assert!(push.is_finite() && push > 0.0 && push < 1.5 * copy, "push kernel: {push} GB/s, peer copy {copy}");
+    eprintln!("peer copy {copy:.0} GB/s, push kernel on 64 SMs {push:.0} GB/s");
+}
+
 /// The NVLink window grows with the batch: one layer takes batches that need larger regions
 /// (every rank reopens its window at once) and a smaller one after, in default and
 /// deterministic mode and, for the fixed-capacity windows, the low-latency graph, giving NCCL's

@@ -176,14 +176,19 @@ pub fn measure_peer_push(from: usize, to: usize, sms: u32) -> Result<f64> {
     let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("alloc", e))?;
     let push = g.function("nvl_push")?;
     let (tp, fp, cp) = (table.device_ptr(s).0, flags.device_ptr(s).0, counters.device_ptr(s).0);
-    let (one, done) = (1i32, cp + 16);
+    // The counters as an exchange's (sent, received, done); no rank answers this push, so its
+    // kernel waits for no sender.
+    let (one, done, wait) = (1i32, cp + 16, super::layer::NvlWait::on_no_sender(cp + 8));
     let cfg = LaunchConfig { grid_dim: (sms.max(1), 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
     let ms = median_ms(&g, &mut || {
-        // SAFETY: nvl_push over one lane of `rows` rows inside `src` and `dst`; one flag word
-        // after the rows in `dst`; the counters are zeroed.
-        unsafe { s.launch_builder(&push).arg(&tp).arg(&one).arg(&fp).arg(&one).arg(&cp).arg(&done).launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| err("nvl_push", e))
+        // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*, NvlWait) over one lane
+        // of `rows` rows inside `src` and `dst`; one flag word after the rows in `dst`; the
+        // counters are zeroed, and the wait on no sender only writes the count at `cp + 8`.
+        unsafe {
+            s.launch_builder(&push).arg(&tp).arg(&one).arg(&fp).arg(&one).arg(&cp).arg(&done).arg(&wait).launch(cfg)
+        }
+        .map(|_| ())
+        .map_err(|e| err("nvl_push", e))
     })?;
     Ok(bytes as f64 / ms / 1e6)
 }

@@ -60,7 +60,7 @@ pub use dual_batch::CudaDualBatch;
 use expert_gemm::act_params;
 pub(super) use expert_gemm::{act_and_mul, gemm_bf16};
 use expert_parallel::{EpBuffers, EpLink};
-pub(super) use nvlink::lane_record;
+pub(super) use nvlink::{lane_record, NvlWait};
 use side_streams::SideStreams;
 
 struct Kernels {

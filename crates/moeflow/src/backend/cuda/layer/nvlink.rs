@@ -93,7 +93,7 @@ pub(super) struct WindowWrite {
 /// window's mapped host word `status` to name `stage` (0 dispatch, 1 combine) and the sender.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub(super) struct NvlWait {
+pub(in crate::backend::cuda) struct NvlWait {
     flags: u64,
     received: u64,
     status: u64,
@@ -105,6 +105,15 @@ pub(super) struct NvlWait {
 // SAFETY: NvlWait is plain old data laid out as the C struct the kernels take by value (#[repr(C)]:
 // three u64, an i64, two i32; 40 bytes, no padding).
 unsafe impl cudarc::driver::DeviceRepr for NvlWait {}
+
+impl NvlWait {
+    /// A wait on no sender: the exchange's kernel only advances the count of exchanges at
+    /// `received` (a u64 in device memory), for a push that no rank answers (the bench's
+    /// measure of the push kernel).
+    pub(in crate::backend::cuda) fn on_no_sender(received: u64) -> Self {
+        NvlWait { flags: 0, received, status: 0, timeout_ns: 0, n: 0, stage: 0 }
+    }
+}
 
 /// Bytes of a lane record (`PushLane` in nvlink.cu).
 const LANE: usize = 40;
