@@ -24,6 +24,17 @@ fn ok(args: &[&str]) -> String {
     text(&o)
 }
 
+/// The busiest rank's share over the mean from `bench`'s line on the routed slots each rank
+/// served, checking that its shares add up to 100 %.
+fn busiest(out: &str) -> f64 {
+    let line = out.lines().find(|l| l.starts_with("routed slots each rank served")).expect("the ranks' shares");
+    let (shares, rest) =
+        line.split_once(": ").and_then(|(_, r)| r.split_once(" (the busiest ")).unwrap_or_else(|| panic!("{line}"));
+    let total: f64 = shares.split(" / ").map(|s| s.trim_end_matches(" %").parse::<f64>().expect("a share")).sum();
+    assert!((total - 100.0).abs() < 0.2, "{line}");
+    rest.split_whitespace().next().and_then(|x| x.parse().ok()).expect("the busiest rank's ratio")
+}
+
 const SMALL: [&str; 4] = ["--preset", "olmoe-1b-7b", "--experts", "16"];
 
 #[test]
@@ -35,6 +46,8 @@ fn recorded_skewed_load_is_balanced_and_moved_to() {
     bench.extend(["--min-seconds", "0", "--skew", "zipf:1.2", "--record-load", l]);
     let out = ok(&bench);
     assert!(out.contains("wrote the load statistics of 2 ranks"), "{out}");
+    let skewed = busiest(&out);
+    assert!(skewed > 1.05, "expert 0's rank serves more under zipf: {out}");
     let record: moeflow::LoadRecord = moeflow::LoadRecord::read(&load).unwrap();
     assert_eq!((record.num_experts, record.num_groups, record.ranks.len()), (16, 1, 2));
     // Expert 0 is the hottest under zipf.
@@ -59,6 +72,8 @@ fn recorded_skewed_load_is_balanced_and_moved_to() {
     bench.extend(["--skew", "zipf:1.2", "--placement", p2]);
     let out = ok(&bench);
     assert!(out.contains(&format!("placement from {p2}")), "{out}");
+    let balanced = busiest(&out);
+    assert!(balanced < skewed, "the placement evens the ranks' shares: {balanced} against {skewed}");
     let row = out.lines().find(|l| l.split_whitespace().next() == Some("16")).expect("a row for 16 tokens");
     assert!(row.split_whitespace().nth(1).and_then(|ms| ms.parse::<f64>().ok()).is_some_and(|ms| ms > 0.0), "{row}");
 

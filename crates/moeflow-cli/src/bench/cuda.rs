@@ -198,6 +198,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         print_skew(args);
     }
     let weights = device_weights(args, &config);
+    let placement = par.placement(config.num_experts)?;
     let bar0 = spinner(format!("generating weights on {} GPUs", par.ep));
     let results = on_ranks(host, par.ep, par.timeout, |comm, experts| {
         let spec = RankLayerSpec {
@@ -209,14 +210,9 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         };
         let layer = Timed(par.rank_layer(Some(comm), experts, &spec)?);
         let per_t = time_rank(args, &layer, comm, &args.tokens, capacity.is_some())?;
-        if let Some(path) = &args.record_load {
-            let record = moeflow::LoadRecord::gather(&config, comm, &layer.0.load_stats()?)?;
-            if comm.rank() == 0 {
-                super::write_load(path, &record)?;
-            }
-        }
+        let shares = super::gather_load(args, &config, comm, layer.0.load_stats(), &placement)?;
         let recording = recording_ms(args, &layer, Some(comm))?;
-        Ok((per_t, layer.0.describe().to_string(), recording))
+        Ok((per_t, layer.0.describe().to_string(), recording, shares))
     });
     bar0.finish_and_clear();
     let mut mine = None;
@@ -224,7 +220,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         let r = r?;
         mine.get_or_insert(r);
     }
-    let (measured, path, recording) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
+    let (measured, path, recording, shares) = mine.ok_or_else(|| MoeError::Config("no ranks".into()))?;
     if !rank0 {
         return Ok(());
     }
@@ -243,6 +239,9 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
         );
     }
     print_recording_cost(&args.tokens, &layer_ms, recording.as_deref());
+    if let Some(shares) = &shares {
+        super::print_rank_shares(shares);
+    }
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
         moeflow::backend::cuda::measure_sustained_gemm(device)
     })?;

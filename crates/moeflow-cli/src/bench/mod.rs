@@ -21,9 +21,12 @@ use crate::table::{num, right, Table};
 use moeflow::backend::cpu::ceiling;
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
+use moeflow::placement::ExpertPlacement;
 use moeflow::quant::QuantConfig;
 use moeflow::rank_layer::{gpu_path, GpuPath};
-use moeflow::{preset, DType, LoadRecord, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor};
+use moeflow::{
+    preset, DType, LoadRecord, LoadStats, MoeConfig, MoeError, MoeLayer, MoeWeights, Result, StageTimes, Tensor,
+};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
@@ -318,16 +321,21 @@ fn run_modular(args: &BenchArgs, gpu: bool, host: &RankHost) -> Result<()> {
             println!("  layout          {}", setup.par.layout());
         }
     }
-    let (measured, errors) = if setup.par.ep == 1 && !setup.par.dual_batch && *host == RankHost::Threads {
-        measure_one_rank(args, &setup, &weights, f32_path.as_ref())?
+    let (measured, errors, shares) = if setup.par.ep == 1 && !setup.par.dual_batch && *host == RankHost::Threads {
+        let (measured, errors) = measure_one_rank(args, &setup, &weights, f32_path.as_ref())?;
+        (measured, errors, None)
     } else {
-        (measure_ranks(args, &setup, &weights, host)?, Vec::new())
+        let (measured, shares) = measure_ranks(args, &setup, &weights, host)?;
+        (measured, Vec::new(), shares)
     };
     drop(weights);
     if !rank0 {
         return Ok(());
     }
     let records = report(args, &setup, &ceilings, measured, errors);
+    if let Some(shares) = &shares {
+        print_rank_shares(shares);
+    }
     if let Some(path) = &args.json {
         write_records(path, &records)?;
         if !args.scratch_json {
@@ -413,6 +421,45 @@ pub(crate) fn write_load(path: &std::path::Path, record: &LoadRecord) -> Result<
     Ok(())
 }
 
+/// Every rank's load statistics, gathered (collective): written to `--record-load`'s file, and
+/// on rank 0 the share of the routed (token, slot) pairs that each rank of `placement` served
+/// over the calls recorded, which tells how much of the slowest rank's time is its larger share.
+/// `None` off rank 0, and where the layer keeps no statistics and none were asked for.
+pub(crate) fn gather_load(
+    args: &BenchArgs,
+    config: &MoeConfig,
+    comm: &dyn moeflow::comm::Communicator,
+    stats: Result<LoadStats>,
+    placement: &ExpertPlacement,
+) -> Result<Option<Vec<f64>>> {
+    let stats = match (stats, &args.record_load) {
+        (Ok(stats), _) => stats,
+        (Err(e), Some(_)) => return Err(e),
+        (Err(_), None) => return Ok(None),
+    };
+    let record = LoadRecord::gather(config, comm, &stats)?;
+    if comm.rank() != 0 {
+        return Ok(None);
+    }
+    if let Some(path) = &args.record_load {
+        write_load(path, &record)?;
+    }
+    let totals: Vec<f64> = record.totals().iter().map(|&c| c as f64).collect();
+    let served = moeflow::eplb::rank_loads(placement, &totals);
+    let all: f64 = served.iter().sum();
+    Ok((all > 0.0).then(|| served.iter().map(|s| s / all).collect()))
+}
+
+/// Prints the shares of the routed slots the ranks served (see [`gather_load`]).
+pub(crate) fn print_rank_shares(shares: &[f64]) {
+    let each: Vec<String> = shares.iter().map(|s| format!("{:.1} %", 100.0 * s)).collect();
+    println!(
+        "routed slots each rank served over the recorded calls: {} (the busiest {:.3} × the mean)",
+        each.join(" / "),
+        moeflow::eplb::imbalance(shares)
+    );
+}
+
 /// The largest difference between `got` and `want` relative to the largest `|want|`.
 fn relative_error(got: &[f32], want: &[f32]) -> f64 {
     let scale = want.iter().fold(1e-30f32, |m, v| m.max(v.abs()));
@@ -421,7 +468,13 @@ fn relative_error(got: &[f32], want: &[f32]) -> f64 {
 
 /// Several ranks (threads, GPUs or launched processes): each token count timed by the slowest
 /// rank, every rank running the same iterations; rank 0's (or this process's) measurements.
-fn measure_ranks(args: &BenchArgs, s: &Setup, weights: &MoeWeights, host: &RankHost) -> Result<Vec<Measured>> {
+/// Also returns, on rank 0, the shares of the routed slots the ranks served ([`gather_load`]).
+fn measure_ranks(
+    args: &BenchArgs,
+    s: &Setup,
+    weights: &MoeWeights,
+    host: &RankHost,
+) -> Result<(Vec<Measured>, Option<Vec<f64>>)> {
     let par = &s.par;
     let placement = Arc::new(par.placement(s.config.num_experts)?);
     let results = on_ranks(host, par.ep, par.timeout, |comm, kind| {
@@ -446,13 +499,8 @@ fn measure_ranks(args: &BenchArgs, s: &Setup, weights: &MoeWeights, host: &RankH
             m.probe = probe;
             out.push(m);
         }
-        if let Some(path) = &args.record_load {
-            let record = LoadRecord::gather(&s.config, comm, &layer.load_stats())?;
-            if comm.rank() == 0 {
-                write_load(path, &record)?;
-            }
-        }
-        Ok(out)
+        let shares = gather_load(args, &s.config, comm, Ok(layer.load_stats()), &placement)?;
+        Ok((out, shares))
     });
     let mut first = None;
     for (_, r) in results {
