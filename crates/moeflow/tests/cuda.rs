@@ -103,8 +103,6 @@ fn tensor_core_router_in_the_layer_matches_the_reference() {
     }
 }
 
-/// The timed forward counts the experts that received rows (the bench's weight-read floor):
-/// one token reaches exactly its top-k experts, 300 tokens all 16.
 /// Hidden sizes wide enough that a small batch's combine spreads each token over several
 /// blocks (more than 256 chunks of 8 columns, or of single columns when H % 8 != 0), with a
 /// shared expert, against the reference; a batch past the spread too.
@@ -126,6 +124,8 @@ fn wide_tokens_of_small_batches_match_reference() {
     }
 }
 
+/// The timed forward counts the experts that received rows (the bench's weight-read floor):
+/// one token reaches exactly its top-k experts, 300 tokens all 16.
 #[test]
 fn timed_forward_counts_the_experts_used() {
     let config = small_config(64, 32, 16, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
