@@ -243,15 +243,15 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
 }
 
 // The whole routing of up to ROUTE_SMALL_TOKENS tokens in one launch, for small batches on one
-// GPU, in place of the bf16 copy, the router GEMM, the bias, route, count_slots and
-// scatter_slots; launched with 256 threads a block and one block per ROUTE_SMALL_COLS columns.
+// GPU, in place of the bf16 copy, the router GEMM, the bias, route and the counting sort
+// (count_chunks, scatter_chunks); launched with 256 threads a block and one block per ROUTE_SMALL_COLS columns.
 // Block b takes columns 128 b .. 128 b + 127 of x [T, H]: it writes their bf16 copy to x_bf
 // and, for every token and expert, the partial dot product over them (a lane's four products
 // in column order, then a warp's fixed tree) to partials [blocks, ROUTE_SMALL_TOKENS, E]. The
 // last block to finish (a counter in `done`, which it sets back to 0) adds the partials in a
 // fixed order, plus gate_bias (null: none), into logits [T, E]; chooses each token's experts as
 // route does (corr_bias: kind 2's bias); and writes counts [E], offsets [E + 1] and the slot/row
-// maps as scatter_slots does with cap 0: the rows of an expert in slot order. A token's logits
+// maps as scatter_chunks does with cap 0: the rows of an expert in slot order. A token's logits
 // are the same bits whatever the batch's size up to ROUTE_SMALL_TOKENS.
 #define ROUTE_SMALL_TOKENS 4
 #define ROUTE_SMALL_COLS 128
@@ -367,100 +367,131 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
     if (threadIdx.x == 0) *done = 0;
 }
 
-// Counts and deterministic positions, one block of 32 warps per expert: warp w takes a
-// contiguous chunk of slots; chunks are ordered, and within a chunk lanes are, so rows of an
-// expert follow slot order.
-#define SCAN_WARPS 32
-__device__ int chunk_of(int slots, int w, int* lo) {
-    int per = (slots + SCAN_WARPS - 1) / SCAN_WARPS;
-    *lo = min(slots, w * per);
-    return min(slots, (w + 1) * per);
+// A counting sort of the slots by expert, deterministic: the slots go in chunks of SORT_CHUNK,
+// one block of SORT_THREADS threads a chunk and SORT_CHUNK / SORT_WARPS slots a warp of it, in
+// two kernels: count_chunks counts each chunk's slots per expert, then scatter_chunks gives each
+// slot its row, an expert's rows in slot order (chunks in order, a chunk's warps in order, a
+// warp's lanes in order). Each reads the ids once.
+#define SORT_CHUNK 1024
+#define SORT_THREADS 256
+#define SORT_WARPS (SORT_THREADS / 32)
+#define SORT_STEPS (SORT_CHUNK / SORT_THREADS)  // 32-slot steps a warp
+
+// This warp's SORT_STEPS steps of ids of chunk `chunk` (-1 past the slots): lane l of step u
+// holds slot base + 32 u + l, base the warp's first slot (returned).
+__device__ __forceinline__ int sort_load(const int* ids, int slots, int chunk, int* v) {
+    const int base = chunk * SORT_CHUNK + (threadIdx.x / 32) * (SORT_CHUNK / SORT_WARPS);
+#pragma unroll
+    for (int u = 0; u < SORT_STEPS; u++) {
+        const int s = base + 32 * u + threadIdx.x % 32;
+        v[u] = s < slots ? ids[s] : -1;
+    }
+    return base;
 }
 
-// A warp's SCAN_AHEAD loads of ids before it looks at any: the scans are bound by the loads'
-// latency, so each lane keeps that many in flight (v[u] = ids[base + 32 u + lane], or -2 past
-// hi, which matches no expert).
-#define SCAN_AHEAD 8
-__device__ __forceinline__ void scan_load(const int* ids, int base, int hi, int lane, int* v) {
-#pragma unroll
-    for (int u = 0; u < SCAN_AHEAD; u++) {
-        const int s = base + 32 * u + lane;
-        v[u] = s < hi ? ids[s] : -2;
-    }
-}
-
-__global__ void count_slots(const int* ids, int slots, int E, int* counts) {
-    __shared__ int part[SCAN_WARPS];
-    int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int lo, hi = chunk_of(slots, w, &lo);
-    int c = 0;
-    for (int base = lo; base < hi; base += 32 * SCAN_AHEAD) {
-        int v[SCAN_AHEAD];
-        scan_load(ids, base, hi, lane, v);
-#pragma unroll
-        for (int u = 0; u < SCAN_AHEAD; u++) c += __popc(__ballot_sync(0xffffffffu, v[u] == e));
-    }
-    if (lane == 0) part[w] = c;
+// hist[c E + e] = the slots of chunk c naming expert e, and counts[e] += it (counts zeroed by the
+// caller, so that it ends as the slots naming e); ids outside 0 .. E (no expert of these) are
+// not counted. One block per chunk; dynamic shared memory: E ints.
+__global__ void __launch_bounds__(SORT_THREADS) count_chunks(const int* ids, int slots, int E, int* hist, int* counts) {
+    extern __shared__ int sort_smem[];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) sort_smem[e] = 0;
     __syncthreads();
-    if (threadIdx.x == 0) {
-        int total = 0;
-        for (int i = 0; i < SCAN_WARPS; i++) total += part[i];
-        counts[e] = total;
-    }
-}
-
-// Rows of expert e in slot order, with both maps, and the expert's offset: offsets[e] = the
-// sum of counts[0 .. e) (cap = 0), or e · cap (padded: every expert owns cap rows), and
-// offsets[E] = the total rows, written by the last expert's block. One block of 32 warps per
-// expert, each summing the counts before its own (E is at most 1024), so no separate scan runs
-// (one launch fewer). Slots of expert `skip` (an
-// expert-parallel rank's "held elsewhere" bucket) get row -1 and no row.
-__global__ void scatter_slots(const int* ids, int slots, int E, const int* counts, int cap, int skip, int* offsets,
-                              int* row_of_slot, int* slot_of_row, int* expert_of_row) {
-    __shared__ int before[SCAN_WARPS], part[SCAN_WARPS];
-    int e = blockIdx.x, w = threadIdx.x / 32, lane = threadIdx.x % 32;
-    int b = 0;
-    for (int j = threadIdx.x; j < e; j += blockDim.x) b += counts[j];
-    for (int o = 16; o > 0; o >>= 1) b += __shfl_xor_sync(0xffffffffu, b, o);
-    int lo, hi = chunk_of(slots, w, &lo);
-    int c = 0;
-    for (int base = lo; base < hi; base += 32 * SCAN_AHEAD) {
-        int v[SCAN_AHEAD];
-        scan_load(ids, base, hi, lane, v);
+    int v[SORT_STEPS];
+    sort_load(ids, slots, blockIdx.x, v);
 #pragma unroll
-        for (int u = 0; u < SCAN_AHEAD; u++) c += __popc(__ballot_sync(0xffffffffu, v[u] == e));
-    }
-    if (lane == 0) {
-        before[w] = b;
-        part[w] = c;
+    for (int u = 0; u < SORT_STEPS; u++) {
+        // The lanes naming one expert add once, by the lowest of them.
+        const unsigned peers = __match_any_sync(0xffffffffu, v[u]);
+        if (v[u] >= 0 && v[u] < E && threadIdx.x % 32 == __ffs(peers) - 1) atomicAdd(&sort_smem[v[u]], __popc(peers));
     }
     __syncthreads();
-    int first = 0;
-    for (int i = 0; i < SCAN_WARPS; i++) first += before[i];
-    if (threadIdx.x == 0) {
-        offsets[e] = cap > 0 ? e * cap : first;
-        if (e == E - 1) offsets[E] = cap > 0 ? E * cap : first + counts[e];
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        const int c = sort_smem[e];
+        hist[(long)blockIdx.x * E + e] = c;
+        if (c > 0) atomicAdd(&counts[e], c);
     }
-    int pos = cap > 0 ? e * cap : first;
-    for (int i = 0; i < w; i++) pos += part[i];
-    for (int base = lo; base < hi; base += 32 * SCAN_AHEAD) {
-        int v[SCAN_AHEAD];
-        scan_load(ids, base, hi, lane, v);
+}
+
+// The rows of chunk blockIdx.x's slots (hist and counts from count_chunks over the same ids):
+// expert e's rows start at offsets[e] = the slots naming experts before e (cap = 0), or e · cap
+// (padded: every expert owns cap rows), and offsets[E] = the total, written by block 0; within
+// them, its slots in slot order. row_of_slot[s] = the row, slot_of_row[row] = s and
+// expert_of_row[row] = e; slots of expert `skip` (an expert-parallel rank's "held elsewhere"
+// bucket) get row -1 and no row; slots naming no expert of these are left alone. Dynamic shared
+// memory: (SORT_WARPS + 1) E ints.
+__global__ void __launch_bounds__(SORT_THREADS)
+    scatter_chunks(const int* ids, int slots, int E, const int* hist, const int* counts, int cap, int skip,
+                   int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row) {
+    extern __shared__ int sort_smem[];
+    __shared__ int warp_sums[SORT_WARPS];
+    int* next = sort_smem + E;  // [SORT_WARPS][E]: each warp's next row of each expert
+    const int w = threadIdx.x / 32, lane = threadIdx.x % 32, chunk = blockIdx.x;
+    int v[SORT_STEPS];
+    const int base = sort_load(ids, slots, chunk, v);
+    for (int i = threadIdx.x; i < SORT_WARPS * E; i += blockDim.x) next[i] = 0;
+    // Each thread takes `per` experts in a row: their counts' exclusive sum over the block gives
+    // the experts' offsets, and hist's earlier chunks where this chunk's rows of each start.
+    const int per = (E + SORT_THREADS - 1) / SORT_THREADS;
+    const int e_lo = min(E, (int)threadIdx.x * per), e_hi = min(E, e_lo + per);
+    int mine = 0;
+    for (int e = e_lo; e < e_hi; e++) mine += counts[e];
+    int incl = mine;
+    for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) warp_sums[w] = incl;
+    __syncthreads();
+    int before = incl - mine;
+    for (int i = 0; i < w; i++) before += warp_sums[i];
+    for (int e = e_lo; e < e_hi; e++) {
+        int earlier = 0;
+#pragma unroll 8
+        for (int c = 0; c < chunk; c++) earlier += hist[(long)c * E + e];
+        const int offset = cap > 0 ? e * cap : before;
+        sort_smem[e] = offset + earlier;
+        if (chunk == 0) offsets[e] = offset;
+        before += counts[e];
+    }
+    // The last thread's range ends at E: `before` is the total.
+    if (chunk == 0 && threadIdx.x == blockDim.x - 1) offsets[E] = cap > 0 ? E * cap : before;
+    // Each warp counts its slots per expert (the lowest lane of those naming one adds)...
+    int* mine_next = next + w * E;
 #pragma unroll
-        for (int u = 0; u < SCAN_AHEAD; u++) {
-            const int s = base + 32 * u + lane;
-            const bool hit = v[u] == e;
-            const unsigned int mask = __ballot_sync(0xffffffffu, hit);
-            if (hit && e == skip) {
-                row_of_slot[s] = -1;
-            } else if (hit) {
-                int r = pos + __popc(mask & ((1u << lane) - 1u));
-                row_of_slot[s] = r;
-                slot_of_row[r] = s;
-                expert_of_row[r] = e;
-            }
-            pos += __popc(mask);
+    for (int u = 0; u < SORT_STEPS; u++) {
+        const unsigned peers = __match_any_sync(0xffffffffu, v[u]);
+        if (v[u] >= 0 && v[u] < E && lane == __ffs(peers) - 1) mine_next[v[u]] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    // ...which become each warp's first row of each expert: the chunk's start, then the warps
+    // before it...
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int run = sort_smem[e];
+        for (int j = 0; j < SORT_WARPS; j++) {
+            const int n = next[j * E + e];
+            next[j * E + e] = run;
+            run += n;
         }
+    }
+    __syncthreads();
+    // ...and each slot's row that, plus the lanes before it naming the same expert.
+#pragma unroll
+    for (int u = 0; u < SORT_STEPS; u++) {
+        const int s = base + 32 * u + lane, e = v[u];
+        const bool here = e >= 0 && e < E;
+        const unsigned peers = __match_any_sync(0xffffffffu, e);
+        if (here && e == skip) {
+            row_of_slot[s] = -1;
+        } else if (here) {
+            const int r = mine_next[e] + __popc(peers & ((1u << lane) - 1u));
+            row_of_slot[s] = r;
+            slot_of_row[r] = s;
+            expert_of_row[r] = e;
+        }
+        __syncwarp();
+        if (here && lane == __ffs(peers) - 1) mine_next[e] += __popc(peers);
+        __syncwarp();
     }
 }
 

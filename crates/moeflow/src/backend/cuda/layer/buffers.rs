@@ -18,6 +18,8 @@ pub(super) struct Buffers {
     pub(super) ids: CudaSlice<i32>,
     pub(super) weights: CudaSlice<f32>,
     pub(super) counts: CudaSlice<i32>,
+    /// The counting sort's counts per chunk of slots (see [`super::permute::sort_counts_len`]).
+    pub(super) chunk_counts: CudaSlice<i32>,
     pub(super) offsets: CudaSlice<i32>,
     pub(super) row_of_slot: CudaSlice<i32>,
     pub(super) slot_of_row: CudaSlice<i32>,
@@ -110,6 +112,7 @@ impl CudaMoeLayer {
                 ids: z!(i32, t * k),
                 weights: z!(f32, t * k),
                 counts: z!(i32, e),
+                chunk_counts: z!(i32, super::permute::sort_counts_len(t * k, e)),
                 offsets: z!(i32, e + 1),
                 row_of_slot: z!(i32, t * k),
                 slot_of_row: z!(i32, r),

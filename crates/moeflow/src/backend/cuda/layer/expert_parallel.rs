@@ -13,7 +13,7 @@ use crate::backend::host_route::RouteTable;
 use crate::config::MoeConfig;
 use crate::error::{MoeError, Result};
 use crate::placement::ExpertPlacement;
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, PushKernelArg};
 use std::sync::Arc;
 
 /// Expert-parallel buffers. At home: the token rows sent (one per token and destination
@@ -35,6 +35,8 @@ pub(super) struct EpBuffers {
     pub(super) recv_w: CudaSlice<f32>,
     pub(super) local_ids: CudaSlice<i32>,
     pub(super) counts: CudaSlice<i32>,
+    /// The counting sort's counts per chunk of the received slots.
+    pub(super) chunk_counts: CudaSlice<i32>,
     pub(super) offsets: CudaSlice<i32>,
     pub(super) row_of_slot: CudaSlice<i32>,
     pub(super) slot_of_row: CudaSlice<i32>,
@@ -301,7 +303,7 @@ impl CudaMoeLayer {
         let (ecounts, eoffsets) = (pi(&ep.counts), pi(&ep.offsets));
         let maps = [pi(&ep.row_of_slot), pi(&ep.slot_of_row), pi(&ep.expert_of_row)];
         // Where the experts are: the received slots regrouped by local expert.
-        let (rk, el_i, buckets) = ((received * k) as i32, el as i32, (el + 1) as i32);
+        let (rk, el_i) = ((received * k) as i32, el as i32);
         match localize {
             // SAFETY: localize_ids(int*, int, int, int, int*) over the received * k ids, which
             // are local slots or -1 (first 0).
@@ -343,18 +345,9 @@ impl CudaMoeLayer {
                 .map_err(|e| err("localize_placed", e))?;
             }
         }
-        let warps = LaunchConfig { grid_dim: (el as u32 + 1, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: count_slots(int*, int, int, int*) over the received * k local ids; the counts
-        // buffer holds el + 1 buckets.
-        unsafe {
-            s.launch_builder(&self.k.count)
-                .arg(&local_ids)
-                .arg(&rk)
-                .arg(&buckets)
-                .arg(&ecounts)
-                .launch(warps)
-                .map_err(|e| err("count", e))?;
-        }
+        // The el local experts and the bucket of slots served elsewhere.
+        let chunk_counts = pi(&ep.chunk_counts);
+        self.count_slots(local_ids, received * k, el + 1, chunk_counts, ecounts)?;
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
         let gather = plan.imp.gathers_rows(self, cap).then_some(Gather {
             x: recv_rows,
@@ -365,8 +358,15 @@ impl CudaMoeLayer {
             stride: self.config.hidden,
         });
         let copy_rows = gather.is_none();
-        let grouping =
-            Grouping { ids: local_ids, slots: received * k, experts: el + 1, cap, skip: el as i32, copy_rows };
+        let grouping = Grouping {
+            ids: local_ids,
+            slots: received * k,
+            experts: el + 1,
+            chunk_counts,
+            cap,
+            skip: el as i32,
+            copy_rows,
+        };
         let a = pb(&ep.a);
         self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, a)?;
         Ok(ExpertRows {
@@ -516,6 +516,7 @@ impl CudaMoeLayer {
             recv_w: zf(recv * k)?,
             local_ids: z32(recv * k)?,
             counts: z32(el + 1)?,
+            chunk_counts: z32(super::permute::sort_counts_len(recv * k, el + 1))?,
             offsets: z32(el + 2)?,
             row_of_slot: z32(recv * k)?,
             slot_of_row: z32(rows2)?,

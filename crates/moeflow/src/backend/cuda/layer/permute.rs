@@ -1,16 +1,36 @@
-//! Stage 2, the permute: expert counts into offsets, the slot/row maps, and the token rows
-//! copied into expert order (or left for the Hopper GEMM to gather).
+//! Stage 2, the permute: the slots sorted by expert on the device (a counting sort: counts,
+//! offsets and the slot/row maps), and the token rows copied into expert order (or left for the
+//! Hopper GEMM to gather).
 
 use super::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
+/// Slots a block of the counting sort takes (`SORT_CHUNK` in moe.cu).
+const SORT_CHUNK: usize = 1024;
+
+/// Threads of a block of the counting sort (`SORT_THREADS`), in warps (`SORT_WARPS`).
+const SORT_THREADS: u32 = 256;
+const SORT_WARPS: usize = 8;
+
+/// Blocks of the counting sort over `slots` slots: one a chunk, at least one.
+fn sort_chunks(slots: usize) -> usize {
+    slots.div_ceil(SORT_CHUNK).max(1)
+}
+
+/// Ints of the counting sort's per-chunk counts of `slots` slots over `experts` experts.
+pub(super) fn sort_counts_len(slots: usize, experts: usize) -> usize {
+    sort_chunks(slots) * experts
+}
+
 /// Which slots [`CudaMoeLayer::group_rows`] groups: `slots` expert ids at `ids` over
-/// `experts` experts (padded to `cap` rows each when `cap > 0`), leaving out expert `skip`.
+/// `experts` experts (padded to `cap` rows each when `cap > 0`), leaving out expert `skip`,
+/// with their per-chunk counts from [`CudaMoeLayer::count_slots`].
 pub(super) struct Grouping {
     pub(super) ids: u64,
     pub(super) slots: usize,
     pub(super) experts: usize,
+    pub(super) chunk_counts: u64,
     pub(super) cap: usize,
     pub(super) skip: i32,
     /// Copy the rows into place (false: the Hopper GEMM gathers them itself).
@@ -26,12 +46,59 @@ impl CudaMoeLayer {
         let g = &self.gpu;
         let pi = |x: &CudaSlice<i32>| dptr(x, g);
         let maps = [pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row)];
-        let plan = Grouping { ids: pi(&b.ids), slots: t * k, experts: e, cap, skip: -1, copy_rows };
+        let plan = Grouping {
+            ids: pi(&b.ids),
+            slots: t * k,
+            experts: e,
+            chunk_counts: pi(&b.chunk_counts),
+            cap,
+            skip: -1,
+            copy_rows,
+        };
         self.group_rows(&plan, pi(&b.counts), pi(&b.offsets), maps, dptr(&b.x_bf, g), k, dptr(&b.a, g))
     }
 
-    /// Offsets from the device counts, the slot/row maps, and row `s / k` of `x` copied to row
-    /// `row_of_slot[s]` of `a` for every slot (slots of expert `skip` are left out).
+    /// The counting sort's first pass: `counts [experts]` = the slots of `ids [slots]` naming
+    /// each expert (ids outside `0..experts` name none), and the same per chunk of slots into
+    /// `chunk_counts` ([`sort_counts_len`] ints), which [`CudaMoeLayer::group_rows`] reads.
+    pub(super) fn count_slots(
+        &self,
+        ids: u64,
+        slots: usize,
+        experts: usize,
+        chunk_counts: u64,
+        counts: u64,
+    ) -> Result<()> {
+        let s = &self.gpu.stream;
+        let (si, ei) = (slots as i32, experts as i32);
+        let cfg = LaunchConfig {
+            grid_dim: (sort_chunks(slots) as u32, 1, 1),
+            block_dim: (SORT_THREADS, 1, 1),
+            shared_mem_bytes: 4 * experts as u32,
+        };
+        // SAFETY: zeroes the `experts` ints of `counts`; count_chunks(int*, int, int, int*, int*)
+        // reads `slots` ids and writes sort_counts_len(slots, experts) ints of `chunk_counts`
+        // (sized so by the caller) and adds into `counts`; its shared memory holds `experts`
+        // ints (at most 1025: 4 KiB).
+        unsafe {
+            cudarc::driver::result::memset_d8_async(counts, 0, 4 * experts, s.cu_stream())
+                .map_err(|e| err("zeroing expert counts", e))?;
+            s.launch_builder(&self.k.count)
+                .arg(&ids)
+                .arg(&si)
+                .arg(&ei)
+                .arg(&chunk_counts)
+                .arg(&counts)
+                .launch(cfg)
+                .map_err(|e| err("count_chunks", e))?;
+        }
+        Ok(())
+    }
+
+    /// The counting sort's second pass (after [`CudaMoeLayer::count_slots`] over the same ids):
+    /// offsets from the counts, the slot/row maps (an expert's rows in slot order), and row
+    /// `s / k` of `x` copied to row `row_of_slot[s]` of `a` for every slot (slots of expert
+    /// `skip` are left out).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn group_rows(
         &self,
@@ -46,17 +113,23 @@ impl CudaMoeLayer {
         let s = &self.gpu.stream;
         let (slots, ei, capi, skip) = (p.slots as i32, p.experts as i32, p.cap as i32, p.skip);
         let [rs, sr, er] = maps;
-        let warps = LaunchConfig { grid_dim: (p.experts as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
+        let chunks = LaunchConfig {
+            grid_dim: (sort_chunks(p.slots) as u32, 1, 1),
+            block_dim: (SORT_THREADS, 1, 1),
+            shared_mem_bytes: (4 * (SORT_WARPS + 1) * p.experts) as u32,
+        };
         let (hi, ki) = (self.config.hidden as i32, k as i32);
-        // SAFETY: scatter_slots(int*, int, int, int*, int, int, int*, int*, int*, int*) and
+        // SAFETY: scatter_chunks(int*, int, int, int*, int*, int, int, int*, int*, int*, int*) and
         // gather_rows(bf16*, int, int*, int, int, bf16*) over buffers the caller sized for `slots`
-        // slots, `experts` counts, `experts + 1` offsets and the rows the counts give (e · cap <= 2
-        // slots when padded).
+        // slots, their chunk counts, `experts` counts, `experts + 1` offsets and the rows the
+        // counts give (e · cap <= 2 slots when padded); the shared memory holds (8 + 1) ·
+        // `experts` ints (at most 1025: 36 KiB).
         unsafe {
             s.launch_builder(&self.k.scatter)
                 .arg(&p.ids)
                 .arg(&slots)
                 .arg(&ei)
+                .arg(&p.chunk_counts)
                 .arg(&counts)
                 .arg(&capi)
                 .arg(&skip)
@@ -64,7 +137,7 @@ impl CudaMoeLayer {
                 .arg(&rs)
                 .arg(&sr)
                 .arg(&er)
-                .launch(warps)
+                .launch(chunks)
                 .map_err(|e| err("scatter", e))?;
             if p.copy_rows {
                 s.launch_builder(&self.k.gather)
@@ -79,5 +152,141 @@ impl CudaMoeLayer {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{sort_counts_len, Grouping};
+    use crate::backend::cuda::layer::{dptr, CudaMoeLayer};
+    use crate::experts::Activation;
+    use crate::router::RouterConfig;
+    use crate::{preset, DType};
+
+    /// The counting sort on the CPU: counts, offsets (`e + 1`), and each slot's row (-1 for
+    /// expert `skip`, `poison` for ids naming no expert), an expert's rows in slot order.
+    fn sort(ids: &[i32], e: usize, cap: usize, skip: i32, poison: i32) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+        let here = |id: i32| id >= 0 && (id as usize) < e;
+        let mut counts = vec![0i32; e];
+        for &id in ids.iter().filter(|&&id| here(id)) {
+            counts[id as usize] += 1;
+        }
+        let mut offsets = vec![0i32; e + 1];
+        for x in 0..e {
+            offsets[x + 1] = offsets[x] + counts[x];
+        }
+        if cap > 0 {
+            offsets = (0..=e).map(|x| (x * cap) as i32).collect();
+        }
+        let mut next = offsets.clone();
+        let row_of_slot = ids
+            .iter()
+            .map(|&id| match id {
+                id if !here(id) => poison,
+                id if id == skip => -1,
+                id => {
+                    next[id as usize] += 1;
+                    next[id as usize] - 1
+                }
+            })
+            .collect();
+        (counts, offsets, row_of_slot)
+    }
+
+    /// The counting sort (`count_chunks`, `scatter_chunks`) against the CPU's on poisoned
+    /// outputs: counts, offsets, both maps and each row's expert, rows of an expert in slot
+    /// order, rows no slot takes left alone. No slots, one, a chunk's worth and one either side,
+    /// many chunks; one expert, a hot expert taking every slot, 129 buckets with the last left
+    /// out (an expert-parallel rank's), 1025; ids naming no expert; packed and padded rows;
+    /// each sorted twice (the counts start from zero every time). Needs a GPU; says loudly
+    /// when it skips.
+    #[test]
+    fn counting_sort_matches_the_cpu() {
+        let name = "counting_sort_matches_the_cpu";
+        if crate::backend::cuda::device_count() == 0 {
+            eprintln!("SKIPPED {name}: no CUDA device");
+            return;
+        }
+        let config = preset::config(64, 16, 8, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+        let weights = preset::random_weights(&config, DType::BF16, 3);
+        let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
+        let s = layer.gpu.stream.clone();
+        let g = &layer.gpu;
+        let poison = -7i32;
+        let mut seed = 0x5eed_u64;
+        let mut next = move |n: u64| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            (seed >> 33) % n.max(1)
+        };
+        let cases: [(usize, usize, i32, &str); 10] = [
+            (0, 8, -1, "uniform"),
+            (1, 8, -1, "uniform"),
+            (1023, 1, -1, "uniform"),
+            (1024, 129, 128, "uniform"),
+            (1025, 129, 128, "uniform"),
+            (5000, 8, -1, "hot"),
+            (70_000, 129, 128, "uniform"),
+            (70_000, 1025, -1, "uniform"),
+            (3000, 256, -1, "strays"),
+            (40_000, 64, -1, "skewed"),
+        ];
+        for (slots, e, skip, kind) in cases {
+            for padded in [false, true] {
+                let ids: Vec<i32> = (0..slots)
+                    .map(|_| match kind {
+                        "hot" => 3 % e as i32,
+                        "strays" if next(10) == 0 => [-1, e as i32, e as i32 + 5][next(3) as usize],
+                        "skewed" => (next(e as u64) * next(e as u64) / e as u64) as i32,
+                        _ => next(e as u64) as i32,
+                    })
+                    .collect();
+                // Padded: every expert owns a few rows more than the most any takes.
+                let most = sort(&ids, e, 0, skip, poison).0.into_iter().max().unwrap_or(0) as usize;
+                let cap = if padded { most + 3 } else { 0 };
+                let (counts, offsets, row_of_slot) = sort(&ids, e, cap, skip, poison);
+                let extent = if padded { e * cap } else { slots }.max(1);
+                let d_ids = s.clone_htod(if slots == 0 { &[0i32][..] } else { &ids[..] }).unwrap();
+                let chunk_counts = s.alloc_zeros::<i32>(sort_counts_len(slots, e)).unwrap();
+                let d_counts = s.clone_htod(&vec![poison; e]).unwrap();
+                let d_offsets = s.clone_htod(&vec![poison; e + 1]).unwrap();
+                let d_row_of_slot = s.clone_htod(&vec![poison; slots.max(1)]).unwrap();
+                let d_slot_of_row = s.clone_htod(&vec![poison; extent]).unwrap();
+                let d_expert_of_row = s.clone_htod(&vec![poison; extent]).unwrap();
+                let p = |x: &cudarc::driver::CudaSlice<i32>| dptr(x, g);
+                for launch in 0..2 {
+                    let case = format!("{slots} slots, {e} experts, {kind}, skip {skip}, cap {cap}, launch {launch}");
+                    layer.count_slots(p(&d_ids), slots, e, p(&chunk_counts), p(&d_counts)).unwrap();
+                    let grouping = Grouping {
+                        ids: p(&d_ids),
+                        slots,
+                        experts: e,
+                        chunk_counts: p(&chunk_counts),
+                        cap,
+                        skip,
+                        copy_rows: false,
+                    };
+                    let maps = [p(&d_row_of_slot), p(&d_slot_of_row), p(&d_expert_of_row)];
+                    layer.group_rows(&grouping, p(&d_counts), p(&d_offsets), maps, 0, 1, 0).unwrap();
+                    assert_eq!(s.clone_dtoh(&d_counts).unwrap(), counts, "counts, {case}");
+                    assert_eq!(s.clone_dtoh(&d_offsets).unwrap(), offsets, "offsets, {case}");
+                    assert_eq!(
+                        &s.clone_dtoh(&d_row_of_slot).unwrap()[..slots],
+                        &row_of_slot[..],
+                        "row_of_slot, {case}"
+                    );
+                    let (slot_of_row, expert_of_row) =
+                        (s.clone_dtoh(&d_slot_of_row).unwrap(), s.clone_dtoh(&d_expert_of_row).unwrap());
+                    let mut want_slot = vec![poison; extent];
+                    let mut want_expert = vec![poison; extent];
+                    for (slot, &row) in row_of_slot.iter().enumerate().filter(|(_, &row)| row >= 0) {
+                        want_slot[row as usize] = slot as i32;
+                        want_expert[row as usize] = ids[slot];
+                    }
+                    assert_eq!(slot_of_row, want_slot, "slot_of_row, {case}");
+                    assert_eq!(expert_of_row, want_expert, "expert_of_row, {case}");
+                }
+            }
+        }
+        eprintln!("{name}: 10 cases × packed and padded, each twice, matched");
     }
 }

@@ -289,7 +289,7 @@ impl CudaMoeLayer {
     /// the permute is the counts and maps alone: bf16 experts, or W8A8 experts on the fp8
     /// Hopper GEMM, which quantizes the tokens it gathers from), at most
     /// [`FUSED_ROUTE_EXPERTS`] experts. It replaces six launches: the bf16 copy, cuBLAS's two
-    /// gemv kernels, route, count_slots and scatter_slots. Above [`FUSED_ROUTE_EXPERTS`]
+    /// gemv kernels, route and the counting sort. Above [`FUSED_ROUTE_EXPERTS`]
     /// experts its 128-column blocks read the whole gate on few SMs and it is slower than the
     /// six launches (docs/tuning.md).
     pub(super) fn routes_fused(&self, t: usize) -> bool {

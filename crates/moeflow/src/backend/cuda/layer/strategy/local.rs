@@ -7,7 +7,6 @@ use crate::backend::cuda::layer::experts::{ExpertRows, Form};
 use crate::backend::cuda::layer::hopper_gemm::Gather;
 use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
 use crate::error::Result;
-use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// No dispatch: the one-GPU layer.
 pub(in crate::backend::cuda::layer) struct Local;
@@ -22,14 +21,11 @@ impl DevicePrepareFinalize for Local {
         let (e, k) = (l.config.num_experts, l.config.top_k);
         let g = &l.gpu;
         let s = &g.stream;
-        let (ip, cp, slots, ei) = (dptr(&b.ids, g), dptr(&b.counts, g), (t * k) as i32, e as i32);
+        let (ip, cp) = (dptr(&b.ids, g), dptr(&b.counts, g));
         // The fused router has written the counts, offsets and maps already.
         let fused = l.routes_fused(t);
         if !fused {
-            let warps = LaunchConfig { grid_dim: (e as u32, 1, 1), block_dim: (1024, 1, 1), shared_mem_bytes: 0 };
-            // SAFETY: count_slots(int*, int, int, int*) over the `t k` ids of this batch.
-            unsafe { s.launch_builder(&l.k.count).arg(&ip).arg(&slots).arg(&ei).arg(&cp).launch(warps) }
-                .map_err(|e| err("count", e))?;
+            l.count_slots(ip, t * k, e, dptr(&b.chunk_counts, g), cp)?;
         }
         // Expert sizes on the host decide cuBLAS's GEMM shapes; the masked and Hopper GEMMs
         // read them on the device, so the host does not wait for them.

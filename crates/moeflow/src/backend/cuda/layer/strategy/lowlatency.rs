@@ -36,6 +36,13 @@ struct Landing {
     nvlink: bool,
 }
 
+/// Threads of an `ll_arrange` block: a lane for each of the `msg` received message rows the
+/// block scans for its expert, up to 1024. More would only idle, and the blocks run beside the
+/// shared expert's GEMMs, on the SMs those leave (docs/tuning.md).
+fn arrange_threads(msg: usize) -> u32 {
+    (msg.div_ceil(32) * 32).clamp(32, 1024) as u32
+}
+
 impl DevicePrepareFinalize for LowLatency {
     fn name(&self) -> &'static str {
         "lowlatency"
@@ -154,7 +161,7 @@ impl DevicePrepareFinalize for LowLatency {
             let mut r = s.launch_builder(&l.k.ll_arrange);
             r.arg(&recv).arg(&stride).arg(&msg_i).arg(&ki).arg(&hi).arg(&cap_i);
             r.arg(&batches).arg(&mi).arg(&el_i).arg(&row_of_slot).arg(&counts).arg(&copy_to).arg(&slot_of_row);
-            r.launch(rows(el, 1024))
+            r.launch(rows(el, arrange_threads(msg)))
         }
         .map_err(|e| err("ll_arrange", e))?;
         mark(3)?;
