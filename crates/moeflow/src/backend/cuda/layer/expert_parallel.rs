@@ -219,9 +219,11 @@ impl CudaMoeLayer {
         Ok(all)
     }
 
-    /// Enqueues the all-gather of every rank's batch size (this rank's `t`) on the layer's
-    /// stream, to be read by [`CudaMoeLayer::batches`]: enqueued before the routing, it lets
-    /// the host learn the sizes while the routing runs. Collective.
+    /// Enqueues the all-gather of every rank's batch size (this rank's `t`) on the shared
+    /// experts' side stream, to be read by [`CudaMoeLayer::batches`]: enqueued before the
+    /// routing, it runs beside it, so the router does not wait for the peers and the host
+    /// learns the sizes while the routing runs. The layer's stream joins the side stream
+    /// before its next exchange ([`CudaMoeLayer::join_batches`]). Collective.
     pub(super) fn share_batches(&self, b: &mut Buffers, link: &EpLink, t: usize) -> Result<()> {
         use crate::comm::Communicator;
         use cudarc::nccl::sys as nc;
@@ -239,16 +241,26 @@ impl CudaMoeLayer {
         let ex = b.exchange.as_mut().expect("allocated");
         s.memcpy_htod(&[t as i32], &mut ex.slice_mut(0..1)).map_err(|e| err("upload", e))?;
         let exp = dptr(ex, &self.gpu);
-        link.comm.enqueue("moe batch sizes", s, |comm, cs| {
+        let side = self.side.shared();
+        self.side.fork(s, [side])?;
+        link.comm.enqueue("moe batch sizes", &side.stream, |comm, cs| {
             // SAFETY: all-gather of one int per rank into the n ints after this rank's own.
             unsafe { nc::ncclAllGather(exp as _, (exp + 4) as _, 1, nc::ncclDataType_t::ncclInt32, comm, cs) }
         })?;
         let batches = b.batches.as_mut().expect("allocated");
-        s.memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(1..n + 1), &mut batches.host)
+        side.stream
+            .memcpy_dtoh(&b.exchange.as_ref().expect("allocated").slice(1..n + 1), &mut batches.host)
             .map_err(|e| err("reading batch sizes", e))?;
-        batches.ready = Some(s.record_event(None).map_err(|e| err("event", e))?);
+        batches.ready = Some(side.stream.record_event(None).map_err(|e| err("event", e))?);
         batches.read = None;
         Ok(())
+    }
+
+    /// The layer's stream waits, on the device, for the batch sizes' all-gather
+    /// ([`CudaMoeLayer::share_batches`]), so that no later collective of the communicator
+    /// runs beside it.
+    pub(super) fn join_batches(&self) -> Result<()> {
+        self.side.join(&self.gpu.stream, [self.side.shared()])
     }
 
     /// Every rank's batch size in this call, as [`CudaMoeLayer::share_batches`] enqueued them

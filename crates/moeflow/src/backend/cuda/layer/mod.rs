@@ -894,11 +894,12 @@ impl CudaMoeLayer {
         let g = &self.gpu;
         mark(0)?;
         // Every rank's batch size, where the auto table or the strategy needs it: exchanged
-        // first, so the host has it by the time the routing has run.
+        // first, beside the routing, so the host has it by the time the routing has run.
         if let Some(batches) = b.batches.as_mut() {
             batches.forget();
         }
-        if let Some(link) = self.ep.as_ref().filter(|_| self.auto.is_some() || self.strategy.needs_batches(self)) {
+        let shares = self.ep.as_ref().filter(|_| self.auto.is_some() || self.strategy.needs_batches(self));
+        if let Some(link) = shares {
             self.share_batches(b, link, t)?;
         }
         // An expert-parallel rank without tokens still takes part in every exchange.
@@ -910,6 +911,9 @@ impl CudaMoeLayer {
         if self.opts.load_stats && !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
             self.load.record(dptr(&b.ids, g), t * self.config.top_k, live)?;
+        }
+        if shares.is_some() {
+            self.join_batches()?;
         }
         mark(1)?;
         // The modular kernel: prepare → experts → finalize, with the shared experts on a side
