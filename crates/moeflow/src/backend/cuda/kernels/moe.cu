@@ -244,7 +244,8 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
 
 // The whole routing of up to ROUTE_SMALL_TOKENS tokens in one launch, for small batches on one
 // GPU, in place of the bf16 copy, the router GEMM, the bias, route and the counting sort
-// (count_chunks, scatter_chunks); launched with 256 threads a block and one block per ROUTE_SMALL_COLS columns.
+// (count_chunks, scatter_chunks); launched with 256 threads a block and one block per
+// ROUTE_SMALL_COLS columns.
 // Block b takes columns 128 b .. 128 b + 127 of x [T, H]: it writes their bf16 copy to x_bf
 // and, for every token and expert, the partial dot product over them (a lane's four products
 // in column order, then a warp's fixed tree) to partials [blocks, ROUTE_SMALL_TOKENS, E]. The

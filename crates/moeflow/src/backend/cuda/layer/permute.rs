@@ -9,9 +9,12 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 /// Slots a block of the counting sort takes (`SORT_CHUNK` in moe.cu).
 const SORT_CHUNK: usize = 1024;
 
-/// Threads of a block of the counting sort (`SORT_THREADS`), in warps (`SORT_WARPS`).
+/// Threads of a block of the counting sort (`SORT_THREADS`).
 const SORT_THREADS: u32 = 256;
-const SORT_WARPS: usize = 8;
+
+/// Warps of a block of the counting sort (`SORT_WARPS`): each keeps a row of `scatter_chunks`'
+/// shared counts.
+const SORT_WARPS: usize = SORT_THREADS as usize / 32;
 
 /// Blocks of the counting sort over `slots` slots: one a chunk, at least one.
 fn sort_chunks(slots: usize) -> usize {
