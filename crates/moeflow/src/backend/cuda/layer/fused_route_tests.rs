@@ -26,28 +26,6 @@ fn cases() -> Vec<(RouterConfig, usize, usize, usize)> {
     ]
 }
 
-/// Counts, offsets (`E + 1`) and the row of each slot that grouping `ids` by expert gives, an
-/// expert's rows in slot order.
-fn grouping(ids: &[i32], e: usize) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
-    let mut counts = vec![0i32; e];
-    for &id in ids {
-        counts[id as usize] += 1;
-    }
-    let mut offsets = vec![0i32; e + 1];
-    for x in 0..e {
-        offsets[x + 1] = offsets[x] + counts[x];
-    }
-    let mut next = offsets.clone();
-    let rows = ids
-        .iter()
-        .map(|&id| {
-            next[id as usize] += 1;
-            next[id as usize] - 1
-        })
-        .collect();
-    (counts, offsets, rows)
-}
-
 /// Needs a GPU; says loudly when it skips.
 #[test]
 fn fused_router_matches_the_references() {
@@ -109,7 +87,7 @@ fn fused_router_matches_the_references() {
                 for (i, (&a, &want)) in w.iter().zip(&chosen.weights).enumerate() {
                     assert!((a - want).abs() <= 1e-5 * want.abs().max(1.0), "{case}: weight {i}: {a} against {want}");
                 }
-                let (counts, offsets, rows) = grouping(&ids, e);
+                let (counts, offsets, rows) = super::permute::tests::sort(&ids, e, 0, -1, -1);
                 assert_eq!(read_i(&b.counts, e), counts, "{case}: counts");
                 assert_eq!(read_i(&b.offsets, e + 1), offsets, "{case}: offsets");
                 assert_eq!(read_i(&b.row_of_slot, t * k), rows, "{case}: row of each slot");

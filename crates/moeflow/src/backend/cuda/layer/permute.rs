@@ -159,7 +159,7 @@ impl CudaMoeLayer {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::{sort_counts_len, Grouping};
     use crate::backend::cuda::layer::{dptr, CudaMoeLayer};
     use crate::experts::Activation;
@@ -168,7 +168,13 @@ mod tests {
 
     /// The counting sort on the CPU: counts, offsets (`e + 1`), and each slot's row (-1 for
     /// expert `skip`, `poison` for ids naming no expert), an expert's rows in slot order.
-    fn sort(ids: &[i32], e: usize, cap: usize, skip: i32, poison: i32) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
+    pub(in crate::backend::cuda::layer) fn sort(
+        ids: &[i32],
+        e: usize,
+        cap: usize,
+        skip: i32,
+        poison: i32,
+    ) -> (Vec<i32>, Vec<i32>, Vec<i32>) {
         let here = |id: i32| id >= 0 && (id as usize) < e;
         let mut counts = vec![0i32; e];
         for &id in ids.iter().filter(|&&id| here(id)) {
