@@ -61,13 +61,20 @@ __device__ __forceinline__ bool ll_pack_row(const bf16_t* x, const int* ids, con
     return any;
 }
 
+// The `el` ints of counts zeroed by the calling block: the send does it for the arrangement
+// (ll_arrange counts into them), which runs after it on the same stream.
+__device__ __forceinline__ void ll_zero(int* counts, int el) {
+    for (int e = threadIdx.x; e < el; e += blockDim.x) counts[e] = 0;
+}
+
 // At home, one block per (token t < M, destination d): message row (d, t) of `send` (see
 // ll_pack_row; the batch is read on the device at `tokens`); home_rows[t n + d] = d M + t, or
-// -1 when token t sent nothing to d.
+// -1 when token t sent nothing to d; the `el` ints of `counts` zeroed (ll_zero).
 __global__ void ll_pack(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
                         const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
-                        const int* shared, long stride, unsigned char* send, int* home_rows) {
+                        const int* shared, long stride, unsigned char* send, int* home_rows, int* counts, int el) {
     int t = blockIdx.x, d = blockIdx.y, n = gridDim.y, T = *tokens;
+    if (t == 0 && d == 0) ll_zero(counts, el);
     bool any = ll_pack_row(x, ids, w, t, T, d, k, H, rep_first, rep_count, rep_rank, rep_slot, shared,
                            send + ((long)d * M + t) * stride);
     if (threadIdx.x == 0) home_rows[t * n + d] = any ? d * M + t : -1;
@@ -79,73 +86,38 @@ __device__ __forceinline__ bool ll_live(const int* batches, int r, int M) {
     return !batches || r % M < batches[r / M];
 }
 
-// Where local expert e (of `el`) goes, by one block (up to 32 warps), and its rows themselves:
-// the received message rows (`tokens` = n M of them, in rank then token order) that arrived and
-// name e get rows e cap + 0, 1, ... of `a` in that order: row_of_slot[r k + j] for the slot j
-// of message row r naming e, counts[e] the number of rows, and either their values copied
-// into `a` or, with `a` null, slot_of_row[row] = r k + j (for a GEMM that gathers the rows from
-// the messages itself). Every other entry of row_of_slot becomes -1, written by the block of
-// expert (r k + j) % el, so no entry is written twice.
-__device__ void ll_arrange_expert(int e, int el, const unsigned char* recv, long stride, int tokens, int k, int H,
-                                  int cap, const int* batches, int M, int* row_of_slot, int* counts, bf16_t* a,
-                                  int* slot_of_row) {
-    __shared__ int part[32];
-    int w = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
-    int per = (tokens + warps - 1) / warps, lo = min(tokens, w * per), hi = min(tokens, lo + per);
-    int c = 0;
-    for (int base = lo; base < hi; base += 32) {
-        int r = base + lane;
-        bool hit = false;
-        if (r < hi && ll_live(batches, r, M)) {
-            const int* rid = (const int*)(recv + (long)r * stride);
-            for (int j = 0; j < k; j++) hit |= rid[j] == e;
+// The received messages laid out per local expert, a thread per slot: slot i = r k + j of
+// message row r (of the `tokens` = n M received, in rank then token order) that arrived and
+// names local expert e < el takes row e cap + counts[e]++ of `a` (counts zeroed by the send;
+// a message row names an expert at most once, so no expert passes cap rows), in the order the
+// increments land. row_of_slot[i] is that row (-1 for every other slot), and either the row's
+// values are copied into `a` (the warp copies its slots' rows together) or, with `a` null,
+// slot_of_row[row] = i (for a GEMM that gathers the rows from the messages itself). A row's
+// products do not depend on where among its expert's rows it sits, so the order changes no
+// result; each thread reads its slot's id once, with no pass over the other experts' ids.
+__global__ void ll_arrange(const unsigned char* recv, long stride, int tokens, int k, int H, int cap,
+                           const int* batches, int M, int el, int* row_of_slot, int* counts, bf16_t* a,
+                           int* slot_of_row) {
+    const long i = (long)blockIdx.x * blockDim.x + threadIdx.x;
+    const int lane = threadIdx.x % 32;
+    long r = 0;
+    int row = -1;
+    if (i < (long)tokens * k) {
+        r = i / k;
+        const int id = ll_live(batches, (int)r, M) ? ((const int*)(recv + r * stride))[i - r * k] : -1;
+        if (id >= 0 && id < el) {
+            const int at = atomicAdd(&counts[id], 1);
+            if (at < cap) row = id * cap + at;
+            if (row >= 0 && !a) slot_of_row[row] = (int)i;
         }
-        c += __popc(__ballot_sync(0xffffffffu, hit));
+        row_of_slot[i] = row;
     }
-    if (lane == 0) part[w] = c;
-    __syncthreads();
-    int pos = e * cap;
-    for (int i = 0; i < w; i++) pos += part[i];
-    for (int base = lo; base < hi; base += 32) {
-        int r = base + lane;
-        int slot = -1;
-        if (r < hi) {
-            const bool live = ll_live(batches, r, M);
-            const int* rid = (const int*)(recv + (long)r * stride);
-            for (int j = 0; j < k; j++) {
-                const int id = live ? rid[j] : -1;
-                if (id == e) slot = j;
-                if (id < 0 && ((long)r * k + j) % el == e) row_of_slot[(long)r * k + j] = -1;
-            }
-        }
-        unsigned int mask = __ballot_sync(0xffffffffu, slot >= 0);
-        int row = pos + __popc(mask & ((1u << lane) - 1u));
-        if (slot >= 0) row_of_slot[(long)r * k + slot] = row;
-        if (slot >= 0 && !a) slot_of_row[row] = r * k + slot;
-        // The warp copies its hit rows together, one after another.
-        for (unsigned int left = a ? mask : 0; left; left &= left - 1) {
-            int from = __ffs(left) - 1;
-            long src = __shfl_sync(0xffffffffu, r, from);
-            int dst = __shfl_sync(0xffffffffu, row, from);
-            copy_row_by((const bf16_t*)(recv + src * stride + ll_row_offset(k)), a + (long)dst * H, H, lane, 32);
-        }
-        pos += __popc(mask);
-    }
-    if (threadIdx.x == 0) {
-        int total = 0;
-        for (int i = 0; i < warps; i++) total += part[i];
-        counts[e] = total;
-    }
-    __syncthreads();
-}
-
-// The received messages laid out per local expert (ll_arrange_expert), the `el` experts shared
-// out over the blocks (of up to 1024 threads).
-__global__ void __launch_bounds__(1024)
-    ll_arrange(const unsigned char* recv, long stride, int tokens, int k, int H, int cap, const int* batches, int M,
-               int el, int* row_of_slot, int* counts, bf16_t* a, int* slot_of_row) {
-    for (int e = blockIdx.x; e < el; e += gridDim.x) {
-        ll_arrange_expert(e, el, recv, stride, tokens, k, H, cap, batches, M, row_of_slot, counts, a, slot_of_row);
+    if (!a) return;
+    for (unsigned left = __ballot_sync(0xffffffffu, row >= 0); left; left &= left - 1) {
+        const int from = __ffs(left) - 1;
+        const long src = __shfl_sync(0xffffffffu, r, from);
+        const int dst = __shfl_sync(0xffffffffu, row, from);
+        copy_row_by((const bf16_t*)(recv + src * stride + ll_row_offset(k)), a + (long)dst * H, H, lane, 32);
     }
 }
 

@@ -225,13 +225,16 @@ __global__ void nvl_combine_push(const bf16_t* y, const float* b2, const int* lo
 // d), t = blockIdx.x / n: message row (t, d) (see ll_pack_row) written straight into row
 // rank M + t of region 0 of rank d's window (regions[d nregions], see ll_combine_push), for
 // the tokens of the batch (`*tokens`) only, and the batch into int `rank` of region 2;
-// home_rows[t n + d] = d M + t, or -1 when token t sent nothing to d; then the exchange's
-// flags raised, and the senders' waited for, as nvl_push does.
+// home_rows[t n + d] = d M + t, or -1 when token t sent nothing to d; the `el` ints of
+// `counts` zeroed for the arrangement (ll_arrange); then the exchange's flags raised, and the
+// senders' waited for, as nvl_push does.
 __global__ void ll_send(const bf16_t* x, const int* ids, const float* w, const int* tokens, int M, int k, int H,
                         const int* rep_first, const int* rep_count, const int* rep_rank, const int* rep_slot,
                         const int* shared, long stride, int rank, const u64* regions, int nregions, int* home_rows,
-                        u64* const* flags, int nflags, u64* sent, unsigned int* done, NvlWait wait) {
+                        int* counts, int el, u64* const* flags, int nflags, u64* sent, unsigned int* done,
+                        NvlWait wait) {
     int n = gridDim.x / M, t = blockIdx.x / n, d = blockIdx.x % n, T = *tokens;
+    if (blockIdx.x == 0) ll_zero(counts, el);
     const u64* at = regions + (long)d * nregions;
     if (t == 0 && threadIdx.x == 0) ((int*)at[2])[rank] = T;
     bool any = false;

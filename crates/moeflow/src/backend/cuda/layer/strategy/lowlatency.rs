@@ -36,12 +36,8 @@ struct Landing {
     nvlink: bool,
 }
 
-/// Threads of an `ll_arrange` block: a lane for each of the `msg` received message rows the
-/// block scans for its expert, up to 1024. More would only idle, and the blocks run beside the
-/// shared expert's GEMMs, on the SMs those leave (docs/tuning.md).
-fn arrange_threads(msg: usize) -> u32 {
-    (msg.div_ceil(32) * 32).clamp(32, 1024) as u32
-}
+/// Threads of an `ll_arrange` block (a thread per received slot).
+const ARRANGE_THREADS: u32 = 256;
 
 impl DevicePrepareFinalize for LowLatency {
     fn name(&self) -> &'static str {
@@ -66,6 +62,8 @@ impl DevicePrepareFinalize for LowLatency {
         let ll = b.ll.as_ref().expect("allocated by low_latency()");
         let (xb, ids, w, tokens) = (dptr(&b.x_bf, g), dptr(&b.ids, g), dptr(&b.weights, g), dptr(&ll.tokens, g));
         let (send, recv, home_rows) = (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g));
+        // The arrangement's counts, zeroed by the send (the arrangement adds into them).
+        let (counts, el) = (dptr(&ll.counts, g), link.local as i32);
         let (mi, ki, hi, stride_l) = (m as i32, k as i32, h as i32, stride as i64);
         let placed = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tables = placed.ptrs(g);
@@ -80,16 +78,17 @@ impl DevicePrepareFinalize for LowLatency {
             let rank = link.comm.rank() as i32;
             l.write_window(link, 0, |win| {
                 // SAFETY: ll_send(bf16*, int*, float*, int*, int, int, int, int* x5, long, int,
-                // u64*, int, int*, u64**, int, u64*, unsigned*, NvlWait) over M tokens × n
-                // destinations (routing ran on M rows); each row lands inside region 0 of its
+                // u64*, int, int*, int*, int, u64**, int, u64*, unsigned*, NvlWait) over M tokens
+                // × n destinations (routing ran on M rows); each row lands inside region 0 of its
                 // destination's window (n M rows, sized by the capacity) and the batch inside
-                // region 2 (n ints); the flags, counters and wait are the link's (see
-                // WindowWrite).
+                // region 2 (n ints); counts holds el ints; the flags, counters and wait are the
+                // link's (see WindowWrite).
                 unsafe {
                     let mut p = s.launch_builder(&l.k.ll_send);
                     p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
                     p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
                     p.arg(&stride_l).arg(&rank).arg(&win.regions).arg(&win.nregions).arg(&home_rows);
+                    p.arg(&counts).arg(&el);
                     p.arg(&win.flags).arg(&win.nflags).arg(&win.sent).arg(&win.done).arg(&win.wait);
                     p.launch(rows(m * n, 128))
                 }
@@ -98,14 +97,15 @@ impl DevicePrepareFinalize for LowLatency {
             })?;
             return Ok(Box::new(Landing { recv: at[0], back: at[1], batches: at[2], nvlink: true }));
         }
-        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*)
-        // over M tokens × n destinations of buffers sized for them (routing ran on M rows); the
-        // placement's tables cover every expert, and `shared` (when not null) too.
+        // SAFETY: ll_pack(bf16*, int*, float*, int*, int, int, int, int* x5, long, u8*, int*,
+        // int*, int) over M tokens × n destinations of buffers sized for them (routing ran on M
+        // rows); the placement's tables cover every expert, and `shared` (when not null) too;
+        // counts holds el ints.
         unsafe {
             let mut p = s.launch_builder(&l.k.ll_pack);
             p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
             p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
-            p.arg(&stride_l).arg(&send).arg(&home_rows);
+            p.arg(&stride_l).arg(&send).arg(&home_rows).arg(&counts).arg(&el);
             p.launch(LaunchConfig { grid_dim: (m as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
         }
         .map_err(|e| err("ll_pack", e))?;
@@ -154,14 +154,15 @@ impl DevicePrepareFinalize for LowLatency {
             None => (a, 0u64),
         };
         // SAFETY: ll_arrange(u8*, long, int, int, int, int, int*, int, int, int*, int*, bf16*,
-        // int*) reads the msg received rows (and, when not null, the n senders' batch sizes)
-        // once they have landed; row_of_slot holds msg · k ints, counts el, and `a` (when not
-        // null) el · cap rows, else slot_of_row el · cap ints.
+        // int*) reads the msg received rows (and, when not null, the n senders' batch sizes) once
+        // they have landed, a thread per slot; row_of_slot holds msg · k ints, counts el (zeroed
+        // by the send before it), and `a` (when not null) el · cap rows, else slot_of_row el ·
+        // cap ints.
         unsafe {
             let mut r = s.launch_builder(&l.k.ll_arrange);
             r.arg(&recv).arg(&stride).arg(&msg_i).arg(&ki).arg(&hi).arg(&cap_i);
             r.arg(&batches).arg(&mi).arg(&el_i).arg(&row_of_slot).arg(&counts).arg(&copy_to).arg(&slot_of_row);
-            r.launch(rows(el, arrange_threads(msg)))
+            r.launch(rows((msg * k).div_ceil(ARRANGE_THREADS as usize), ARRANGE_THREADS))
         }
         .map_err(|e| err("ll_arrange", e))?;
         mark(3)?;
