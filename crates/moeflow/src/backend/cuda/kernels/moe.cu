@@ -695,14 +695,18 @@ __global__ void combine_partial(const bf16_t* y, const float* b2, const int* loc
     }
 }
 
+}  // extern "C"
+
 // Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
 // (rows -1 where token t sent nothing to d), then + ys[t, h] (an ungated shared expert's
 // output) when `ys` is not null, for the first T tokens, or the first *live when `live` is not
 // null. A token's columns are shared by `chunks` blocks: gridDim.y (per_token's split) without
 // `live`; with it, as many as keep about gridDim.x blocks busy (a graph's grid is set by the
 // capacity T, the batch is read here: one token takes gridDim.y blocks, a full batch one each).
-__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, const int* live,
-                             const bf16_t* ys, float* out) {
+// A thread takes TURN of its 8-column groups at a time, their loads in flight together.
+template <int TURN>
+__device__ __forceinline__ void sum_partials_at(const bf16_t* part, const int* rows, int T, int n, int H,
+                                                const int* live, const bf16_t* ys, float* out) {
     int chunks = gridDim.y;
     if (live) {
         T = min(T, *live);
@@ -714,17 +718,66 @@ __global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, 
         int first = (int)(item % chunks) * blockDim.x + threadIdx.x, step = blockDim.x * chunks;
         const int* rt = rows + t * n;
         if (H % 8 == 0) {
-            for (int c = first; c < H / 8; c += step) {
-                float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-                sum_rows8(part, 0, rt, 0, 0, n, H, c, acc);
-                if (ys) {
-                    float sh[8];
-                    unpack8(((const uint4*)(ys + t * H))[c], sh);
-                    for (int q = 0; q < 8; q++) acc[q] += sh[q];
+            if constexpr (TURN == 1) {
+                for (int c = first; c < H / 8; c += step) {
+                    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+                    sum_rows8(part, 0, rt, 0, 0, n, H, c, acc);
+                    if (ys) {
+                        float sh[8];
+                        unpack8(((const uint4*)(ys + t * H))[c], sh);
+                        for (int q = 0; q < 8; q++) acc[q] += sh[q];
+                    }
+                    float4* o = (float4*)(out + t * H + 8 * c);
+                    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+                    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
                 }
-                float4* o = (float4*)(out + t * H + 8 * c);
-                o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+            } else {
+                // TURN column groups at a time, the rows of two ranks at a time: every load is
+                // issued before any is summed, so they are in flight together. Each column still
+                // sums its ranks in rank order.
+                for (int c0 = first; c0 < H / 8; c0 += TURN * step) {
+                    float acc[TURN][8];
+#pragma unroll
+                    for (int u = 0; u < TURN; u++)
+#pragma unroll
+                        for (int q = 0; q < 8; q++) acc[u][q] = 0.0f;
+                    for (int d0 = 0; d0 < n; d0 += 2) {
+                        int r[2];
+                        uint4 raw[TURN][2];
+#pragma unroll
+                        for (int v = 0; v < 2; v++) r[v] = d0 + v < n ? rt[d0 + v] : -1;
+#pragma unroll
+                        for (int u = 0; u < TURN; u++)
+#pragma unroll
+                            for (int v = 0; v < 2; v++)
+                                if (r[v] >= 0 && c0 + u * step < H / 8)
+                                    raw[u][v] = ((const uint4*)(part + (long)r[v] * H))[c0 + u * step];
+#pragma unroll
+                        for (int u = 0; u < TURN; u++)
+#pragma unroll
+                            for (int v = 0; v < 2; v++) {
+                                if (r[v] < 0 || c0 + u * step >= H / 8) continue;
+                                float f[8];
+                                unpack8(raw[u][v], f);
+#pragma unroll
+                                for (int q = 0; q < 8; q++) acc[u][q] += f[q];
+                            }
+                    }
+#pragma unroll
+                    for (int u = 0; u < TURN; u++) {
+                        const int c = c0 + u * step;
+                        if (c >= H / 8) continue;
+                        if (ys) {
+                            float sh[8];
+                            unpack8(((const uint4*)(ys + t * H))[c], sh);
+#pragma unroll
+                            for (int q = 0; q < 8; q++) acc[u][q] += sh[q];
+                        }
+                        float4* o = (float4*)(out + t * H + 8 * c);
+                        o[0] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
+                        o[1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
+                    }
+                }
             }
         } else {
             for (int h = first; h < H; h += step) {
@@ -734,6 +787,22 @@ __global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, 
             }
         }
     }
+}
+
+extern "C" {
+
+// sum_partials_at for the batches sized on the host, bound by memory bandwidth: a group at a
+// time, which keeps the registers for more blocks a SM.
+__global__ void sum_partials(const bf16_t* part, const int* rows, int T, int n, int H, const int* live,
+                             const bf16_t* ys, float* out) {
+    sum_partials_at<1>(part, rows, T, n, H, live, ys, out);
+}
+
+// sum_partials_at for the low-latency batch read on the device (`live`), a few rows a block and
+// bound by the loads' latency: four groups at a time.
+__global__ void sum_partials_live(const bf16_t* part, const int* rows, int T, int n, int H, const int* live,
+                                  const bf16_t* ys, float* out) {
+    sum_partials_at<4>(part, rows, T, n, H, live, ys, out);
 }
 
 // Global expert ids to this rank's local ids: `first..first + el` → `0..el`, others → el.

@@ -53,15 +53,19 @@ __device__ __forceinline__ void rt_store_pair(float* out, int T, int E, int t, i
 // The bf16 copy of the tokens' values this thread copied into the stage at `xs` (chunk columns
 // from k0, as the kernels' loads deal them): into x_bf [T, H] (f32_to_bf16), the values of the
 // batch's tokens and of the split's columns only, by the router that reads them anyway. Row r
-// of a token tile is written by the block of expert tile r mod the tiles (blockIdx.x), so each
-// value is written once and the blocks share the stores: bit u of `mine` (rt_copy_rows) says
-// whether this thread's piece u lies in such a row.
+// of a token tile is written by the block of expert tile (r / 4 + r / 32) mod the tiles
+// (blockIdx.x), so each value is written once and the blocks share the stores: bit u of `mine`
+// (rt_copy_rows) says whether this thread's piece u lies in such a row. A warp's pieces u lie
+// in four rows r / 4 alike, so a warp copies a piece or skips it whole, and over the pieces
+// the warps share the copies evenly (r / 32 is the piece).
 #define RT_PIECES ((RT_BM * RT_BK / 4) / RT_THREADS)  // 16-byte pieces of a stage a thread copies
 __device__ __forceinline__ unsigned rt_copy_rows() {
     unsigned mine = 0;
 #pragma unroll
-    for (int u = 0; u < RT_PIECES; u++)
-        if (((threadIdx.x + u * RT_THREADS) / (RT_BK / 4)) % gridDim.x == blockIdx.x) mine |= 1u << u;
+    for (int u = 0; u < RT_PIECES; u++) {
+        const int r = (threadIdx.x + u * RT_THREADS) / (RT_BK / 4);
+        if ((r / 4 + r / 32) % gridDim.x == blockIdx.x) mine |= 1u << u;
+    }
     return mine;
 }
 __device__ __forceinline__ void rt_copy_bf16(const float* xs, bf16_t* x_bf, unsigned mine, int t0, int T, int H,
@@ -242,20 +246,33 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
     bool busy = t0 + wg * 64 < T;
     constexpr int PIECES = (RT_BN * RT_BK / 4) / RT_THREADS;  // 16-byte gate pieces a thread copies
 
+    // This thread's 16-byte pieces of a stage: piece p of rows r0 + 32 u (u < PIECES) of both
+    // operands, one p for all (the rows' r % 8 alike too), so their places are found once:
+    // where their columns start in x and the gate (at the split's first column), which of the
+    // rows lie within T and E, and their offsets in a stage.
+    const int p = threadIdx.x % (RT_BK / 4), r0 = threadIdx.x / (RT_BK / 4);
+    const float* x_at = x + (long)(t0 + r0) * H + k_lo + 4 * p;
+    const float* gate_at = gate + (long)(e0 + r0) * H + k_lo + 4 * p;
+    unsigned x_rows = 0, gate_rows = 0;
+#pragma unroll
+    for (int u = 0; u < PIECES; u++) {
+        if (t0 + r0 + 32 * u < T) x_rows |= 1u << u;
+        if (e0 + r0 + 32 * u < E) gate_rows |= 1u << u;
+    }
+    const int x_off = r0 * RT_LD + 4 * p, gate_off = r0 * 128 + ((p ^ (r0 & 7)) << 4);
+
     // Stage s gets chunk c: the tokens' 128 × 32 values padded as above, and the gate's 128
     // rows of 32 values (128 bytes), piece p of row r at p ^ (r % 8); zeros past T, E and the
     // split's last column.
     auto load = [&](int c, int s) {
-        int k0 = k_lo + c * RT_BK;
+        const bool kin = k_lo + c * RT_BK + 4 * p < k_hi;
 #pragma unroll
         for (int u = 0; u < PIECES; u++) {
-            int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), p = i % (RT_BK / 4), k = k0 + 4 * p;
-            int t = t0 + r, e = e0 + r;
-            bool kin = k < k_hi;
-            mg_cp_async16(xs + ((long)s * RT_BM + r) * RT_LD + 4 * p, kin && t < T ? x + (long)t * H + k : x,
-                          kin && t < T ? 16 : 0);
-            mg_cp_async16(heads + s * RT_GATE_TILE + r * 128 + ((p ^ (r & 7)) << 4),
-                          kin && e < E ? gate + (long)e * H + k : gate, kin && e < E ? 16 : 0);
+            const bool xin = kin && (x_rows >> u & 1u), gin = kin && (gate_rows >> u & 1u);
+            mg_cp_async16(xs + s * RT_BM * RT_LD + x_off + 32 * u * RT_LD,
+                          xin ? x_at + (long)u * 32 * H + c * RT_BK : x, xin ? 16 : 0);
+            mg_cp_async16(heads + s * RT_GATE_TILE + gate_off + 32 * u * 128,
+                          gin ? gate_at + (long)u * 32 * H + c * RT_BK : gate, gin ? 16 : 0);
         }
     };
 
@@ -281,8 +298,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         // and its tail, at the same place of the tail tile.
 #pragma unroll
         for (int u = 0; u < PIECES; u++) {
-            int i = threadIdx.x + u * RT_THREADS, r = i / (RT_BK / 4), p = i % (RT_BK / 4);
-            int at = s * RT_GATE_TILE + r * 128 + ((p ^ (r & 7)) << 4);
+            const int at = s * RT_GATE_TILE + gate_off + 32 * u * 128;
             float4 v = *(float4*)(heads + at);
             unsigned hx, tx, hy, ty, hz, tz, hw, tw;
             rt_split(v.x, hx, tx);

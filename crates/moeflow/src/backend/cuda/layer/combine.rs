@@ -104,13 +104,15 @@ impl CudaMoeLayer {
         };
         let out = dptr(&b.out, g);
         let (ti, ni, hi) = (t as i32, n as i32, self.config.hidden as i32);
-        // SAFETY: sum_partials(bf16*, int*, int, int, int, int*, bf16*, float*): home_rows holds
-        // t · n entries, each -1 or a row of `back`; `out` and `ys` (when not null) hold t rows
-        // of H; `live`, when not null, is one int.
+        // A batch read on the device is latency-bound: its kernel keeps more loads in flight.
+        let kernel = if live == 0 { &self.k.sum_partials } else { &self.k.sum_partials_live };
+        // SAFETY: sum_partials[_live](bf16*, int*, int, int, int, int*, bf16*, float*): home_rows
+        // holds t · n entries, each -1 or a row of `back`; `out` and `ys` (when not null) hold t
+        // rows of H; `live`, when not null, is one int.
         unsafe {
             self.gpu
                 .stream
-                .launch_builder(&self.k.sum_partials)
+                .launch_builder(kernel)
                 .arg(&back)
                 .arg(&home_rows)
                 .arg(&ti)
