@@ -50,6 +50,19 @@ __device__ __forceinline__ void rt_store_pair(float* out, int T, int E, int t, i
     if (e + 1 < E) out[(long)t * E + e + 1] = bias ? s1 + bias[e + 1] : s1;
 }
 
+// Two f32 rounded to the nearest bf16, ties to even, `lo` in the low half: one instruction
+// from sm_80 on, f32_to_bf16's arithmetic before (the same bits but for NaN payloads; NaN
+// stays NaN either way).
+__device__ __forceinline__ unsigned rt_pack_bf16(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
+#endif
+}
+
 // The bf16 copy of the tokens' values this thread copied into the stage at `xs` (chunk columns
 // from k0, as the kernels' loads deal them): into x_bf [T, H] (f32_to_bf16), the values of the
 // batch's tokens and of the split's columns only, by the router that reads them anyway. Row r
@@ -76,9 +89,7 @@ __device__ __forceinline__ void rt_copy_bf16(const float* xs, bf16_t* x_bf, unsi
         int t = t0 + r, k = k0 + c4;
         if (((mine >> u) & 1u) && t < T && k < k_hi) {
             float4 v = *(const float4*)(xs + r * RT_LD + c4);
-            unsigned lo = (unsigned)f32_to_bf16(v.x) | ((unsigned)f32_to_bf16(v.y) << 16);
-            unsigned hi = (unsigned)f32_to_bf16(v.z) | ((unsigned)f32_to_bf16(v.w) << 16);
-            *(uint2*)(x_bf + (long)t * H + k) = make_uint2(lo, hi);
+            *(uint2*)(x_bf + (long)t * H + k) = make_uint2(rt_pack_bf16(v.x, v.y), rt_pack_bf16(v.z, v.w));
         }
     }
 }
