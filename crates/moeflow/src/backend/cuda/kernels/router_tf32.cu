@@ -64,7 +64,7 @@ __device__ __forceinline__ unsigned rt_pack_bf16(float lo, float hi) {
 }
 
 // The bf16 copy of the tokens' values this thread copied into the stage at `xs` (chunk columns
-// from k0, as the kernels' loads deal them): into x_bf [T, H] (f32_to_bf16), the values of the
+// from k0, as the kernels' loads deal them): into x_bf [T, H] (rt_pack_bf16), the values of the
 // batch's tokens and of the split's columns only, by the router that reads them anyway. Row r
 // of a token tile is written by the block of expert tile (r / 4 + r / 32) mod the tiles
 // (blockIdx.x), so each value is written once and the blocks share the stores: bit u of `mine`

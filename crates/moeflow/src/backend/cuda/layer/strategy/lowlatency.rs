@@ -63,7 +63,7 @@ impl DevicePrepareFinalize for LowLatency {
         let (xb, ids, w, tokens) = (dptr(&b.x_bf, g), dptr(&b.ids, g), dptr(&b.weights, g), dptr(&ll.tokens, g));
         let (send, recv, home_rows) = (dptr(&ll.send, g), dptr(&ll.recv, g), dptr(&ll.home_rows, g));
         // The arrangement's counts, zeroed by the send (the arrangement adds into them).
-        let (counts, el) = (dptr(&ll.counts, g), link.local as i32);
+        let (counts, el_i) = (dptr(&ll.counts, g), link.local as i32);
         let (mi, ki, hi, stride_l) = (m as i32, k as i32, h as i32, stride as i64);
         let placed = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tables = placed.ptrs(g);
@@ -88,7 +88,7 @@ impl DevicePrepareFinalize for LowLatency {
                     p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
                     p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
                     p.arg(&stride_l).arg(&rank).arg(&win.regions).arg(&win.nregions).arg(&home_rows);
-                    p.arg(&counts).arg(&el);
+                    p.arg(&counts).arg(&el_i);
                     p.arg(&win.flags).arg(&win.nflags).arg(&win.sent).arg(&win.done).arg(&win.wait);
                     p.launch(rows(m * n, 128))
                 }
@@ -105,7 +105,7 @@ impl DevicePrepareFinalize for LowLatency {
             let mut p = s.launch_builder(&l.k.ll_pack);
             p.arg(&xb).arg(&ids).arg(&w).arg(&tokens).arg(&mi).arg(&ki).arg(&hi);
             p.arg(&tables[0]).arg(&tables[1]).arg(&tables[2]).arg(&tables[3]).arg(&shared);
-            p.arg(&stride_l).arg(&send).arg(&home_rows).arg(&counts).arg(&el);
+            p.arg(&stride_l).arg(&send).arg(&home_rows).arg(&counts).arg(&el_i);
             p.launch(LaunchConfig { grid_dim: (m as u32, n as u32, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 })
         }
         .map_err(|e| err("ll_pack", e))?;
