@@ -104,7 +104,7 @@ fn run_and_move(
 
 #[test]
 fn deterministic_outputs_are_bit_identical_across_moves() {
-    let Some(n) = gpus("deterministic_outputs_are_bit_identical_across_moves") else { return };
+    let Some(Gpus { n, _serial }) = gpus("deterministic_outputs_are_bit_identical_across_moves") else { return };
     let det = CudaOptions { deterministic: true, ..Default::default() };
     for (name, config, weights) in cases() {
         let spec = moeflow::RankLayerSpec { cuda: det.clone(), ..moeflow::RankLayerSpec::new(&config, &weights) };
@@ -129,7 +129,9 @@ fn deterministic_outputs_are_bit_identical_across_moves() {
 
 #[test]
 fn default_mode_stays_within_bf16_of_the_reference_across_moves() {
-    let Some(n) = gpus("default_mode_stays_within_bf16_of_the_reference_across_moves") else { return };
+    let Some(Gpus { n, _serial }) = gpus("default_mode_stays_within_bf16_of_the_reference_across_moves") else {
+        return;
+    };
     let strategies = [
         StrategyKind::All2AllV,
         StrategyKind::AllGather,
@@ -154,7 +156,7 @@ fn default_mode_stays_within_bf16_of_the_reference_across_moves() {
 /// their bf16 values.
 #[test]
 fn fp8_experts_move_with_their_scales() {
-    let Some(n) = gpus("fp8_experts_move_with_their_scales") else { return };
+    let Some(Gpus { n, _serial }) = gpus("fp8_experts_move_with_their_scales") else { return };
     let config = fp8_test_config(n);
     let mut weights = preset::random_weights(&config, DType::BF16, 62);
     weights.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
@@ -212,7 +214,7 @@ fn attempt(
 
 #[test]
 fn bad_placements_are_refused_before_any_weight_moves() {
-    let Some(n) = gpus("bad_placements_are_refused_before_any_weight_moves") else { return };
+    let Some(Gpus { n, _serial }) = gpus("bad_placements_are_refused_before_any_weight_moves") else { return };
     let e = cases()[0].1.num_experts;
     let contiguous = Arc::new(ExpertPlacement::contiguous(e, n).unwrap());
     let refused = |body: &(dyn Fn(&dyn Communicator, &mut moeflow::RankLayer) -> moeflow::Result<()> + Sync),
@@ -255,7 +257,9 @@ fn bad_placements_are_refused_before_any_weight_moves() {
 
 #[test]
 fn a_dead_rank_fails_the_move_everywhere_and_the_placement_stays() {
-    let Some(n) = gpus("a_dead_rank_fails_the_move_everywhere_and_the_placement_stays") else { return };
+    let Some(Gpus { n, _serial }) = gpus("a_dead_rank_fails_the_move_everywhere_and_the_placement_stays") else {
+        return;
+    };
     let e = cases()[0].1.num_experts;
     let rr = Arc::new(ExpertPlacement::round_robin(e, n).unwrap());
     let results = attempt(n, |c, l| {

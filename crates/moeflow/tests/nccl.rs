@@ -20,7 +20,7 @@ const BF16_TOL: f64 = 2.5e-2;
 
 #[test]
 fn collectives_move_uneven_and_empty_parts() {
-    let Some(n) = gpus("collectives_move_uneven_and_empty_parts") else { return };
+    let Some(Gpus { n, _serial }) = gpus("collectives_move_uneven_and_empty_parts") else { return };
     let len = |src: usize, dst: usize| (src * 7 + dst * 13) % 11 * 1000; // includes 0
     let byte = |src: usize, dst: usize, i: usize| (src * 31 + dst * 17 + i) as u8;
     let results = run_ranks_nccl(&(0..n).collect::<Vec<_>>(), Duration::from_secs(30), |c| {
@@ -56,7 +56,7 @@ fn collectives_move_uneven_and_empty_parts() {
 /// rank's `ncclCommDestroy` (which stalled until the deadline, every time, before they did).
 #[test]
 fn splits_and_teardowns_repeat() {
-    let Some(n) = gpus("splits_and_teardowns_repeat") else { return };
+    let Some(Gpus { n, _serial }) = gpus("splits_and_teardowns_repeat") else { return };
     for round in 0..3 {
         let results = run_ranks_nccl(&(0..n).collect::<Vec<_>>(), Duration::from_secs(30), |c| {
             for _ in 0..3 {
@@ -76,7 +76,7 @@ fn splits_and_teardowns_repeat() {
 /// A communicator of one rank (a sub-group alone) reduces to its own values.
 #[test]
 fn single_rank_groups_reduce() {
-    let Some(n) = gpus("single_rank_groups_reduce") else { return };
+    let Some(Gpus { n, _serial }) = gpus("single_rank_groups_reduce") else { return };
     let results = run_ranks_nccl(&(0..n).collect::<Vec<_>>(), Duration::from_secs(30), |c| {
         let alone = c.split(c.rank(), 0)?;
         assert_eq!(alone.size(), 1);
@@ -106,7 +106,7 @@ fn layer_config(e: usize, k: usize) -> (moeflow::MoeConfig, moeflow::MoeWeights)
 
 #[test]
 fn every_strategy_on_gpus_matches_the_reference_and_repeats() {
-    let Some(n) = gpus("every_strategy_on_gpus_matches_the_reference_and_repeats") else { return };
+    let Some(Gpus { n, _serial }) = gpus("every_strategy_on_gpus_matches_the_reference_and_repeats") else { return };
     let mut layouts: Vec<(String, ParallelConfig, usize, usize)> = Vec::new();
     for strategy in StrategyKind::ALL.into_iter().filter(|&s| s != StrategyKind::Local) {
         layouts.push((format!("{strategy}"), ParallelConfig::new(n, 1, strategy), 8, 2));
@@ -285,7 +285,7 @@ fn device_layer_matches_the_reference(
 #[test]
 fn device_resident_all2allv_matches_the_reference_and_repeats() {
     use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
+    let Some(Gpus { n, _serial }) = gpus("device_resident_all2allv_matches_the_reference_and_repeats") else { return };
     let devices: Vec<usize> = (0..n).collect();
     device_layer_matches_the_reference("all2allv", n, Ok);
     // A placement for other experts or ranks is a clear error, not a wrong answer.
@@ -304,7 +304,9 @@ fn device_resident_all2allv_matches_the_reference_and_repeats() {
 #[test]
 fn device_resident_gathering_layers_match_the_reference_and_repeat() {
     use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("device_resident_gathering_layers_match_the_reference_and_repeat") else { return };
+    let Some(Gpus { n, _serial }) = gpus("device_resident_gathering_layers_match_the_reference_and_repeat") else {
+        return;
+    };
     device_layer_matches_the_reference("all-gather", n, |layer| layer.all_gather());
     device_layer_matches_the_reference("multicast", n, |layer| layer.multicast());
     device_layer_matches_the_reference("all-gather of logits", n, |layer| layer.all_gather_logits());
@@ -334,7 +336,7 @@ fn device_resident_gathering_layers_match_the_reference_and_repeat() {
 #[test]
 fn device_dual_batch_matches_the_reference() {
     use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("device_dual_batch_matches_the_reference") else { return };
+    let Some(Gpus { n, _serial }) = gpus("device_dual_batch_matches_the_reference") else { return };
     let devices: Vec<usize> = (0..n).collect();
     // Both halves exchange by all-to-all-v, then both by all-gather.
     for (name, config, weights, all_gather) in
@@ -387,7 +389,7 @@ fn device_dual_batch_matches_the_reference() {
 #[test]
 fn low_latency_graph_matches_the_reference_and_replays() {
     use moeflow::backend::cuda::CudaMoeLayer;
-    let Some(n) = gpus("low_latency_graph_matches_the_reference_and_replays") else { return };
+    let Some(Gpus { n, _serial }) = gpus("low_latency_graph_matches_the_reference_and_replays") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 64;
     for (name, config, weights, (placed, placement, min_rows)) in device_cases()
@@ -466,7 +468,7 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
     use moeflow::quant::WeightQuant;
     let name = "expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference";
-    let Some(n) = gpus(name) else { return };
+    let Some(Gpus { n, _serial }) = gpus(name) else { return };
     let devices: Vec<usize> = (0..n).collect();
     let shared = Some(SharedConfig { inter: 64, gated: true });
     let softmax = RouterConfig::Softmax { renormalize: true };
@@ -521,7 +523,7 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
 fn low_latency_fp8_experts_match_the_reference() {
     use moeflow::backend::cuda::CudaMoeLayer;
     use moeflow::quant::WeightQuant;
-    let Some(n) = gpus("low_latency_fp8_experts_match_the_reference") else { return };
+    let Some(Gpus { n, _serial }) = gpus("low_latency_fp8_experts_match_the_reference") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 48;
     let config = fp8_test_config(n);
@@ -690,7 +692,9 @@ fn run_rank_layers(
 /// matches the f64 reference.
 #[test]
 fn rank_layers_on_gpus_are_device_resident_and_match_the_reference() {
-    let Some(n) = gpus("rank_layers_on_gpus_are_device_resident_and_match_the_reference") else { return };
+    let Some(Gpus { n, _serial }) = gpus("rank_layers_on_gpus_are_device_resident_and_match_the_reference") else {
+        return;
+    };
     for (name, config, weights) in device_cases() {
         let h = config.hidden;
         let total = 342;
@@ -721,7 +725,7 @@ fn rank_layers_on_gpus_are_device_resident_and_match_the_reference() {
 #[test]
 fn deterministic_mode_gives_one_gpus_bits_whatever_the_layout() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
-    let Some(n) = gpus("deterministic_mode_gives_one_gpus_bits_whatever_the_layout") else { return };
+    let Some(Gpus { n, _serial }) = gpus("deterministic_mode_gives_one_gpus_bits_whatever_the_layout") else { return };
     let det = CudaOptions { deterministic: true, ..Default::default() };
     for (name, config, weights) in device_cases() {
         let h = config.hidden;
@@ -773,7 +777,7 @@ fn deterministic_mode_gives_one_gpus_bits_whatever_the_layout() {
 #[test]
 fn auto_picks_the_tables_strategy_per_batch() {
     use moeflow::auto_strategy::{AutoRow, AutoStrategy};
-    let Some(n) = gpus("auto_picks_the_tables_strategy_per_batch") else { return };
+    let Some(Gpus { n, _serial }) = gpus("auto_picks_the_tables_strategy_per_batch") else { return };
     let row = |up_to_tokens, s: &str| AutoRow { up_to_tokens, strategy: s.into() };
     let table = AutoStrategy {
         measured_on: "test".into(),
@@ -820,7 +824,7 @@ fn auto_picks_the_tables_strategy_per_batch() {
 #[test]
 fn nvlink_transport_gives_nccls_bits() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
-    let Some(n) = gpus("nvlink_transport_gives_nccls_bits") else { return };
+    let Some(Gpus { n, _serial }) = gpus("nvlink_transport_gives_nccls_bits") else { return };
     let devices: Vec<usize> = (0..n).collect();
     const M: usize = 64;
     for (name, config, weights, (placed, placement, replica_min_rows)) in device_cases()
@@ -886,7 +890,7 @@ fn pinned_tiles(opts: moeflow::backend::cuda::CudaOptions) -> moeflow::backend::
 #[test]
 fn nvlink_transport_reports_a_stalled_peer() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
-    let Some(n) = gpus("nvlink_transport_reports_a_stalled_peer") else { return };
+    let Some(Gpus { n, _serial }) = gpus("nvlink_transport_reports_a_stalled_peer") else { return };
     let devices: Vec<usize> = (0..n).collect();
     let (_, config, weights) = device_cases().remove(0);
     let h = config.hidden;
@@ -926,9 +930,7 @@ fn nvlink_transport_reports_a_stalled_peer() {
 /// copy shows the link carries.
 #[test]
 fn peer_copy_and_push_measure_the_link() {
-    if gpus("peer_copy_and_push_measure_the_link").is_none() {
-        return;
-    }
+    let Some(Gpus { _serial, .. }) = gpus("peer_copy_and_push_measure_the_link") else { return };
     let copy = moeflow::backend::cuda::measure_peer_copy(0, 1).expect("the peer copy");
     let push = moeflow::backend::cuda::measure_peer_push(0, 1, 64).expect("the push kernel");
     assert!(copy.is_finite() && copy > 0.0, "peer copy: {copy} GB/s");
@@ -943,7 +945,7 @@ fn peer_copy_and_push_measure_the_link() {
 #[test]
 fn nvlink_window_grows_with_the_batch() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
-    let Some(n) = gpus("nvlink_window_grows_with_the_batch") else { return };
+    let Some(Gpus { n, _serial }) = gpus("nvlink_window_grows_with_the_batch") else { return };
     let devices: Vec<usize> = (0..n).collect();
     let (_, config, weights) = device_cases().remove(2);
     let h = config.hidden;
@@ -1032,7 +1034,7 @@ fn through_device(
 /// every rank refuses one whose largest share does not.
 #[test]
 fn tp_sliced_device_layers_take_any_batch() {
-    let Some(n) = gpus("tp_sliced_device_layers_take_any_batch") else { return };
+    let Some(Gpus { n, _serial }) = gpus("tp_sliced_device_layers_take_any_batch") else { return };
     // The capacity a rank's share of the largest batch fills exactly.
     const M: usize = 171;
     let batches = [7usize, 1, 0, 2 * M];
@@ -1100,7 +1102,7 @@ fn tp_sliced_device_layers_take_any_batch() {
 #[test]
 fn tp_sliced_deterministic_layers_give_one_gpus_bits() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
-    let Some(n) = gpus("tp_sliced_deterministic_layers_give_one_gpus_bits") else { return };
+    let Some(Gpus { n, _serial }) = gpus("tp_sliced_deterministic_layers_give_one_gpus_bits") else { return };
     let det = CudaOptions { deterministic: true, ..Default::default() };
     for (name, config, weights) in device_cases() {
         let h = config.hidden;

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::gpus;
+use common::{gpus, Gpus};
 use moeflow::backend::cuda::run_ranks_nccl;
 use moeflow::comm::Communicator;
 use moeflow::MoeError;
@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 #[test]
 fn a_failing_rank_fails_every_rank_within_the_deadline() {
-    let Some(n) = gpus("a_failing_rank_fails_every_rank_within_the_deadline") else { return };
+    let Some(Gpus { n, _serial }) = gpus("a_failing_rank_fails_every_rank_within_the_deadline") else { return };
     let timeout = Duration::from_secs(5);
     let devices: Vec<usize> = (0..n).collect();
     // Rank 1 returns an error between two collectives: the others must not wait for it.

@@ -96,13 +96,27 @@ pub fn variant_tol(dtype: DType, bf16: Bf16Matmul) -> f64 {
     }
 }
 
-/// GPUs to use (2 or 4), or `None` after saying loudly that the test is skipped.
+/// The GPUs a multi-GPU test runs on, held by that test alone until `_serial` drops: a test
+/// binary runs its tests on threads side by side, and two tests whose ranks spin on their
+/// peers on the same GPUs can each hold the SMs the other's peer needs until the deadline.
 #[cfg(feature = "cuda")]
-pub fn gpus(test: &str) -> Option<usize> {
+pub struct Gpus {
+    /// How many (2, or 4 where there are that many).
+    pub n: usize,
+    pub _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+/// The GPUs to use, taken from every other test of the binary, or `None` after saying loudly
+/// that the test is skipped.
+#[cfg(feature = "cuda")]
+pub fn gpus(test: &str) -> Option<Gpus> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let n = moeflow::backend::cuda::device_count();
     if n < 2 {
         eprintln!("SKIPPED {test}: needs 2 GPUs, found {n}");
         return None;
     }
-    Some(if n >= 4 { 4 } else { 2 })
+    // A test that failed while holding them leaves them usable.
+    let serial = SERIAL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    Some(Gpus { n: if n >= 4 { 4 } else { 2 }, _serial: serial })
 }
