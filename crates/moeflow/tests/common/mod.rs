@@ -97,8 +97,9 @@ pub fn variant_tol(dtype: DType, bf16: Bf16Matmul) -> f64 {
 }
 
 /// The GPUs a multi-GPU test runs on, held by that test alone until `_serial` drops: a test
-/// binary runs its tests on threads side by side, and two tests whose ranks spin on their
-/// peers on the same GPUs can each hold the SMs the other's peer needs until the deadline.
+/// binary runs its tests on threads side by side, and two low-latency tests side by side on
+/// the same GPUs both failed at their deadline (kernels that spin on a peer can hold the SMs
+/// the other test's peer needs), while each passes alone.
 #[cfg(feature = "cuda")]
 pub struct Gpus {
     /// How many (2, or 4 where there are that many).
