@@ -28,6 +28,17 @@ pub fn device_count() -> usize {
     CudaContext::device_count().map_or(0, |n| n.max(0) as usize)
 }
 
+/// For the library's GPU tests: whether there is no CUDA device, after saying loudly that
+/// `test` skips.
+#[cfg(test)]
+pub(crate) fn skip_without_gpu(test: &str) -> bool {
+    let none = device_count() == 0;
+    if none {
+        eprintln!("SKIPPED {test}: no CUDA device");
+    }
+    none
+}
+
 /// The experts `weights` on GPU `device`, as the modular layer takes them.
 pub fn experts(
     weights: &crate::experts::ExpertWeights,

@@ -377,8 +377,7 @@ mod tests {
     /// The layer on GPU 0 with `gemm`, or `None` (saying loudly that `name` skipped) without a
     /// GPU.
     fn layer(name: &str, gemm: ExpertGemm) -> Option<CudaMoeLayer> {
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu(name) {
             return None;
         }
         let config = config();

@@ -30,8 +30,7 @@ fn cases() -> Vec<(RouterConfig, usize, usize, usize)> {
 #[test]
 fn fused_router_matches_the_references() {
     let name = "fused_router_matches_the_references";
-    if super::super::device_count() == 0 {
-        eprintln!("SKIPPED {name}: no CUDA device");
+    if crate::backend::cuda::skip_without_gpu(name) {
         return;
     }
     for (case_no, (router, e, k, h)) in cases().into_iter().enumerate() {
@@ -123,8 +122,7 @@ fn fused_router_matches_the_references() {
 #[test]
 fn layers_with_and_without_the_fused_router_agree() {
     let name = "layers_with_and_without_the_fused_router_agree";
-    if super::super::device_count() == 0 {
-        eprintln!("SKIPPED {name}: no CUDA device");
+    if crate::backend::cuda::skip_without_gpu(name) {
         return;
     }
     let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };

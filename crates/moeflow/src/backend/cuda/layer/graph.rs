@@ -327,8 +327,7 @@ mod tests {
         weights: &crate::MoeWeights,
         sizes: &[usize],
     ) -> Option<CudaMoeLayer> {
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu(name) {
             return None;
         }
         let layer = CudaMoeLayer::new(config, weights, &Default::default()).unwrap();
@@ -455,8 +454,7 @@ mod tests {
         let name = "w8a8_replays_match_direct_runs_and_follow_their_buffers";
         let config = small_layer(256, 128, 16, 4, Some(SharedConfig { inter: 64, gated: true }));
         let weights = preset::random_weights(&config, DType::BF16, 23);
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
         let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();

@@ -316,8 +316,7 @@ mod tests {
     #[test]
     fn fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
         let name = "fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone";
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
         let gpu = Gpu::new(0).unwrap();

@@ -394,8 +394,7 @@ mod tests {
     /// every tiling and gathering. Needs a Hopper GPU; says loudly when it skips.
     #[test]
     fn hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu("hopper_grouped_gemm_matches_f64_and_leaves_other_rows_alone") {
             return;
         }
         let gpu = Gpu::new(0).unwrap();

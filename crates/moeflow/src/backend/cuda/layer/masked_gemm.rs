@@ -284,8 +284,7 @@ mod tests {
     /// one pass, and the whole capacity. Needs a GPU; says loudly when it skips.
     #[test]
     fn masked_gemm_matches_f64_and_leaves_masked_rows_alone() {
-        if super::super::super::device_count() == 0 {
-            eprintln!("SKIPPED masked_gemm_matches_f64_and_leaves_masked_rows_alone: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu("masked_gemm_matches_f64_and_leaves_masked_rows_alone") {
             return;
         }
         let gpu = Gpu::new(0).unwrap();

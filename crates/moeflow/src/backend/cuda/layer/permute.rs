@@ -212,8 +212,7 @@ pub(super) mod tests {
     #[test]
     fn counting_sort_matches_the_cpu() {
         let name = "counting_sort_matches_the_cpu";
-        if crate::backend::cuda::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
         let config = preset::config(64, 16, 8, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);

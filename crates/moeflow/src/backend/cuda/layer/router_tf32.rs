@@ -177,8 +177,7 @@ mod tests {
     #[test]
     fn tensor_core_router_matches_f64_dot_products() {
         let name = "tensor_core_router_matches_f64_dot_products";
-        if crate::backend::cuda::device_count() == 0 {
-            eprintln!("SKIPPED {name}: no CUDA device");
+        if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
         let softmax = RouterConfig::Softmax { renormalize: true };

@@ -28,8 +28,7 @@ fn cases() -> Vec<(RouterConfig, usize, usize)> {
 #[test]
 fn device_top_k_matches_the_cpu_routers_ties_included() {
     let name = "device_top_k_matches_the_cpu_routers_ties_included";
-    if super::super::device_count() == 0 {
-        eprintln!("SKIPPED {name}: no CUDA device");
+    if crate::backend::cuda::skip_without_gpu(name) {
         return;
     }
     let t = 37;

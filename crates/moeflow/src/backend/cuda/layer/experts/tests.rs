@@ -16,8 +16,7 @@ use half::bf16;
 /// the device. Needs a GPU; says loudly when it skips.
 #[test]
 fn every_device_experts_implementation_matches_f64() {
-    if crate::backend::cuda::device_count() == 0 {
-        eprintln!("SKIPPED every_device_experts_implementation_matches_f64: no CUDA device");
+    if crate::backend::cuda::skip_without_gpu("every_device_experts_implementation_matches_f64") {
         return;
     }
     let (h, i) = (256usize, 96usize);
