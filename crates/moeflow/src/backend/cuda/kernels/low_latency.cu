@@ -122,13 +122,14 @@ __global__ void ll_arrange(const unsigned char* recv, long stride, int tokens, i
 }
 
 // out[h] = the weighted sum of received message row r's expert rows (see ll_combine), by the
-// block.
+// block: every slot's row loaded at once up to eight slots (a decode step's few rows wait on
+// memory together).
 __device__ __forceinline__ void ll_combine_row(const unsigned char* recv, long stride, const bf16_t* y,
                                                const float* b2, const int* row_of_slot, int k, int H, long r,
                                                bf16_t* out) {
     const int* rid = (const int*)(recv + r * stride);
     const float* rw = (const float*)(recv + r * stride + 4L * k);
-    weighted_row_bf16(y, b2, row_of_slot + r * k, rid, rw, k, H, out);
+    weighted_row_bf16<8>(y, b2, row_of_slot + r * k, rid, rw, k, H, out);
 }
 
 // part[r, h] = sum over the slots j of message row r that have a row here, in slot order, of

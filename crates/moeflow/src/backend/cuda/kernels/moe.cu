@@ -80,20 +80,39 @@ __global__ void fill_uniform_f32(float* y, long n, u64 seed, float scale) {
     }
 }
 
+// A few ints from the host, by value (write_ints).
+#define HOST_INTS 66
+struct HostInts {
+    int n;
+    int v[HOST_INTS];
+};
+
+// dst[i] = ints.v[i] for i < ints.n: host values written in stream order from the launch's own
+// parameters. A copy from pageable host memory may wait for the stream to reach it, and so hold
+// back the host's next launches behind all the work queued before.
+__global__ void write_ints(int* dst, HostInts ints) {
+    for (int i = threadIdx.x; i < ints.n; i += blockDim.x) dst[i] = ints.v[i];
+}
+
 // logits[t, e] += bias[e]
 __global__ void add_row_bias(float* x, const float* bias, int rows, int cols) {
     long n = (long)rows * cols;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) x[i] += bias[i % cols];
 }
 
+}  // extern "C"
+
 // Router kinds: 0 softmax top-k, 1 top-k then softmax, 2 sigmoid + bias grouped (DeepSeek-V3),
 // 3 softmax group-limited (DeepSeek-V2). One warp per token, choice scores in shared memory;
 // ties go to the lower id. E <= MAX_E, k <= MAX_K, n_group <= 64.
 //
-// Groups and experts are chosen by rank: an entry's rank counts the entries above it, equal
-// ones at lower ids counting as above, so ranks 0 .. n - 1 are the n largest in order, ties to
-// the lower id, as n rounds of warp argmax would give. Every comparison is independent, where
-// the rounds were one long chain of shuffles (docs/tuning.md).
+// Groups are chosen by rank (an entry's rank counts the entries above it, equal ones at lower
+// ids counting as above: a few independent comparisons for a handful of groups). Experts are
+// chosen in k rounds of warp argmax over ordered integer keys: each lane holds the keys of
+// experts lane, lane + 32, ..., its best untaken one a few comparisons away in registers, and
+// a round is two warp reductions (`redux.sync`: the largest key, then the lowest id holding
+// it), where ranking every candidate against every other cost n² / 32 comparisons a lane
+// (docs/tuning.md).
 #define MAX_K 32
 #define MAX_E 1024
 #define WARPS 4
@@ -108,38 +127,85 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
+// The warp's largest of v (one instruction from sm_80 on).
+__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+#if __CUDA_ARCH__ >= 800
+    unsigned r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+#else
+    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+
+// The warp's smallest of v.
+__device__ __forceinline__ int warp_min_i32(int v) {
+#if __CUDA_ARCH__ >= 800
+    int r;
+    asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+#else
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+#endif
+}
+
 // Whether score u of id f ranks above score v of id e.
 __device__ __forceinline__ bool ranks_above(float u, int f, float v, int e) { return u > v || (u == v && f < e); }
 
+// A choice score as an integer key in the same order: equal scores (+0 and -0 too) give equal
+// keys; 0, below every other key, for no candidate (-inf or NaN).
+__device__ __forceinline__ unsigned score_key(float v) {
+    if (!(v > -INFINITY)) return 0u;
+    const unsigned b = __float_as_uint(v == 0.0f ? 0.0f : v);
+    return b & 0x80000000u ? ~b : b | 0x80000000u;
+}
+
 // One token's choice by one warp: its k ids and weights into ids[0 .. k) and weights[0 .. k)
-// from its E logits l (and the E bias values of kind 2); s, c, gs and pk are the warp's shared
-// scratch of MAX_E scores, MAX_E candidates, 64 group scores and MAX_K picks.
+// from its E logits l (and the E bias values of kind 2); s and gs are the warp's shared scratch
+// of MAX_E scores and 64 group scores. PER: experts a lane holds, E <= 32 · PER.
+template <int PER>
 __device__ void route_token(const float* l, const float* bias, int E, int k, int kind, int n_group, int topk_group,
-                            int renorm, float scaling, int* ids, float* weights, float* s, int* c, float* gs, int* pk) {
+                            int renorm, float scaling, int* ids, float* weights, float* s, float* gs) {
     int lane = threadIdx.x % 32;
     const bool softmax = kind == 0 || kind == 3;
+    // This lane's logits (of experts lane + 32 q), all loads in flight together, then their
+    // choice scores in place (written to s for the groups' scan).
+    float v[PER];
+#pragma unroll
+    for (int q = 0; q < PER; q++) {
+        const int e = lane + 32 * q;
+        v[q] = e < E ? l[e] : 0.0f;
+    }
     float mx = -INFINITY, sum = 0.0f;
     if (softmax) {
-        for (int e = lane; e < E; e += 32) mx = fmaxf(mx, l[e]);
+#pragma unroll
+        for (int q = 0; q < PER; q++)
+            if (lane + 32 * q < E) mx = fmaxf(mx, v[q]);
         mx = warp_max(mx);
-        for (int e = lane; e < E; e += 32) sum += __expf(l[e] - mx);
+#pragma unroll
+        for (int q = 0; q < PER; q++)
+            if (lane + 32 * q < E) sum += __expf(v[q] - mx);
         sum = warp_sum(sum);
     }
-    for (int e = lane; e < E; e += 32) {
-        float v;
-        if (softmax) v = __expf(l[e] - mx) / sum;
-        else if (kind == 2) v = 1.0f / (1.0f + __expf(-l[e])) + (bias ? bias[e] : 0.0f);
-        else v = l[e];
-        s[e] = v;
+#pragma unroll
+    for (int q = 0; q < PER; q++) {
+        const int e = lane + 32 * q;
+        if (softmax) v[q] = __expf(v[q] - mx) / sum;
+        else if (kind == 2) v[q] = 1.0f / (1.0f + __expf(-v[q])) + (bias && e < E ? bias[e] : 0.0f);
+        if (n_group > 1 && e < E) s[e] = v[q];
     }
-    __syncwarp();
+    unsigned long long keep = ~0ull;  // the groups kept (all without groups)
+    const int per = n_group > 1 ? E / n_group : E;
     if (n_group > 1) {
+        __syncwarp();
         // Group scores (the best, or with kind 2 the best two, of each group's experts), then
         // the topk_group best groups kept: lane g ranks groups g and g + 32. Each group is
         // scanned by `lpg` lanes (a power of two, up to 32 / n_group), each taking every lpg-th
         // expert, their best two merged by shuffles (the best two of a union are the larger
         // best and the largest of the rest, so the scores are those of one serial scan).
-        int per = E / n_group, lpg = 1;
+        int lpg = 1;
         while (lpg * 2 * n_group <= 32) lpg *= 2;
         for (int g0 = 0; g0 < n_group; g0 += 32 / lpg) {
             int g = g0 + lane / lpg, sub = lane % lpg;
@@ -157,7 +223,7 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
             if (g < n_group && sub == 0) gs[g] = kind == 2 ? a + b : a;
         }
         __syncwarp();
-        unsigned long long keep = 0;
+        keep = 0;
         for (int q = 0; q < 2; q++) {
             int g = lane + 32 * q, r = 0;
             if (g < n_group)
@@ -165,48 +231,37 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
             unsigned kept = __ballot_sync(0xffffffffu, g < n_group && r < topk_group);
             keep |= (unsigned long long)kept << (32 * q);
         }
-        for (int e = lane; e < E; e += 32)
-            if (!(keep >> (e / per) & 1ull)) s[e] = -INFINITY;
-        __syncwarp();
     }
-    // The candidates (scores above -inf, in id order) packed to the front: their ids in c,
-    // their scores over s (the warp reads a stretch of 32 before any lane writes at or below it).
-    int n = 0;
-    for (int base = 0; base < E; base += 32) {
-        int e = base + lane;
-        float v = e < E ? s[e] : -INFINITY;
-        bool ok = v > -INFINITY;
-        unsigned mask = __ballot_sync(0xffffffffu, ok);
-        int at = n + __popc(mask & ((1u << lane) - 1u));
-        __syncwarp();
-        if (ok) { s[at] = v; c[at] = e; }
-        n += __popc(mask);
+    // This lane's keys: expert lane + 32 q in key[q], 0 where it is no candidate (past E, in a
+    // group not kept, or a score of -inf or NaN).
+    unsigned key[PER];
+#pragma unroll
+    for (int q = 0; q < PER; q++) {
+        const int e = lane + 32 * q;
+        key[q] = e < E && (keep >> (e / per) & 1ull) ? score_key(v[q]) : 0u;
     }
-    if (lane < k) pk[lane] = -1;
-    __syncwarp();
-    // Each lane ranks four candidates at a time (lane, lane + 32, ... of each 128), so every
-    // score read from shared memory serves four independent comparisons.
-    for (int base = 0; base < n; base += 128) {
-        float v[4];
-        int r[4];
-        for (int q = 0; q < 4; q++) {
-            int i = base + lane + 32 * q;
-            v[q] = i < n ? s[i] : -INFINITY;
-            r[q] = 0;
+    // Round r: every lane offers its best untaken key (the lower id of equal ones: the first
+    // q), the warp takes the largest, and of the lanes offering it the lowest id; lane r keeps
+    // that id, its lane marks it taken. A largest key of 0 means no candidate is left.
+    int chosen = -1;  // lane j < k holds choice j
+    unsigned taken = 0;
+    for (int r = 0; r < k; r++) {
+        unsigned best = 0;
+        int at = 0;
+#pragma unroll
+        for (int q = 0; q < PER; q++) {
+            const bool better = !(taken >> q & 1u) && key[q] > best;
+            best = better ? key[q] : best;
+            at = better ? q : at;
         }
-#pragma unroll 4
-        for (int j = 0; j < n; j++) {
-            float u = s[j];
-            for (int q = 0; q < 4; q++) r[q] += ranks_above(u, j, v[q], base + lane + 32 * q);
-        }
-        for (int q = 0; q < 4; q++) {
-            int i = base + lane + 32 * q;
-            if (i < n && r[q] < k) pk[r[q]] = c[i];
-        }
+        const unsigned top = warp_max_u32(best);
+        if (top == 0) break;
+        const int id = best == top ? lane + 32 * at : 0x7fffffff;
+        const int won = warp_min_i32(id);
+        if (lane == r) chosen = won;
+        if (id == won) taken |= 1u << at;
     }
-    __syncwarp();
-    int chosen = lane < k ? pk[lane] : -1;  // lane j < k holds choice j
-    bool mine = lane < k;
+    bool mine = lane < k && chosen >= 0;
     float w = 0.0f;
     if (mine) {
         if (kind == 1) w = l[chosen];
@@ -222,24 +277,40 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
     else if (kind == 0) { if (renorm) w /= total; }
     else if (kind == 2) { if (renorm && k > 1) w /= (total + 1e-20f); w *= scaling; }
     else { if (renorm && k > 1) w /= (total + 1e-20f); else w *= scaling; }
-    if (mine) {
+    if (lane < k) {
         ids[lane] = chosen;
         weights[lane] = w;
     }
 }
 
-// Top-k of every token (a warp each), or of the first *live when `live` is not null.
-__global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
-                      int renorm, float scaling, const int* live, int* ids, float* weights) {
-    __shared__ float sc[WARPS][MAX_E];
-    __shared__ int cand[WARPS][MAX_E];
+// Top-k of every token (a warp each), or of the first *live when `live` is not null: route and
+// route_wide below.
+template <int PER>
+__device__ __forceinline__ void route_rows(const float* logits, const float* bias, int T, int E, int k, int kind,
+                                           int n_group, int topk_group, int renorm, float scaling, const int* live,
+                                           int* ids, float* weights) {
+    __shared__ float sc[WARPS][32 * PER];
     __shared__ float group_score[WARPS][64];
-    __shared__ int pick[WARPS][MAX_K];
     int warp = threadIdx.x / 32;
     int t = blockIdx.x * WARPS + warp;
     if (t >= T || (live && t >= *live)) return;
-    route_token(logits + (long)t * E, bias, E, k, kind, n_group, topk_group, renorm, scaling, ids + (long)t * k,
-                weights + (long)t * k, sc[warp], cand[warp], group_score[warp], pick[warp]);
+    route_token<PER>(logits + (long)t * E, bias, E, k, kind, n_group, topk_group, renorm, scaling, ids + (long)t * k,
+                     weights + (long)t * k, sc[warp], group_score[warp]);
+}
+
+extern "C" {
+
+// route_rows for up to ROUTE_EXPERTS experts (every preset), and for up to MAX_E: a kernel each,
+// since the wider one's keys take registers the narrow one would lose warps to.
+#define ROUTE_EXPERTS 256
+__global__ void route(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group, int topk_group,
+                      int renorm, float scaling, const int* live, int* ids, float* weights) {
+    route_rows<ROUTE_EXPERTS / 32>(logits, bias, T, E, k, kind, n_group, topk_group, renorm, scaling, live, ids,
+                                   weights);
+}
+__global__ void route_wide(const float* logits, const float* bias, int T, int E, int k, int kind, int n_group,
+                           int topk_group, int renorm, float scaling, const int* live, int* ids, float* weights) {
+    route_rows<MAX_E / 32>(logits, bias, T, E, k, kind, n_group, topk_group, renorm, scaling, live, ids, weights);
 }
 
 // The whole routing of up to ROUTE_SMALL_TOKENS tokens in one launch, for small batches on one
@@ -253,8 +324,10 @@ __global__ void route(const float* logits, const float* bias, int T, int E, int 
 // fixed order, plus gate_bias (null: none), into logits [T, E]; chooses each token's experts as
 // route does (corr_bias: kind 2's bias); and writes counts [E], offsets [E + 1] and the slot/row
 // maps as scatter_chunks does with cap 0: the rows of an expert in slot order. A token's logits
-// are the same bits whatever the batch's size up to ROUTE_SMALL_TOKENS.
+// are the same bits whatever the batch's size up to ROUTE_SMALL_TOKENS. E <= ROUTE_SMALL_EXPERTS
+// (FUSED_ROUTE_EXPERTS in route.rs).
 #define ROUTE_SMALL_TOKENS 4
+#define ROUTE_SMALL_EXPERTS 128
 #define ROUTE_SMALL_COLS 128
 __global__ void route_small(const float* x, const float* gate, const float* gate_bias, const float* corr_bias, int T,
                             int H, int E, int k, int kind, int n_group, int topk_group, int renorm, float scaling,
@@ -262,9 +335,7 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
                             int* counts, int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row) {
     __shared__ float xs[ROUTE_SMALL_TOKENS][ROUTE_SMALL_COLS];
     __shared__ float sc[ROUTE_SMALL_TOKENS][MAX_E];
-    __shared__ int cand[ROUTE_SMALL_TOKENS][MAX_E];
     __shared__ float group_score[ROUTE_SMALL_TOKENS][64];
-    __shared__ int pick[ROUTE_SMALL_TOKENS][MAX_K];
     __shared__ int sid[ROUTE_SMALL_TOKENS * MAX_K];
     __shared__ bool last;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
@@ -339,9 +410,9 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
         __syncthreads();
     }
     if (warp < T)
-        route_token(logits + (long)warp * E, corr_bias, E, k, kind, n_group, topk_group, renorm, scaling,
-                    ids + (long)warp * k, weights + (long)warp * k, sc[warp], cand[warp], group_score[warp],
-                    pick[warp]);
+        route_token<ROUTE_SMALL_EXPERTS / 32>(logits + (long)warp * E, corr_bias, E, k, kind, n_group, topk_group,
+                                              renorm, scaling, ids + (long)warp * k, weights + (long)warp * k,
+                                              sc[warp], group_score[warp]);
     __syncthreads();
     const int slots = T * k;
     for (int s = threadIdx.x; s < slots; s += blockDim.x) sid[s] = ids[s];
@@ -545,29 +616,41 @@ __device__ __forceinline__ void unpack8(uint4 v, float* f) {
     }
 }
 
+}  // extern "C"
+
 // The weighted rows of one token, in slot order: acc[q] += w_j · (y[rows_j, h] + b2[ids_j, h]) for
 // the eight columns h = 8c + q (sum_rows8; H % 8 == 0) or the one column h (sum_rows1), over the
 // slots j < k whose row is not -1. `w` null means weight 1; `b2` null means no bias.
-// (The rows are loaded four at a time before any is summed, so their loads overlap; the sums
-// keep slot order.)
+// (The rows are taken BATCH at a time, their values loaded before any is summed, so the loads
+// overlap; the sums keep slot order. Batches of more than four load the weights with the row
+// numbers, a round trip fewer for a decode step's few rows; the throughput kernels' batches of
+// four load them as they sum, which keeps their registers, and blocks a SM, as they are.)
+template <int BATCH = 4>
 __device__ __forceinline__ void sum_rows8(const bf16_t* y, const float* b2, const int* rows, const int* ids,
                                           const float* w, int k, int H, int c, float* acc) {
-    for (int j0 = 0; j0 < k; j0 += 4) {
-        int r[4];
-        uint4 raw[4];
+    constexpr bool early = BATCH > 4;
+    for (int j0 = 0; j0 < k; j0 += BATCH) {
+        int r[BATCH];
+        float wv[BATCH];
+        uint4 raw[BATCH];
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < BATCH; u++) {
             r[u] = j0 + u < k ? rows[j0 + u] : -1;
-            if (r[u] >= 0) raw[u] = ((const uint4*)(y + (long)r[u] * H))[c];
+            if (early) wv[u] = w && j0 + u < k ? w[j0 + u] : 1.0f;
+            else if (r[u] >= 0) raw[u] = ((const uint4*)(y + (long)r[u] * H))[c];
+        }
+        if (early) {
+#pragma unroll
+            for (int u = 0; u < BATCH; u++)
+                if (r[u] >= 0) raw[u] = ((const uint4*)(y + (long)r[u] * H))[c];
         }
 #pragma unroll
-        for (int u = 0; u < 4; u++) {
+        for (int u = 0; u < BATCH; u++) {
             if (r[u] < 0) continue;
-            const int j = j0 + u;
             float v[8];
             unpack8(raw[u], v);
-            float wj = w ? w[j] : 1.0f;
-            const float* bj = b2 ? b2 + (long)ids[j] * H + 8 * c : 0;
+            const float wj = early ? wv[u] : w ? w[j0 + u] : 1.0f;
+            const float* bj = b2 ? b2 + (long)ids[j0 + u] * H + 8 * c : 0;
             for (int q = 0; q < 8; q++) acc[q] += wj * (bj ? v[q] + bj[q] : v[q]);
         }
     }
@@ -593,13 +676,14 @@ __device__ __forceinline__ uint4 pack8(const float* f) {
 
 // out_row[h] = the bf16 weighted sum of one token's rows (sum_rows8 / sum_rows1 over its k
 // slots: rows, ids, weights), every column h < H, shared among the threads of the gridDim.y
-// blocks of the token (this one the blockIdx.y-th).
+// blocks of the token (this one the blockIdx.y-th); BATCH as in sum_rows8.
+template <int BATCH = 4>
 __device__ __forceinline__ void weighted_row_bf16(const bf16_t* y, const float* b2, const int* rows, const int* ids,
                                                   const float* w, int k, int H, bf16_t* out_row) {
     if (H % 8 == 0) {
         for (int c = threadIdx.x + blockIdx.y * blockDim.x; c < H / 8; c += blockDim.x * gridDim.y) {
             float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-            sum_rows8(y, b2, rows, ids, w, k, H, c, acc);
+            sum_rows8<BATCH>(y, b2, rows, ids, w, k, H, c, acc);
             ((uint4*)out_row)[c] = pack8(acc);
         }
     } else {
@@ -608,6 +692,8 @@ __device__ __forceinline__ void weighted_row_bf16(const bf16_t* y, const float* 
         }
     }
 }
+
+extern "C" {
 
 // act[r, i] = act(h13[r, i] + b13[e, i]) * (h13[r, I + i] + b13[e, I + i]) (kinds: act_mul).
 // expert_of_row may be null (dense MLP). Padded layout (cap > 0) with `counts`: rows past their

@@ -179,11 +179,12 @@ __global__ void nvl_push(const PushLane* lanes, int nlanes, u64* const* flags, i
 // (which starts at regions[s nregions + region]), the senders taken in turn (block i: row
 // i / n of sender i % n) so that rows to peers and to this rank run side by side; then the
 // exchange's flags are raised, and the senders' waited for, as nvl_push does. Blocks per
-// message row as combine's per token.
-__global__ void ll_combine_push(const unsigned char* recv, long stride, const bf16_t* y, const float* b2,
-                                const int* row_of_slot, int tokens, int k, int H, const int* batches, int M,
-                                int rank, const u64* regions, int nregions, int region, u64* const* flags,
-                                int nflags, u64* sent, unsigned int* done, NvlWait wait) {
+// message row as combine's per token. Four blocks of 256 threads a SM: the rows' loads of
+// ll_combine_row take registers that would otherwise leave room for two.
+__global__ void __launch_bounds__(256, 4)
+    ll_combine_push(const unsigned char* recv, long stride, const bf16_t* y, const float* b2, const int* row_of_slot,
+                    int tokens, int k, int H, const int* batches, int M, int rank, const u64* regions, int nregions,
+                    int region, u64* const* flags, int nflags, u64* sent, unsigned int* done, NvlWait wait) {
     const int n = tokens / M;
     for (long i = blockIdx.x; i < tokens; i += gridDim.x) {
         const long r = (i % n) * M + i / n;
@@ -203,11 +204,14 @@ __global__ void ll_combine_push(const unsigned char* recv, long stride, const bf
 // (bound by the link) and those staying here (bound by local memory) run side by side rather
 // than one rank's after another's. Then the exchange's flags are raised, and the senders'
 // waited for, as nvl_push does. Blocks per token as combine's per_token, over n times the
-// largest batch.
-__global__ void nvl_combine_push(const bf16_t* y, const float* b2, const int* local_ids, const float* w,
-                                 const int* row_of_slot, int k, int H, const int* starts, const int* counts, int n,
-                                 int rank, const u64* regions, int nregions, int region, u64* const* flags,
-                                 int nflags, u64* sent, unsigned int* done, NvlWait wait) {
+// largest batch; five of 256 threads a SM (48 registers), since the return is bound by local
+// memory and the compiler's choice otherwise varies with the module around it (56 registers,
+// four blocks, measured slower).
+__global__ void __launch_bounds__(256, 5)
+    nvl_combine_push(const bf16_t* y, const float* b2, const int* local_ids, const float* w, const int* row_of_slot,
+                     int k, int H, const int* starts, const int* counts, int n, int rank, const u64* regions,
+                     int nregions, int region, u64* const* flags, int nflags, u64* sent, unsigned int* done,
+                     NvlWait wait) {
     long most = 0;
     for (int s = 0; s < n; s++) most = max(most, (long)(starts[s + 1] - starts[s]));
     for (long i = blockIdx.x; i < n * most; i += gridDim.x) {

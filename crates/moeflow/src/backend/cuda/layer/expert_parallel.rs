@@ -239,8 +239,8 @@ impl CudaMoeLayer {
             b.batches = Some(Batches { host, ready: None, read: None });
         }
         let ex = b.exchange.as_mut().expect("allocated");
-        s.memcpy_htod(&[t as i32], &mut ex.slice_mut(0..1)).map_err(|e| err("upload", e))?;
         let exp = dptr(ex, &self.gpu);
+        self.write_ints(s, exp, &[t as i32])?;
         let side = self.side.shared();
         self.side.fork(s, [side])?;
         link.comm.enqueue("moe batch sizes", &side.stream, |comm, cs| {

@@ -40,6 +40,7 @@ mod fused_route_tests;
 mod graph;
 mod hopper_fp8_gemm;
 mod hopper_gemm;
+mod host_ints;
 mod load_recording;
 mod low_latency;
 mod masked_gemm;
@@ -67,6 +68,8 @@ struct Kernels {
     to_bf16: CudaFunction,
     add_bias: CudaFunction,
     route: CudaFunction,
+    route_wide: CudaFunction,
+    write_ints: CudaFunction,
     route_small: CudaFunction,
     count: CudaFunction,
     scatter: CudaFunction,
@@ -255,6 +258,8 @@ impl CudaMoeLayer {
             to_bf16: f("f32_to_bf16_kernel")?,
             add_bias: f("add_row_bias")?,
             route: f("route")?,
+            route_wide: f("route_wide")?,
+            write_ints: f("write_ints")?,
             route_small: f("route_small")?,
             count: f("count_chunks")?,
             scatter: f("scatter_chunks")?,

@@ -15,8 +15,13 @@ use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 /// Most tokens the fused router takes (`ROUTE_SMALL_TOKENS` in moe.cu).
 pub(super) const FUSED_ROUTE_TOKENS: usize = 4;
 
-/// Most experts the fused router takes (see [`CudaMoeLayer::routes_fused`]).
+/// Most experts the fused router takes (`ROUTE_SMALL_EXPERTS` in moe.cu; see
+/// [`CudaMoeLayer::routes_fused`]).
 const FUSED_ROUTE_EXPERTS: usize = 128;
+
+/// Most experts the narrow top-k kernel takes (`ROUTE_EXPERTS` in moe.cu); `route_wide` takes
+/// the rest.
+const ROUTE_EXPERTS: usize = 256;
 
 /// Columns each partial sum of deterministic mode's router GEMM takes (`ROUTER_FIXED_COLS`
 /// in moe.cu).
@@ -112,12 +117,13 @@ impl CudaMoeLayer {
         }
         let bp = self.w.correction_bias.as_ref().map_or(0u64, |x| dptr(x, g));
         let (ti, ei, ki) = (t as i32, e as i32, k as i32);
-        // SAFETY: route(float*, float*, int, int, int, int, int, int, int, float, int*, int*,
+        let kernel = if e <= ROUTE_EXPERTS { &self.k.route } else { &self.k.route_wide };
+        // SAFETY: route(_wide)(float*, float*, int, int, int, int, int, int, int, float, int*, int*,
         // float*) reads t · E logits (and E bias values, and one int at `live` when not null) and
         // writes t · k ids and weights.
         unsafe {
             g.stream
-                .launch_builder(&self.k.route)
+                .launch_builder(kernel)
                 .arg(&logits)
                 .arg(&bp)
                 .arg(&ti)

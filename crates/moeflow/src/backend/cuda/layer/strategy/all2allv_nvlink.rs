@@ -91,7 +91,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let mut head: Vec<i32> = starts.iter().map(|&x| x as i32).collect();
     head.extend(std::iter::repeat_n(0, n));
     head.push(t as i32);
-    s.memcpy_htod(&head, &mut ep.plan.slice_mut(0..2 * n + 2)).map_err(|e| err("upload", e))?;
+    l.write_ints(s, plan, &head)?;
     let (send_idx, send_ids, home_rows) = (dptr(&ep.send_idx, g), dptr(&ep.send_ids, g), dptr(&ep.home_rows, g));
     let (ids, weights, x) = (dptr(&b.ids, g), dptr(&b.weights, g), dptr(&b.x_bf, g));
     if t > 0 {
