@@ -10,7 +10,9 @@ use moeflow::{preset, Activation, DType, MoeLayer, RouterConfig};
 
 #[test]
 fn the_device_counts_each_calls_routing_into_its_window() {
-    let config = small_config(256, 128, 32, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    // Top-3, so that the batches' slot counts (3, 9, 192, 900) are and are not multiples of the
+    // counting kernel's four-id loads.
+    let config = small_config(256, 128, 32, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
     let weights = preset::random_weights(&config, DType::BF16, 3);
     let gpu = match CudaMoeLayer::new(&config, &weights, &Default::default()) {
         Ok(l) => l,
@@ -35,7 +37,7 @@ fn the_device_counts_each_calls_routing_into_its_window() {
     assert_eq!(stats.calls_seen, 70);
     assert_eq!(stats.calls.len(), moeflow::load_stats::DEFAULT_WINDOW);
     for (got, (want, &t)) in stats.calls.iter().zip(want.iter().zip(&sizes).skip(70 - stats.calls.len())) {
-        assert_eq!(got.iter().sum::<u64>(), (t * 4) as u64);
+        assert_eq!(got.iter().sum::<u64>(), (t * 3) as u64);
         // bf16 rows may flip a near-tie between the GPU's and the CPU's choice.
         let moved: u64 = got.iter().zip(want).map(|(a, b)| a.abs_diff(*b)).sum();
         assert!(moved <= 2 + (t as u64) / 50, "{t} tokens: {got:?} vs {want:?}");
@@ -47,7 +49,9 @@ fn the_device_counts_each_calls_routing_into_its_window() {
 #[test]
 fn recording_can_be_turned_off_and_its_cost_is_timed_aside() {
     use moeflow::backend::cuda::CudaOptions;
-    let config = small_config(256, 128, 32, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    // Top-3, so that the batches' slot counts (3, 9, 192, 900) are and are not multiples of the
+    // counting kernel's four-id loads.
+    let config = small_config(256, 128, 32, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
     let weights = preset::random_weights(&config, DType::BF16, 3);
     let off = CudaOptions { load_stats: false, ..Default::default() };
     let quiet = match CudaMoeLayer::new(&config, &weights, &off) {

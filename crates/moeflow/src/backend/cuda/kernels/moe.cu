@@ -325,7 +325,8 @@ __global__ void route_wide(const float* logits, const float* bias, int T, int E,
 // route does (corr_bias: kind 2's bias); and writes counts [E], offsets [E + 1] and the slot/row
 // maps as scatter_chunks does with cap 0: the rows of an expert in slot order. A token's logits
 // are the same bits whatever the batch's size up to ROUTE_SMALL_TOKENS. E <= ROUTE_SMALL_EXPERTS
-// (FUSED_ROUTE_EXPERTS in route.rs).
+// (FUSED_ROUTE_EXPERTS in route.rs): its choice holds four keys a lane, a short stretch of code
+// that its one routing block runs cold at every launch.
 #define ROUTE_SMALL_TOKENS 4
 #define ROUTE_SMALL_EXPERTS 128
 #define ROUTE_SMALL_COLS 128

@@ -41,3 +41,37 @@ impl CudaMoeLayer {
             .map_err(|e| err("write_ints", e))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::HOST_INTS;
+    use crate::backend::cuda::layer::{dptr, CudaMoeLayer};
+    use crate::experts::Activation;
+    use crate::router::RouterConfig;
+    use crate::{preset, DType};
+
+    /// The ints land in stream order after the work queued before (a copy that poisons the
+    /// buffer), the ints past them are left alone, and one too many is refused. Needs a GPU;
+    /// says loudly when it skips.
+    #[test]
+    fn host_ints_land_in_stream_order() {
+        if crate::backend::cuda::skip_without_gpu("host_ints_land_in_stream_order") {
+            return;
+        }
+        let config = preset::config(32, 16, 8, 2, RouterConfig::TopKSoftmax, Activation::Silu, None);
+        let weights = preset::random_weights(&config, DType::BF16, 5);
+        let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
+        let s = &layer.gpu.stream;
+        let mut buf = s.alloc_zeros::<i32>(HOST_INTS + 2).unwrap();
+        for n in [0, 1, 7, HOST_INTS] {
+            let values: Vec<i32> = (0..n as i32).map(|i| i * 7919 - 3).collect();
+            s.memcpy_htod(&vec![-5i32; HOST_INTS + 2], &mut buf).unwrap();
+            layer.write_ints(s, dptr(&buf, &layer.gpu), &values).unwrap();
+            let got = s.clone_dtoh(&buf).unwrap();
+            assert_eq!(&got[..n], &values[..], "{n} ints");
+            assert!(got[n..].iter().all(|&v| v == -5), "{n} ints: the rest was touched");
+        }
+        let err = layer.write_ints(s, dptr(&buf, &layer.gpu), &[0; HOST_INTS + 1]).unwrap_err();
+        assert!(err.to_string().contains("at most"), "{err}");
+    }
+}

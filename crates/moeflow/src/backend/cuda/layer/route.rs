@@ -17,7 +17,7 @@ pub(super) const FUSED_ROUTE_TOKENS: usize = 4;
 
 /// Most experts the fused router takes (`ROUTE_SMALL_EXPERTS` in moe.cu; see
 /// [`CudaMoeLayer::routes_fused`]).
-const FUSED_ROUTE_EXPERTS: usize = 128;
+pub(super) const FUSED_ROUTE_EXPERTS: usize = 128;
 
 /// Most experts the narrow top-k kernel takes (`ROUTE_EXPERTS` in moe.cu); `route_wide` takes
 /// the rest.
@@ -316,6 +316,11 @@ impl CudaMoeLayer {
         if !(1..=FUSED_ROUTE_TOKENS).contains(&t) || b.tokens < t {
             return Err(MoeError::Unsupported(format!(
                 "the fused router takes 1 to {FUSED_ROUTE_TOKENS} tokens with buffers for them, not {t}"
+            )));
+        }
+        if e > FUSED_ROUTE_EXPERTS {
+            return Err(MoeError::Unsupported(format!(
+                "the fused router takes up to {FUSED_ROUTE_EXPERTS} experts, not {e}"
             )));
         }
         let g = &self.gpu;
