@@ -197,7 +197,7 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
         if (n_group > 1 && e < E) s[e] = v[q];
     }
     unsigned long long keep = ~0ull;  // the groups kept (all without groups)
-    const int per = n_group > 1 ? E / n_group : E;
+    const int group_size = n_group > 1 ? E / n_group : E;
     if (n_group > 1) {
         __syncwarp();
         // Group scores (the best, or with kind 2 the best two, of each group's experts), then
@@ -211,7 +211,7 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
             int g = g0 + lane / lpg, sub = lane % lpg;
             float a = -INFINITY, b = -INFINITY;
             if (g < n_group)
-                for (int e = g * per + sub; e < (g + 1) * per; e += lpg) {
+                for (int e = g * group_size + sub; e < (g + 1) * group_size; e += lpg) {
                     float v = s[e];
                     if (v > a) { b = a; a = v; } else if (v > b) { b = v; }
                 }
@@ -238,7 +238,7 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
 #pragma unroll
     for (int q = 0; q < PER; q++) {
         const int e = lane + 32 * q;
-        key[q] = e < E && (keep >> (e / per) & 1ull) ? score_key(v[q]) : 0u;
+        key[q] = e < E && (keep >> (e / group_size) & 1ull) ? score_key(v[q]) : 0u;
     }
     // Round r: every lane offers its best untaken key (the lower id of equal ones: the first
     // q), the warp takes the largest, and of the lanes offering it the lowest id; lane r keeps

@@ -23,7 +23,8 @@ unsafe impl cudarc::driver::DeviceRepr for HostInts {}
 
 impl CudaMoeLayer {
     /// `values` (at most [`HOST_INTS`]) into the ints at device address `dst` on `stream`, after
-    /// the work queued on it before; the host does not wait.
+    /// the work queued on it before; the host does not wait. A CUDA graph captured around it
+    /// replays the values it was captured with (its callers run outside graphs).
     pub(super) fn write_ints(&self, stream: &CudaStream, dst: u64, values: &[i32]) -> Result<()> {
         if values.len() > HOST_INTS {
             return Err(MoeError::Unsupported(format!(
