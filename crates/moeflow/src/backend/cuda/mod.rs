@@ -39,6 +39,19 @@ pub(crate) fn skip_without_gpu(test: &str) -> bool {
     none
 }
 
+/// The integer of `#define name <integer>` in the kernel sources, for the tests that hold a
+/// Rust constant to the kernel constant it mirrors; `None` where there is no such line.
+#[cfg(test)]
+pub(crate) fn kernel_define(name: &str) -> Option<i64> {
+    KERNELS.lines().find_map(|line| {
+        let mut words = line.split_whitespace();
+        if words.next() != Some("#define") || words.next() != Some(name) {
+            return None;
+        }
+        words.next()?.parse().ok()
+    })
+}
+
 /// The experts `weights` on GPU `device`, as the modular layer takes them.
 pub fn experts(
     weights: &crate::experts::ExpertWeights,

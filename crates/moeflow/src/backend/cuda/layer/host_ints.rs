@@ -7,7 +7,7 @@ use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
 /// Most ints one launch writes (`HOST_INTS` in moe.cu): a plan's head for 32 ranks.
-const HOST_INTS: usize = 66;
+pub(super) const HOST_INTS: usize = 66;
 
 /// The kernel's parameter: `n` values, then room for the rest.
 #[repr(C)]
@@ -45,11 +45,20 @@ impl CudaMoeLayer {
 
 #[cfg(test)]
 mod tests {
-    use super::HOST_INTS;
+    use super::{HostInts, HOST_INTS};
+    use crate::backend::cuda::kernel_define;
     use crate::backend::cuda::layer::{dptr, CudaMoeLayer};
     use crate::experts::Activation;
     use crate::router::RouterConfig;
     use crate::{preset, DType};
+
+    /// The parameter is laid out as moe.cu's `HostInts`: the count, then `HOST_INTS` ints.
+    #[test]
+    fn host_ints_mirror_moe_cu() {
+        assert_eq!(kernel_define("HOST_INTS"), Some(HOST_INTS as i64));
+        assert_eq!(std::mem::size_of::<HostInts>(), 4 * (1 + HOST_INTS));
+        assert_eq!(std::mem::offset_of!(HostInts, v), 4);
+    }
 
     /// The ints land in stream order after the work queued before (a copy that poisons the
     /// buffer), the ints past them are left alone, and one too many is refused. Needs a GPU;

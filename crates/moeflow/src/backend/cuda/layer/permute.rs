@@ -161,6 +161,7 @@ impl CudaMoeLayer {
 #[cfg(test)]
 pub(super) mod tests {
     use super::{sort_counts_len, Grouping};
+    use crate::backend::cuda::kernel_define;
     use crate::backend::cuda::layer::{dptr, CudaMoeLayer};
     use crate::experts::Activation;
     use crate::router::RouterConfig;
@@ -296,5 +297,12 @@ pub(super) mod tests {
             }
         }
         eprintln!("{name}: 10 cases × packed and padded, each twice, matched");
+    }
+
+    /// The counting sort's block constants mirrored from moe.cu hold its values.
+    #[test]
+    fn sort_constants_mirror_moe_cu() {
+        assert_eq!(kernel_define("SORT_CHUNK"), Some(super::SORT_CHUNK as i64));
+        assert_eq!(kernel_define("SORT_THREADS"), Some(super::SORT_THREADS as i64));
     }
 }

@@ -384,3 +384,25 @@ impl CudaMoeLayer {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cuda::kernel_define;
+
+    /// The routing constants mirrored from moe.cu hold its values.
+    #[test]
+    fn routing_constants_mirror_moe_cu() {
+        let pairs = [
+            ("ROUTE_SMALL_TOKENS", super::FUSED_ROUTE_TOKENS),
+            ("ROUTE_SMALL_EXPERTS", super::FUSED_ROUTE_EXPERTS),
+            ("ROUTE_SMALL_COLS", super::ROUTE_COLS),
+            ("ROUTE_EXPERTS", super::ROUTE_EXPERTS),
+            ("ROUTER_FIXED_COLS", super::ROUTER_FIXED_COLS),
+            ("ROUTER_LIVE_COLS", super::ROUTER_LIVE_COLS),
+            ("ROUTER_LIVE_ROWS", super::ROUTER_LIVE_ROWS),
+        ];
+        for (name, value) in pairs {
+            assert_eq!(kernel_define(name), Some(value as i64), "{name}");
+        }
+    }
+}

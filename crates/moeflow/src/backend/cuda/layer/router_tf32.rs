@@ -160,6 +160,7 @@ impl CudaMoeLayer {
 #[cfg(test)]
 mod tests {
     use super::{partial_floats, splits, DEPTH, MIN_COLS};
+    use crate::backend::cuda::kernel_define;
     use crate::backend::cuda::layer::CudaMoeLayer;
     use crate::experts::Activation;
     use crate::router::RouterConfig;
@@ -288,5 +289,21 @@ mod tests {
         assert_eq!(splits(4096, 256, 7168, 132), (2, 3584));
         assert_eq!([super::SMEM, super::SMEM_SM90], [110_592, 204_800 + 1024]);
         assert_eq!(splits(128, 256, 7168, 132), (56, 128));
+    }
+
+    /// The tile and ring constants mirrored from router_tf32.cu hold its values.
+    #[test]
+    fn tile_constants_mirror_router_tf32_cu() {
+        let pairs = [
+            ("RT_BM", super::TILE),
+            ("RT_BN", super::TILE),
+            ("RT_BK", DEPTH),
+            ("RT_LD", super::ROW_FLOATS as usize),
+            ("RT_STAGES", super::STAGES as usize),
+            ("RT_SM90_STAGES", super::STAGES_SM90 as usize),
+        ];
+        for (name, value) in pairs {
+            assert_eq!(kernel_define(name), Some(value as i64), "{name}");
+        }
     }
 }

@@ -31,6 +31,10 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 /// The most ranks the device plan takes (a token's destinations are a 32-bit mask).
 const MAX_RANKS: usize = 32;
 
+// The plan's head (the ranks' starts and counts, and the batch) goes to the device in one
+// `write_ints` launch.
+const _: () = assert!(2 * MAX_RANKS + 2 <= super::super::host_ints::HOST_INTS);
+
 /// Threads of a block of the plan (`NVL_PLAN_THREADS` in nvlink.cu), a token each.
 const PLAN_THREADS: usize = 256;
 
@@ -205,4 +209,15 @@ pub(super) fn finalize_finish(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &D
     mark(7)?;
     let home_rows = dptr(&b.ep.as_ref().expect("allocated").home_rows, &l.gpu);
     l.sum_home(b, p.back, home_rows, t, link.comm.size())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::backend::cuda::kernel_define;
+
+    /// The plan's block mirrors nvlink.cu's.
+    #[test]
+    fn plan_constants_mirror_nvlink_cu() {
+        assert_eq!(kernel_define("NVL_PLAN_THREADS"), Some(super::PLAN_THREADS as i64));
+    }
 }
