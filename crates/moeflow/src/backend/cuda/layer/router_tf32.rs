@@ -170,8 +170,8 @@ mod tests {
     /// poisoned outputs; called directly, also for expert counts the layer leaves to cuBLAS)
     /// against f64 dot products, within 2e-6 of the sum of the products' magnitudes (f32
     /// accumulation over a few thousand columns), next to cuBLAS's f32 GEMM on the same
-    /// values; the same bits at a second launch; the tokens' bf16 copy each kernel writes
-    /// rounded to nearest even, every value of the batch.
+    /// values; the same bits at a second launch and from both kernels; the tokens' bf16 copy
+    /// each kernel writes rounded to nearest even, every value of the batch.
     /// Widths that are and are not multiples of the 32-column stage, batches from 1 token to
     /// several tiles and splits, experts not a multiple of the 128-expert tile, with and
     /// without the gate's bias. Needs a GPU; says loudly when it skips.
@@ -223,10 +223,16 @@ mod tests {
                 let rounded: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
                 let kernels: Vec<usize> = if layer.k.router_tf32_sm90.is_some() { vec![1, 2] } else { vec![1] };
                 let mut worst = [0f64; 3];
+                let mut sync_logits = None;
                 for &kernel in &kernels {
                     let ((got, copy), (again, _)) = (logits_of(kernel), logits_of(kernel));
                     let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{case}, kernel {kernel}: a second launch gives the same bits");
+                    // Both kernels add the same products in the same order.
+                    if let Some(sync) = sync_logits.replace(got.clone()) {
+                        let same = got.iter().zip(&sync).all(|(a, b): (&f32, &f32)| a.to_bits() == b.to_bits());
+                        assert!(same, "{case}: wgmma's logits are not mma.sync's bits");
+                    }
                     if let Some(i) = (0..t * h).find(|&i| copy[i] != rounded[i]) {
                         panic!(
                             "{case}, kernel {kernel}: bf16 copy of value {i} is {:#x}, not {:#x}",
