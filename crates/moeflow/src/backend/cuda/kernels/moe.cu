@@ -80,8 +80,8 @@ __global__ void fill_uniform_f32(float* y, long n, u64 seed, float scale) {
     }
 }
 
-// A few ints from the host, by value (write_ints).
-#define HOST_INTS 66
+// Ints from the host, by value (write_ints): 1 KiB, a push's lane table at EP 4 in one launch.
+#define HOST_INTS 256
 struct HostInts {
     int n;
     int v[HOST_INTS];
@@ -127,26 +127,17 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The warp's largest of v (one instruction from sm_80 on).
-__device__ __forceinline__ unsigned warp_max_u32(unsigned v) {
+// The warp's largest (MAX) or smallest value of v, in every lane: one redux.sync from sm_80 on.
+template <bool MAX, typename T>
+__device__ __forceinline__ T warp_reduce(T v) {
 #if __CUDA_ARCH__ >= 800
-    unsigned r;
-    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
-    return r;
+    if constexpr (MAX) return __reduce_max_sync(0xffffffffu, v);
+    else return __reduce_min_sync(0xffffffffu, v);
 #else
-    for (int o = 16; o > 0; o >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-#endif
-}
-
-// The warp's smallest of v.
-__device__ __forceinline__ int warp_min_i32(int v) {
-#if __CUDA_ARCH__ >= 800
-    int r;
-    asm volatile("redux.sync.min.s32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
-    return r;
-#else
-    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    for (int o = 16; o > 0; o >>= 1) {
+        const T u = __shfl_xor_sync(0xffffffffu, v, o);
+        v = MAX ? max(v, u) : min(v, u);
+    }
     return v;
 #endif
 }
@@ -254,10 +245,10 @@ __device__ void route_token(const float* l, const float* bias, int E, int k, int
             best = better ? key[q] : best;
             at = better ? q : at;
         }
-        const unsigned top = warp_max_u32(best);
+        const unsigned top = warp_reduce<true>(best);
         if (top == 0) break;
         const int id = best == top ? lane + 32 * at : 0x7fffffff;
-        const int won = warp_min_i32(id);
+        const int won = warp_reduce<false>(id);
         if (lane == r) chosen = won;
         if (id == won) taken |= 1u << at;
     }

@@ -1,13 +1,14 @@
-//! A few ints from the host written into device memory in stream order by a kernel that takes
-//! them as its parameters (`write_ints` in moe.cu), where a copy from pageable host memory may
-//! make the host wait for the stream and so hold back its next launches.
+//! Ints from the host written into device memory in stream order by a kernel that takes them as
+//! its parameters (`write_ints` in moe.cu), where a copy from pageable host memory may make the
+//! host wait for the stream and so hold back its next launches.
 
 use super::{err, CudaMoeLayer};
-use crate::error::{MoeError, Result};
+use crate::error::Result;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
-/// Most ints one launch writes (`HOST_INTS` in moe.cu): a plan's head for 32 ranks.
-pub(super) const HOST_INTS: usize = 66;
+/// Most ints one launch writes (`HOST_INTS` in moe.cu): a plan's head for 32 ranks, a push's
+/// lane table at EP 4.
+pub(super) const HOST_INTS: usize = 256;
 
 /// The kernel's parameter: `n` values, then room for the rest.
 #[repr(C)]
@@ -22,24 +23,21 @@ struct HostInts {
 unsafe impl cudarc::driver::DeviceRepr for HostInts {}
 
 impl CudaMoeLayer {
-    /// `values` (at most [`HOST_INTS`]) into the ints at device address `dst` on `stream`, after
-    /// the work queued on it before; the host does not wait. A CUDA graph captured around it
-    /// replays the values it was captured with (its callers run outside graphs).
+    /// `values` into the ints at device address `dst` on `stream`, after the work queued on it
+    /// before, [`HOST_INTS`] a launch; the host does not wait. A CUDA graph captured around it
+    /// replays the values it was captured with.
     pub(super) fn write_ints(&self, stream: &CudaStream, dst: u64, values: &[i32]) -> Result<()> {
-        if values.len() > HOST_INTS {
-            return Err(MoeError::Unsupported(format!(
-                "{} ints from the host in one launch (at most {HOST_INTS})",
-                values.len()
-            )));
-        }
-        let mut ints = HostInts { n: values.len() as i32, v: [0; HOST_INTS] };
-        ints.v[..values.len()].copy_from_slice(values);
         let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (64, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: write_ints(int*, HostInts) writes ints.n <= HOST_INTS ints at `dst`, which the
-        // caller sized for `values`.
-        unsafe { stream.launch_builder(&self.k.write_ints).arg(&dst).arg(&ints).launch(cfg) }
-            .map(|_| ())
-            .map_err(|e| err("write_ints", e))
+        for (i, part) in values.chunks(HOST_INTS).enumerate() {
+            let mut ints = HostInts { n: part.len() as i32, v: [0; HOST_INTS] };
+            ints.v[..part.len()].copy_from_slice(part);
+            let at = dst + (4 * HOST_INTS * i) as u64;
+            // SAFETY: write_ints(int*, HostInts) writes ints.n <= HOST_INTS ints at `at`, inside
+            // the `values.len()` ints the caller sized `dst` for.
+            unsafe { stream.launch_builder(&self.k.write_ints).arg(&at).arg(&ints).launch(cfg) }
+                .map_err(|e| err("write_ints", e))?;
+        }
+        Ok(())
     }
 }
 
@@ -61,7 +59,7 @@ mod tests {
     }
 
     /// The ints land in stream order after the work queued before (a copy that poisons the
-    /// buffer), the ints past them are left alone, and one too many is refused. Needs a GPU;
+    /// buffer), in one launch or several, and the ints past them are left alone. Needs a GPU;
     /// says loudly when it skips.
     #[test]
     fn host_ints_land_in_stream_order() {
@@ -72,16 +70,15 @@ mod tests {
         let weights = preset::random_weights(&config, DType::BF16, 5);
         let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
         let s = &layer.gpu.stream;
-        let mut buf = s.alloc_zeros::<i32>(HOST_INTS + 2).unwrap();
-        for n in [0, 1, 7, HOST_INTS] {
+        let room = 2 * HOST_INTS + 3;
+        let mut buf = s.alloc_zeros::<i32>(room).unwrap();
+        for n in [0, 1, 7, HOST_INTS, HOST_INTS + 1, 2 * HOST_INTS + 1] {
             let values: Vec<i32> = (0..n as i32).map(|i| i * 7919 - 3).collect();
-            s.memcpy_htod(&vec![-5i32; HOST_INTS + 2], &mut buf).unwrap();
+            s.memcpy_htod(&vec![-5i32; room], &mut buf).unwrap();
             layer.write_ints(s, dptr(&buf, &layer.gpu), &values).unwrap();
             let got = s.clone_dtoh(&buf).unwrap();
             assert_eq!(&got[..n], &values[..], "{n} ints");
             assert!(got[n..].iter().all(|&v| v == -5), "{n} ints: the rest was touched");
         }
-        let err = layer.write_ints(s, dptr(&buf, &layer.gpu), &[0; HOST_INTS + 1]).unwrap_err();
-        assert!(err.to_string().contains("at most"), "{err}");
     }
 }

@@ -325,7 +325,10 @@ impl CudaMoeLayer {
             nv.held[slot].clear();
         }
         if !table.is_empty() && nv.held[slot] != table {
-            s.memcpy_htod(&table, &mut nv.tables[slot].slice_mut(0..table.len())).map_err(|e| err("upload", e))?;
+            // By launch parameters: batches that change from call to call change the table, and
+            // a copy from pageable memory could make the host wait for the stream every call.
+            let words: Vec<i32> = table.chunks_exact(4).map(|w| i32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+            self.write_ints(s, dptr(&nv.tables[slot], g), &words)?;
             nv.held[slot] = table;
         }
         let (lanes_p, flags, counters) = (dptr(&nv.tables[slot], g), dptr(&nv.flags, g), dptr(&nv.counters, g));
