@@ -127,19 +127,12 @@ __device__ __forceinline__ float warp_max(float v) {
     return v;
 }
 
-// The warp's largest (MAX) or smallest value of v, in every lane: one redux.sync from sm_80 on.
+// The warp's largest (MAX) or smallest value of v, in every lane: one redux.sync (the module
+// needs sm_80 anyway, for cp.async).
 template <bool MAX, typename T>
 __device__ __forceinline__ T warp_reduce(T v) {
-#if __CUDA_ARCH__ >= 800
     if constexpr (MAX) return __reduce_max_sync(0xffffffffu, v);
     else return __reduce_min_sync(0xffffffffu, v);
-#else
-    for (int o = 16; o > 0; o >>= 1) {
-        const T u = __shfl_xor_sync(0xffffffffu, v, o);
-        v = MAX ? max(v, u) : min(v, u);
-    }
-    return v;
-#endif
 }
 
 // Whether score u of id f ranks above score v of id e.

@@ -50,17 +50,12 @@ __device__ __forceinline__ void rt_store_pair(float* out, int T, int E, int t, i
     if (e + 1 < E) out[(long)t * E + e + 1] = bias ? s1 + bias[e + 1] : s1;
 }
 
-// Two f32 rounded to the nearest bf16, ties to even, `lo` in the low half: one instruction
-// from sm_80 on, f32_to_bf16's arithmetic before (the same bits but for NaN payloads; NaN
-// stays NaN either way).
+// Two f32 rounded to the nearest bf16, ties to even, `lo` in the low half, in one instruction:
+// f32_to_bf16's bits but for NaN payloads (NaN stays NaN either way).
 __device__ __forceinline__ unsigned rt_pack_bf16(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
     unsigned r;
     asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
     return r;
-#else
-    return (unsigned)f32_to_bf16(lo) | ((unsigned)f32_to_bf16(hi) << 16);
-#endif
 }
 
 // The bf16 copy of the tokens' values this thread copied into the stage at `xs` (chunk columns
