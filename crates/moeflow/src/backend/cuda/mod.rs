@@ -100,6 +100,23 @@ pub struct Gpu {
     module: Arc<CudaModule>,
 }
 
+/// The oldest compute capability the kernels compile for: their copies into shared memory use
+/// `cp.async` (sm_80, Ampere).
+const MIN_COMPUTE_CAPABILITY: (i32, i32) = (8, 0);
+
+/// An error naming GPU `ordinal`'s compute capability `cc` when it is older than
+/// [`MIN_COMPUTE_CAPABILITY`], before NVRTC would fail on the kernels.
+fn require_compute_capability(ordinal: usize, cc: (i32, i32)) -> Result<()> {
+    if cc >= MIN_COMPUTE_CAPABILITY {
+        return Ok(());
+    }
+    let (major, minor) = MIN_COMPUTE_CAPABILITY;
+    Err(MoeError::Unsupported(format!(
+        "GPU {ordinal} has compute capability {}.{}; moeflow's CUDA kernels need {major}.{minor} (Ampere) or newer",
+        cc.0, cc.1
+    )))
+}
+
 /// Compiled modules by device ordinal and extra NVRTC options.
 type ModuleCache = Mutex<Vec<((usize, Vec<String>), Arc<CudaModule>)>>;
 
@@ -131,6 +148,7 @@ impl Gpu {
             return Ok(m.clone());
         }
         let (major, minor) = ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        require_compute_capability(ordinal, (major, minor))?;
         // Hopper builds for sm_90a, whose wgmma and TMA the grouped GEMM needs.
         let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}{suffix}").into_boxed_str());
@@ -149,5 +167,26 @@ impl Gpu {
     /// Kernel `name` of moe.cu.
     pub fn function(&self, name: &str) -> Result<CudaFunction> {
         self.module.load_function(name).map_err(|e| err(&format!("kernel {name}"), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::require_compute_capability;
+    use crate::error::MoeError;
+
+    /// GPUs older than Ampere get an error naming their compute capability; Ampere and newer
+    /// pass.
+    #[test]
+    fn gpus_before_ampere_are_refused_by_name() {
+        for cc in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)] {
+            assert!(require_compute_capability(1, cc).is_ok(), "{cc:?}");
+        }
+        for (cc, says) in [((7, 5), "compute capability 7.5"), ((7, 0), "7.0"), ((6, 1), "6.1")] {
+            match require_compute_capability(3, cc) {
+                Err(MoeError::Unsupported(m)) => assert!(m.contains(says) && m.contains("GPU 3"), "{m}"),
+                other => panic!("{cc:?}: {other:?}"),
+            }
+        }
     }
 }

@@ -213,7 +213,10 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
 // registers, and x's bf16 copy is written, as above. The chunks flow through RT_SM90_STAGES
 // stages: while chunk c - 1 multiplies, chunks c + 1 and c + 2 load and chunk c is split, so
 // the tensor cores wait only while the sums are added and the next chunk's token fragments
-// split. Needs sm_90a; the host launches it only there.
+// split. A gate of TF32 values (bf16 ones, as checkpoints store their routers, among them;
+// router_partials_tf32_sm90_tf32_gate) has zero tails: it is multiplied as copied, and each
+// step drops the product with its tails, which adds exact zeros, so the logits keep their
+// bits. Needs sm_90a; the host launches it only there.
 #define RT_GATE_TILE (RT_BN * RT_BK * 4)  // bytes of a stage's gate heads (or tails)
 #define RT_SM90_STAGES 4                  // chunks c - 1 (multiplying), c (splitting), c + 1, c + 2
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -231,12 +234,11 @@ __device__ __forceinline__ void rt_wgmma(float* d, const unsigned* a, u64 b, int
         : GG_D8(0), GG_D8(8), GG_D8(16), GG_D8(24), GG_D8(32), GG_D8(40), GG_D8(48), GG_D8(56)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
-#endif
 
-extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
-    router_partials_tf32_sm90(const float* x, const float* gate, int T, int E, int H, int cols, const float* bias,
-                              float* partial, bf16_t* x_bf) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// The kernels' body: GATE_TAILS false for a gate of TF32 values.
+template <bool GATE_TAILS>
+__device__ __forceinline__ void rt_partials_sm90(const float* x, const float* gate, int T, int E, int H, int cols,
+                                                 const float* bias, float* partial, bf16_t* x_bf) {
     constexpr int STAGES = RT_SM90_STAGES, AHEAD = STAGES - 2;  // chunks loading while one is split
     extern __shared__ __align__(16) unsigned char rt_raw[];
     // The gate tiles start 1024-aligned (the swizzle pattern repeats every 1024 bytes).
@@ -303,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         // This thread's gate pieces of the chunk have landed: each becomes its head, in place,
         // and its tail, at the same place of the tail tile.
 #pragma unroll
-        for (int u = 0; u < PIECES; u++) {
+        for (int u = 0; u < (GATE_TAILS ? PIECES : 0); u++) {
             const int at = s * RT_GATE_TILE + gate_off + 32 * u * 128;
             float4 v = *(float4*)(heads + at);
             unsigned hx, tx, hy, ty, hz, tz, hw, tw;
@@ -314,7 +316,7 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
             *(uint4*)(heads + at) = make_uint4(hx, hy, hz, hw);
             *(uint4*)(tails + at) = make_uint4(tx, ty, tz, tw);
         }
-        // Written through the generic proxy, read by wgmma through the async one.
+        // Copied (and split) through the generic proxy, read by wgmma through the async one.
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
         __syncthreads();
         // The stage chunk c + AHEAD loads into held chunk c - 2, whose products every
@@ -343,8 +345,8 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
         gg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
-            rt_wgmma(acc, ah[kk], dt + 2 * kk, kk > 0);
-            rt_wgmma(acc, at[kk], dh + 2 * kk, 1);
+            if constexpr (GATE_TAILS) rt_wgmma(acc, ah[kk], dt + 2 * kk, kk > 0);
+            rt_wgmma(acc, at[kk], dh + 2 * kk, GATE_TAILS || kk > 0);
             rt_wgmma(acc, ah[kk], dh + 2 * kk, 1);
         }
         gg_commit();
@@ -365,5 +367,23 @@ extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
             rt_store_pair(out, T, E, t, e0 + 8 * j + 2 * q, sum[4 * j + 2 * half], sum[4 * j + 2 * half + 1], bias);
         }
     }
+}
+#define RT_SM90_BODY(GATE_TAILS) rt_partials_sm90<GATE_TAILS>(x, gate, T, E, H, cols, bias, partial, x_bf);
+#else
+#define RT_SM90_BODY(GATE_TAILS)
 #endif
+
+// partial and x_bf as router_partials_tf32's, any f32 gate.
+extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
+    router_partials_tf32_sm90(const float* x, const float* gate, int T, int E, int H, int cols, const float* bias,
+                              float* partial, bf16_t* x_bf) {
+    RT_SM90_BODY(true)
+}
+
+// The same for a gate whose every value is a TF32 value (its low 13 mantissa bits zero): the
+// same bits, two products a step.
+extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
+    router_partials_tf32_sm90_tf32_gate(const float* x, const float* gate, int T, int E, int H, int cols,
+                                        const float* bias, float* partial, bf16_t* x_bf) {
+    RT_SM90_BODY(false)
 }

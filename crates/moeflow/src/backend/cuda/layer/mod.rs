@@ -84,7 +84,7 @@ struct Kernels {
     router_live: CudaFunction,
     router_tf32: CudaFunction,
     /// The tensor-core router on wgmma, on Hopper only.
-    router_tf32_sm90: Option<CudaFunction>,
+    router_tf32_sm90: Option<router_tf32::RouterSm90>,
     compact_served: CudaFunction,
     sum_partials: CudaFunction,
     sum_partials_live: CudaFunction,
@@ -133,6 +133,9 @@ struct SharedMlp {
 
 struct DeviceWeights {
     gate: CudaSlice<f32>,
+    /// Whether every gate value is a TF32 value (bf16 ones are), which the wgmma router
+    /// multiplies in two products instead of three.
+    gate_is_tf32: bool,
     gate_bias: Option<CudaSlice<f32>>,
     correction_bias: Option<CudaSlice<f32>>,
     w13: CudaSlice<u16>,
@@ -435,8 +438,10 @@ impl CudaMoeLayer {
         super::finite::ensure_device_memory(&gpu, "expert weights (bf16)", 2 * held)?;
         let up_f32 = |t: &Tensor| s.clone_htod(&t.to_f32_vec()).map_err(|e| err("upload", e));
         let up_bf16 = |t: &Tensor| s.clone_htod(&bf16_bits(t)).map_err(|e| err("upload", e));
+        let gate = weights.gate.to_f32_vec();
         let w = DeviceWeights {
-            gate: up_f32(&weights.gate)?,
+            gate: s.clone_htod(&gate).map_err(|e| err("upload", e))?,
+            gate_is_tf32: router_tf32::is_tf32(&gate),
             gate_bias: weights.gate_bias.as_ref().map(up_f32).transpose()?,
             correction_bias: weights.correction_bias.as_ref().map(up_f32).transpose()?,
             // Quantized experts run on the GPU as bf16 of their dequantized values (fp8 ones
@@ -512,7 +517,14 @@ impl CudaMoeLayer {
             .map_err(|e| err("fill", e))?;
             Ok(s)
         };
-        let gate = f32s(e * h, 3.0 * sh, router_seed)?;
+        // Rounded to bf16 values, as checkpoints store their routers (DeepSeek-V3's among them).
+        let gate: Vec<f32> =
+            (gpu.stream.clone_dtoh(&f32s(e * h, 3.0 * sh, router_seed)?).map_err(|e| err("download", e))?)
+                .into_iter()
+                .map(|v| half::bf16::from_f32(v).to_f32())
+                .collect();
+        let gate_is_tf32 = router_tf32::is_tf32(&gate);
+        let gate = gpu.stream.clone_htod(&gate).map_err(|e| err("upload", e))?;
         let gate_bias = if biases { Some(f32s(e, 0.5, router_seed)?) } else { None };
         let correction_bias = if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) {
             Some(f32s(e, 0.05, router_seed)?)
@@ -546,7 +558,19 @@ impl CudaMoeLayer {
             }),
             None => None,
         };
-        let w = DeviceWeights { gate, gate_bias, correction_bias, w13, w2, b13, b2, b2_all, shared, fp8: None };
+        let w = DeviceWeights {
+            gate,
+            gate_is_tf32,
+            gate_bias,
+            correction_bias,
+            w13,
+            w2,
+            b13,
+            b2,
+            b2_all,
+            shared,
+            fp8: None,
+        };
         Self::assemble(config, (gpu, blas, k), std::sync::Arc::new(w), ep, opts)
     }
 

@@ -37,23 +37,55 @@ const SMEM: u32 = STAGES * (2 * TILE as u32) * ROW_FLOATS * 4;
 /// and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate tiles.
 const SMEM_SM90: u32 = STAGES_SM90 * (TILE as u32 * ROW_FLOATS * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
 
-/// The wgmma form of the router (`router_partials_tf32_sm90`) where the GPU is a Hopper
-/// (compute capability 9.0, where the module is built for sm_90a).
-pub(super) fn load_sm90(gpu: &super::Gpu) -> Result<Option<CudaFunction>> {
+/// The wgmma forms of the router, on Hopper.
+pub(super) struct RouterSm90 {
+    /// Any f32 gate (`router_partials_tf32_sm90`): three TF32 products a product.
+    any_gate: CudaFunction,
+    /// A gate of TF32 values, such as a checkpoint's bf16 router
+    /// (`router_partials_tf32_sm90_tf32_gate`): the same bits from two TF32 products, since the
+    /// gate's tails are zero.
+    tf32_gate: CudaFunction,
+}
+
+/// Which kernel computes the tensor-core router's products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum RouterKernel {
+    /// `mma.sync`, on any GPU the module runs on.
+    MmaSync,
+    /// wgmma for any f32 gate (Hopper).
+    Wgmma,
+    /// wgmma for a gate of TF32 values (Hopper; the layer's gate must be one).
+    WgmmaTf32Gate,
+}
+
+/// Whether every value of `gate` is a TF32 value (its low 13 mantissa bits zero), so that its
+/// 3xTF32 tails are zero: bf16 values are.
+pub(super) fn is_tf32(gate: &[f32]) -> bool {
+    gate.iter().all(|v| v.to_bits() & 0x1fff == 0)
+}
+
+/// The wgmma forms of the router where the GPU is a Hopper (compute capability 9.0, where the
+/// module is built for sm_90a).
+pub(super) fn load_sm90(gpu: &super::Gpu) -> Result<Option<RouterSm90>> {
     let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
     if cc != (9, 0) {
         return Ok(None);
     }
-    gpu.function("router_partials_tf32_sm90").map(Some)
+    Ok(Some(RouterSm90 {
+        any_gate: gpu.function("router_partials_tf32_sm90")?,
+        tf32_gate: gpu.function("router_partials_tf32_sm90_tf32_gate")?,
+    }))
 }
 
 /// Lets the router's kernels take their shared memory (above the 48 KiB a launch gets by
 /// default).
-pub(super) fn allow_router_tf32_smem(f: &CudaFunction, sm90: &Option<CudaFunction>) -> Result<()> {
+pub(super) fn allow_router_tf32_smem(f: &CudaFunction, sm90: &Option<RouterSm90>) -> Result<()> {
     let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
     f.set_attribute(attr, SMEM as i32).map_err(|e| err("router_partials_tf32 shared memory", e))?;
-    if let Some(f) = sm90 {
-        f.set_attribute(attr, SMEM_SM90 as i32).map_err(|e| err("router_partials_tf32_sm90 shared memory", e))?;
+    if let Some(k) = sm90 {
+        for f in [&k.any_gate, &k.tf32_gate] {
+            f.set_attribute(attr, SMEM_SM90 as i32).map_err(|e| err("router_partials_tf32_sm90 shared memory", e))?;
+        }
     }
     Ok(())
 }
@@ -93,14 +125,20 @@ impl CudaMoeLayer {
     }
 
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
-    /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync`; and x's bf16 copy
-    /// into `b.x_bf`, written as the router reads the tokens.
+    /// tensor cores at f32 accuracy: with wgmma on Hopper (two products a product where the
+    /// gate holds TF32 values), else `mma.sync`; and x's bf16 copy into `b.x_bf`, written as
+    /// the router reads the tokens.
     pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
-        self.router_tf32_on(b, t, self.k.router_tf32_sm90.is_some())
+        let kernel = match (&self.k.router_tf32_sm90, self.w.gate_is_tf32) {
+            (None, _) => RouterKernel::MmaSync,
+            (Some(_), false) => RouterKernel::Wgmma,
+            (Some(_), true) => RouterKernel::WgmmaTf32Gate,
+        };
+        self.router_tf32_on(b, t, kernel)
     }
 
-    /// [`CudaMoeLayer::router_tf32`] with wgmma (`sm90`, on Hopper only) or `mma.sync`.
-    pub(super) fn router_tf32_on(&self, b: &Buffers, t: usize, sm90: bool) -> Result<()> {
+    /// [`CudaMoeLayer::router_tf32`] with the given kernel.
+    pub(super) fn router_tf32_on(&self, b: &Buffers, t: usize, kernel: RouterKernel) -> Result<()> {
         if t == 0 {
             return Ok(());
         }
@@ -120,18 +158,22 @@ impl CudaMoeLayer {
         };
         let (xp, gp, x_bf) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.x_bf, g));
         let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
-        let (kernel, smem) = match (&self.k.router_tf32_sm90, sm90) {
-            (Some(k), true) => (k, SMEM_SM90),
-            (None, true) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
-            (_, false) => (&self.k.router_tf32, SMEM),
+        let (kernel, smem) = match (&self.k.router_tf32_sm90, kernel) {
+            (_, RouterKernel::MmaSync) => (&self.k.router_tf32, SMEM),
+            (None, _) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
+            (Some(k), RouterKernel::Wgmma) => (&k.any_gate, SMEM_SM90),
+            (Some(k), RouterKernel::WgmmaTf32Gate) if self.w.gate_is_tf32 => (&k.tf32_gate, SMEM_SM90),
+            (Some(_), RouterKernel::WgmmaTf32Gate) => {
+                return Err(MoeError::Unsupported("the router's gate holds values that are not TF32 values".into()))
+            }
         };
         let cfg = LaunchConfig {
             grid_dim: (e.div_ceil(TILE) as u32, t.div_ceil(TILE) as u32, split as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
-        // SAFETY: router_partials_tf32(_sm90)(float*, float*, int, int, int, int, float*, float*,
-        // bf16*) reads t · H and E · H floats (H a multiple of 4, checked by
+        // SAFETY: router_partials_tf32(_sm90, _sm90_tf32_gate)(float*, float*, int, int, int, int,
+        // float*, float*, bf16*) reads t · H and E · H floats (H a multiple of 4, checked by
         // `router_on_tensor_cores`) and writes split · t · E floats (the logits for one split,
         // else the partials, which `partial_floats` sized for this many tokens) and t · H bf16
         // values into `b.x_bf`, sized for `t` tokens.
@@ -159,22 +201,23 @@ impl CudaMoeLayer {
 
 #[cfg(test)]
 mod tests {
-    use super::{partial_floats, splits, DEPTH, MIN_COLS};
+    use super::{is_tf32, partial_floats, splits, RouterKernel, DEPTH, MIN_COLS};
     use crate::backend::cuda::kernel_define;
     use crate::backend::cuda::layer::CudaMoeLayer;
     use crate::experts::Activation;
     use crate::router::RouterConfig;
     use crate::{preset, DType};
 
-    /// The tensor-core router's logits, both kernels (`mma.sync`, and wgmma on Hopper; on
-    /// poisoned outputs; called directly, also for expert counts the layer leaves to cuBLAS)
-    /// against f64 dot products, within 2e-6 of the sum of the products' magnitudes (f32
-    /// accumulation over a few thousand columns), next to cuBLAS's f32 GEMM on the same
-    /// values; the same bits at a second launch and from both kernels; the tokens' bf16 copy
-    /// each kernel writes rounded to nearest even, every value of the batch.
-    /// Widths that are and are not multiples of the 32-column stage, batches from 1 token to
-    /// several tiles and splits, experts not a multiple of the 128-expert tile, with and
-    /// without the gate's bias. Needs a GPU; says loudly when it skips.
+    /// The tensor-core router's logits, every kernel (`mma.sync`, and wgmma on Hopper, also
+    /// its form for gates of TF32 values where the gate is one; on poisoned outputs; called
+    /// directly, also for expert counts the layer leaves to cuBLAS) against f64 dot products,
+    /// within 2e-6 of the sum of the products' magnitudes (f32 accumulation over a few
+    /// thousand columns), next to cuBLAS's f32 GEMM on the same values; the same bits at a
+    /// second launch and from every kernel; the tokens' bf16 copy each kernel writes rounded
+    /// to nearest even, every value of the batch. Widths that are and are not multiples of
+    /// the 32-column stage, batches from 1 token to several tiles and splits, experts not a
+    /// multiple of the 128-expert tile, with and without the gate's bias, f32 and bf16 gates.
+    /// Needs a GPU; says loudly when it skips.
     #[test]
     fn tensor_core_router_matches_f64_dot_products() {
         let name = "tensor_core_router_matches_f64_dot_products";
@@ -182,17 +225,25 @@ mod tests {
             return;
         }
         let softmax = RouterConfig::Softmax { renormalize: true };
+        // (router, experts, k, hidden, batches, whether the gate holds bf16 values)
         let cases = [
-            (softmax.clone(), 256, 8, 7168, vec![1usize, 7, 128, 129, 1000, 4096]),
-            (RouterConfig::TopKSoftmax, 32, 4, 2880, vec![1, 300]),
-            (softmax.clone(), 1000, 8, 132, vec![3, 257]),
-            (softmax, 8, 2, 100, vec![1, 130]),
+            (softmax.clone(), 256, 8, 7168, vec![1usize, 7, 128, 129, 1000, 4096], false),
+            (softmax.clone(), 256, 8, 7168, vec![1, 129, 4096], true),
+            (RouterConfig::TopKSoftmax, 32, 4, 2880, vec![1, 300], false),
+            (softmax.clone(), 1000, 8, 132, vec![3, 257], true),
+            (softmax, 8, 2, 100, vec![1, 130], false),
         ];
-        for (case_no, (router, e, k, h, batches)) in cases.into_iter().enumerate() {
+        for (case_no, (router, e, k, h, batches, bf16_gate)) in cases.into_iter().enumerate() {
             let config = preset::config(h, 16, e, k, router, Activation::Silu, None);
-            let weights = preset::random_weights(&config, DType::BF16, 40 + case_no as u64);
+            let mut weights = preset::random_weights(&config, DType::BF16, 40 + case_no as u64);
+            if bf16_gate {
+                let rounded: Vec<f32> =
+                    weights.gate.to_f32_vec().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                weights.gate = crate::tensor::Tensor::from_f32(weights.gate.shape(), rounded).unwrap();
+            }
             let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
             assert_eq!(layer.router_on_tensor_cores(), e >= 128, "{e} experts, H {h}");
+            assert_eq!(layer.w.gate_is_tf32, bf16_gate, "{e} experts, H {h}: the gate's TF32 check");
             let gate = weights.gate.to_f32_vec();
             let bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
             let most = *batches.iter().max().unwrap();
@@ -205,33 +256,42 @@ mod tests {
                 b.router_split = Some(s.alloc_zeros::<f32>(room).unwrap());
             }
             for t in batches {
-                let case = format!("{e} experts, H {h}, {t} tokens, bias {}", bias.is_some());
+                let case = format!("{e} experts, H {h}, {t} tokens, bias {}, bf16 gate {bf16_gate}", bias.is_some());
                 let x = preset::uniform(t * h, 1.0, 7 * t as u64 + case_no as u64);
                 s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
-                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma (Hopper only). The logits and
-                // the tokens' bf16 copy, both poisoned before.
+                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma, 3: wgmma for a gate of TF32
+                // values (Hopper only). The logits and the tokens' bf16 copy, both poisoned
+                // before.
                 let mut logits_of = |kernel: usize| {
                     s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
                     s.memcpy_htod(&vec![0xffffu16; t * h], &mut b.x_bf.slice_mut(0..t * h)).unwrap();
+                    let which = [RouterKernel::MmaSync, RouterKernel::Wgmma, RouterKernel::WgmmaTf32Gate];
                     match kernel {
                         0 => layer.gemm_f32_router(b, t).unwrap(),
-                        k => layer.router_tf32_on(b, t, k == 2).unwrap(),
+                        k => layer.router_tf32_on(b, t, which[k - 1]).unwrap(),
                     }
                     (s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap(), s.clone_dtoh(&b.x_bf.slice(0..t * h)).unwrap())
                 };
                 let (cublas, _) = logits_of(0);
                 let rounded: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-                let kernels: Vec<usize> = if layer.k.router_tf32_sm90.is_some() { vec![1, 2] } else { vec![1] };
-                let mut worst = [0f64; 3];
+                let kernels: Vec<usize> = match (layer.k.router_tf32_sm90.is_some(), bf16_gate) {
+                    (false, _) => vec![1],
+                    (true, false) => vec![1, 2],
+                    (true, true) => vec![1, 2, 3],
+                };
+                let mut worst = [0f64; 4];
                 let mut sync_logits = None;
                 for &kernel in &kernels {
                     let ((got, copy), (again, _)) = (logits_of(kernel), logits_of(kernel));
                     let same = got.iter().zip(&again).all(|(a, b)| a.to_bits() == b.to_bits());
                     assert!(same, "{case}, kernel {kernel}: a second launch gives the same bits");
-                    // Both kernels add the same products in the same order.
-                    if let Some(sync) = sync_logits.replace(got.clone()) {
-                        let same = got.iter().zip(&sync).all(|(a, b): (&f32, &f32)| a.to_bits() == b.to_bits());
-                        assert!(same, "{case}: wgmma's logits are not mma.sync's bits");
+                    // Every kernel adds the same products in the same order (the TF32 gate's
+                    // form without those of its zero tails).
+                    if kernel == 1 {
+                        sync_logits = Some(got.clone());
+                    } else if let Some(sync) = &sync_logits {
+                        let same = got.iter().zip(sync).all(|(a, b): (&f32, &f32)| a.to_bits() == b.to_bits());
+                        assert!(same, "{case}: kernel {kernel}'s logits are not mma.sync's bits");
                     }
                     if let Some(i) = (0..t * h).find(|&i| copy[i] != rounded[i]) {
                         panic!(
@@ -263,13 +323,26 @@ mod tests {
                         }
                     }
                 }
-                let [worst_cublas, worst_sync, worst_wgmma] = worst;
+                let [worst_cublas, worst_sync, worst_wgmma, worst_tf32_gate] = worst;
                 eprintln!(
                     "{case}: worst error of the products' magnitudes: mma.sync {worst_sync:.2e}, wgmma \
-                     {worst_wgmma:.2e} (0: not run), cuBLAS f32 {worst_cublas:.2e}"
+                     {worst_wgmma:.2e}, wgmma for a TF32 gate {worst_tf32_gate:.2e} (0: not run), cuBLAS f32 \
+                     {worst_cublas:.2e}"
                 );
             }
         }
+    }
+
+    /// A gate is TF32 where every value's low 13 mantissa bits are zero: bf16 values are, an
+    /// f32 value with any of those bits is not.
+    #[test]
+    fn tf32_gates_are_those_without_low_bits() {
+        let bf16: Vec<f32> = preset::uniform(4096, 0.1, 3).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        assert!(is_tf32(&bf16) && is_tf32(&[]) && is_tf32(&[0.0, -0.0, f32::INFINITY, 1.5]));
+        assert!(!is_tf32(&preset::uniform(4096, 0.1, 3)));
+        let mut one_off = bf16;
+        one_off[4095] = f32::from_bits(one_off[4095].to_bits() | 1);
+        assert!(!is_tf32(&one_off));
     }
 
     /// Splits cover the depth exactly once in multiples of 32 columns, at least 128 each unless
