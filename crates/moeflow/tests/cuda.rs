@@ -77,8 +77,8 @@ fn every_router_and_activation_matches_reference() {
 }
 
 /// The router on the tensor cores inside the whole layer, where the layer takes it (128
-/// experts and more): its depth splits and their sum, and the tokens' bf16 copy it writes,
-/// which the experts and the shared expert then read. Against the f64 reference and beside the
+/// experts and more, or 64 with a gate of bf16 values on Hopper): its depth splits and their
+/// sum, and the tokens' bf16 copy it writes, which the experts and the shared expert then read. Against the f64 reference and beside the
 /// same layer on cuBLAS's f32 router (`router_tf32: false`), from 1 token (256 experts are past
 /// the one-launch router) to several token tiles; hidden 264 is not a multiple of the router's
 /// 32-column stage; the same bits run after run.
@@ -87,19 +87,28 @@ fn tensor_core_router_in_the_layer_matches_the_reference() {
     use moeflow::backend::cuda::CudaOptions;
     let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
     let shared = Some(SharedConfig { inter: 64, gated: false });
-    let config = small_config(264, 64, 256, 8, router, Activation::Silu, shared);
-    let weights = preset::random_weights(&config, DType::BF16, 21);
-    let Some(gpu) = layer(&config, &weights) else { return };
-    let cublas =
-        CudaMoeLayer::new(&config, &weights, &CudaOptions { router_tf32: false, ..Default::default() }).unwrap();
-    for tokens in [1, 5, 130, 1000] {
-        let (x, xt) = hidden(tokens, 264, tokens as u64 + 3);
-        let want = reference::forward(&config, &weights, &x).unwrap().out;
-        let got = gpu.forward(&xt).unwrap().to_f32_vec();
-        let (err, err_cublas) = (rel(&got, &want), rel(&cublas.forward(&xt).unwrap().to_f32_vec(), &want));
-        println!("tensor-core router, T {tokens}: relative error {err:.2e} (cuBLAS's router {err_cublas:.2e})");
-        assert!(err <= BF16_TOL, "T {tokens}: relative error {err:e}");
-        assert_eq!(gpu.forward(&xt).unwrap().to_f32_vec(), got, "T {tokens}: the same result run after run");
+    // f32 gates, and gates of bf16 values as checkpoints store them (two products a product
+    // on Hopper, which then also routes 64 experts on the tensor cores).
+    for (experts, bf16_gate) in [(256, false), (256, true), (64, true)] {
+        let config = small_config(264, 64, experts, 8, router.clone(), Activation::Silu, shared);
+        let mut weights = preset::random_weights(&config, DType::BF16, 21);
+        if bf16_gate {
+            let rounded = weights.gate.to_f32_vec().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+            weights.gate = Tensor::from_f32(weights.gate.shape(), rounded).unwrap();
+        }
+        let Some(gpu) = layer(&config, &weights) else { return };
+        let cublas =
+            CudaMoeLayer::new(&config, &weights, &CudaOptions { router_tf32: false, ..Default::default() }).unwrap();
+        for tokens in [1, 5, 130, 1000] {
+            let case = format!("{experts} experts, bf16 gate {bf16_gate}, T {tokens}");
+            let (x, xt) = hidden(tokens, 264, tokens as u64 + 3);
+            let want = reference::forward(&config, &weights, &x).unwrap().out;
+            let got = gpu.forward(&xt).unwrap().to_f32_vec();
+            let (err, err_cublas) = (rel(&got, &want), rel(&cublas.forward(&xt).unwrap().to_f32_vec(), &want));
+            println!("tensor-core router, {case}: relative error {err:.2e} (cuBLAS's router {err_cublas:.2e})");
+            assert!(err <= BF16_TOL, "{case}: relative error {err:e}");
+            assert_eq!(gpu.forward(&xt).unwrap().to_f32_vec(), got, "{case}: the same result run after run");
+        }
     }
 }
 

@@ -118,10 +118,13 @@ pub(super) fn partial_floats(t: usize, e: usize, h: usize, sms: usize) -> usize 
 impl CudaMoeLayer {
     /// Whether the router GEMM runs on the tensor cores (`router_partials_tf32`): the option
     /// on, the hidden size a multiple of 4 (its 16-byte copies) and at least a tile's
-    /// [`TILE`] experts; with fewer, half a tile or more multiplies zeros and cuBLAS's f32
-    /// GEMM is as fast (docs/tuning.md).
+    /// [`TILE`] experts, or half of one for a gate of TF32 values on Hopper. With fewer, half
+    /// a tile or more multiplies zeros and cuBLAS's f32 GEMM is as fast, except against
+    /// wgmma's two products (docs/tuning.md).
     pub(super) fn router_on_tensor_cores(&self) -> bool {
-        self.opts.router_tf32 && self.config.hidden.is_multiple_of(4) && self.config.num_experts >= TILE
+        let e = self.config.num_experts;
+        let half_tile = e >= TILE / 2 && self.k.router_tf32_sm90.is_some() && self.w.gate_is_tf32;
+        self.opts.router_tf32 && self.config.hidden.is_multiple_of(4) && (e >= TILE || half_tile)
     }
 
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
@@ -231,6 +234,7 @@ mod tests {
             (softmax.clone(), 256, 8, 7168, vec![1, 129, 4096], true),
             (RouterConfig::TopKSoftmax, 32, 4, 2880, vec![1, 300], false),
             (softmax.clone(), 1000, 8, 132, vec![3, 257], true),
+            (softmax.clone(), 64, 8, 2048, vec![5, 1000], true),
             (softmax, 8, 2, 100, vec![1, 130], false),
         ];
         for (case_no, (router, e, k, h, batches, bf16_gate)) in cases.into_iter().enumerate() {
@@ -242,7 +246,9 @@ mod tests {
                 weights.gate = crate::tensor::Tensor::from_f32(weights.gate.shape(), rounded).unwrap();
             }
             let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
-            assert_eq!(layer.router_on_tensor_cores(), e >= 128, "{e} experts, H {h}");
+            let sm90 = layer.k.router_tf32_sm90.is_some();
+            let wants = e >= 128 || (e >= 64 && sm90 && bf16_gate);
+            assert_eq!(layer.router_on_tensor_cores(), wants, "{e} experts, H {h}");
             assert_eq!(layer.w.gate_is_tf32, bf16_gate, "{e} experts, H {h}: the gate's TF32 check");
             let gate = weights.gate.to_f32_vec();
             let bias = weights.gate_bias.as_ref().map(|b| b.to_f32_vec());
