@@ -89,18 +89,17 @@ __device__ __forceinline__ void rt_copy_bf16(const float* xs, bf16_t* x_bf, unsi
     }
 }
 
-extern "C" {
-
 // partial[z, t, e] = the sum over the columns of split z (`cols` columns each, the last one
 // to H) of x[t, k] · gate[e, k], for x [T, H] and gate [E, H] in f32, H a multiple of 4; plus
 // bias[e] when `bias` is not null (a caller with one split adds the bias here); and, when
 // `x_bf` is not null, x's bf16 copy into it (rt_copy_bf16). A block of 256 threads takes 128
 // tokens (blockIdx.y) by 128 experts (blockIdx.x, so the blocks that read the same tokens run
 // together) of one split (blockIdx.z); its 8 warps take 64 × 32 outputs each. The tiles
-// stream through RT_STAGES stages of shared memory with cp.async.
-__global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* x, const float* gate, int T, int E,
-                                                                   int H, int cols, const float* bias,
-                                                                   float* partial, bf16_t* x_bf) {
+// stream through RT_STAGES stages of shared memory with cp.async. GATE_TAILS false for a gate
+// of TF32 values: the products with its zero tails are dropped, which added exact zeros.
+template <bool GATE_TAILS>
+__device__ __forceinline__ void rt_partials(const float* x, const float* gate, int T, int E, int H, int cols,
+                                            const float* bias, float* partial, bf16_t* x_bf) {
     extern __shared__ __align__(16) float rt_smem[];
     int e0 = blockIdx.x * RT_BN, t0 = blockIdx.y * RT_BM;
     int k_lo = blockIdx.z * cols, k_hi = min(H, k_lo + cols);
@@ -171,7 +170,7 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
             // Each product over every tile before the next, so 16 independent products lie
             // between two into the same accumulator.
 #pragma unroll
-            for (int p = 0; p < 3; p++)
+            for (int p = GATE_TAILS ? 0 : 1; p < 3; p++)
 #pragma unroll
                 for (int i = 0; i < 4; i++)
 #pragma unroll
@@ -203,7 +202,18 @@ __global__ void __launch_bounds__(RT_THREADS) router_partials_tf32(const float* 
     }
 }
 
-}  // extern "C"
+// rt_partials for any f32 gate, and for a gate of TF32 values (two products a product, the
+// same bits).
+extern "C" __global__ void __launch_bounds__(RT_THREADS)
+    router_partials_tf32(const float* x, const float* gate, int T, int E, int H, int cols, const float* bias,
+                         float* partial, bf16_t* x_bf) {
+    rt_partials<true>(x, gate, T, E, H, cols, bias, partial, x_bf);
+}
+extern "C" __global__ void __launch_bounds__(RT_THREADS)
+    router_partials_tf32_tf32_gate(const float* x, const float* gate, int T, int E, int H, int cols,
+                                   const float* bias, float* partial, bf16_t* x_bf) {
+    rt_partials<false>(x, gate, T, E, H, cols, bias, partial, x_bf);
+}
 
 // The same partial sums on Hopper's wgmma (router_partials_tf32_sm90): a block's two warpgroups
 // take 64 tokens each by the tile's 128 experts, each 8-deep step three wgmma.m64n128k8 (the

@@ -82,9 +82,9 @@ struct Kernels {
     router_partials_wide: CudaFunction,
     router_sum: CudaFunction,
     router_live: CudaFunction,
-    router_tf32: CudaFunction,
+    router_tf32: router_tf32::RouterForms,
     /// The tensor-core router on wgmma, on Hopper only.
-    router_tf32_sm90: Option<router_tf32::RouterSm90>,
+    router_tf32_sm90: Option<router_tf32::RouterForms>,
     compact_served: CudaFunction,
     sum_partials: CudaFunction,
     sum_partials_live: CudaFunction,
@@ -275,8 +275,8 @@ impl CudaMoeLayer {
             router_partials_wide: f("router_partials_fixed_wide")?,
             router_sum: f("router_sum_fixed")?,
             router_live: f("router_live_partials")?,
-            router_tf32: f("router_partials_tf32")?,
-            router_tf32_sm90: router_tf32::load_sm90(&gpu)?,
+            router_tf32: router_tf32::RouterForms::load_mma_sync(&gpu)?,
+            router_tf32_sm90: router_tf32::RouterForms::load_sm90(&gpu)?,
             compact_served: f("compact_served")?,
             sum_partials: f("sum_partials")?,
             sum_partials_live: f("sum_partials_live")?,
@@ -313,7 +313,6 @@ impl CudaMoeLayer {
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_fp8)?;
         masked_gemm::allow_masked_gemm_smem(&k.masked_gemm_w8a8)?;
-        router_tf32::allow_router_tf32_smem(&k.router_tf32, &k.router_tf32_sm90)?;
         Ok((gpu, blas, k))
     }
 

@@ -1,8 +1,9 @@
 //! The router GEMM on the tensor cores at f32 accuracy (router_tf32.cu: on `wgmma` on Hopper,
 //! `router_partials_tf32_sm90`, else `mma.sync`, `router_partials_tf32`): logits `[T, E]` =
 //! x `[T, H]` · gate `[E, H]`ᵀ + bias, each f32 product the sum of three TF32 products of the
-//! operands' heads and tails, the tensor cores' truncating sums cut every 32 columns and added
-//! in f32. The depth is split so the grid fills the GPU; with more than one split,
+//! operands' heads and tails (two where the gate holds TF32 values, whose tails are zero: the
+//! `_tf32_gate` forms), the tensor cores' truncating sums cut every 32 columns and added in
+//! f32. The depth is split so the grid fills the GPU; with more than one split,
 //! `router_sum_fixed` adds the splits' partials in order.
 
 use super::{dptr, err, Buffers, CudaMoeLayer};
@@ -37,57 +38,56 @@ const SMEM: u32 = STAGES * (2 * TILE as u32) * ROW_FLOATS * 4;
 /// and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate tiles.
 const SMEM_SM90: u32 = STAGES_SM90 * (TILE as u32 * ROW_FLOATS * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
 
-/// The wgmma forms of the router, on Hopper.
-pub(super) struct RouterSm90 {
-    /// Any f32 gate (`router_partials_tf32_sm90`): three TF32 products a product.
+/// A router kernel's two forms: for any f32 gate (three TF32 products a product), and for a
+/// gate of TF32 values such as a checkpoint's bf16 router (`_tf32_gate`: the same bits from
+/// two products, since the gate's tails are zero).
+pub(super) struct RouterForms {
     any_gate: CudaFunction,
-    /// A gate of TF32 values, such as a checkpoint's bf16 router
-    /// (`router_partials_tf32_sm90_tf32_gate`): the same bits from two TF32 products, since the
-    /// gate's tails are zero.
     tf32_gate: CudaFunction,
 }
 
-/// Which kernel computes the tensor-core router's products.
+impl RouterForms {
+    /// Kernel `name` and `name`_tf32_gate of moe.cu, allowed `smem` bytes of shared memory
+    /// (above the 48 KiB a launch gets by default).
+    fn load(gpu: &super::Gpu, name: &str, smem: u32) -> Result<Self> {
+        let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
+        let forms =
+            RouterForms { any_gate: gpu.function(name)?, tf32_gate: gpu.function(&format!("{name}_tf32_gate"))? };
+        for f in [&forms.any_gate, &forms.tf32_gate] {
+            f.set_attribute(attr, smem as i32).map_err(|e| err(&format!("{name} shared memory"), e))?;
+        }
+        Ok(forms)
+    }
+
+    /// The `mma.sync` forms, for any GPU the module runs on.
+    pub(super) fn load_mma_sync(gpu: &super::Gpu) -> Result<Self> {
+        Self::load(gpu, "router_partials_tf32", SMEM)
+    }
+
+    /// The wgmma forms where the GPU is a Hopper (compute capability 9.0, where the module is
+    /// built for sm_90a).
+    pub(super) fn load_sm90(gpu: &super::Gpu) -> Result<Option<Self>> {
+        let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        if cc != (9, 0) {
+            return Ok(None);
+        }
+        Self::load(gpu, "router_partials_tf32_sm90", SMEM_SM90).map(Some)
+    }
+}
+
+/// Which kernel computes the tensor-core router's products: wgmma (Hopper) or `mma.sync`, in
+/// the form for any gate or, with `tf32_gate`, the one for a gate of TF32 values (the layer's
+/// gate must be one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum RouterKernel {
-    /// `mma.sync`, on any GPU the module runs on.
-    MmaSync,
-    /// wgmma for any f32 gate (Hopper).
-    Wgmma,
-    /// wgmma for a gate of TF32 values (Hopper; the layer's gate must be one).
-    WgmmaTf32Gate,
+pub(super) struct RouterKernel {
+    pub(super) wgmma: bool,
+    pub(super) tf32_gate: bool,
 }
 
 /// Whether every value of `gate` is a TF32 value (its low 13 mantissa bits zero), so that its
 /// 3xTF32 tails are zero: bf16 values are.
 pub(super) fn is_tf32(gate: &[f32]) -> bool {
     gate.iter().all(|v| v.to_bits() & 0x1fff == 0)
-}
-
-/// The wgmma forms of the router where the GPU is a Hopper (compute capability 9.0, where the
-/// module is built for sm_90a).
-pub(super) fn load_sm90(gpu: &super::Gpu) -> Result<Option<RouterSm90>> {
-    let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
-    if cc != (9, 0) {
-        return Ok(None);
-    }
-    Ok(Some(RouterSm90 {
-        any_gate: gpu.function("router_partials_tf32_sm90")?,
-        tf32_gate: gpu.function("router_partials_tf32_sm90_tf32_gate")?,
-    }))
-}
-
-/// Lets the router's kernels take their shared memory (above the 48 KiB a launch gets by
-/// default).
-pub(super) fn allow_router_tf32_smem(f: &CudaFunction, sm90: &Option<RouterSm90>) -> Result<()> {
-    let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-    f.set_attribute(attr, SMEM as i32).map_err(|e| err("router_partials_tf32 shared memory", e))?;
-    if let Some(k) = sm90 {
-        for f in [&k.any_gate, &k.tf32_gate] {
-            f.set_attribute(attr, SMEM_SM90 as i32).map_err(|e| err("router_partials_tf32_sm90 shared memory", e))?;
-        }
-    }
-    Ok(())
 }
 
 /// How the depth `h` of `t` tokens' router GEMM over `e` experts splits on a GPU of `sms` SMs:
@@ -128,15 +128,11 @@ impl CudaMoeLayer {
     }
 
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
-    /// tensor cores at f32 accuracy: with wgmma on Hopper (two products a product where the
-    /// gate holds TF32 values), else `mma.sync`; and x's bf16 copy into `b.x_bf`, written as
+    /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync` (two products a
+    /// product where the gate holds TF32 values); and x's bf16 copy into `b.x_bf`, written as
     /// the router reads the tokens.
     pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
-        let kernel = match (&self.k.router_tf32_sm90, self.w.gate_is_tf32) {
-            (None, _) => RouterKernel::MmaSync,
-            (Some(_), false) => RouterKernel::Wgmma,
-            (Some(_), true) => RouterKernel::WgmmaTf32Gate,
-        };
+        let kernel = RouterKernel { wgmma: self.k.router_tf32_sm90.is_some(), tf32_gate: self.w.gate_is_tf32 };
         self.router_tf32_on(b, t, kernel)
     }
 
@@ -161,21 +157,21 @@ impl CudaMoeLayer {
         };
         let (xp, gp, x_bf) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.x_bf, g));
         let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
-        let (kernel, smem) = match (&self.k.router_tf32_sm90, kernel) {
-            (_, RouterKernel::MmaSync) => (&self.k.router_tf32, SMEM),
-            (None, _) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
-            (Some(k), RouterKernel::Wgmma) => (&k.any_gate, SMEM_SM90),
-            (Some(k), RouterKernel::WgmmaTf32Gate) if self.w.gate_is_tf32 => (&k.tf32_gate, SMEM_SM90),
-            (Some(_), RouterKernel::WgmmaTf32Gate) => {
-                return Err(MoeError::Unsupported("the router's gate holds values that are not TF32 values".into()))
-            }
+        if kernel.tf32_gate && !self.w.gate_is_tf32 {
+            return Err(MoeError::Unsupported("the router's gate holds values that are not TF32 values".into()));
+        }
+        let (forms, smem) = match (&self.k.router_tf32_sm90, kernel.wgmma) {
+            (_, false) => (&self.k.router_tf32, SMEM),
+            (Some(k), true) => (k, SMEM_SM90),
+            (None, true) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
         };
+        let kernel = if kernel.tf32_gate { &forms.tf32_gate } else { &forms.any_gate };
         let cfg = LaunchConfig {
             grid_dim: (e.div_ceil(TILE) as u32, t.div_ceil(TILE) as u32, split as u32),
             block_dim: (256, 1, 1),
             shared_mem_bytes: smem,
         };
-        // SAFETY: router_partials_tf32(_sm90, _sm90_tf32_gate)(float*, float*, int, int, int, int,
+        // SAFETY: router_partials_tf32(_sm90)(_tf32_gate)(float*, float*, int, int, int, int,
         // float*, float*, bf16*) reads t · H and E · H floats (H a multiple of 4, checked by
         // `router_on_tensor_cores`) and writes split · t · E floats (the logits for one split,
         // else the partials, which `partial_floats` sized for this many tokens) and t · H bf16
@@ -265,27 +261,30 @@ mod tests {
                 let case = format!("{e} experts, H {h}, {t} tokens, bias {}, bf16 gate {bf16_gate}", bias.is_some());
                 let x = preset::uniform(t * h, 1.0, 7 * t as u64 + case_no as u64);
                 s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
-                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma, 3: wgmma for a gate of TF32
-                // values (Hopper only). The logits and the tokens' bf16 copy, both poisoned
-                // before.
+                // 0: cuBLAS's f32 GEMM, 1: mma.sync, 2: wgmma (Hopper only), 3 and 4: the same
+                // for a gate of TF32 values. The logits and the tokens' bf16 copy, both
+                // poisoned before.
                 let mut logits_of = |kernel: usize| {
                     s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
                     s.memcpy_htod(&vec![0xffffu16; t * h], &mut b.x_bf.slice_mut(0..t * h)).unwrap();
-                    let which = [RouterKernel::MmaSync, RouterKernel::Wgmma, RouterKernel::WgmmaTf32Gate];
                     match kernel {
                         0 => layer.gemm_f32_router(b, t).unwrap(),
-                        k => layer.router_tf32_on(b, t, which[k - 1]).unwrap(),
+                        k => {
+                            let kernel = RouterKernel { wgmma: k % 2 == 0, tf32_gate: k > 2 };
+                            layer.router_tf32_on(b, t, kernel).unwrap()
+                        }
                     }
                     (s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap(), s.clone_dtoh(&b.x_bf.slice(0..t * h)).unwrap())
                 };
                 let (cublas, _) = logits_of(0);
                 let rounded: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
                 let kernels: Vec<usize> = match (layer.k.router_tf32_sm90.is_some(), bf16_gate) {
-                    (false, _) => vec![1],
+                    (false, false) => vec![1],
+                    (false, true) => vec![1, 3],
                     (true, false) => vec![1, 2],
-                    (true, true) => vec![1, 2, 3],
+                    (true, true) => vec![1, 2, 3, 4],
                 };
-                let mut worst = [0f64; 4];
+                let mut worst = [0f64; 5];
                 let mut sync_logits = None;
                 for &kernel in &kernels {
                     let ((got, copy), (again, _)) = (logits_of(kernel), logits_of(kernel));
@@ -329,11 +328,11 @@ mod tests {
                         }
                     }
                 }
-                let [worst_cublas, worst_sync, worst_wgmma, worst_tf32_gate] = worst;
+                let [worst_cublas, worst_sync, worst_wgmma, worst_sync_tf32, worst_wgmma_tf32] = worst;
                 eprintln!(
                     "{case}: worst error of the products' magnitudes: mma.sync {worst_sync:.2e}, wgmma \
-                     {worst_wgmma:.2e}, wgmma for a TF32 gate {worst_tf32_gate:.2e} (0: not run), cuBLAS f32 \
-                     {worst_cublas:.2e}"
+                     {worst_wgmma:.2e}, for a TF32 gate {worst_sync_tf32:.2e} and {worst_wgmma_tf32:.2e} (0: \
+                     not run), cuBLAS f32 {worst_cublas:.2e}"
                 );
             }
         }
