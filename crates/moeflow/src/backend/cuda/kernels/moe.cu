@@ -768,6 +768,20 @@ __global__ void combine_partial(const bf16_t* y, const float* b2, const int* loc
 
 }  // extern "C"
 
+// out[t, 8c .. 8c + 7] = acc, plus ys[t, 8c .. 8c + 7] (an ungated shared expert's output)
+// first when `ys` is not null.
+__device__ __forceinline__ void store_sum8(float* out, const bf16_t* ys, long t, int H, int c, float* acc) {
+    if (ys) {
+        float sh[8];
+        unpack8(((const uint4*)(ys + t * H))[c], sh);
+#pragma unroll
+        for (int q = 0; q < 8; q++) acc[q] += sh[q];
+    }
+    float4* o = (float4*)(out + t * H + 8 * c);
+    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+}
+
 // Expert-parallel, at home: out[t, h] = sum over ranks d in rank order of part[rows[t n + d], h]
 // (rows -1 where token t sent nothing to d), then + ys[t, h] (an ungated shared expert's
 // output) when `ys` is not null, for the first T tokens, or the first *live when `live` is not
@@ -793,14 +807,7 @@ __device__ __forceinline__ void sum_partials_at(const bf16_t* part, const int* r
                 for (int c = first; c < H / 8; c += step) {
                     float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
                     sum_rows8(part, 0, rt, 0, 0, n, H, c, acc);
-                    if (ys) {
-                        float sh[8];
-                        unpack8(((const uint4*)(ys + t * H))[c], sh);
-                        for (int q = 0; q < 8; q++) acc[q] += sh[q];
-                    }
-                    float4* o = (float4*)(out + t * H + 8 * c);
-                    o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-                    o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+                    store_sum8(out, ys, t, H, c, acc);
                 }
             } else {
                 // TURN column groups at a time, the rows of two ranks at a time: every load is
@@ -837,16 +844,7 @@ __device__ __forceinline__ void sum_partials_at(const bf16_t* part, const int* r
 #pragma unroll
                     for (int u = 0; u < TURN; u++) {
                         const int c = c0 + u * step;
-                        if (c >= H / 8) continue;
-                        if (ys) {
-                            float sh[8];
-                            unpack8(((const uint4*)(ys + t * H))[c], sh);
-#pragma unroll
-                            for (int q = 0; q < 8; q++) acc[u][q] += sh[q];
-                        }
-                        float4* o = (float4*)(out + t * H + 8 * c);
-                        o[0] = make_float4(acc[u][0], acc[u][1], acc[u][2], acc[u][3]);
-                        o[1] = make_float4(acc[u][4], acc[u][5], acc[u][6], acc[u][7]);
+                        if (c < H / 8) store_sum8(out, ys, t, H, c, acc[u]);
                     }
                 }
             }
