@@ -165,7 +165,8 @@ pub struct CudaOptions {
     /// Up to four tokens on one GPU route in one launch.
     pub fused_route: bool,
     /// The router GEMM runs on the tensor cores at f32 accuracy (three TF32 products a
-    /// product); off: cuBLAS's f32 GEMM. Deterministic mode and the low-latency graph keep
+    /// product, two for a gate of TF32 values such as a checkpoint's bf16 router); off:
+    /// cuBLAS's f32 GEMM. Deterministic mode and the low-latency graph keep
     /// their fixed-order routers either way.
     pub router_tf32: bool,
     /// Side streams that run per-expert cuBLAS GEMMs concurrently (at least 1).

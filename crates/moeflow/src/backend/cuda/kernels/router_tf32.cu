@@ -4,7 +4,9 @@
 // cores add the products of one 8-deep step, and the accumulators of chained steps, with
 // truncation, so their accumulators are chained over RT_BK columns only and then added into f32
 // registers with rounding: the logits land as close to the exact sums as a plain f32 GEMM's.
-// (Compiled after masked_gemm.cu, whose cp.async helpers it uses.)
+// A gate whose values are TF32 values (bf16 ones are) has zero tails: its `_tf32_gate` kernels
+// skip head·tail, which only added zeros. (Compiled after masked_gemm.cu, whose cp.async
+// helpers it uses.)
 
 #define RT_BM 128     // tokens a block
 #define RT_BN 128     // experts a block
