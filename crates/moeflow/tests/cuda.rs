@@ -76,12 +76,12 @@ fn every_router_and_activation_matches_reference() {
     }
 }
 
-/// The router on the tensor cores inside the whole layer, where the layer takes it (128
-/// experts and more, or 64 with a gate of bf16 values on Hopper): its depth splits and their
-/// sum, and the tokens' bf16 copy it writes, which the experts and the shared expert then read. Against the f64 reference and beside the
-/// same layer on cuBLAS's f32 router (`router_tf32: false`), from 1 token (256 experts are past
-/// the one-launch router) to several token tiles; hidden 264 is not a multiple of the router's
-/// 32-column stage; the same bits run after run.
+/// The router on the tensor cores inside the whole layer, where the layer takes it (128 experts and
+/// more, or 64 with a gate of bf16 values on Hopper): its depth splits and their sum, and the
+/// tokens' bf16 copy it writes, which the experts and the shared expert then read. Against the f64
+/// reference and beside the same layer on cuBLAS's f32 router (`router_tf32: false`), from 1 token
+/// (256 experts are past the one-launch router) to several token tiles; hidden 264 is not a
+/// multiple of the router's 32-column stage; the same bits run after run.
 #[test]
 fn tensor_core_router_in_the_layer_matches_the_reference() {
     use moeflow::backend::cuda::CudaOptions;

@@ -133,7 +133,7 @@ struct SharedMlp {
 
 struct DeviceWeights {
     gate: CudaSlice<f32>,
-    /// Whether every gate value is a TF32 value (bf16 ones are), which the wgmma router
+    /// Whether every gate value is a TF32 value (bf16 ones are), which the tensor-core router
     /// multiplies in two products instead of three.
     gate_is_tf32: bool,
     gate_bias: Option<CudaSlice<f32>>,

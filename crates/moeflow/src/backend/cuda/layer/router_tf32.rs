@@ -207,16 +207,16 @@ mod tests {
     use crate::router::RouterConfig;
     use crate::{preset, DType};
 
-    /// The tensor-core router's logits, every kernel (`mma.sync`, and wgmma on Hopper, also
+    /// The tensor-core router's logits, every kernel (`mma.sync`, and wgmma on Hopper, each also in
     /// its form for gates of TF32 values where the gate is one; on poisoned outputs; called
     /// directly, also for expert counts the layer leaves to cuBLAS) against f64 dot products,
-    /// within 2e-6 of the sum of the products' magnitudes (f32 accumulation over a few
-    /// thousand columns), next to cuBLAS's f32 GEMM on the same values; the same bits at a
-    /// second launch and from every kernel; the tokens' bf16 copy each kernel writes rounded
-    /// to nearest even, every value of the batch. Widths that are and are not multiples of
-    /// the 32-column stage, batches from 1 token to several tiles and splits, experts not a
-    /// multiple of the 128-expert tile, with and without the gate's bias, f32 and bf16 gates.
-    /// Needs a GPU; says loudly when it skips.
+    /// within 2e-6 of the sum of the products' magnitudes (f32 accumulation over a few thousand
+    /// columns), next to cuBLAS's f32 GEMM on the same values; the same bits at a second launch and
+    /// from every kernel; the tokens' bf16 copy each kernel writes rounded to nearest even, every
+    /// value of the batch. Widths that are and are not multiples of the 32-column stage, batches
+    /// from 1 token to several tiles and splits, experts not a multiple of the 128-expert tile,
+    /// with and without the gate's bias, f32 and bf16 gates. Needs a GPU; says loudly when it
+    /// skips.
     #[test]
     fn tensor_core_router_matches_f64_dot_products() {
         let name = "tensor_core_router_matches_f64_dot_products";
