@@ -165,7 +165,7 @@ impl CudaMoeLayer {
             (Some(k), true) => (k, SMEM_SM90),
             (None, true) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
         };
-        let kernel = if kernel.tf32_gate { &forms.tf32_gate } else { &forms.any_gate };
+        let f = if kernel.tf32_gate { &forms.tf32_gate } else { &forms.any_gate };
         let cfg = LaunchConfig {
             grid_dim: (e.div_ceil(TILE) as u32, t.div_ceil(TILE) as u32, split as u32),
             block_dim: (256, 1, 1),
@@ -178,7 +178,7 @@ impl CudaMoeLayer {
         // values into `b.x_bf`, sized for `t` tokens.
         unsafe {
             g.stream
-                .launch_builder(kernel)
+                .launch_builder(f)
                 .arg(&xp)
                 .arg(&gp)
                 .arg(&ti)
