@@ -9,9 +9,9 @@
 // operands. The consumer warpgroups multiply it with four wgmma.m64n128k32 e4m3 into partial
 // sums of their own, and add those to the f32 accumulators scaled by the row's and the weight
 // block's scales: the tensor cores' fp8 sums carry fewer bits than f32, so they never run
-// longer than 128 products (DeepSeek-V3's "promotion"). Over rows that TMA loads, two sets of
-// partial sums take turns, so the tensor cores multiply the next block while the last one is
-// scaled in. Tiles are 64·WGS rows (WGS consumer warpgroups: two, or one in the short entry
+// longer than 128 products (DeepSeek-V3's "promotion"). In 128-row tiles two sets of partial
+// sums take turns, so the tensor cores multiply the next block while the last one is scaled
+// in. Tiles are 64·WGS rows (WGS consumer warpgroups: two, or one in the short entry
 // point) by 128 weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up
 // rows, which then give 64 output columns), so a thread holds 64 accumulators and one or two
 // sets of 64 partial sums; with two sets the producer warpgroup hands the consumers its
@@ -297,10 +297,11 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
     // partial sums), or 128 and a sub-tile's activation: the producer warpgroup gives them
     // registers. The block holds 168 a thread (384 threads), 128 · P + 256 · C of them: the
-    // producer keeps 40 (P) beside two sets; beside the quantizing tiles, whose consumers need
-    // fewer, it keeps 88, since at 40 its gathering of rows spilled.
+    // producer keeps 56 (P) beside two sets, the consumers 224 (at 40 the producer spilled,
+    // and both projections ran slower; docs/tuning.md); beside the quantizing tiles, whose
+    // consumers need fewer, it keeps 88.
     constexpr bool SHIFT_REGISTERS = WGS == 2 && (SETS == 2 || QUANT);
-    constexpr int PRODUCER_REGS = QUANT ? 88 : 40, CONSUMER_REGS = (168 * 3 - PRODUCER_REGS) / 2 / 8 * 8;
+    constexpr int PRODUCER_REGS = QUANT ? 88 : 56, CONSUMER_REGS = (168 * 3 - PRODUCER_REGS) / 2 / 8 * 8;
     if (threadIdx.x < 128) {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
@@ -318,8 +319,8 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 #endif
 
 // The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
-// g8_kernel<WGS, STAGES, SETS> (SETS sets of partial sums). Each computes C[r] = A[r] · W[e]ᵀ
-// (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds as in act_mul, f32
+// g8_kernel<WGS, STAGES, SETS, QUANT> (SETS sets of partial sums). Each computes C[r] =
+// A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds as in act_mul, f32
 // bias b13 [experts, N] or null), A and W fp8 e4m3 codes: A read through a_map in boxes of the
 // tile's rows by 128 codes (or, with gather_x, row r the codes of token slot_of_row[r] /
 // gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the same row (or
@@ -349,10 +350,6 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.
 G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2, false)
-
-// The same with one set of partial sums, for rows the producer gathers: a set's block held
-// while the next one comes in is a stage the slower gathered loads miss (docs/tuning.md).
-G8_ENTRY(grouped_gemm_fp8_sm90_one_set, 384, 2, 6, 1, false)
 
 // 64-row tiles, one consumer warpgroup and a 9-stage ring: for experts of few rows, whose
 // tiles mostly stream weights, more of them in flight. One set of partial sums: the products

@@ -26,11 +26,9 @@ struct Variant {
 }
 
 const TILES_128: Variant = Variant { name: "grouped_gemm_fp8_sm90", rows: 128, stages: 6, threads: 384 };
-const TILES_128_ONE_SET: Variant =
-    Variant { name: "grouped_gemm_fp8_sm90_one_set", rows: 128, stages: 6, threads: 384 };
 const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 64, stages: 9, threads: 256 };
 
-/// [`TILES_128_ONE_SET`] and [`TILES_64`] with the activation quantized in the epilogue.
+/// 128- and 64-row tiles of one set with the activation quantized in the epilogue.
 const TILES_128_ACT_FP8: Variant =
     Variant { name: "grouped_gemm_fp8_sm90_act_fp8", rows: 128, stages: 6, threads: 384 };
 const TILES_64_ACT_FP8: Variant =
@@ -76,12 +74,11 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_128_ONE_SET`], [`TILES_64`] and the two
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`] and the two
 /// that quantize the activation), the SMs its persistent blocks fill, their shared tile counter
 /// (as [`super::hopper_gemm::HopperGemm`]'s) and the tile rows the options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
-    one_set: CudaFunction,
     short: CudaFunction,
     act_fp8: CudaFunction,
     short_act_fp8: CudaFunction,
@@ -99,29 +96,27 @@ impl HopperFp8Gemm {
             return Ok(None);
         }
         let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
-        let (f, one_set, short) = (load(TILES_128)?, load(TILES_128_ONE_SET)?, load(TILES_64)?);
+        let (f, short) = (load(TILES_128)?, load(TILES_64)?);
         let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
         let (sms, next_tile) = persistent_blocks(gpu)?;
         let rows_asked = opts.gemm_tile_rows;
-        Ok(Some(HopperFp8Gemm { f, one_set, short, act_fp8, short_act_fp8, sms, next_tile, rows_asked }))
+        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, sms, next_tile, rows_asked }))
     }
 
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
-    /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask); 128-row tiles over
-    /// rows the kernel gathers itself keep one set of partial sums, which holds one stage of the
-    /// ring less while the gathered rows come in (docs/tuning.md). An activation quantized in
-    /// the epilogue (`fp8_out`) keeps one set in either case.
-    fn variant(&self, rows: usize, experts: usize, gathered: bool, fp8_out: bool) -> Variant {
+    /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask), else 128-row
+    /// tiles; an activation quantized in the epilogue (`fp8_out`) takes the entry points that
+    /// do that.
+    fn variant(&self, rows: usize, experts: usize, fp8_out: bool) -> Variant {
         let short = match self.rows_asked {
             Some(r) => r == TILES_64.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         };
-        match (short, gathered, fp8_out) {
-            (true, _, false) => TILES_64,
-            (true, _, true) => TILES_64_ACT_FP8,
-            (false, _, true) => TILES_128_ACT_FP8,
-            (false, true, false) => TILES_128_ONE_SET,
-            (false, false, false) => TILES_128,
+        match (short, fp8_out) {
+            (true, false) => TILES_64,
+            (true, true) => TILES_64_ACT_FP8,
+            (false, true) => TILES_128_ACT_FP8,
+            (false, false) => TILES_128,
         }
     }
 
@@ -176,7 +171,7 @@ impl HopperFp8Gemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let v = self.variant(busy, experts, gather.is_some(), q.codes != 0);
+        let v = self.variant(busy, experts, q.codes != 0);
         let a_map = tensor_map(a.codes, rows, kdim, v.rows, 1)?;
         let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
@@ -203,7 +198,6 @@ impl HopperFp8Gemm {
         unsafe {
             let f = match v {
                 TILES_64 => &self.short,
-                TILES_128_ONE_SET => &self.one_set,
                 TILES_128_ACT_FP8 => &self.act_fp8,
                 TILES_64_ACT_FP8 => &self.short_act_fp8,
                 _ => &self.f,
@@ -395,7 +389,7 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            let tile_rows = gemm.variant(rows, e, gathered, false).rows;
+            let tile_rows = gemm.variant(rows, e, false).rows;
             let what = format!("{tile_rows}-row tiles, n {n} k {k} activation {act:?} gathered {gathered}");
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
             // The values the codes and scales stand for, decoded once: A [rows, k], W [e n, k].
