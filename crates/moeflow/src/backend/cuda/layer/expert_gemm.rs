@@ -53,6 +53,19 @@ impl CudaMoeLayer {
         Some((gemm, sh.fp8.as_ref()?))
     }
 
+    /// The fp8 GEMM of a W8A8 shared expert (its own instance, whose tile counter no other
+    /// stream shares), where the GPU has it. Beside an expert-parallel layer's dispatch it
+    /// leaves the transport's SMs free ([`super::CudaOptions::transport_sms`]): on every SM
+    /// its persistent blocks would hold the exchange's kernel back until they end.
+    pub(super) fn shared_fp8_gemm_for(
+        gpu: &super::Gpu,
+        opts: &super::CudaOptions,
+        expert_parallel: bool,
+    ) -> Result<Option<HopperFp8Gemm>> {
+        let gemm = HopperFp8Gemm::load(gpu, opts)?;
+        Ok(gemm.map(|g| if expert_parallel { g.leaving(opts.transport_sms) } else { g }))
+    }
+
     /// What multiplies the shared expert: `"hopper-fp8"` (a W8A8 shared expert on the fp8
     /// tensor cores), `"hopper"` (deterministic mode's fixed-order GEMM) or `"cublas"`; `None`
     /// without a shared expert.

@@ -78,7 +78,7 @@ impl CudaMoeLayer {
         }
         let h = self.config.hidden;
         if self.k.hopper_fp8_shared.is_none() && !self.opts.deterministic {
-            self.k.hopper_fp8_shared = super::hopper_fp8_gemm::HopperFp8Gemm::load(&self.gpu, &self.opts)?;
+            self.k.hopper_fp8_shared = Self::shared_fp8_gemm_for(&self.gpu, &self.opts, self.ep.is_some())?;
         }
         let (gpu, kernel) = (&self.gpu, &self.k.quantize_fp8);
         let w = std::sync::Arc::get_mut(&mut self.w).ok_or_else(|| {

@@ -74,15 +74,16 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_64`] and the two
-/// that quantize the activation), the SMs its persistent blocks fill, their shared tile counter
-/// (as [`super::hopper_gemm::HopperGemm`]'s) and the tile rows the options ask for.
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`] and the two that quantize the
+/// activation), its persistent blocks (one an SM, every SM unless [`HopperFp8Gemm::leaving`]
+/// leaves some free), their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s) and
+/// the tile rows the options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
     short: CudaFunction,
     act_fp8: CudaFunction,
     short_act_fp8: CudaFunction,
-    sms: u32,
+    blocks: u32,
     next_tile: Mutex<CudaSlice<i32>>,
     rows_asked: Option<u32>,
 }
@@ -98,9 +99,17 @@ impl HopperFp8Gemm {
         let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
         let (f, short) = (load(TILES_128)?, load(TILES_64)?);
         let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
-        let (sms, next_tile) = persistent_blocks(gpu)?;
+        let (blocks, next_tile) = persistent_blocks(gpu)?;
         let rows_asked = opts.gemm_tile_rows;
-        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, sms, next_tile, rows_asked }))
+        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, blocks, next_tile, rows_asked }))
+    }
+
+    /// The same GEMM on all SMs but `sms` (at least one): for a GEMM that runs beside kernels
+    /// that need SMs of their own, such as an expert-parallel layer's shared expert beside the
+    /// dispatch, whose transport would otherwise wait for the GEMM's blocks to end.
+    pub(super) fn leaving(mut self, sms: u32) -> Self {
+        self.blocks = self.blocks.saturating_sub(sms).max(1);
+        self
     }
 
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
@@ -178,7 +187,7 @@ impl HopperFp8Gemm {
         let counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         let (next, _guard) = counter.device_ptr(stream);
         let cfg = LaunchConfig {
-            grid_dim: (self.sms, 1, 1),
+            grid_dim: (self.blocks, 1, 1),
             block_dim: (v.threads, 1, 1),
             shared_mem_bytes: smem_bytes(v, experts),
         };

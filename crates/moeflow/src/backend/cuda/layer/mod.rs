@@ -326,7 +326,7 @@ impl CudaMoeLayer {
     ) -> Result<Self> {
         // An fp8 shared expert (the twin of a dual-batch layer) runs on its own fp8 GEMM.
         if w.shared.as_ref().is_some_and(|sh| sh.fp8.is_some()) && !opts.deterministic {
-            k.hopper_fp8_shared = hopper_fp8_gemm::HopperFp8Gemm::load(&gpu, opts)?;
+            k.hopper_fp8_shared = Self::shared_fp8_gemm_for(&gpu, opts, ep.is_some())?;
         }
         if let Some(link) = ep.as_mut() {
             link.tables = Some(placement::PlacementTables::upload(&link.placement, &gpu)?);
