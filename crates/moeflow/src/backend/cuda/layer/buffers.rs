@@ -38,8 +38,8 @@ pub(super) struct Buffers {
     pub(super) sh13: CudaSlice<u16>,
     pub(super) sact: CudaSlice<u16>,
     pub(super) sy: CudaSlice<u16>,
-    /// The fp8 codes and scales of an fp8 shared expert's rows (its input, then its
-    /// activation), when it runs on the fp8 tensor cores.
+    /// The fp8 codes and scales of an fp8 shared expert's rows, when it runs on the fp8 tensor
+    /// cores: its input's (the tokens', `t · hidden` codes), then its activation's.
     pub(super) shared_fp8: Option<super::masked_gemm::Fp8Rows>,
     /// Expert-parallel buffers, grown to the rows this rank sends and receives.
     pub(super) ep: Option<EpBuffers>,
@@ -129,7 +129,7 @@ impl CudaMoeLayer {
                 sact: z!(u16, (t * c.shared.map_or(0, |s| s.inter)).max(1)),
                 sy: z!(u16, if c.shared.is_some() { t * h } else { 1 }),
                 shared_fp8: match (c.shared, self.shared_fp8_gemm()) {
-                    (Some(sc), Some(_)) => Some(super::masked_gemm::Fp8Rows::new(s, t * h.max(sc.inter))?),
+                    (Some(sc), Some(_)) => Some(super::masked_gemm::Fp8Rows::new(s, t * (h + sc.inter))?),
                     _ => None,
                 },
                 ep: None,

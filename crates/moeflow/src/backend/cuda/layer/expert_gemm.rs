@@ -103,10 +103,43 @@ impl CudaMoeLayer {
         }
     }
 
+    /// Whether a call quantizes its tokens to fp8 once, on the layer's stream before the
+    /// shared experts start, into the shared expert's rows ([`CudaMoeLayer::tokens_fp8`]),
+    /// where both the fp8 shared expert and the routed experts that gather fp8 rows read them:
+    /// a one-GPU layer whose W8A8 shared expert runs on the fp8 tensor cores.
+    pub(super) fn quantizes_tokens_once(&self, b: &Buffers) -> bool {
+        self.ep.is_none() && b.shared_fp8.is_some()
+    }
+
+    /// The `t` tokens' fp8 codes and scales in the shared expert's rows, where
+    /// [`CudaMoeLayer::quantizes_tokens_once`] puts them (also where the shared expert
+    /// quantizes them itself): the first `t · hidden` codes and `t · ceil(hidden / 128)` scales.
+    pub(super) fn tokens_fp8(&self, b: &Buffers) -> Option<Fp8Operand> {
+        let rows = b.shared_fp8.as_ref()?;
+        Some(Fp8Operand { codes: dptr(&rows.codes, &self.gpu), scales: dptr(&rows.scales, &self.gpu) })
+    }
+
+    /// Quantizes the `t` tokens of `b.x_bf` into [`CudaMoeLayer::tokens_fp8`] on the layer's
+    /// stream, where [`CudaMoeLayer::quantizes_tokens_once`] says so.
+    pub(super) fn quantize_tokens_once(&self, b: &Buffers, t: usize) -> Result<()> {
+        match self.tokens_fp8(b).filter(|_| self.quantizes_tokens_once(b)) {
+            Some(x) => self.quantize_rows_on(
+                &self.gpu.stream,
+                dptr(&b.x_bf, &self.gpu),
+                [t, self.config.hidden],
+                1,
+                0,
+                [x.codes, x.scales, 0],
+            ),
+            None => Ok(()),
+        }
+    }
+
     /// A W8A8 shared expert on the fp8 tensor cores, on side stream 0: its rows quantized into
-    /// `rows`, the up projection with the activation in its epilogue, the activation quantized
-    /// into the same buffers (the stream runs that after the up projection has read them), the
-    /// down projection; each a one-expert fp8 Hopper GEMM with its own tile counter.
+    /// the first part of `rows` (unless the layer's stream has done it:
+    /// [`CudaMoeLayer::quantizes_tokens_once`]), the up projection with the activation in its
+    /// epilogue, the activation quantized into the part after them, the down projection; each
+    /// a one-expert fp8 Hopper GEMM with its own tile counter.
     fn shared_fp8(
         &self,
         b: &Buffers,
@@ -121,13 +154,18 @@ impl CudaMoeLayer {
         let s = &side.stream;
         let co = self.set_shared_rows(s, b, t)?;
         let a = Fp8Operand { codes: dptr(&rows.codes, g), scales: dptr(&rows.scales, g) };
-        self.quantize_rows_on(s, dptr(&b.x_bf, g), [t, h], 1, 0, [a.codes, a.scales, 0])?;
+        if !self.quantizes_tokens_once(b) {
+            self.quantize_rows_on(s, dptr(&b.x_bf, g), [t, h], 1, 0, [a.codes, a.scales, 0])?;
+        }
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
         let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
         gemm.run(s, w13, [2 * si, h], a, GemmOut::Bf16(dptr(&b.sact, g)), [t, t], co, 1, act, None)?;
-        self.quantize_rows_on(s, dptr(&b.sact, g), [t, si], 1, 0, [a.codes, a.scales, 0])?;
+        // The activation's codes go after the tokens', which the routed experts may still read.
+        let after = (t * h) as u64;
+        let act_rows = Fp8Operand { codes: a.codes + after, scales: a.scales + 4 * (t * h.div_ceil(128)) as u64 };
+        self.quantize_rows_on(s, dptr(&b.sact, g), [t, si], 1, 0, [act_rows.codes, act_rows.scales, 0])?;
         let w2 = Fp8Operand { codes: dptr(&fp8.w2, g), scales: dptr(&fp8.s2, g) };
-        gemm.run(s, w2, [h, si], a, GemmOut::Bf16(dptr(&b.sy, g)), [t, t], co, 1, Epilogue::Product, None)
+        gemm.run(s, w2, [h, si], act_rows, GemmOut::Bf16(dptr(&b.sy, g)), [t, t], co, 1, Epilogue::Product, None)
     }
 
     /// Sets `b.shared_rows` on `s` to the shared expert's `t` rows from offset 0, and returns

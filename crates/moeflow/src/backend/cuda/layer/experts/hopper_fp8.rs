@@ -26,6 +26,10 @@ impl DeviceExperts for HopperFp8 {
         cap == 0
     }
 
+    fn gathers_fp8_rows(&self) -> bool {
+        true
+    }
+
     fn run(&self, layer: &CudaMoeLayer, _b: &mut Buffers, r: &ExpertRows, mark: Mark) -> Result<()> {
         let missing = || MoeError::Unsupported("the fp8 Hopper GEMM needs a Hopper GPU and fp8 experts".into());
         let gemm = layer.k.hopper_fp8.as_ref().ok_or_else(missing)?;

@@ -76,6 +76,10 @@ pub(super) trait DeviceExperts: Send + Sync {
     fn gathers_rows(&self, _layer: &CudaMoeLayer, _cap: usize) -> bool {
         false
     }
+    /// Whether its gathered rows may be fp8 codes with their scales ([`Gather::fp8_scales`]).
+    fn gathers_fp8_rows(&self) -> bool {
+        false
+    }
     /// Whether it reads the low-latency layer's input rows from the received messages
     /// themselves (a [`Gather`] whose rows sit inside the message records), so that they are
     /// not copied into the padded layout first.
