@@ -319,17 +319,16 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 #endif
 
 // The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
-// g8_kernel<WGS, STAGES, SETS, QUANT> (SETS sets of partial sums). Each computes C[r] =
-// A[r] · W[e]ᵀ (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds as in act_mul, f32
+// g8_kernel<WGS, STAGES, SETS, QUANT> (SETS sets of partial sums). Each computes C[r] = A[r] ·
+// W[e]ᵀ (act_kind < 0: C [rows, N]) or its activation (C [rows, N / 2], kinds as in act_mul, f32
 // bias b13 [experts, N] or null), A and W fp8 e4m3 codes: A read through a_map in boxes of the
-// tile's rows by 128 codes (or, with gather_x, row r the codes of token slot_of_row[r] /
-// gather_k of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the same row (or
-// token); W [experts · N, K] through w_map in boxes of 64 rows, its scales w_scales [experts,
-// ceil(N / 128), ceil(K / 128)]. An activation needs N / 2 a multiple of 64 (each half of a
-// tile inside one scale block). The `_act_fp8` entry points (an activation, N / 2 a multiple
-// of 128) write it as fp8 codes Q [rows, N / 2] with one scale per 128 values in S [rows,
-// N / 256] (the bf16 values' amax / 448) and not C; the others ignore Q and S. next_tile: as
-// in grouped_gemm_sm90.
+// tile's rows by 128 codes (or, with gather_x, row r the codes of token slot_of_row[r] / gather_k
+// of gather_x [·, K]), its scales a_scales [·, ceil(K / 128)] by the same row (or token); W
+// [experts · N, K] through w_map in boxes of 64 rows, its scales w_scales [experts, ceil(N / 128),
+// ceil(K / 128)]. An activation needs N / 2 a multiple of 64 (each half of a tile inside one scale
+// block). The `_act_fp8` entry points (an activation, N / 2 a multiple of 128) write it as fp8
+// codes Q [rows, N / 2] with one scale per 128 values in S [rows, N / 256] (the bf16 values' amax
+// / 448) and not C; the others ignore Q and S. next_tile: as in grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define G8_BODY(WGS, STAGES, SETS, QUANT)                                                                  \
     g8_kernel<WGS, STAGES, SETS, QUANT>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, \

@@ -15,9 +15,12 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 impl CudaMoeLayer {
     /// Starts the shared experts of the `t` tokens in `b.x_bf` on side stream 0, writing `b.sy`;
-    /// they overlap the routed experts until the main stream joins the side stream.
+    /// they overlap the routed experts until the main stream joins the side stream. Where
+    /// [`CudaMoeLayer::quantizes_tokens_once`] says so, the tokens' fp8 codes are made on the
+    /// main stream first.
     pub(super) fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
         let Some(sh) = &self.w.shared else { return Ok(()) };
+        self.quantize_tokens_once(b, t)?;
         if let (Some(on_fp8), Some(rows)) = (self.shared_fp8_gemm(), &b.shared_fp8) {
             return self.shared_fp8(b, t, on_fp8, rows);
         }
@@ -103,8 +106,8 @@ impl CudaMoeLayer {
         }
     }
 
-    /// Whether a call quantizes its tokens to fp8 once, on the layer's stream before the
-    /// shared experts start, into the shared expert's rows ([`CudaMoeLayer::tokens_fp8`]),
+    /// Whether a call quantizes its tokens to fp8 once, on the layer's stream as the shared
+    /// experts start, into the shared expert's rows ([`CudaMoeLayer::tokens_fp8`]),
     /// where both the fp8 shared expert and the routed experts that gather fp8 rows read them:
     /// a one-GPU layer whose W8A8 shared expert runs on the fp8 tensor cores.
     pub(super) fn quantizes_tokens_once(&self, b: &Buffers) -> bool {

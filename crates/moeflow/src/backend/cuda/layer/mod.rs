@@ -951,7 +951,6 @@ impl CudaMoeLayer {
         let pf = self.strategy_for(b, t)?;
         let shared_late = pf.shared_after_begin(self);
         if t > 0 && !shared_late {
-            self.quantize_tokens_once(b, t)?;
             self.shared_on_side_stream(b, t)?;
         }
         let pending = pf.prepare_begin(self, b, t, mark)?;
