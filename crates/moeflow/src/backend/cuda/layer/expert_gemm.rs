@@ -15,9 +15,9 @@ use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 impl CudaMoeLayer {
     /// Starts the shared experts of the `t` tokens in `b.x_bf` on side stream 0, writing `b.sy`;
-    /// they overlap the routed experts until the main stream joins the side stream. Where
-    /// [`CudaMoeLayer::quantizes_tokens_once`] says so, the tokens' fp8 codes are made on the
-    /// main stream first.
+    /// they overlap the routed experts until the main stream joins the side stream. Where the
+    /// layer quantizes its tokens once ([`CudaMoeLayer::tokens_fp8`]), their fp8 codes are
+    /// made on the main stream first.
     pub(super) fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
         let Some(sh) = &self.w.shared else { return Ok(()) };
         self.quantize_tokens_once(b, t)?;
@@ -106,26 +106,20 @@ impl CudaMoeLayer {
         }
     }
 
-    /// Whether a call quantizes its tokens to fp8 once, on the layer's stream as the shared
-    /// experts start, into the shared expert's rows ([`CudaMoeLayer::tokens_fp8`]),
-    /// where both the fp8 shared expert and the routed experts that gather fp8 rows read them:
-    /// a one-GPU layer whose W8A8 shared expert runs on the fp8 tensor cores.
-    pub(super) fn quantizes_tokens_once(&self, b: &Buffers) -> bool {
-        self.ep.is_none() && b.shared_fp8.is_some()
-    }
-
-    /// The `t` tokens' fp8 codes and scales in the shared expert's rows, where
-    /// [`CudaMoeLayer::quantizes_tokens_once`] puts them (also where the shared expert
-    /// quantizes them itself): the first `t · hidden` codes and `t · ceil(hidden / 128)` scales.
+    /// Where a call quantizes its tokens to fp8 once, on the layer's stream as the shared
+    /// experts start, for both the fp8 shared expert and the routed experts that gather fp8
+    /// rows (a one-GPU layer whose W8A8 shared expert runs on the fp8 tensor cores): the first
+    /// `t · hidden` codes and `t · ceil(hidden / 128)` scales of the shared expert's rows.
+    /// `None` elsewhere.
     pub(super) fn tokens_fp8(&self, b: &Buffers) -> Option<Fp8Operand> {
-        let rows = b.shared_fp8.as_ref()?;
+        let rows = b.shared_fp8.as_ref().filter(|_| self.ep.is_none())?;
         Some(Fp8Operand { codes: dptr(&rows.codes, &self.gpu), scales: dptr(&rows.scales, &self.gpu) })
     }
 
     /// Quantizes the `t` tokens of `b.x_bf` into [`CudaMoeLayer::tokens_fp8`] on the layer's
-    /// stream, where [`CudaMoeLayer::quantizes_tokens_once`] says so.
-    pub(super) fn quantize_tokens_once(&self, b: &Buffers, t: usize) -> Result<()> {
-        match self.tokens_fp8(b).filter(|_| self.quantizes_tokens_once(b)) {
+    /// stream, where the layer has them.
+    fn quantize_tokens_once(&self, b: &Buffers, t: usize) -> Result<()> {
+        match self.tokens_fp8(b) {
             Some(x) => self.quantize_rows_on(
                 &self.gpu.stream,
                 dptr(&b.x_bf, &self.gpu),
@@ -140,7 +134,7 @@ impl CudaMoeLayer {
 
     /// A W8A8 shared expert on the fp8 tensor cores, on side stream 0: its rows quantized into
     /// the first part of `rows` (unless the layer's stream has done it:
-    /// [`CudaMoeLayer::quantizes_tokens_once`]), the up projection with the activation in its
+    /// [`CudaMoeLayer::tokens_fp8`]), the up projection with the activation in its
     /// epilogue, the activation quantized into the part after them, the down projection; each
     /// a one-expert fp8 Hopper GEMM with its own tile counter.
     fn shared_fp8(
@@ -157,7 +151,7 @@ impl CudaMoeLayer {
         let s = &side.stream;
         let co = self.set_shared_rows(s, b, t)?;
         let a = Fp8Operand { codes: dptr(&rows.codes, g), scales: dptr(&rows.scales, g) };
-        if !self.quantizes_tokens_once(b) {
+        if self.tokens_fp8(b).is_none() {
             self.quantize_rows_on(s, dptr(&b.x_bf, g), [t, h], 1, 0, [a.codes, a.scales, 0])?;
         }
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };

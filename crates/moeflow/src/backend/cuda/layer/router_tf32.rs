@@ -47,7 +47,7 @@ pub(super) struct RouterForms {
 }
 
 impl RouterForms {
-    /// Kernel `name` and `name`_tf32_gate of moe.cu, allowed `smem` bytes of shared memory
+    /// Kernel `name` and `name`_tf32_gate of router_tf32.cu, allowed `smem` bytes of shared memory
     /// (above the 48 KiB a launch gets by default).
     fn load(gpu: &super::Gpu, name: &str, smem: u32) -> Result<Self> {
         let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;

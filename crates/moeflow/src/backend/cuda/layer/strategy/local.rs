@@ -40,7 +40,7 @@ impl DevicePrepareFinalize for Local {
             }
         };
         // The tokens' fp8 codes where the layer has quantized them already.
-        let tokens_fp8 = l.tokens_fp8(b).filter(|_| imp.gathers_fp8_rows() && l.quantizes_tokens_once(b));
+        let tokens_fp8 = l.tokens_fp8(b).filter(|_| imp.gathers_fp8_rows());
         let gather = imp.gathers_rows(l, cap).then(|| Gather {
             x: tokens_fp8.map_or(dptr(&b.x_bf, g), |q| q.codes),
             fp8_scales: tokens_fp8.map(|q| q.scales),
