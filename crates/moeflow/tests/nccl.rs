@@ -519,6 +519,66 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
     }
 }
 
+/// The shared expert in fp8 too on expert-parallel W8A8 ranks: on Hopper its fp8 GEMM runs on
+/// the SMs the transport leaves (`HopperFp8Gemm::leaving`) beside the dispatch. Against the
+/// reference on the quantized routed and shared weights within fp8 rows' bound, uneven and
+/// empty ranks, NCCL's bits over NVLink, run after run. Skips on GPUs other than Hopper,
+/// saying so.
+#[test]
+fn expert_parallel_fp8_shared_expert_matches_the_reference() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
+    use moeflow::quant::WeightQuant;
+    let name = "expert_parallel_fp8_shared_expert_matches_the_reference";
+    let Some(Gpus { n, _serial }) = gpus(name) else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    let shared = Some(SharedConfig { inter: 256, gated: true });
+    let softmax = RouterConfig::Softmax { renormalize: true };
+    let config = small_config(384, 128, 4 * n, 3, softmax, Activation::Silu, shared);
+    let weights = preset::random_weights(&config, DType::BF16, 47);
+    let mut quantized = weights.clone();
+    quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let sh = quantized.shared.as_mut().unwrap();
+    sh.mlp = sh.mlp.quantized(WeightQuant::Fp8Block(128)).unwrap();
+    let h = config.hidden;
+    let sizes: Vec<usize> = (0..n).map(|r| [700, 0, 90, 1][r % 4]).collect();
+    let inputs: Vec<Vec<f32>> =
+        sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 97 + r as u64)).collect();
+    let run = |transport: Transport| {
+        let opts = CudaOptions { transport, ..Default::default() };
+        run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?
+                .fp8_experts()?
+                .fp8_activations()?
+                .fp8_shared_expert()?;
+            if !layer.has_fp8_gemm() {
+                return Ok(None);
+            }
+            let x = &inputs[c.rank()];
+            let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
+            let (out, again) = (layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec());
+            Ok(Some((out, again, layer.shared_expert_gemm(), layer.transport())))
+        })
+    };
+    let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
+    for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
+        let Some((want, _, _, _)) = a.unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
+            eprintln!("SKIPPED {name}: not a Hopper GPU");
+            return;
+        };
+        let (got, again, shared_gemm, transport) =
+            b.unwrap_or_else(|e| panic!("rank {rank}: NVLink: {e}")).expect("the same GPUs");
+        assert_eq!((shared_gemm, transport), (Some("hopper-fp8"), "nvlink"), "rank {rank}");
+        assert!(bits(&got) == bits(&want), "rank {rank}: NVLink's bits differ from NCCL's");
+        assert!(bits(&got) == bits(&again), "rank {rank}: differs run to run");
+        let err = relative_error(&config, &quantized, &inputs[rank], &got);
+        assert!(err <= 8e-2, "rank {rank}: relative error {err:e}");
+        eprintln!(
+            "expert-parallel fp8 shared expert, rank {rank}: {} tokens, relative error {err:.2e}, NCCL's bits over NVLink",
+            sizes[rank]
+        );
+    }
+}
+
 #[test]
 fn low_latency_fp8_experts_match_the_reference() {
     use moeflow::backend::cuda::CudaMoeLayer;
