@@ -350,6 +350,28 @@ mod tests {
         assert!(!is_tf32(&one_off));
     }
 
+    /// The random layers `bench` runs hold bf16 gates, as checkpoints do, so their routers take
+    /// the two-product form for a gate of TF32 values; on Hopper with 256 experts (DeepSeek-V3)
+    /// on `wgmma`, and on the tensor cores at 64 experts too. Needs a GPU; says loudly when it
+    /// skips.
+    #[test]
+    fn random_layers_route_with_the_tf32_gate_form() {
+        let name = "random_layers_route_with_the_tf32_gate_form";
+        if crate::backend::cuda::skip_without_gpu(name) {
+            return;
+        }
+        let softmax = RouterConfig::Softmax { renormalize: true };
+        let grouped = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        for (router, e) in [(softmax.clone(), 64), (softmax, 256), (grouped, 256), (RouterConfig::TopKSoftmax, 128)] {
+            let config = preset::config(512, 16, e, 8, router.clone(), Activation::Silu, None);
+            let layer = CudaMoeLayer::random(&config, 5, &Default::default()).unwrap();
+            assert!(layer.w.gate_is_tf32, "{router:?}, {e} experts: the random gate holds values that are not TF32");
+            let sm90 = layer.k.router_tf32_sm90.is_some();
+            assert_eq!(layer.router_on_tensor_cores(), e >= 128 || sm90, "{router:?}, {e} experts");
+            eprintln!("{name}: {router:?}, {e} experts: a TF32 gate, on the tensor cores (wgmma: {sm90})");
+        }
+    }
+
     /// Splits cover the depth exactly once in multiples of 32 columns, at least 128 each unless
     /// the depth is shorter, about one block an SM; the partials' room is what the largest
     /// batch up to `t` needs.
