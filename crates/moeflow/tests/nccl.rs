@@ -462,7 +462,9 @@ fn low_latency_graph_matches_the_reference_and_replays() {
 /// fp8 rows' bound, uneven and empty ranks, a hidden size that is not a multiple of the
 /// 128-deep scale blocks (so a row's scales are not a whole number of 16-byte words). Over
 /// NVLink the dispatch is planned on the device and the rows cross as fp8 codes: NCCL's bits,
-/// run after run. Skips on GPUs other than Hopper, saying so.
+/// run after run. Then with the shared expert in fp8 too, whose fp8 GEMM runs on the SMs the
+/// transport leaves (`HopperFp8Gemm::leaving`), against the reference on the quantized shared
+/// weights as well. Skips on GPUs other than Hopper, saying so.
 #[test]
 fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
@@ -470,112 +472,63 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
     let name = "expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference";
     let Some(Gpus { n, _serial }) = gpus(name) else { return };
     let devices: Vec<usize> = (0..n).collect();
-    let shared = Some(SharedConfig { inter: 64, gated: true });
     let softmax = RouterConfig::Softmax { renormalize: true };
-    let config = small_config(272, 128, 4 * n, 3, softmax, Activation::Silu, shared);
-    let weights = preset::random_weights(&config, DType::BF16, 45);
-    let mut quantized = weights.clone();
-    quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
-    let h = config.hidden;
-    let sizes: Vec<usize> = (0..n).map(|r| [400, 0, 150, 37][r % 4]).collect();
-    let inputs: Vec<Vec<f32>> =
-        sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 95 + r as u64)).collect();
-    // Over NCCL the host plans the dispatch and the bf16 rows are quantized where they land;
-    // over NVLink the device plans it and the rows cross as fp8 codes with their scales.
-    let run = |transport: Transport| {
-        let opts = CudaOptions { transport, ..Default::default() };
-        run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?
-                .fp8_experts()?
-                .fp8_activations()?;
-            if !layer.has_fp8_gemm() {
-                return Ok(None);
-            }
-            let x = &inputs[c.rank()];
-            let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
-            let (out, again) = (layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec());
-            let planned = layer.dispatch_planned_on_device();
-            Ok(Some((out, again, layer.forward_timed(200, 5)?.experts, layer.transport(), planned)))
-        })
-    };
-    let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
-    for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
-        let Some((want, _, _, _, _)) = a.unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
-            eprintln!("SKIPPED {name}: not a Hopper GPU");
-            return;
+    // (hidden, the shared expert's intermediate size, whether it runs in fp8, seed)
+    for (hidden, shared_inter, fp8_shared, seed) in [(272, 64, false, 45), (384, 256, true, 47)] {
+        let shared = Some(SharedConfig { inter: shared_inter, gated: true });
+        let config = small_config(hidden, 128, 4 * n, 3, softmax.clone(), Activation::Silu, shared);
+        let weights = preset::random_weights(&config, DType::BF16, seed);
+        let mut quantized = weights.clone();
+        quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
+        if fp8_shared {
+            let sh = quantized.shared.as_mut().unwrap();
+            sh.mlp = sh.mlp.quantized(WeightQuant::Fp8Block(128)).unwrap();
+        }
+        let h = config.hidden;
+        let sizes: Vec<usize> = (0..n).map(|r| [400, 0, 150, 37][r % 4]).collect();
+        let inputs: Vec<Vec<f32>> =
+            sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 2 * seed + r as u64)).collect();
+        // Over NCCL the host plans the dispatch and the bf16 rows are quantized where they land;
+        // over NVLink the device plans it and the rows cross as fp8 codes with their scales.
+        let run = |transport: Transport| {
+            let opts = CudaOptions { transport, ..Default::default() };
+            run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+                let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?
+                    .fp8_experts()?
+                    .fp8_activations()?;
+                let layer = if fp8_shared { layer.fp8_shared_expert()? } else { layer };
+                if !layer.has_fp8_gemm() {
+                    return Ok(None);
+                }
+                let x = &inputs[c.rank()];
+                let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
+                let (out, again) = (layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec());
+                let planned = layer.dispatch_planned_on_device();
+                let gemms = (layer.forward_timed(200, 5)?.experts, layer.shared_expert_gemm());
+                Ok(Some((out, again, gemms, layer.transport(), planned)))
+            })
         };
-        let (got, again, experts, transport, planned) =
-            b.unwrap_or_else(|e| panic!("rank {rank}: NVLink: {e}")).expect("the same GPUs");
-        assert_eq!((experts, transport, planned), ("hopper-fp8", "nvlink", true), "rank {rank}");
-        assert!(bits(&got) == bits(&want), "rank {rank}: fp8 rows over NVLink differ from NCCL's");
-        assert!(bits(&got) == bits(&again), "rank {rank}: differs run to run");
-        let err = relative_error(&config, &quantized, &inputs[rank], &got);
-        assert!(err <= 8e-2, "rank {rank}: relative error {err:e}");
-        eprintln!(
-            "expert-parallel W8A8 on the fp8 tensor cores, rank {rank}: {} tokens, relative error {err:.2e}, \
-             NCCL's bits with fp8 rows over NVLink",
-            sizes[rank]
-        );
-    }
-}
-
-/// The shared expert in fp8 too on expert-parallel W8A8 ranks: on Hopper its fp8 GEMM runs on
-/// the SMs the transport leaves (`HopperFp8Gemm::leaving`) beside the dispatch. Against the
-/// reference on the quantized routed and shared weights within fp8 rows' bound, uneven and
-/// empty ranks, NCCL's bits over NVLink, run after run. Skips on GPUs other than Hopper,
-/// saying so.
-#[test]
-fn expert_parallel_fp8_shared_expert_matches_the_reference() {
-    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
-    use moeflow::quant::WeightQuant;
-    let name = "expert_parallel_fp8_shared_expert_matches_the_reference";
-    let Some(Gpus { n, _serial }) = gpus(name) else { return };
-    let devices: Vec<usize> = (0..n).collect();
-    let shared = Some(SharedConfig { inter: 256, gated: true });
-    let softmax = RouterConfig::Softmax { renormalize: true };
-    let config = small_config(384, 128, 4 * n, 3, softmax, Activation::Silu, shared);
-    let weights = preset::random_weights(&config, DType::BF16, 47);
-    let mut quantized = weights.clone();
-    quantized.experts = weights.experts.quantized(WeightQuant::Fp8Block(128)).unwrap();
-    let sh = quantized.shared.as_mut().unwrap();
-    sh.mlp = sh.mlp.quantized(WeightQuant::Fp8Block(128)).unwrap();
-    let h = config.hidden;
-    let sizes: Vec<usize> = (0..n).map(|r| [700, 0, 90, 1][r % 4]).collect();
-    let inputs: Vec<Vec<f32>> =
-        sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 97 + r as u64)).collect();
-    let run = |transport: Transport| {
-        let opts = CudaOptions { transport, ..Default::default() };
-        run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
-            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?
-                .fp8_experts()?
-                .fp8_activations()?
-                .fp8_shared_expert()?;
-            if !layer.has_fp8_gemm() {
-                return Ok(None);
-            }
-            let x = &inputs[c.rank()];
-            let xt = Tensor::from_f32(&[x.len() / h, h], x.clone())?;
-            let (out, again) = (layer.forward(&xt)?.to_f32_vec(), layer.forward(&xt)?.to_f32_vec());
-            Ok(Some((out, again, layer.shared_expert_gemm(), layer.transport())))
-        })
-    };
-    let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
-    for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
-        let Some((want, _, _, _)) = a.unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
-            eprintln!("SKIPPED {name}: not a Hopper GPU");
-            return;
-        };
-        let (got, again, shared_gemm, transport) =
-            b.unwrap_or_else(|e| panic!("rank {rank}: NVLink: {e}")).expect("the same GPUs");
-        assert_eq!((shared_gemm, transport), (Some("hopper-fp8"), "nvlink"), "rank {rank}");
-        assert!(bits(&got) == bits(&want), "rank {rank}: NVLink's bits differ from NCCL's");
-        assert!(bits(&got) == bits(&again), "rank {rank}: differs run to run");
-        let err = relative_error(&config, &quantized, &inputs[rank], &got);
-        assert!(err <= 8e-2, "rank {rank}: relative error {err:e}");
-        eprintln!(
-            "expert-parallel fp8 shared expert, rank {rank}: {} tokens, relative error {err:.2e}, NCCL's bits over NVLink",
-            sizes[rank]
-        );
+        let shared_gemm = if fp8_shared { "hopper-fp8" } else { "cublas" };
+        let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
+        for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
+            let Some((want, _, _, _, _)) = a.unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
+                eprintln!("SKIPPED {name}: not a Hopper GPU");
+                return;
+            };
+            let (got, again, gemms, transport, planned) =
+                b.unwrap_or_else(|e| panic!("rank {rank}: NVLink: {e}")).expect("the same GPUs");
+            let what = format!("rank {rank}, fp8 shared expert {fp8_shared}");
+            assert_eq!((gemms, transport, planned), (("hopper-fp8", Some(shared_gemm)), "nvlink", true), "{what}");
+            assert!(bits(&got) == bits(&want), "{what}: fp8 rows over NVLink differ from NCCL's");
+            assert!(bits(&got) == bits(&again), "{what}: differs run to run");
+            let err = relative_error(&config, &quantized, &inputs[rank], &got);
+            assert!(err <= 8e-2, "{what}: relative error {err:e}");
+            eprintln!(
+                "expert-parallel W8A8 on the fp8 tensor cores, {what}: {} tokens, relative error {err:.2e}, NCCL's \
+                 bits with fp8 rows over NVLink",
+                sizes[rank]
+            );
+        }
     }
 }
 
