@@ -120,16 +120,22 @@ impl CudaMoeLayer {
     /// stream, where the layer has them.
     fn quantize_tokens_once(&self, b: &Buffers, t: usize) -> Result<()> {
         match self.tokens_fp8(b) {
-            Some(x) => self.quantize_rows_on(
-                &self.gpu.stream,
-                dptr(&b.x_bf, &self.gpu),
-                [t, self.config.hidden],
-                1,
-                0,
-                [x.codes, x.scales, 0],
-            ),
+            Some(x) => self.quantize_tokens(&self.gpu.stream, b, t, x),
             None => Ok(()),
         }
+    }
+
+    /// Quantizes the `t` tokens of `b.x_bf` (`[t, hidden]` bf16) on `stream` into fp8 codes
+    /// with one scale per 128 values, at `into`.
+    fn quantize_tokens(
+        &self,
+        stream: &cudarc::driver::CudaStream,
+        b: &Buffers,
+        t: usize,
+        into: Fp8Operand,
+    ) -> Result<()> {
+        let x = dptr(&b.x_bf, &self.gpu);
+        self.quantize_rows_on(stream, x, [t, self.config.hidden], 1, 0, [into.codes, into.scales, 0])
     }
 
     /// A W8A8 shared expert on the fp8 tensor cores, on side stream 0: its rows quantized into
@@ -152,7 +158,7 @@ impl CudaMoeLayer {
         let co = self.set_shared_rows(s, b, t)?;
         let a = Fp8Operand { codes: dptr(&rows.codes, g), scales: dptr(&rows.scales, g) };
         if self.tokens_fp8(b).is_none() {
-            self.quantize_rows_on(s, dptr(&b.x_bf, g), [t, h], 1, 0, [a.codes, a.scales, 0])?;
+            self.quantize_tokens(s, b, t, a)?;
         }
         let w13 = Fp8Operand { codes: dptr(&fp8.w13, g), scales: dptr(&fp8.s13, g) };
         let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };
