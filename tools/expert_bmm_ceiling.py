@@ -2,9 +2,12 @@
 batched bf16 GEMM (torch.bmm) per projection of DeepSeek-V3's experts (hidden 7168, expert
 inter 2048; the up projection's gate and up halves as one product 4096 wide), for 128 experts
 of 256 rows (an EP 2 rank at 4096 tokens a GPU) and 64 of 512 (one GPU, `--experts 64`), and
-the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Each is timed after a second of the
-same load (the power cap lowers the clocks), median of 21 runs; random values (zeros run
-faster than real data).
+the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Then the same in fp8 e4m3 with
+DeepSeek-V3's block scales (1 × 128 for the rows, 128 × 128 for the weights; cuBLASLt through
+torch._scaled_mm, one GEMM an expert, where the installed PyTorch takes such scales), and the
+dense fp8 8192³ GEMM with those scales and with one scale a tensor (`bench --torch-baseline`'s
+fp8 floor). Each is timed after a second of the same load (the power cap lowers the clocks),
+median of 21 runs; random values (zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
 """
@@ -35,6 +38,19 @@ def sustained(fn, flops):
     return ms, flops / ms / 1e9
 
 
+def block_scaled(a, b):
+    """C = a · bᵀ in fp8 with all-one 1 × 128 scales for a [m, k] and 128 × 128 for b [n, k],
+    laid out as cuBLASLt takes them."""
+    (m, k), n = a.shape, b.shape[0]
+    sa = torch.ones(k // 128, m, device="cuda").t()
+    sb = torch.ones(n // 128, k // 128, device="cuda").t()
+    return lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
+
+
+def fp8(shape):
+    return torch.randn(*shape, device="cuda").to(torch.float8_e4m3fn)
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
@@ -48,11 +64,32 @@ def main():
             print(f"{experts} experts x {rows} rows, {name} ({rows}x{k} by {k}x{n}): {ms:.3f} ms, {tflops:.0f} TFLOP/s")
             del a, w
         print(f"{experts} experts x {rows} rows, both projections: {total:.3f} ms")
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    ms, tflops = sustained(lambda: a @ b, 2 * n**3)
-    print(f"dense {n}^3: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+    side = 8192
+    a = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
+    ms, tflops = sustained(lambda: a @ b, 2 * side**3)
+    print(f"dense {side}^3: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+    del a, b
+    try:
+        block_scaled(fp8((128, 128)), fp8((128, 128)))()
+    except RuntimeError as e:
+        print(f"fp8 with block scales: not in this PyTorch ({str(e).splitlines()[0]})")
+        return
+    for experts, rows in [(128, 256), (64, 512)]:
+        total = 0.0
+        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
+            gemms = [block_scaled(fp8((rows, k)), fp8((n, k))) for _ in range(experts)]
+            ms, tflops = sustained(lambda: [g() for g in gemms], 2 * experts * rows * k * n)
+            total += ms
+            print(f"fp8 block scales, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+            del gemms
+        print(f"fp8 block scales, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
+    a, b = fp8((side, side)), fp8((side, side))
+    one = torch.ones((), device="cuda")
+    per_tensor = lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)  # noqa: E731
+    for name, fn in [("block scales", block_scaled(a, b)), ("one scale a tensor", per_tensor)]:
+        ms, tflops = sustained(fn, 2 * side**3)
+        print(f"fp8 dense {side}^3, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":
