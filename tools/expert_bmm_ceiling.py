@@ -4,7 +4,8 @@ inter 2048; the up projection's gate and up halves as one product 4096 wide), fo
 of 256 rows (an EP 2 rank at 4096 tokens a GPU) and 64 of 512 (one GPU, `--experts 64`), and
 the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Then the same in fp8 e4m3 with
 DeepSeek-V3's block scales (1 × 128 for the rows, 128 × 128 for the weights; cuBLASLt through
-torch._scaled_mm, one GEMM an expert, where the installed PyTorch takes such scales), and the
+torch._scaled_mm, one GEMM an expert, so that small experts also pay a launch each; where the
+installed PyTorch takes such scales), and the
 dense fp8 8192³ GEMM with those scales and with one scale a tensor (`bench --torch-baseline`'s
 fp8 floor). Each is timed after a second of the same load (the power cap lowers the clocks),
 median of 21 runs; random values (zeros run faster than real data).
@@ -86,7 +87,10 @@ def main():
         print(f"fp8 block scales, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
     a, b = fp8((side, side)), fp8((side, side))
     one = torch.ones((), device="cuda")
-    per_tensor = lambda: torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)  # noqa: E731
+
+    def per_tensor():
+        return torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
+
     for name, fn in [("block scales", block_scaled(a, b)), ("one scale a tensor", per_tensor)]:
         ms, tflops = sustained(fn, 2 * side**3)
         print(f"fp8 dense {side}^3, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
