@@ -13,29 +13,14 @@ median of 21 runs; random values (zeros run faster than real data).
     python3 tools/expert_bmm_ceiling.py
 """
 import torch
+from torch_gpu_baseline import sustained_ms
 
 HIDDEN, INTER = 7168, 2048
 
 
 def sustained(fn, flops):
-    """(median ms, TFLOP/s) of `fn` after a second of it."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        fn()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) > 1000:
-            break
-    times = []
-    for _ in range(21):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    ms = sorted(times)[len(times) // 2]
+    """(median ms, TFLOP/s) of 21 calls of `fn` after a second of it."""
+    ms = sustained_ms(fn, runs=21)
     return ms, flops / ms / 1e9
 
 

@@ -124,9 +124,32 @@ def main():
     print(json.dumps(out), flush=True)
 
 
+def sustained_ms(fn, runs=20):
+    """The median ms of `runs` calls of `fn`, each timed by CUDA events, after a second of the
+    same load (the power cap lowers the clocks within that second)."""
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        fn()
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > 1000:
+            break
+    times = []
+    for _ in range(runs):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return sorted(times)[runs // 2]
+
+
 def dense_fp8_tflops(dev, n=8192):
     """The sustained rate of a dense n³ fp8 e4m3 matmul (torch._scaled_mm: cuBLASLt), TFLOP/s:
-    the median of 20 runs after a second of the same load (the power cap lowers the clocks)."""
+    the median of 20 runs after a second of the same load (sustained_ms)."""
     a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
     b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
     one = torch.ones((), device=dev)
@@ -134,24 +157,7 @@ def dense_fp8_tflops(dev, n=8192):
     def mm():
         return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
 
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        mm()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) > 1000:
-            break
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        mm()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e))
-    return 2 * n**3 / (sorted(times)[10] * 1e-3) / 1e12
+    return 2 * n**3 / (sustained_ms(mm) * 1e-3) / 1e12
 
 
 if __name__ == "__main__":
