@@ -13,7 +13,7 @@ median of 21 runs; random values (zeros run faster than real data).
     python3 tools/expert_bmm_ceiling.py
 """
 import torch
-from torch_gpu_baseline import sustained_ms
+from torch_gpu_baseline import block_scaled, sustained_ms
 
 HIDDEN, INTER = 7168, 2048
 
@@ -22,15 +22,6 @@ def sustained(fn, flops):
     """(median ms, TFLOP/s) of 21 calls of `fn` after a second of it."""
     ms = sustained_ms(fn, runs=21)
     return ms, flops / ms / 1e9
-
-
-def block_scaled(a, b):
-    """C = a · bᵀ in fp8 with all-one 1 × 128 scales for a [m, k] and 128 × 128 for b [n, k],
-    laid out as cuBLASLt takes them."""
-    (m, k), n = a.shape, b.shape[0]
-    sa = torch.ones(k // 128, m, device="cuda").t()
-    sb = torch.ones(n // 128, k // 128, device="cuda").t()
-    return lambda: torch._scaled_mm(a, b.t(), sa, sb, out_dtype=torch.bfloat16)
 
 
 def fp8(shape):

@@ -9,7 +9,8 @@ quantized to fp8 with one scale per row before each expert matmul, the routed on
 `torch._scaled_grouped_mm` (PyTorch's fp8 grouped GEMM; its scales are per row, not DeepSeek's
 blocks of 128), the shared expert's `torch._scaled_mm`; where the installed PyTorch lacks it or refuses the shapes, the bf16 layer runs
 instead and `experts` in the output says so; `fp8_tflops` is then the rate of a dense 8192³ fp8
-matmul (`torch._scaled_mm`, cuBLASLt) after a second of load. Prints one JSON line: per token
+matmul (`torch._scaled_mm`, cuBLASLt) after a second of load, and `fp8_block_tflops` the same
+with DeepSeek-V3's block scales where the installed PyTorch takes them. Prints one JSON line: per token
 count the median CUDA-event time over `--runs` forwards after three warm-ups.
 """
 
@@ -121,6 +122,9 @@ def main():
     out = {"baseline": "pytorch-gpu", "torch": torch.__version__, "experts": experts, "records": records}
     if args.fp8 and hasattr(torch, "_scaled_mm"):
         out["fp8_tflops"] = dense_fp8_tflops(dev)
+        block = dense_fp8_block_tflops(dev)
+        if block is not None:
+            out["fp8_block_tflops"] = block
     print(json.dumps(out), flush=True)
 
 
@@ -157,6 +161,29 @@ def dense_fp8_tflops(dev, n=8192):
     def mm():
         return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
 
+    return 2 * n**3 / (sustained_ms(mm) * 1e-3) / 1e12
+
+
+def block_scaled(a, w):
+    """A call computing a · wᵀ (fp8 e4m3 a [m, k] and w [n, k], bf16 out) through cuBLASLt with
+    DeepSeek-V3's block scales, all ones: 1 × 128 for a's rows, 128 × 128 for w, laid out as
+    torch._scaled_mm takes them."""
+    (m, k), n = a.shape, w.shape[0]
+    sa = torch.ones(k // 128, m, device=a.device).t()
+    sw = torch.ones(n // 128, k // 128, device=a.device).t()
+    return lambda: torch._scaled_mm(a, w.t(), sa, sw, out_dtype=torch.bfloat16)
+
+
+def dense_fp8_block_tflops(dev, n=8192):
+    """dense_fp8_tflops with DeepSeek-V3's block scales (block_scaled) in place of one scale a
+    tensor; None where the installed PyTorch does not take them."""
+    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    w = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
+    mm = block_scaled(a, w)
+    try:
+        mm()
+    except (RuntimeError, TypeError, ValueError):
+        return None
     return 2 * n**3 / (sustained_ms(mm) * 1e-3) / 1e12
 
 

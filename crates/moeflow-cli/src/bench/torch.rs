@@ -150,22 +150,36 @@ pub(super) fn torch_single_baseline(
         println!("{}", table.row(&[t.to_string(), num(ms, 3), num(mine, 3), format!("{:.2}x", ms / mine)]));
         times.push((t, ms));
     }
-    // The fp8 floor: the layer's FLOPs at cuBLASLt's dense fp8 rate, measured in this run.
-    if let Some(tflops) = v["fp8_tflops"].as_f64() {
-        let floors: Vec<String> = ours
-            .iter()
-            .map(|&(t, ms)| {
-                let floor = config.expert_flops(t) / (tflops * 1e9);
-                format!("T {t} {floor:.3} ms ({:.0}%)", 100.0 * floor / ms)
-            })
-            .collect();
-        println!(
-            "fp8 floor: the FLOPs at a dense fp8 matmul's sustained rate (torch._scaled_mm, cuBLASLt), {tflops:.0} \
-             TFLOP/s: {}",
-            floors.join(", ")
-        );
+    if let Some(line) = fp8_floor_line(&v, config, ours) {
+        println!("{line}");
     }
     record_baseline(args, &times)
+}
+
+/// The fp8 floor of a W8A8 run, from the one-GPU baseline's output `v`: the layer's FLOPs
+/// (`config`) at cuBLASLt's dense fp8 rate measured in this run (`fp8_tflops`, one scale a
+/// tensor), and at its rate with DeepSeek-V3's block scales (`fp8_block_tflops`) where the
+/// baseline measured that too, against moeflow's `(tokens, layer ms)`; `None` without a rate.
+fn fp8_floor_line(v: &serde_json::Value, config: &moeflow::MoeConfig, ours: &[(usize, f64)]) -> Option<String> {
+    let tflops = v["fp8_tflops"].as_f64()?;
+    let block = v["fp8_block_tflops"].as_f64();
+    let floors: Vec<String> = ours
+        .iter()
+        .map(|&(t, ms)| {
+            let at = |rate: f64| config.expert_flops(t) / (rate * 1e9);
+            let floor = format!("T {t} {:.3} ms ({:.0}%", at(tflops), 100.0 * at(tflops) / ms);
+            match block {
+                Some(b) => format!("{floor}; {:.3} ms, {:.0}%, at the block-scaled rate)", at(b), 100.0 * at(b) / ms),
+                None => format!("{floor})"),
+            }
+        })
+        .collect();
+    let block_rate = block.map_or(String::new(), |b| format!(", {b:.0} with DeepSeek-V3's block scales"));
+    Some(format!(
+        "fp8 floor: the FLOPs at a dense fp8 matmul's sustained rate (torch._scaled_mm, cuBLASLt), {tflops:.0} TFLOP/s \
+         with one scale a tensor{block_rate}: {}",
+        floors.join(", ")
+    ))
 }
 
 /// (tokens, layer ms) of one record of a baseline script's output.
@@ -203,4 +217,30 @@ pub(super) fn check_torch_baseline(args: &BenchArgs, gpu: bool, host: &RankHost)
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fp8_floor_line;
+
+    /// The floor line gives the layer's FLOPs at each rate the baseline measured, as a time and
+    /// as a share of moeflow's, and nothing without a rate.
+    #[test]
+    fn fp8_floor_line_takes_each_measured_rate() {
+        let config = moeflow::preset::preset("deepseek-v3").unwrap().config.with_num_experts(64).unwrap();
+        let flops = config.expert_flops(4096);
+        let ours = [(4096, 4.0)];
+        let per_tensor: serde_json::Value = serde_json::json!({ "fp8_tflops": 1000.0 });
+        let line = fp8_floor_line(&per_tensor, &config, &ours).unwrap();
+        let floor = flops / 1e12;
+        let want = format!("1000 TFLOP/s with one scale a tensor: T 4096 {floor:.3} ms ({:.0}%)", 25.0 * floor);
+        assert!(line.ends_with(&want), "{line}");
+        let both = serde_json::json!({ "fp8_tflops": 1000.0, "fp8_block_tflops": 800.0 });
+        let line = fp8_floor_line(&both, &config, &ours).unwrap();
+        let block = flops / 0.8e12;
+        let want = format!(", 800 with DeepSeek-V3's block scales: T 4096 {floor:.3} ms");
+        assert!(line.contains(&want), "{line}");
+        assert!(line.ends_with(&format!("; {block:.3} ms, {:.0}%, at the block-scaled rate)", 25.0 * block)), "{line}");
+        assert!(fp8_floor_line(&serde_json::json!({ "torch": "2.11" }), &config, &ours).is_none());
+    }
 }
