@@ -2,13 +2,13 @@
 batched bf16 GEMM (torch.bmm) per projection of DeepSeek-V3's experts (hidden 7168, expert
 inter 2048; the up projection's gate and up halves as one product 4096 wide), for 128 experts
 of 256 rows (an EP 2 rank at 4096 tokens a GPU) and 64 of 512 (one GPU, `--experts 64`), and
-the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Then the same in fp8 e4m3 with
-DeepSeek-V3's block scales (1 × 128 for the rows, 128 × 128 for the weights; cuBLASLt through
-torch._scaled_mm, one GEMM an expert, so that small experts also pay a launch each; where the
-installed PyTorch takes such scales), and the
-dense fp8 8192³ GEMM with those scales and with one scale a tensor (`bench --torch-baseline`'s
-fp8 floor). Each is timed after a second of the same load (the power cap lowers the clocks),
-median of 21 runs; random values (zeros run faster than real data).
+the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Then, where the installed PyTorch
+takes DeepSeek-V3's block scales (1 × 128 for the rows, 128 × 128 for the weights), the same in
+fp8 e4m3 with them (cuBLASLt through torch._scaled_mm, one GEMM an expert, so that small
+experts also pay a launch each), and the dense fp8 8192³ GEMM with those scales and with one
+scale a tensor (the two rates of `bench --torch-baseline`'s fp8 floor). Each is timed after a
+second of the same load (the power cap lowers the clocks), median of 21 runs; random values
+(zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
 """

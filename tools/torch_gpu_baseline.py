@@ -7,11 +7,12 @@ back in slot order and summed weighted; a shared expert on every token when `--s
 not 0. With `--fp8` the experts are fp8 e4m3 with one scale per output row and the rows are
 quantized to fp8 with one scale per row before each expert matmul, the routed ones' matmuls
 `torch._scaled_grouped_mm` (PyTorch's fp8 grouped GEMM; its scales are per row, not DeepSeek's
-blocks of 128), the shared expert's `torch._scaled_mm`; where the installed PyTorch lacks it or refuses the shapes, the bf16 layer runs
-instead and `experts` in the output says so; `fp8_tflops` is then the rate of a dense 8192³ fp8
-matmul (`torch._scaled_mm`, cuBLASLt) after a second of load, and `fp8_block_tflops` the same
-with DeepSeek-V3's block scales where the installed PyTorch takes them. Prints one JSON line: per token
-count the median CUDA-event time over `--runs` forwards after three warm-ups.
+blocks of 128), the shared expert's `torch._scaled_mm`; where the installed PyTorch lacks it or
+refuses the shapes, the bf16 layer runs instead and `experts` in the output says so;
+`fp8_tflops` is then the rate of a dense 8192³ fp8 matmul (`torch._scaled_mm`, cuBLASLt) after
+a second of load, and `fp8_block_tflops` the same with DeepSeek-V3's block scales where the
+installed PyTorch takes them. Prints one JSON line: per token count the median CUDA-event time
+over `--runs` forwards after three warm-ups.
 """
 
 import argparse
