@@ -4,9 +4,11 @@ inter 2048; the up projection's gate and up halves as one product 4096 wide), fo
 of 256 rows (an EP 2 rank at 4096 tokens a GPU) and 64 of 512 (one GPU, `--experts 64`), and
 the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Then, where the installed PyTorch
 takes DeepSeek-V3's block scales (1 × 128 for the rows, 128 × 128 for the weights), the same in
-fp8 e4m3 with them (cuBLASLt through torch._scaled_mm, one GEMM an expert, so that small
-experts also pay a launch each), and the dense fp8 8192³ GEMM with those scales and with one
-scale a tensor (the two rates of `bench --torch-baseline`'s fp8 floor). Each is timed after a
+fp8 e4m3 with them (cuBLASLt through torch._scaled_mm, one GEMM an expert, replayed from a CUDA
+graph so that the host's launches do not set the pace; each GEMM still starts on its own), and the dense fp8 8192³ GEMM with those scales and with one
+scale a tensor (the two rates of `bench --torch-baseline`'s fp8 floor), and PyTorch's fp8 grouped
+GEMM (torch._scaled_grouped_mm, one launch for all experts, one scale a row: the kernel of
+`bench --torch-baseline`'s fp8 layer). Each is timed after a
 second of the same load (the power cap lowers the clocks), median of 21 runs; random values
 (zeros run faster than real data).
 
@@ -26,6 +28,22 @@ def sustained(fn, flops):
 
 def fp8(shape):
     return torch.randn(*shape, device="cuda").to(torch.float8_e4m3fn)
+
+
+def as_graph(calls):
+    """A call replaying `calls` (captured once, after a warm-up on a side stream) from a CUDA
+    graph: a Python loop of small GEMMs otherwise waits on the host between launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    return graph.replay
 
 
 def main():
@@ -55,12 +73,31 @@ def main():
     for experts, rows in [(128, 256), (64, 512)]:
         total = 0.0
         for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-            gemms = [block_scaled(fp8((rows, k)), fp8((n, k))) for _ in range(experts)]
-            ms, tflops = sustained(lambda: [g() for g in gemms], 2 * experts * rows * k * n)
+            gemms = as_graph([block_scaled(fp8((rows, k)), fp8((n, k))) for _ in range(experts)])
+            ms, tflops = sustained(gemms, 2 * experts * rows * k * n)
             total += ms
             print(f"fp8 block scales, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
             del gemms
         print(f"fp8 block scales, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
+    for experts, rows in [(128, 256), (64, 512)]:
+        total = 0.0
+        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
+            a, w = fp8((experts * rows, k)), fp8((experts, n, k))
+            sa, sw = torch.ones(experts * rows, device="cuda"), torch.ones(experts, n, device="cuda")
+            offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
+
+            def grouped():
+                return torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)
+
+            try:
+                ms, tflops = sustained(grouped, 2 * experts * rows * k * n)
+            except (RuntimeError, TypeError, ValueError) as e:
+                print(f"fp8 grouped, one scale a row: not in this PyTorch ({str(e).splitlines()[0]})")
+                break
+            total += ms
+            print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+        else:
+            print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
     a, b = fp8((side, side)), fp8((side, side))
     one = torch.ones((), device="cuda")
 
