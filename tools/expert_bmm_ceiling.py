@@ -5,12 +5,12 @@ of 256 rows (an EP 2 rank at 4096 tokens a GPU) and 64 of 512 (one GPU, `--exper
 the dense 8192³ GEMM `moeflow bench` takes as its ceiling. Then, where the installed PyTorch
 takes DeepSeek-V3's block scales (1 × 128 for the rows, 128 × 128 for the weights), the same in
 fp8 e4m3 with them (cuBLASLt through torch._scaled_mm, one GEMM an expert, replayed from a CUDA
-graph so that the host's launches do not set the pace; each GEMM still starts on its own), and the dense fp8 8192³ GEMM with those scales and with one
-scale a tensor (the two rates of `bench --torch-baseline`'s fp8 floor), and PyTorch's fp8 grouped
-GEMM (torch._scaled_grouped_mm, one launch for all experts, one scale a row: the kernel of
-`bench --torch-baseline`'s fp8 layer). Each is timed after a
-second of the same load (the power cap lowers the clocks), median of 21 runs; random values
-(zeros run faster than real data).
+graph so that the host's launches do not set the pace; each GEMM still starts on its own);
+PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm, one launch for all experts, one scale a
+row: the kernel of `bench --torch-baseline`'s fp8 layer); and the dense fp8 8192³ GEMM with
+block scales and with one scale a tensor (the two rates of `bench --torch-baseline`'s fp8
+floor). Each is timed after a second of the same load (the power cap lowers the clocks), median
+of 21 runs; random values (zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
 """
@@ -46,6 +46,16 @@ def as_graph(calls):
     return graph.replay
 
 
+def grouped_rowwise(experts, rows, k, n):
+    """A call of PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm) over `experts` experts of
+    `rows` rows each: rows [experts · rows, k] by weights [experts, n, k], one scale a row of
+    either (all ones), bf16 out."""
+    a, w = fp8((experts * rows, k)), fp8((experts, n, k))
+    sa, sw = torch.ones(experts * rows, device="cuda"), torch.ones(experts, n, device="cuda")
+    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
+    return lambda: torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
@@ -79,25 +89,19 @@ def main():
             print(f"fp8 block scales, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
             del gemms
         print(f"fp8 block scales, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
-    for experts, rows in [(128, 256), (64, 512)]:
+    try:
+        grouped_rowwise(2, 128, 128, 128)()
+        grouped = True
+    except (RuntimeError, TypeError, ValueError) as e:
+        print(f"fp8 grouped, one scale a row: not in this PyTorch ({str(e).splitlines()[0]})")
+        grouped = False
+    for experts, rows in [(128, 256), (64, 512)] if grouped else []:
         total = 0.0
         for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-            a, w = fp8((experts * rows, k)), fp8((experts, n, k))
-            sa, sw = torch.ones(experts * rows, device="cuda"), torch.ones(experts, n, device="cuda")
-            offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
-
-            def grouped():
-                return torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)
-
-            try:
-                ms, tflops = sustained(grouped, 2 * experts * rows * k * n)
-            except (RuntimeError, TypeError, ValueError) as e:
-                print(f"fp8 grouped, one scale a row: not in this PyTorch ({str(e).splitlines()[0]})")
-                break
+            ms, tflops = sustained(grouped_rowwise(experts, rows, k, n), 2 * experts * rows * k * n)
             total += ms
             print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
-        else:
-            print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
+        print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
     a, b = fp8((side, side)), fp8((side, side))
     one = torch.ones((), device="cuda")
 
