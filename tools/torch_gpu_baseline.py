@@ -5,7 +5,8 @@ scaled (DeepSeek-V3 without the group limit), rows sorted by expert with `argsor
 matmuls as `torch._grouped_mm` over bf16 weights with SiLU-and-mul between them, outputs put
 back in slot order and summed weighted; a shared expert on every token when `--shared-inter` is
 not 0. With `--fp8` the experts are fp8 e4m3 with one scale per output row and the rows are
-quantized to fp8 with one scale per row before each expert matmul, the routed ones' matmuls
+quantized to fp8 with one scale per row before each expert matmul (the tokens once, before the
+routed up projection gathers them and the shared expert reads them), the routed ones' matmuls
 `torch._scaled_grouped_mm` (PyTorch's fp8 grouped GEMM; its scales are per row, not DeepSeek's
 blocks of 128), the shared expert's `torch._scaled_mm`; where the installed PyTorch lacks it or
 refuses the shapes, the bf16 layer runs instead and `experts` in the output says so;
@@ -51,8 +52,9 @@ def main():
 
     def rowwise(w):
         """w [..., n, k] -> fp8 codes and f32 scales [..., n] (one per row of k values)."""
-        scale = w.float().abs().amax(-1).clamp(min=1e-12) / 448.0
-        return (w.float() / scale.unsqueeze(-1)).to(f8), scale
+        wf = w.float()
+        scale = wf.abs().amax(-1).clamp(min=1e-12) / 448.0
+        return (wf / scale.unsqueeze(-1)).to(f8), scale
 
     # The fp8 copies of the expert weights only where the fp8 layer runs.
     if args.fp8:
@@ -63,11 +65,12 @@ def main():
             sw2_8, sw2_s = rowwise(sw2)
 
     def fp8_mm(a, w8, ws, offs):
-        a8, a_s = rowwise(a)
+        """a: bf16 rows, or their fp8 codes and scales (quantized before they were gathered)."""
+        a8, a_s = a if isinstance(a, tuple) else rowwise(a)
         return torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), a_s, ws, offs=offs, out_dtype=torch.bfloat16)
 
     def fp8_dense(a, w8, ws):
-        a8, a_s = rowwise(a)
+        a8, a_s = a if isinstance(a, tuple) else rowwise(a)
         return torch._scaled_mm(a8, w8.T, a_s.unsqueeze(-1), ws.unsqueeze(0), out_dtype=torch.bfloat16)
 
     def bf16_mm(a, w, offs):
@@ -80,9 +83,15 @@ def main():
         w = w / w.sum(-1, keepdim=True) * 2.5
         flat = ids.flatten()
         order = flat.argsort(stable=True)
-        xr = x[order // k]
         offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).int()
-        h = fp8_mm(xr, w13_8, w13_s, offs) if fp8 else bf16_mm(xr, w13, offs)
+        if fp8:
+            # Each token quantized once, its codes and scale then gathered: the same values as
+            # quantizing the gathered rows, at a k-th of the work.
+            x8, xs = rowwise(x)
+            src = order // k
+            h = fp8_mm((x8[src], xs[src]), w13_8, w13_s, offs)
+        else:
+            h = bf16_mm(x[order // k], w13, offs)
         gt, up = h.chunk(2, dim=-1)
         a = F.silu(gt) * up
         y = fp8_mm(a, w2_8, w2_s, offs) if fp8 else bf16_mm(a, w2, offs)
@@ -90,7 +99,7 @@ def main():
         res[order] = y
         out = (res.view(T, k, H).float() * w.unsqueeze(-1)).sum(1)
         if sw13 is not None:
-            sh = fp8_dense(x, sw13_8, sw13_s) if fp8 else x @ sw13.T
+            sh = fp8_dense((x8, xs), sw13_8, sw13_s) if fp8 else x @ sw13.T
             a, b = sh.chunk(2, dim=-1)
             a = F.silu(a) * b
             out += (fp8_dense(a, sw2_8, sw2_s) if fp8 else a @ sw2.T).float()
