@@ -91,17 +91,16 @@ def main():
         print(f"fp8 block scales, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
     try:
         grouped_rowwise(2, 128, 128, 128)()
-        grouped = True
     except (RuntimeError, TypeError, ValueError) as e:
         print(f"fp8 grouped, one scale a row: not in this PyTorch ({str(e).splitlines()[0]})")
-        grouped = False
-    for experts, rows in [(128, 256), (64, 512)] if grouped else []:
-        total = 0.0
-        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-            ms, tflops = sustained(grouped_rowwise(experts, rows, k, n), 2 * experts * rows * k * n)
-            total += ms
-            print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
-        print(f"fp8 grouped, one scale a row, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
+    else:
+        for experts, rows in [(128, 256), (64, 512)]:
+            total, what = 0.0, f"fp8 grouped, one scale a row, {experts} experts x {rows} rows"
+            for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
+                ms, tflops = sustained(grouped_rowwise(experts, rows, k, n), 2 * experts * rows * k * n)
+                total += ms
+                print(f"{what}, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+            print(f"{what}, both projections: {total:.3f} ms")
     a, b = fp8((side, side)), fp8((side, side))
     one = torch.ones((), device="cuda")
 
