@@ -15,7 +15,7 @@ of 21 runs; random values (zeros run faster than real data).
     python3 tools/expert_bmm_ceiling.py
 """
 import torch
-from torch_gpu_baseline import block_scaled, sustained_ms
+from torch_gpu_baseline import block_scaled, dense_fp8_tflops, sustained_ms
 
 HIDDEN, INTER = 7168, 2048
 
@@ -56,19 +56,34 @@ def grouped_rowwise(experts, rows, k, n):
     return lambda: torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)
 
 
+def projections(label, gemm):
+    """Times both projections of each shape, `gemm(experts, rows, k, n)` giving the call for
+    experts of `rows` rows times weights [experts, n, k], and prints them under `label`."""
+    for experts, rows in [(128, 256), (64, 512)]:
+        total, what = 0.0, f"{label}{experts} experts x {rows} rows"
+        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
+            ms, tflops = sustained(gemm(experts, rows, k, n), 2 * experts * rows * k * n)
+            total += ms
+            print(f"{what}, {name} ({rows}x{k} by {k}x{n}): {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+        print(f"{what}, both projections: {total:.3f} ms")
+
+
+def bmm(experts, rows, k, n):
+    """One batched bf16 GEMM over the experts (torch.bmm)."""
+    a = torch.randn(experts, rows, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+    return lambda: torch.bmm(a, w.transpose(1, 2))
+
+
+def per_expert_block_scaled(experts, rows, k, n):
+    """One block-scaled fp8 GEMM an expert (block_scaled), replayed from a CUDA graph."""
+    return as_graph([block_scaled(fp8((rows, k)), fp8((n, k))) for _ in range(experts)])
+
+
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
-    for experts, rows in [(128, 256), (64, 512)]:
-        total = 0.0
-        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-            a = torch.randn(experts, rows, k, device="cuda", dtype=torch.bfloat16)
-            w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
-            ms, tflops = sustained(lambda: torch.bmm(a, w.transpose(1, 2)), 2 * experts * rows * k * n)
-            total += ms
-            print(f"{experts} experts x {rows} rows, {name} ({rows}x{k} by {k}x{n}): {ms:.3f} ms, {tflops:.0f} TFLOP/s")
-            del a, w
-        print(f"{experts} experts x {rows} rows, both projections: {total:.3f} ms")
+    projections("", bmm)
     side = 8192
     a = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
@@ -77,39 +92,20 @@ def main():
     del a, b
     try:
         block_scaled(fp8((128, 128)), fp8((128, 128)))()
-    except RuntimeError as e:
+    except (RuntimeError, TypeError, ValueError) as e:
         print(f"fp8 with block scales: not in this PyTorch ({str(e).splitlines()[0]})")
-        return
-    for experts, rows in [(128, 256), (64, 512)]:
-        total = 0.0
-        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-            gemms = as_graph([block_scaled(fp8((rows, k)), fp8((n, k))) for _ in range(experts)])
-            ms, tflops = sustained(gemms, 2 * experts * rows * k * n)
-            total += ms
-            print(f"fp8 block scales, {experts} experts x {rows} rows, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
-            del gemms
-        print(f"fp8 block scales, {experts} experts x {rows} rows, both projections: {total:.3f} ms")
+    else:
+        projections("fp8 block scales, ", per_expert_block_scaled)
     try:
         grouped_rowwise(2, 128, 128, 128)()
     except (RuntimeError, TypeError, ValueError) as e:
         print(f"fp8 grouped, one scale a row: not in this PyTorch ({str(e).splitlines()[0]})")
     else:
-        for experts, rows in [(128, 256), (64, 512)]:
-            total, what = 0.0, f"fp8 grouped, one scale a row, {experts} experts x {rows} rows"
-            for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-                ms, tflops = sustained(grouped_rowwise(experts, rows, k, n), 2 * experts * rows * k * n)
-                total += ms
-                print(f"{what}, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
-            print(f"{what}, both projections: {total:.3f} ms")
-    a, b = fp8((side, side)), fp8((side, side))
-    one = torch.ones((), device="cuda")
-
-    def per_tensor():
-        return torch._scaled_mm(a, b.t(), one, one, out_dtype=torch.bfloat16)
-
-    for name, fn in [("block scales", block_scaled(a, b)), ("one scale a tensor", per_tensor)]:
-        ms, tflops = sustained(fn, 2 * side**3)
-        print(f"fp8 dense {side}^3, {name}: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+        projections("fp8 grouped, one scale a row, ", grouped_rowwise)
+    for name, block in [("block scales", True), ("one scale a tensor", False)]:
+        tflops = dense_fp8_tflops("cuda", side, block, runs=21)
+        if tflops is not None:
+            print(f"fp8 dense {side}^3, {name}: {2 * side**3 / tflops / 1e9:.3f} ms, {tflops:.0f} TFLOP/s")
 
 
 if __name__ == "__main__":

@@ -65,12 +65,13 @@ def main():
             sw2_8, sw2_s = rowwise(sw2)
 
     def fp8_mm(a, w8, ws, offs):
-        """a: bf16 rows, or their fp8 codes and scales (quantized before they were gathered)."""
-        a8, a_s = a if isinstance(a, tuple) else rowwise(a)
+        """The grouped product of fp8 rows `a` (codes and scales, from rowwise)."""
+        a8, a_s = a
         return torch._scaled_grouped_mm(a8, w8.transpose(-2, -1), a_s, ws, offs=offs, out_dtype=torch.bfloat16)
 
     def fp8_dense(a, w8, ws):
-        a8, a_s = a if isinstance(a, tuple) else rowwise(a)
+        """The dense product of fp8 rows `a` (codes and scales, from rowwise)."""
+        a8, a_s = a
         return torch._scaled_mm(a8, w8.T, a_s.unsqueeze(-1), ws.unsqueeze(0), out_dtype=torch.bfloat16)
 
     def bf16_mm(a, w, offs):
@@ -83,18 +84,18 @@ def main():
         w = w / w.sum(-1, keepdim=True) * 2.5
         flat = ids.flatten()
         order = flat.argsort(stable=True)
+        src = order // k
         offs = torch.cumsum(torch.bincount(flat, minlength=E), 0).int()
         if fp8:
             # Each token quantized once, its codes and scale then gathered: the same values as
             # quantizing the gathered rows, at a k-th of the work.
             x8, xs = rowwise(x)
-            src = order // k
             h = fp8_mm((x8[src], xs[src]), w13_8, w13_s, offs)
         else:
-            h = bf16_mm(x[order // k], w13, offs)
+            h = bf16_mm(x[src], w13, offs)
         gt, up = h.chunk(2, dim=-1)
         a = F.silu(gt) * up
-        y = fp8_mm(a, w2_8, w2_s, offs) if fp8 else bf16_mm(a, w2, offs)
+        y = fp8_mm(rowwise(a), w2_8, w2_s, offs) if fp8 else bf16_mm(a, w2, offs)
         res = torch.empty_like(y)
         res[order] = y
         out = (res.view(T, k, H).float() * w.unsqueeze(-1)).sum(1)
@@ -102,7 +103,7 @@ def main():
             sh = fp8_dense((x8, xs), sw13_8, sw13_s) if fp8 else x @ sw13.T
             a, b = sh.chunk(2, dim=-1)
             a = F.silu(a) * b
-            out += (fp8_dense(a, sw2_8, sw2_s) if fp8 else a @ sw2.T).float()
+            out += (fp8_dense(rowwise(a), sw2_8, sw2_s) if fp8 else a @ sw2.T).float()
         return out
 
     fp8 = args.fp8 and hasattr(torch, "_scaled_grouped_mm")
@@ -132,7 +133,7 @@ def main():
     out = {"baseline": "pytorch-gpu", "torch": torch.__version__, "experts": experts, "records": records}
     if args.fp8 and hasattr(torch, "_scaled_mm"):
         out["fp8_tflops"] = dense_fp8_tflops(dev)
-        block = dense_fp8_block_tflops(dev)
+        block = dense_fp8_tflops(dev, block=True)
         if block is not None:
             out["fp8_block_tflops"] = block
     print(json.dumps(out), flush=True)
@@ -161,19 +162,6 @@ def sustained_ms(fn, runs=20):
     return sorted(times)[runs // 2]
 
 
-def dense_fp8_tflops(dev, n=8192):
-    """The sustained rate of a dense n³ fp8 e4m3 matmul (torch._scaled_mm: cuBLASLt), TFLOP/s:
-    the median of 20 runs after a second of the same load (sustained_ms)."""
-    a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-    b = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device=dev)
-
-    def mm():
-        return torch._scaled_mm(a, b, one, one, out_dtype=torch.bfloat16)
-
-    return 2 * n**3 / (sustained_ms(mm) * 1e-3) / 1e12
-
-
 def block_scaled(a, w):
     """A call computing a · wᵀ (fp8 e4m3 a [m, k] and w [n, k], bf16 out) through cuBLASLt with
     DeepSeek-V3's block scales, all ones: 1 × 128 for a's rows, 128 × 128 for w, laid out as
@@ -184,17 +172,26 @@ def block_scaled(a, w):
     return lambda: torch._scaled_mm(a, w.t(), sa, sw, out_dtype=torch.bfloat16)
 
 
-def dense_fp8_block_tflops(dev, n=8192):
-    """dense_fp8_tflops with DeepSeek-V3's block scales (block_scaled) in place of one scale a
-    tensor; None where the installed PyTorch does not take them."""
+def dense_fp8_tflops(dev, n=8192, block=False, runs=20):
+    """The sustained rate of a dense n³ fp8 e4m3 matmul (torch._scaled_mm: cuBLASLt), TFLOP/s:
+    the median of `runs` after a second of the same load (sustained_ms); with one scale a
+    tensor, or with `block` DeepSeek-V3's block scales (block_scaled), then None where the
+    installed PyTorch does not take them."""
     a = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
     w = torch.randn(n, n, device=dev).to(torch.float8_e4m3fn)
-    mm = block_scaled(a, w)
-    try:
-        mm()
-    except (RuntimeError, TypeError, ValueError):
-        return None
-    return 2 * n**3 / (sustained_ms(mm) * 1e-3) / 1e12
+    if block:
+        mm = block_scaled(a, w)
+        try:
+            mm()
+        except (RuntimeError, TypeError, ValueError):
+            return None
+    else:
+        one = torch.ones((), device=dev)
+
+        def mm():
+            return torch._scaled_mm(a, w.t(), one, one, out_dtype=torch.bfloat16)
+
+    return 2 * n**3 / (sustained_ms(mm, runs) * 1e-3) / 1e12
 
 
 if __name__ == "__main__":
