@@ -9,8 +9,12 @@ graph so that the host's launches do not set the pace; each GEMM still starts on
 PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm, one launch for all experts, one scale a
 row: the kernel of `bench --torch-baseline`'s fp8 layer); and the dense fp8 8192³ GEMM with
 block scales and with one scale a tensor (the two rates of `bench --torch-baseline`'s fp8
-floor). Each is timed after a second of the same load (the power cap lowers the clocks), median
-of 21 runs; random values (zeros run faster than real data).
+floor). The fp8 GEMMs also run on uneven experts: 64 experts over the 32768 slots of 4096
+tokens at top-8 routed at random (512 ± 22 rows an expert, the one-GPU W8A8 layer's shape),
+where every expert's last tile is partly empty, as in moeflow's grouped GEMM (and the same
+with each expert's rows rounded up to a multiple of 16, where cuBLASLt refuses others). Each is timed
+after a second of the same load (the power cap lowers the clocks), median of 21 runs; random
+values (zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
 """
@@ -46,62 +50,84 @@ def as_graph(calls):
     return graph.replay
 
 
-def grouped_rowwise(experts, rows, k, n):
-    """A call of PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm) over `experts` experts of
-    `rows` rows each: rows [experts · rows, k] by weights [experts, n, k], one scale a row of
-    either (all ones), bf16 out."""
-    a, w = fp8((experts * rows, k)), fp8((experts, n, k))
-    sa, sw = torch.ones(experts * rows, device="cuda"), torch.ones(experts, n, device="cuda")
-    offs = torch.arange(1, experts + 1, device="cuda", dtype=torch.int32) * rows
+def grouped_rowwise(rows, k, n):
+    """A call of PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm) over experts of
+    `rows[e]` rows: rows [sum(rows), k] by weights [experts, n, k], one scale a row of either
+    (all ones), bf16 out."""
+    experts, total = len(rows), sum(rows)
+    a, w = fp8((total, k)), fp8((experts, n, k))
+    sa, sw = torch.ones(total, device="cuda"), torch.ones(experts, n, device="cuda")
+    offs = torch.tensor(rows, device="cuda", dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return lambda: torch._scaled_grouped_mm(a, w.transpose(-2, -1), sa, sw, offs=offs, out_dtype=torch.bfloat16)
 
 
-def projections(label, gemm):
-    """Times both projections of each shape, `gemm(experts, rows, k, n)` giving the call for
-    experts of `rows` rows times weights [experts, n, k], and prints them under `label`."""
-    for experts, rows in [(128, 256), (64, 512)]:
-        total, what = 0.0, f"{label}{experts} experts x {rows} rows"
-        for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
-            ms, tflops = sustained(gemm(experts, rows, k, n), 2 * experts * rows * k * n)
-            total += ms
-            print(f"{what}, {name} ({rows}x{k} by {k}x{n}): {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+EVEN = [("128 experts x 256 rows", [256] * 128), ("64 experts x 512 rows", [512] * 64)]
+
+
+def uneven_rows(multiple=1, experts=64, slots=32768):
+    """(label, rows an expert) of `slots` slots routed to `experts` experts at random (seeded),
+    each expert's rows rounded up to a multiple of `multiple`."""
+    g = torch.Generator().manual_seed(0)
+    counts = torch.bincount(torch.randint(0, experts, (slots,), generator=g), minlength=experts).tolist()
+    mean = slots / experts
+    sd = (sum((c - mean) ** 2 for c in counts) / experts) ** 0.5
+    rows = [-(-c // multiple) * multiple for c in counts]
+    rounded = f", rounded up to {multiple}s" if multiple > 1 else ""
+    return (f"{experts} experts x {mean:.0f} ± {sd:.0f} rows{rounded}", rows)
+
+
+def projections(label, gemm, shapes):
+    """Times both projections of each (name, rows an expert) of `shapes`, `gemm(rows, k, n)`
+    giving the call for experts of `rows[e]` rows times weights [experts, n, k], and prints
+    them under `label` (or why a shape could not run)."""
+    for shape, rows in shapes:
+        total, what, m = 0.0, f"{label}{shape}", sum(rows) / len(rows)
+        try:
+            for name, k, n in [("up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]:
+                ms, tflops = sustained(gemm(rows, k, n), 2 * sum(rows) * k * n)
+                total += ms
+                print(f"{what}, {name} ({m:.0f}x{k} by {k}x{n}): {ms:.3f} ms, {tflops:.0f} TFLOP/s")
+        except (RuntimeError, TypeError, ValueError) as e:
+            print(f"{what}: not run ({str(e).splitlines()[0]})")
+            continue
         print(f"{what}, both projections: {total:.3f} ms")
 
 
-def bmm(experts, rows, k, n):
-    """One batched bf16 GEMM over the experts (torch.bmm)."""
-    a = torch.randn(experts, rows, k, device="cuda", dtype=torch.bfloat16)
-    w = torch.randn(experts, n, k, device="cuda", dtype=torch.bfloat16)
+def bmm(rows, k, n):
+    """One batched bf16 GEMM over experts of equal rows (torch.bmm)."""
+    a = torch.randn(len(rows), rows[0], k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(len(rows), n, k, device="cuda", dtype=torch.bfloat16)
     return lambda: torch.bmm(a, w.transpose(1, 2))
 
 
-def per_expert_block_scaled(experts, rows, k, n):
+def per_expert_block_scaled(rows, k, n):
     """One block-scaled fp8 GEMM an expert (block_scaled), replayed from a CUDA graph."""
-    return as_graph([block_scaled(fp8((rows, k)), fp8((n, k))) for _ in range(experts)])
+    return as_graph([block_scaled(fp8((r, k)), fp8((n, k))) for r in rows])
 
 
 def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
-    projections("", bmm)
+    projections("", bmm, EVEN)
     side = 8192
     a = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
     ms, tflops = sustained(lambda: a @ b, 2 * side**3)
     print(f"dense {side}^3: {ms:.3f} ms, {tflops:.0f} TFLOP/s")
     del a, b
+    uneven = [uneven_rows(), uneven_rows(multiple=16)]
     try:
         block_scaled(fp8((128, 128)), fp8((128, 128)))()
     except (RuntimeError, TypeError, ValueError) as e:
         print(f"fp8 with block scales: not in this PyTorch ({str(e).splitlines()[0]})")
     else:
-        projections("fp8 block scales, ", per_expert_block_scaled)
+        projections("fp8 block scales, ", per_expert_block_scaled, EVEN + uneven)
     try:
-        grouped_rowwise(2, 128, 128, 128)()
+        grouped_rowwise([128, 128], 128, 128)()
     except (RuntimeError, TypeError, ValueError) as e:
         print(f"fp8 grouped, one scale a row: not in this PyTorch ({str(e).splitlines()[0]})")
     else:
-        projections("fp8 grouped, one scale a row, ", grouped_rowwise)
+        projections("fp8 grouped, one scale a row, ", grouped_rowwise, EVEN + uneven)
     for name, block in [("block scales", True), ("one scale a tensor", False)]:
         tflops = dense_fp8_tflops("cuda", side, block, runs=21)
         if tflops is not None:

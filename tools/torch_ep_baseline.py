@@ -2,11 +2,15 @@
 
 One process per GPU (start with `python3 -m torch.distributed.run --nproc-per-node N`). Each rank
 routes its tokens (sigmoid scores, top-k, renormalised and scaled, as DeepSeek-V3 without the
-group limit), sends each (token, slot) row to the rank holding its expert with
-`all_to_all_single` (counts exchanged first), runs its local experts with `torch._grouped_mm`,
-sends the outputs back and sums them weighted; a shared expert runs on every rank's own tokens.
-Prints one JSON record per token count on rank 0: the median over runs of the slowest rank's
-CUDA-event time, and the median dispatch and combine times.
+group limit), moves rows to the ranks holding their experts with `all_to_all_single` (counts
+exchanged first), runs its local experts with `torch._grouped_mm` and brings the outputs back
+to be summed weighted; a shared expert runs on every rank's own tokens. Two forms of the
+exchange, each timed: one row per (token, slot) each way (`ms`: Megatron's all-to-all
+dispatcher, the form most PyTorch code takes), and one row per (token, rank serving it) each
+way, the serving rank summing its slots (`per_rank_ms`: DeepEP's form, as moeflow's
+all-to-all-v moves rows). The two forms' outputs are checked against each other first. Prints
+one JSON record per token count on rank 0: the median over runs of the slowest rank's
+CUDA-event time from a start the GPUs share, and the median dispatch and combine times.
 """
 
 import argparse
@@ -49,55 +53,106 @@ def main():
     sw13 = rand(2 * Is, H, scale=2 / H**0.5) if Is else None
     sw2 = rand(H, Is, scale=2 / Is**0.5) if Is else None
 
-    def layer(x, marks):
-        T = x.shape[0]
+    def route(x):
+        """Routing weights and expert ids [T, k] of the tokens x."""
         scores = (x.float() @ gate.T).sigmoid()
         w, ids = scores.topk(k, dim=-1)
-        w = w / w.sum(-1, keepdim=True) * 2.5
-        flat = ids.flatten()
-        order = flat.argsort(stable=True)
-        rows = x[order // k]
-        send = torch.bincount(flat // El, minlength=world)
+        return w / w.sum(-1, keepdim=True) * 2.5, ids
+
+    def exchange(t, send, recv):
+        """t's rows [sum(send), ...] sent `send[r]` to rank r, `recv[r]` received from it."""
+        got = t.new_empty((sum(recv),) + tuple(t.shape[1:]))
+        dist.all_to_all_single(got, t, recv, send)
+        return got
+
+    def counts(send):
+        """(rows to each rank, rows from each) as lists, the second exchanged."""
         recv = torch.empty_like(send)
-        marks[0].record()
         dist.all_to_all_single(recv, send)
-        sc, rc = send.tolist(), recv.tolist()
-        got = rows.new_empty(sum(rc), H)
-        dist.all_to_all_single(got, rows, rc, sc)
-        local_ids = (flat[order] % El).int()
-        got_ids = local_ids.new_empty(sum(rc))
-        dist.all_to_all_single(got_ids, local_ids, rc, sc)
-        marks[1].record()
-        o2 = got_ids.argsort(stable=True)
-        xr = got[o2]
-        offs = torch.cumsum(torch.bincount(got_ids, minlength=El), 0).int()
-        h = torch._grouped_mm(xr, w13.transpose(-2, -1), offs=offs)
+        return send.tolist(), recv.tolist()
+
+    def experts(rows, eids):
+        """The local experts' bf16 outputs [P, H] for rows [P, H], row p through local expert
+        eids[p], in the rows' order (grouped by expert for torch._grouped_mm and back)."""
+        if rows.shape[0] == 0:
+            return rows.new_empty(0, H)
+        order = eids.argsort(stable=True)
+        offs = torch.cumsum(torch.bincount(eids, minlength=El), 0).int()
+        h = torch._grouped_mm(rows[order], w13.transpose(-2, -1), offs=offs)
         gt, up = h.chunk(2, dim=-1)
         y = torch._grouped_mm(F.silu(gt) * up, w2.transpose(-2, -1), offs=offs)
-        back = torch.empty_like(y)
-        back[o2] = y
-        home = back.new_empty(sum(sc), H)
-        marks[2].record()
-        dist.all_to_all_single(home, back, sc, rc)
-        marks[3].record()
-        res = torch.empty_like(home)
-        res[order] = home
-        out = (res.view(T, k, H).float() * w.unsqueeze(-1)).sum(1)
+        out = torch.empty_like(y)
+        out[order] = y
+        return out
+
+    def with_shared(x, out):
         if sw13 is not None:
             sh = x @ sw13.T
             a, b = sh.chunk(2, dim=-1)
             out += ((F.silu(a) * b) @ sw2.T).float()
         return out
 
-    records = []
-    for T in [int(t) for t in args.tokens.split(",")]:
-        x = rand(T, H, scale=1.0)
+    def per_slot(x, marks):
+        """Each (token, slot) row to the rank of its expert and its output back (Megatron's
+        all-to-all dispatcher): k rows a token each way."""
+        T = x.shape[0]
+        w, ids = route(x)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        rows, local_ids = x[order // k], (flat[order] % El).int()
+        send = torch.bincount(flat // El, minlength=world)
+        marks[0].record()
+        sc, rc = counts(send)
+        got, got_ids = exchange(rows, sc, rc), exchange(local_ids, sc, rc)
+        marks[1].record()
+        y = experts(got, got_ids)
+        marks[2].record()
+        home = exchange(y, rc, sc)
+        marks[3].record()
+        res = torch.empty_like(home)
+        res[order] = home
+        return with_shared(x, (res.view(T, k, H).float() * w.unsqueeze(-1)).sum(1))
+
+    def per_rank(x, marks):
+        """Each token's row once to every rank serving one of its slots, with its k local ids
+        (-1 where another rank serves the slot) and weights; that rank sends back one weighted
+        sum over its slots in bf16 (DeepEP's dispatch and combine): at most one row a token and
+        rank each way."""
+        T = x.shape[0]
+        w, ids = route(x)
+        dest = ids // El
+        hit = torch.zeros(T, world, dtype=torch.bool, device=dev).scatter_(1, dest, True)
+        rk, tok = hit.t().nonzero(as_tuple=True)
+        rows = x[tok]
+        lid = torch.where(dest[tok] == rk[:, None], ids[tok] % El, -1).int()
+        lw = w[tok]
+        send = hit.sum(0)
+        marks[0].record()
+        sc, rc = counts(send)
+        got, gid, gw = exchange(rows, sc, rc), exchange(lid, sc, rc), exchange(lw, sc, rc)
+        marks[1].record()
+        r, j = (gid >= 0).nonzero(as_tuple=True)
+        y = experts(got[r], gid[r, j])
+        back = torch.zeros(got.shape[0], H, device=dev).index_add_(0, r, y.float() * gw[r, j, None])
+        back = back.to(torch.bfloat16)
+        marks[2].record()
+        home = exchange(back, rc, sc)
+        marks[3].record()
+        return with_shared(x, torch.zeros(T, H, device=dev).index_add_(0, tok, home.float()))
+
+    align = torch.zeros(1, device=dev)
+
+    def timed(layer, x):
+        """(layer ms of the slowest rank, dispatch ms, combine ms), medians over the runs."""
         ev = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
         for _ in range(3):
             layer(x, [ev() for _ in range(4)])
         totals, disp, comb = [], [], []
         for _ in range(args.runs):
             dist.barrier()
+            # The GPUs start together (an all-reduce on the stream before the first event), as
+            # moeflow's timed runs do, rather than when each host's launches reach its GPU.
+            dist.all_reduce(align)
             start, end, marks = ev(), ev(), [ev() for _ in range(4)]
             start.record()
             layer(x, marks)
@@ -109,7 +164,25 @@ def main():
             disp.append(marks[0].elapsed_time(marks[1]))
             comb.append(marks[2].elapsed_time(marks[3]))
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        records.append({"tokens": T, "ms": med(totals), "dispatch_ms": med(disp), "combine_ms": med(comb)})
+        return med(totals), med(disp), med(comb)
+
+    records = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        x = rand(T, H, scale=1.0)
+        # The two forms compute the same layer; the per-rank one rounds each rank's sum to
+        # bf16 where the other sums every slot's bf16 row in f32.
+        marks = [torch.cuda.Event() for _ in range(4)]
+        a, b = per_slot(x, marks), per_rank(x, marks)
+        err = torch.tensor([((a - b).norm() / a.norm().clamp_min(1e-30)).item()], device=dev)
+        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+        assert err.item() < 1e-2, f"the two forms differ by {err.item():.2e} at {T} tokens"
+        ms, disp, comb = timed(per_slot, x)
+        dms, ddisp, dcomb = timed(per_rank, x)
+        records.append({
+            "tokens": T, "ms": ms, "dispatch_ms": disp, "combine_ms": comb,
+            "per_rank_ms": dms, "per_rank_dispatch_ms": ddisp, "per_rank_combine_ms": dcomb,
+            "forms_rel_err": err.item(),
+        })
     if rank == 0:
         print(json.dumps({"baseline": "pytorch+nccl", "torch": torch.__version__, "ep": world, "records": records}))
     dist.destroy_process_group()

@@ -12,8 +12,18 @@ if [ "$1" != "--" ]; then anchor=$1; shift; fi
 shift
 here=$(cd "$(dirname "$0")" && pwd)
 cuda=${CUDA_HOME:-/usr/local/cuda-13.0}
-inc=$(dirname "$(find "$cuda" -name cupti.h -path '*include*' | head -1)")
-lib=$(dirname "$(find "$cuda" -name 'libcupti.so*' | head -1)")
+# CUPTI's headers and library: in the toolkit (extras/CUPTI, or beside the other headers), or
+# in PyTorch's CUDA wheels; symbolic links followed, since toolkit folders often are links.
+roots=("$cuda" /usr/local/cuda /usr/include /usr/lib/x86_64-linux-gnu "$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null || true)")
+find_first() { { find -L "${roots[@]}" -name "$1" 2>/dev/null || true; } | head -1; }
+header=$(find_first cupti_activity.h)
+library=$(find_first 'libcupti.so*')
+if [ -z "$header" ] || [ -z "$library" ]; then
+    echo "kernel_trace.sh: CUPTI not found (cupti_activity.h: '${header}', libcupti.so: '${library}') under ${roots[*]}" >&2
+    exit 1
+fi
+inc=$(dirname "$header")
+lib=$(dirname "$library")
 newest() { grep -o "$1[0-9]*;" "$inc/cupti_activity.h" | tr -d ';' | sort -V | tail -1; }
 gcc -O2 -shared -fPIC -DKERNEL_RECORD="$(newest CUpti_ActivityKernel)" -DMEMCPY_RECORD="$(newest CUpti_ActivityMemcpy)" \
     -I"$inc" -I"$cuda/include" "$here/kernel_trace.c" -o /tmp/kernel_trace.so -L"$lib" -lcupti -Wl,-rpath,"$lib"

@@ -64,7 +64,8 @@ pub struct BenchArgs {
     /// After the run, run the same shapes through a PyTorch layer and print the ratio: on one
     /// CPU rank tools/torch_cpu_baseline.py, on one GPU tools/torch_gpu_baseline.py (argsort,
     /// torch._grouped_mm), after the device-resident multi-GPU layer a PyTorch + NCCL layer
-    /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py).
+    /// (all_to_all_single, torch._grouped_mm; tools/torch_ep_baseline.py) in two forms: rows
+    /// per (token, slot), and per (token, rank serving it).
     #[arg(long)]
     torch_baseline: bool,
     /// Write every rank's tokens per logical expert over its last 64 forward calls (the load

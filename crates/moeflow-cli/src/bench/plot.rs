@@ -42,6 +42,10 @@ pub struct PlotRecord {
     /// The PyTorch baseline's layer time on the same shapes, ms (`--torch-baseline`).
     #[serde(default)]
     pub torch_ms: Option<f64>,
+    /// The PyTorch + NCCL baseline's time with rows per (token, rank serving it), ms (multi-GPU
+    /// `--torch-baseline`; `torch_ms` is its rows per (token, slot)).
+    #[serde(default)]
+    pub torch_per_rank_ms: Option<f64>,
     /// The interconnect's bandwidth per GPU and direction, GB/s, where it was measured.
     #[serde(default)]
     pub link_gbps: Option<f64>,
@@ -189,7 +193,10 @@ fn legend_line(color: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)
 fn latency(area: &Area, records: &[PlotRecord], title: &str) -> Drawn {
     let xs = log_range(records.iter().map(|r| r.tokens as f64));
     let ys = log_range(
-        records.iter().flat_map(|r| [Some(r.ms), Some(r.floor_ms), r.floor_sustained_ms, r.torch_ms]).flatten(),
+        records
+            .iter()
+            .flat_map(|r| [Some(r.ms), Some(r.floor_ms), r.floor_sustained_ms, r.torch_ms, r.torch_per_rank_ms])
+            .flatten(),
     );
     let mut chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 20))
@@ -205,11 +212,12 @@ fn latency(area: &Area, records: &[PlotRecord], title: &str) -> Drawn {
         .x_desc("tokens")
         .y_desc("ms")
         .draw()?;
-    let series: [Series; 4] = [
+    let series: [Series; 5] = [
         ("moeflow", RGBColor(31, 119, 180), |r| Some(r.ms)),
         ("floor", RGBColor(120, 120, 120), |r| Some(r.floor_ms)),
         ("floor at the sustained GEMM rate", RGBColor(188, 189, 34), |r| r.floor_sustained_ms),
         ("PyTorch", RGBColor(214, 39, 40), |r| r.torch_ms),
+        ("PyTorch, rows per (token, rank)", RGBColor(255, 127, 14), |r| r.torch_per_rank_ms),
     ];
     for (name, color, value) in series {
         draw_line(&mut chart, name, color, points(records, value))?;
@@ -362,6 +370,7 @@ mod tests {
             combine_gbps: None,
             probe_gflops: None,
             torch_ms: torch,
+            torch_per_rank_ms: None,
             link_gbps: comm.map(|_| 400.0),
             preset: "olmoe-1b-7b".into(),
             backend: "cpu".into(),
@@ -415,6 +424,19 @@ mod tests {
         }
         assert!(!text.contains("PyTorch"), "no PyTorch curve without its times");
         assert!(!text.contains(">dispatch<") && !text.contains(">combine<"), "no separate rates without them");
+    }
+
+    #[test]
+    fn expert_parallel_plot_draws_both_forms_of_the_pytorch_baseline() {
+        let mut records = vec![record(128, 1.7, Some(3.3), Some(40.0)), record(4096, 6.6, Some(14.1), Some(135.0))];
+        assert!(!svg(&records, "one_form").contains("rows per (token, rank)"), "no per-rank curve without its times");
+        for (r, ms) in records.iter_mut().zip([2.9, 9.8]) {
+            r.torch_per_rank_ms = Some(ms);
+        }
+        let text = svg(&records, "both_forms");
+        for name in ["PyTorch", "PyTorch, rows per (token, rank)"] {
+            assert!(text.contains(&format!(">{name}<")) || text.contains(&format!("\n{name}\n")), "no series {name}");
+        }
     }
 
     #[test]

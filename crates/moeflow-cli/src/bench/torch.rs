@@ -80,29 +80,53 @@ pub(super) fn torch_baseline(
         &baseline_shape_args(config, &args.tokens, args.min_runs.max(20)),
         format!("running the PyTorch + NCCL baseline on {ep} GPUs"),
     )?;
-    println!("PyTorch {} + NCCL baseline, same shapes, same GPUs:", v["torch"].as_str().unwrap_or("?"));
+    println!(
+        "PyTorch {} + NCCL baseline, same shapes, same GPUs: rows per (token, slot) each way (Megatron's \
+         dispatcher), and per (token, rank serving it), summed there (DeepEP's form):",
+        v["torch"].as_str().unwrap_or("?")
+    );
     let table = Table::new(&[
         right("tokens", 7),
-        right("torch ms", 10),
         right("moeflow ms", 10),
+        right("per slot ms", 11),
         right("speedup", 8),
-        right("torch disp", 14),
-        right("torch comb", 12),
+        right("disp", 7),
+        right("comb", 7),
+        right("per rank ms", 11),
+        right("speedup", 8),
+        right("disp", 7),
+        right("comb", 7),
     ]);
     println!("{}", table.header());
-    let mut times = Vec::new();
+    let (mut times, mut per_rank) = (Vec::new(), Vec::new());
     for rec in v["records"].as_array().into_iter().flatten() {
         let (t, ms) = baseline_time(rec);
         let mine = ours.iter().find(|o| o.0 == t).map_or(f64::NAN, |o| o.1);
-        let field = |key: &str| num(rec[key].as_f64().unwrap_or(f64::NAN), 3);
-        let speedup = format!("{:.2}x", ms / mine);
+        let field = |key: &str| rec[key].as_f64().unwrap_or(f64::NAN);
+        let ranked = field("per_rank_ms");
         println!(
             "{}",
-            table.row(&[t.to_string(), num(ms, 3), num(mine, 3), speedup, field("dispatch_ms"), field("combine_ms")])
+            table.row(&[
+                t.to_string(),
+                num(mine, 3),
+                num(ms, 3),
+                format!("{:.2}x", ms / mine),
+                num(field("dispatch_ms"), 3),
+                num(field("combine_ms"), 3),
+                num(ranked, 3),
+                format!("{:.2}x", ranked / mine),
+                num(field("per_rank_dispatch_ms"), 3),
+                num(field("per_rank_combine_ms"), 3),
+            ])
         );
         times.push((t, ms));
+        per_rank.push((t, ranked));
     }
-    record_baseline(args, &times)
+    record_baseline(args, &times)?;
+    match &args.json {
+        Some(path) if path.exists() => add_field(path, "torch_per_rank_ms", &per_rank),
+        _ => Ok(()),
+    }
 }
 
 /// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside

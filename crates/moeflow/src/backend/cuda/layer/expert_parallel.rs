@@ -194,16 +194,45 @@ impl CudaMoeLayer {
         Ok((ids, counts))
     }
 
+    /// `b.exchange`, grown (zeroed) to at least `len` ints where it is shorter.
+    fn exchange_room<'a>(&self, b: &'a mut Buffers, len: usize) -> Result<&'a mut CudaSlice<i32>> {
+        if b.exchange.as_ref().is_none_or(|x| x.len() < len) {
+            b.exchange = Some(self.gpu.stream.alloc_zeros::<i32>(len).map_err(|e| err("allocating workspace", e))?);
+        }
+        Ok(b.exchange.as_mut().expect("allocated"))
+    }
+
+    /// Holds the layer's stream, on the device, until every rank's stream has reached this
+    /// point (an all-reduce of one int), for timed runs: the ranks then start the layer
+    /// together, as a model's consecutive layers do (the previous layer's exchange ends on
+    /// all of them at once), rather than when each host's launches reach its GPU. Collective.
+    pub(super) fn align_ranks(&self, b: &mut Buffers, link: &EpLink) -> Result<()> {
+        use cudarc::nccl::sys as nc;
+        let exp = dptr(self.exchange_room(b, 1)?, &self.gpu);
+        link.comm.enqueue("aligning the ranks' start", &self.gpu.stream, |comm, cs| {
+            // SAFETY: an in-place all-reduce of the first int of the exchange buffer, whose
+            // value no one reads (every exchange writes it before use).
+            unsafe {
+                nc::ncclAllReduce(
+                    exp as _,
+                    exp as _,
+                    1,
+                    nc::ncclDataType_t::ncclInt32,
+                    nc::ncclRedOp_t::ncclSum,
+                    comm,
+                    cs,
+                )
+            }
+        })
+    }
+
     /// Every rank's `mine` (the same length on every rank), rank after rank, through an NCCL
     /// all-gather on the device and a host read.
     pub(super) fn gather_counts(&self, b: &mut Buffers, link: &EpLink, mine: &[i32]) -> Result<Vec<i32>> {
         use crate::comm::Communicator;
         use cudarc::nccl::sys as nc;
         let (n, m, s) = (link.comm.size(), mine.len(), &self.gpu.stream);
-        if b.exchange.as_ref().is_none_or(|x| x.len() < m * (n + 1)) {
-            b.exchange = Some(s.alloc_zeros::<i32>(m * (n + 1)).map_err(|e| err("allocating workspace", e))?);
-        }
-        let ex = b.exchange.as_mut().expect("allocated");
+        let ex = self.exchange_room(b, m * (n + 1))?;
         s.memcpy_htod(mine, &mut ex.slice_mut(0..m)).map_err(|e| err("upload", e))?;
         let exp = dptr(ex, &self.gpu);
         link.comm.enqueue("moe counts", s, |comm, cs| {
@@ -228,9 +257,7 @@ impl CudaMoeLayer {
         use crate::comm::Communicator;
         use cudarc::nccl::sys as nc;
         let (n, s) = (link.comm.size(), &self.gpu.stream);
-        if b.exchange.as_ref().is_none_or(|x| x.len() < n + 1) {
-            b.exchange = Some(s.alloc_zeros::<i32>(n + 1).map_err(|e| err("allocating workspace", e))?);
-        }
+        self.exchange_room(b, n + 1)?;
         if b.batches.as_ref().is_none_or(|x| x.host.len() < n) {
             // SAFETY: page-locked host memory for n ints, written by the copy below before
             // any read (which waits for it).

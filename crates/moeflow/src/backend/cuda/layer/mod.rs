@@ -730,10 +730,11 @@ impl CudaMoeLayer {
     }
 
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
-    /// per-stage event times (for benchmarks). A low-latency layer, and a small batch on one
-    /// GPU (see the `graph` module), replays its graph and times only the whole;
-    /// [`CudaMoeLayer::forward_timed_stages`] times the stages. A TP-sliced layer runs its
-    /// share of the batch and times the whole layer, the TP all-gather included (in the
+    /// per-stage event times (for benchmarks). Expert-parallel ranks first wait for each other
+    /// on the device, so that the times start together on every rank. A low-latency layer, and
+    /// a small batch on one GPU (see the `graph` module), replays its graph and times only the
+    /// whole; [`CudaMoeLayer::forward_timed_stages`] times the stages. A TP-sliced layer runs
+    /// its share of the batch and times the whole layer, the TP all-gather included (in the
     /// combine stage).
     pub fn forward_timed(&self, tokens: usize, seed: u64) -> Result<GpuStageTimes> {
         self.timed(tokens, seed, Replay::Graph)
@@ -776,6 +777,9 @@ impl CudaMoeLayer {
             self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n))
         }
         .map_err(|e| err("fill", e))?;
+        if let Some(link) = &self.ep {
+            self.align_ranks(b, link)?;
+        }
         let captures = self.strategy.captures();
         match (capacity, replay) {
             (Some(_), Replay::Graph) => Ok((self.ll_run(b, rows, true)?, None)),
