@@ -10,11 +10,11 @@ PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm, one launch for all experts
 row: the kernel of `bench --torch-baseline`'s fp8 layer); and the dense fp8 8192³ GEMM with
 block scales and with one scale a tensor (the two rates of `bench --torch-baseline`'s fp8
 floor). The fp8 GEMMs also run on uneven experts: 64 experts over the 32768 slots of 4096
-tokens at top-8 routed at random (512 ± 22 rows an expert, the one-GPU W8A8 layer's shape),
-where every expert's last tile is partly empty, as in moeflow's grouped GEMM (and the same
-with each expert's rows rounded up to a multiple of 16, where cuBLASLt refuses others). Each is timed
-after a second of the same load (the power cap lowers the clocks), median of 21 runs; random
-values (zeros run faster than real data).
+tokens at top-8 routed at random (512 ± 20 rows an expert, the one-GPU W8A8 layer's shape),
+where an expert's last tile is partly empty, as in moeflow's grouped GEMM; and the same with
+each expert's rows rounded up to a multiple of 16, since cuBLASLt's block-scaled GEMM refuses
+others. Each is timed after a second of the same load (the power cap lowers the clocks), median
+of 21 runs; random values (zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
 """

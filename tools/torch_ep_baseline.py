@@ -5,8 +5,8 @@ routes its tokens (sigmoid scores, top-k, renormalised and scaled, as DeepSeek-V
 group limit), moves rows to the ranks holding their experts with `all_to_all_single` (counts
 exchanged first), runs its local experts with `torch._grouped_mm` and brings the outputs back
 to be summed weighted; a shared expert runs on every rank's own tokens. Two forms of the
-exchange, each timed: one row per (token, slot) each way (`ms`: Megatron's all-to-all
-dispatcher, the form most PyTorch code takes), and one row per (token, rank serving it) each
+exchange, each timed: one row per (token, slot) each way (`ms`: as Megatron's all-to-all
+token dispatcher moves them), and one row per (token, rank serving it) each
 way, the serving rank summing its slots (`per_rank_ms`: DeepEP's form, as moeflow's
 all-to-all-v moves rows). The two forms' outputs are checked against each other first. Prints
 one JSON record per token count on rank 0: the median over runs of the slowest rank's

@@ -62,7 +62,7 @@ pub fn write_records(path: &Path, records: &[Record]) -> Result<()> {
 
 /// Sets `key` to the value given for each record's token count in the JSON array at `path`
 /// (records of other token counts are left as they are): how `--torch-baseline` adds the
-/// PyTorch layer's times (`torch_ms`) to the records written before it ran.
+/// PyTorch layer's times (`torch_ms`, `torch_per_rank_ms`) to the records written before it ran.
 pub fn add_field(path: &Path, key: &str, by_tokens: &[(usize, f64)]) -> Result<()> {
     let json = |e| MoeError::Json { context: format!("bench records in {}", path.display()), source: e };
     let text = std::fs::read_to_string(path)

@@ -122,11 +122,8 @@ pub(super) fn torch_baseline(
         times.push((t, ms));
         per_rank.push((t, ranked));
     }
-    record_baseline(args, &times)?;
-    match &args.json {
-        Some(path) if path.exists() => add_field(path, "torch_per_rank_ms", &per_rank),
-        _ => Ok(()),
-    }
+    record_baseline(args, "torch_ms", &times)?;
+    record_baseline(args, "torch_per_rank_ms", &per_rank)
 }
 
 /// Runs the one-device PyTorch layer with the preset's shapes and prints its times beside
@@ -177,7 +174,7 @@ pub(super) fn torch_single_baseline(
     if let Some(line) = fp8_floor_line(&v, config, ours) {
         println!("{line}");
     }
-    record_baseline(args, &times)
+    record_baseline(args, "torch_ms", &times)
 }
 
 /// The fp8 floor of a W8A8 run, from the one-GPU baseline's output `v`: the layer's FLOPs
@@ -211,11 +208,12 @@ fn baseline_time(rec: &serde_json::Value) -> (usize, f64) {
     (rec["tokens"].as_u64().unwrap_or(0) as usize, rec["ms"].as_f64().unwrap_or(f64::NAN))
 }
 
-/// Adds the baseline's layer times to the records written by `--json` (as `torch_ms`), where
-/// the plot and later readers find them beside moeflow's.
-fn record_baseline(args: &BenchArgs, times: &[(usize, f64)]) -> Result<()> {
+/// Adds the baseline's layer times to the records written by `--json` (as `key`: `torch_ms`,
+/// or `torch_per_rank_ms` for the multi-GPU baseline's second form), where the plot and later
+/// readers find them beside moeflow's.
+fn record_baseline(args: &BenchArgs, key: &str, times: &[(usize, f64)]) -> Result<()> {
     match &args.json {
-        Some(path) if path.exists() => add_field(path, "torch_ms", times),
+        Some(path) if path.exists() => add_field(path, key, times),
         _ => Ok(()),
     }
 }
