@@ -9,11 +9,12 @@ graph so that the host's launches do not set the pace; each GEMM still starts on
 PyTorch's fp8 grouped GEMM (torch._scaled_grouped_mm, one launch for all experts, one scale a
 row: the kernel of `bench --torch-baseline`'s fp8 layer); and the dense fp8 8192³ GEMM with
 block scales and with one scale a tensor (the two rates of `bench --torch-baseline`'s fp8
-floor). The fp8 GEMMs also run on uneven experts: 64 experts over the 32768 slots of 4096
-tokens at top-8 routed at random (512 ± 20 rows an expert, the one-GPU W8A8 layer's shape),
-where an expert's last tile is partly empty, as in moeflow's grouped GEMM; and the same with
-each expert's rows rounded up to a multiple of 16, since cuBLASLt's block-scaled GEMM refuses
-others. Each is timed after a second of the same load (the power cap lowers the clocks), median
+floor). The GEMMs also run on uneven experts: 128 or 64 experts over the 32768 slots of 4096
+tokens at top-8 routed at random (256 ± 16 or 512 ± 20 rows an expert: an EP 2 rank's and the
+one-GPU layer's shapes), where an expert's last tile is partly empty, as in moeflow's grouped
+GEMM: bf16 as one cuBLAS GEMM an expert replayed from a CUDA graph, and fp8 as above, also
+with each expert's rows rounded up to a multiple of 16, since cuBLASLt's block-scaled GEMM
+refuses others. Each is timed after a second of the same load (the power cap lowers the clocks), median
 of 21 runs; random values (zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
@@ -100,6 +101,15 @@ def bmm(rows, k, n):
     return lambda: torch.bmm(a, w.transpose(1, 2))
 
 
+def per_expert_bf16(rows, k, n):
+    """One bf16 GEMM an expert (cuBLAS), replayed from a CUDA graph: experts of any rows."""
+    pairs = [
+        (torch.randn(r, k, device="cuda", dtype=torch.bfloat16), torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+        for r in rows
+    ]
+    return as_graph([lambda a=a, w=w: a @ w.t() for a, w in pairs])
+
+
 def per_expert_block_scaled(rows, k, n):
     """One block-scaled fp8 GEMM an expert (block_scaled), replayed from a CUDA graph."""
     return as_graph([block_scaled(fp8((r, k)), fp8((n, k))) for r in rows])
@@ -109,6 +119,7 @@ def main():
     torch.manual_seed(0)
     print(torch.cuda.get_device_name())
     projections("", bmm, EVEN)
+    projections("bf16, one GEMM an expert, ", per_expert_bf16, [uneven_rows(experts=128), uneven_rows()])
     side = 8192
     a = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(side, side, device="cuda", dtype=torch.bfloat16)
