@@ -14,8 +14,8 @@ tokens at top-8 routed at random (256 ± 16 or 512 ± 20 rows an expert: an EP 2
 one-GPU layer's shapes), where an expert's last tile is partly empty, as in moeflow's grouped
 GEMM: bf16 as one cuBLAS GEMM an expert replayed from a CUDA graph, and fp8 as above, also
 with each expert's rows rounded up to a multiple of 16, since cuBLASLt's block-scaled GEMM
-refuses others. Each is timed after a second of the same load (the power cap lowers the clocks), median
-of 21 runs; random values (zeros run faster than real data).
+refuses others. Each is timed after a second of the same load (the power cap lowers the
+clocks), median of 21 runs; random values (zeros run faster than real data).
 
     python3 tools/expert_bmm_ceiling.py
 """
