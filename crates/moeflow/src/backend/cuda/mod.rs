@@ -152,13 +152,7 @@ impl Gpu {
         // Hopper builds for sm_90a, whose wgmma and TMA the grouped GEMM needs.
         let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
         let arch: &'static str = Box::leak(format!("sm_{major}{minor}{suffix}").into_boxed_str());
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some(arch),
-            use_fast_math: Some(false),
-            options: nvrtc_options.to_vec(),
-            ..Default::default()
-        };
-        let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts).map_err(|e| err("NVRTC compile of moe.cu", e))?;
+        let ptx = compile_kernels(arch, nvrtc_options)?;
         let module = ctx.load_module(ptx).map_err(|e| err("loading module", e))?;
         cache.push((key, module.clone()));
         Ok(module)
@@ -170,10 +164,45 @@ impl Gpu {
     }
 }
 
+/// The kernel sources compiled by NVRTC to PTX for `arch` (`sm_80`, `sm_90a`, …), with
+/// `nvrtc_options` added; needs NVRTC's library, not a GPU.
+fn compile_kernels(arch: &'static str, nvrtc_options: &[String]) -> Result<cudarc::nvrtc::Ptx> {
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        use_fast_math: Some(false),
+        options: nvrtc_options.to_vec(),
+        ..Default::default()
+    };
+    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
+        .map_err(|e| err(&format!("NVRTC compile of the kernels for {arch}"), e))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::require_compute_capability;
+    use super::{compile_kernels, require_compute_capability};
     use crate::error::MoeError;
+
+    /// Every kernel compiles with NVRTC for Ampere (sm_80) and Hopper (sm_90a), the Hopper PTX
+    /// with the grouped GEMMs' `wgmma` products and the Ampere PTX with their entry points left
+    /// empty. Needs NVRTC's library but no GPU (CI takes it from PyTorch's wheels); says loudly
+    /// when it skips.
+    #[test]
+    fn kernels_compile_for_ampere_and_hopper() {
+        // SAFETY: only tries to open the library by its names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("SKIPPED kernels_compile_for_ampere_and_hopper: no NVRTC library found");
+            return;
+        }
+        for (arch, hopper) in [("sm_80", false), ("sm_90a", true)] {
+            let ptx = compile_kernels(arch, &[]).unwrap_or_else(|e| panic!("{e}"));
+            let text = ptx.to_src();
+            for entry in ["route", "combine", "quantize_rows_bf16", "grouped_gemm_sm90", "grouped_gemm_fp8_sm90"] {
+                assert!(text.contains(&format!(".entry {entry}(")), "{arch}: no kernel {entry}");
+            }
+            assert_eq!(text.contains("wgmma.mma_async"), hopper, "{arch}: wgmma products present: {}", !hopper);
+            eprintln!("the kernels compile for {arch}: {} KiB of PTX", text.len() / 1024);
+        }
+    }
 
     /// GPUs older than Ampere get an error naming their compute capability; Ampere and newer
     /// pass.
