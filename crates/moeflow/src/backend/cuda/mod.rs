@@ -69,7 +69,14 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 /// The kernel sources, compiled once per process and device.
 const KERNELS: &str = concat!(
-    include_str!("kernels/moe.cu"),
+    include_str!("kernels/common.cu"),
+    include_str!("kernels/route.cu"),
+    include_str!("kernels/permute.cu"),
+    include_str!("kernels/activation.cu"),
+    include_str!("kernels/combine.cu"),
+    include_str!("kernels/placement.cu"),
+    include_str!("kernels/quant.cu"),
+    include_str!("kernels/router_fixed.cu"),
     include_str!("kernels/low_latency.cu"),
     include_str!("kernels/masked_gemm.cu"),
     include_str!("kernels/grouped_gemm_sm90.cu"),
@@ -158,7 +165,7 @@ impl Gpu {
         Ok(module)
     }
 
-    /// Kernel `name` of moe.cu.
+    /// Kernel `name` of the compiled sources ([`KERNELS`]).
     pub fn function(&self, name: &str) -> Result<CudaFunction> {
         self.module.load_function(name).map_err(|e| err(&format!("kernel {name}"), e))
     }

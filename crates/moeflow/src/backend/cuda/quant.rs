@@ -26,7 +26,7 @@ fn kind(q: QuantConfig) -> Result<i32> {
 /// times over; the kernels stride over the rest.
 const QUANTIZE_BLOCKS: usize = 2048;
 
-/// Launch shape of `quantize_rows` / `quantize_rows_bf16` (moe.cu) over `rows` rows of `h`
+/// Launch shape of `quantize_rows` / `quantize_rows_bf16` (kernels/quant.cu) over `rows` rows of `h`
 /// values in groups of `group`: for whole groups of 128, eight lanes a (row, group) over a
 /// one-dimensional grid; otherwise one warp a (row, group), eight warps a block, rows over
 /// `grid.x`.

@@ -25,7 +25,7 @@
 // with one consumer warpgroup and a 5-stage ring, for batches of a few rows an expert, and a
 // third the same in tiles 224 columns wide (products only), for better balanced waves. On
 // other architectures the kernel bodies are empty and the host never launches them.
-// (Compiled after moe.cu, whose typedefs it uses.)
+// (Compiled after common.cu and activation.cu, whose typedefs and act_mul it uses.)
 
 #define GG_BK 64                                   // depth of a stage: 128 bytes, one swizzle row
 

@@ -5,7 +5,7 @@
 // NVLink only the first `batch` rows of a message travel (the sender's batch size, which
 // travels with them): the receiver's kernels take the senders' sizes `batches` [n] and treat
 // the rest of each message as empty (null `batches`: every row arrived, rows past the batch
-// with ids of -1). (Compiled after moe.cu, whose helpers it uses.)
+// with ids of -1). (Compiled after common.cu and the stage files, whose helpers it uses.)
 
 extern "C" {
 

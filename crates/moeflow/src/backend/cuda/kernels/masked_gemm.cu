@@ -10,7 +10,7 @@
 // row codes widen the same way and each block's sums are scaled by the weight block's scale
 // times the row group's. (Hopper runs fp8 × fp8 at tensor-core rate only through wgmma; its
 // mma.sync form is emulated, slower than widening here.)
-// (Compiled after moe.cu, whose helpers it uses.)
+// (Compiled after common.cu and the stage files, whose helpers it uses.)
 
 #define MG_N 128       // output columns per block (bf16: 4 warps × 32, fp8: 8 warps × 16)
 

@@ -4,7 +4,7 @@
 // for this rank, and its last block then spins until every sender's flag reached this
 // exchange's number, with a clock deadline (nvl_push). A strategy's kernel that writes its rows
 // into the peers' windows itself ends as the push does (nvl_raise_and_wait). (Compiled after
-// moe.cu and low_latency.cu.)
+// the stage files and low_latency.cu.)
 
 // Copies row `s` of `src` to row `r` of `dst`, `units` words of type W, one warp per row: each
 // lane loads up to PUSH_BATCH words (bypassing L1) before it stores them, so that many loads are

@@ -1,4 +1,4 @@
-//! The fused router of small batches (`route_small` in moe.cu, through
+//! The fused router of small batches (`route_small` in route.cu, through
 //! [`CudaMoeLayer::route_fused`]) against references, on poisoned outputs: the bf16 copy bit for
 //! bit, the logits against f64 dot products, the choices against the CPU routers on the
 //! kernel's own logits (ids exactly, weights to f32 rounding), and the counts, offsets and maps

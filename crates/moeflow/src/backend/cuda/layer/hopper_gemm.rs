@@ -56,7 +56,7 @@ pub(super) enum Epilogue {
 
 impl Epilogue {
     /// The kernels' epilogue arguments: the activation kind (-1: the product), its alpha and
-    /// limit (see `act_mul` in moe.cu), and the bias's device address (0: none).
+    /// limit (see `act_mul` in activation.cu), and the bias's device address (0: none).
     pub(super) fn kernel_args(self) -> (i32, f32, f32, u64) {
         match self {
             Epilogue::Product => (-1, 0.0, 0.0, 0),

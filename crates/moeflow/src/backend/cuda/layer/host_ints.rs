@@ -1,12 +1,12 @@
 //! Ints from the host written into device memory in stream order by a kernel that takes them as
-//! its parameters (`write_ints` in moe.cu), where a copy from pageable host memory may make the
+//! its parameters (`write_ints` in common.cu), where a copy from pageable host memory may make the
 //! host wait for the stream and so hold back its next launches.
 
 use super::{err, CudaMoeLayer};
 use crate::error::Result;
 use cudarc::driver::{CudaStream, LaunchConfig, PushKernelArg};
 
-/// Most ints one launch writes (`HOST_INTS` in moe.cu): a plan's head for 32 ranks, a push's
+/// Most ints one launch writes (`HOST_INTS` in common.cu): a plan's head for 32 ranks, a push's
 /// lane table at EP 4.
 pub(super) const HOST_INTS: usize = 256;
 
@@ -50,9 +50,9 @@ mod tests {
     use crate::router::RouterConfig;
     use crate::{preset, DType};
 
-    /// The parameter is laid out as moe.cu's `HostInts`: the count, then `HOST_INTS` ints.
+    /// The parameter is laid out as common.cu's `HostInts`: the count, then `HOST_INTS` ints.
     #[test]
-    fn host_ints_mirror_moe_cu() {
+    fn host_ints_mirror_common_cu() {
         assert_eq!(kernel_define("HOST_INTS"), Some(HOST_INTS as i64));
         assert_eq!(std::mem::size_of::<HostInts>(), 4 * (1 + HOST_INTS));
         assert_eq!(std::mem::offset_of!(HostInts, v), 4);

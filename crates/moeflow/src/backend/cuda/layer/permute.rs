@@ -6,7 +6,7 @@ use super::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::error::Result;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-/// Slots a block of the counting sort takes (`SORT_CHUNK` in moe.cu).
+/// Slots a block of the counting sort takes (`SORT_CHUNK` in permute.cu).
 const SORT_CHUNK: usize = 1024;
 
 /// Threads of a block of the counting sort (`SORT_THREADS`).
@@ -299,9 +299,9 @@ pub(super) mod tests {
         eprintln!("{name}: 10 cases × packed and padded, each twice, matched");
     }
 
-    /// The counting sort's block constants mirrored from moe.cu hold its values.
+    /// The counting sort's block constants mirrored from permute.cu hold its values.
     #[test]
-    fn sort_constants_mirror_moe_cu() {
+    fn sort_constants_mirror_permute_cu() {
         assert_eq!(kernel_define("SORT_CHUNK"), Some(super::SORT_CHUNK as i64));
         assert_eq!(kernel_define("SORT_THREADS"), Some(super::SORT_THREADS as i64));
     }

@@ -1,5 +1,5 @@
 //! An expert placement on the device: the tables the kernels read to find which rank and local
-//! slot serve each (token, slot) — `placed_replica` in moe.cu, the same rule as
+//! slot serve each (token, slot) — `placed_replica` in placement.cu, the same rule as
 //! [`ExpertPlacement::replica_of`] on the host — and which experts' replicas share each rank's
 //! batch ([`ExpertPlacement::shared_replicas`], written per call).
 

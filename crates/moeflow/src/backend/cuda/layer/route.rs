@@ -12,29 +12,29 @@ use crate::router::RouterConfig;
 use cudarc::cublas::sys as cb;
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
-/// Most tokens the fused router takes (`ROUTE_SMALL_TOKENS` in moe.cu).
+/// Most tokens the fused router takes (`ROUTE_SMALL_TOKENS` in route.cu).
 pub(super) const FUSED_ROUTE_TOKENS: usize = 4;
 
-/// Most experts the fused router takes (`ROUTE_SMALL_EXPERTS` in moe.cu; see
+/// Most experts the fused router takes (`ROUTE_SMALL_EXPERTS` in route.cu; see
 /// [`CudaMoeLayer::routes_fused`]).
 pub(super) const FUSED_ROUTE_EXPERTS: usize = 128;
 
-/// Most experts the narrow top-k kernel takes (`ROUTE_EXPERTS` in moe.cu); `route_wide` takes
+/// Most experts the narrow top-k kernel takes (`ROUTE_EXPERTS` in route.cu); `route_wide` takes
 /// the rest.
 const ROUTE_EXPERTS: usize = 256;
 
 /// Columns each partial sum of deterministic mode's router GEMM takes (`ROUTER_FIXED_COLS`
-/// in moe.cu).
+/// in router_fixed.cu).
 pub(super) const ROUTER_FIXED_COLS: usize = 256;
 
 /// Columns each partial sum of the low-latency graph's router takes (`ROUTER_LIVE_COLS` in
-/// moe.cu).
+/// router_fixed.cu).
 pub(super) const ROUTER_LIVE_COLS: usize = 112;
 
-/// Rows each block of the low-latency graph's router takes at most (`ROUTER_LIVE_ROWS` in moe.cu).
+/// Rows each block of the low-latency graph's router takes at most (`ROUTER_LIVE_ROWS` in router_fixed.cu).
 const ROUTER_LIVE_ROWS: usize = 128;
 
-/// Columns of `x` each block of the fused router takes (`ROUTE_SMALL_COLS` in moe.cu).
+/// Columns of `x` each block of the fused router takes (`ROUTE_SMALL_COLS` in route.cu).
 pub(super) const ROUTE_COLS: usize = 128;
 
 impl CudaMoeLayer {
@@ -150,7 +150,7 @@ impl CudaMoeLayer {
     /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 plus the gate's bias, each sum in
     /// one fixed order for any batch (deterministic mode): partial sums over
     /// [`ROUTER_FIXED_COLS`] columns each, then those added in column order
-    /// (`router_partials_fixed`, `router_sum_fixed` in moe.cu).
+    /// (`router_partials_fixed`, `router_sum_fixed` in router_fixed.cu).
     pub(super) fn router_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
         let (h, e) = (self.config.hidden, self.config.num_experts);
         let g = &self.gpu;
@@ -223,7 +223,7 @@ impl CudaMoeLayer {
 
     /// The low-latency graph's router: logits `[M, E]` = x `[M, H]` · gate `[E, H]`ᵀ in f32 plus
     /// the gate's bias, for the batch's rows alone (`ll.tokens`, read on the device), in partial
-    /// sums over [`ROUTER_LIVE_COLS`] columns (`router_live_partials` in moe.cu) added in order.
+    /// sums over [`ROUTER_LIVE_COLS`] columns (`router_live_partials` in router_fixed.cu) added in order.
     /// A token's logits do not depend on the batch it comes in.
     fn router_live(&self, b: &Buffers, m: usize, ll: &LlBuffers) -> Result<()> {
         let (h, e) = (self.config.hidden, self.config.num_experts);
@@ -290,7 +290,7 @@ impl CudaMoeLayer {
         check(st, "router GEMM")
     }
 
-    /// Whether `t` tokens route in one launch (`route_small` in moe.cu): from 1 to
+    /// Whether `t` tokens route in one launch (`route_small` in route.cu): from 1 to
     /// [`FUSED_ROUTE_TOKENS`] tokens on one GPU whose Hopper GEMM gathers the rows itself (so
     /// the permute is the counts and maps alone: bf16 experts, or W8A8 experts on the fp8
     /// Hopper GEMM, which quantizes the tokens it gathers from), at most
@@ -357,7 +357,7 @@ impl CudaMoeLayer {
         .map_err(|e| err("route_small", e))
     }
 
-    /// The router kind as moe.cu's `route` takes it: [kind, groups, groups kept, renormalize]
+    /// The router kind as route.cu's `route` takes it: [kind, groups, groups kept, renormalize]
     /// (kinds 0 softmax top-k, 1 top-k then softmax, 2 sigmoid grouped, 3 softmax grouped).
     fn router_kind(&self) -> Result<[i32; 4]> {
         let kind = match self.config.router {
@@ -389,9 +389,9 @@ impl CudaMoeLayer {
 mod tests {
     use crate::backend::cuda::kernel_define;
 
-    /// The routing constants mirrored from moe.cu hold its values.
+    /// The routing constants mirrored from route.cu and router_fixed.cu hold their values.
     #[test]
-    fn routing_constants_mirror_moe_cu() {
+    fn routing_constants_mirror_the_kernels() {
         let pairs = [
             ("ROUTE_SMALL_TOKENS", super::FUSED_ROUTE_TOKENS),
             ("ROUTE_SMALL_EXPERTS", super::FUSED_ROUTE_EXPERTS),

@@ -1,4 +1,4 @@
-//! The device router (`route` in moe.cu, through [`CudaMoeLayer::top_k`]) against the CPU
+//! The device router (`route` in route.cu, through [`CudaMoeLayer::top_k`]) against the CPU
 //! routers on the same logits: ids exactly, weights to f32 rounding. Logits drawn from a few
 //! values give many ties (which the lower id must win), and expert counts past one warp's 32
 //! lanes, group-limited choices and the 1024-expert limit are all covered.
