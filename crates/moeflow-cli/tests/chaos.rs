@@ -282,13 +282,16 @@ fn strangers_on_every_port_do_not_disturb_the_job() {
 fn a_rank_killed_during_the_rendezvous() {
     let _alone = one_at_a_time();
     let job = Job::new(3, Some("chaos-rendezvous"));
-    let timeout = 6.0;
+    // Rank 2 must join before rank 0's deadline, which counts from rank 0's start: room for
+    // two more processes to start on a loaded machine.
+    let timeout = 10.0;
     let mut r0 = job.start(0, 1, timeout);
     r0.wait_for("rendezvous of 3 ranks listening", STARTUP);
     let mut r1 = job.start(1, 1, timeout);
     r0.wait_for("rank 1 joined", STARTUP);
     r1.signal("KILL");
     let mut r2 = job.start(2, 1, timeout);
+    r0.wait_for("rank 2 joined", STARTUP);
     let within = Duration::from_secs_f64(timeout) + STARTUP;
     failed_with(
         &mut r0,

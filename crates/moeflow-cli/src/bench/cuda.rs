@@ -160,7 +160,8 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     };
     let bar0 = spinner("measuring the GPU's GEMM rate and copy bandwidth".into());
     let ceilings = measure_ceilings(device)?;
-    let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
+    let (gemm_tflops, gemm_what) = floor_gemm_rate(device, rows8, ceilings.gemm_tflops)?;
+    let copy_gbps = ceilings.copy_gbps;
     // The link's ceiling: a plain copy from this GPU into the next one's memory.
     let gpus = moeflow::backend::cuda::device_count();
     let (peer_gbps, push_gbps) = match (rank0, gpus > 1) {
@@ -175,7 +176,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     if rank0 {
         println!(
             "moeflow bench: {} on {} GPUs (device-resident {kind}, transport {}), {} experts ({} per GPU), top-{}, {dtype}; \
-             GEMM {:.0} TFLOP/s, copy {:.0} GB/s per GPU{}",
+             GEMM {:.0} TFLOP/s ({gemm_what}), copy {:.0} GB/s per GPU{}",
             p.name,
             par.ep,
             cuda.transport,
@@ -242,9 +243,7 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     if let Some(shares) = &shares {
         super::print_rank_shares(shares);
     }
-    sustained_floors(&mut records, &floor_inputs, copy_gbps, || {
-        moeflow::backend::cuda::measure_sustained_gemm(device)
-    })?;
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || sustained_gemm_rate(device, rows8))?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;
     }
@@ -459,11 +458,12 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     let gpu = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
     bar0.set_message("measuring the GPU's GEMM rate and copy bandwidth");
     let ceilings = moeflow::backend::cuda::measure_ceilings(0)?;
-    let (gemm_tflops, copy_gbps) = (ceilings.gemm_tflops, ceilings.copy_gbps);
+    let (gemm_tflops, gemm_what) = floor_gemm_rate(0, rows8, ceilings.gemm_tflops)?;
+    let copy_gbps = ceilings.copy_gbps;
     let device = gpu.0.device_layer().map_or_else(|| "GPU 0".to_string(), |l| l.device_name());
     bar0.finish_and_clear();
     println!(
-        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s (cuBLAS bf16 8192³), copy {:.0} GB/s",
+        "moeflow bench: {} on {} ({} experts, top-{}, {}{}); GEMM {:.0} TFLOP/s ({gemm_what}), copy {:.0} GB/s",
         p.name,
         device,
         config.num_experts,
@@ -556,7 +556,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     let layer_ms: Vec<f64> = records.iter().map(|r| r.ms).collect();
     print_recording_cost(&args.tokens, &layer_ms, recording_ms(args, &gpu, None)?.as_deref());
-    sustained_floors(&mut records, &floor_inputs, copy_gbps, || moeflow::backend::cuda::measure_sustained_gemm(0))?;
+    sustained_floors(&mut records, &floor_inputs, copy_gbps, || sustained_gemm_rate(0, rows8))?;
     if let Some(path) = &args.json {
         write_records(path, &records)?;
     }
@@ -565,6 +565,28 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         torch_single_baseline(args, &config, true, &ours)?;
     }
     Ok(())
+}
+
+/// The GEMM rate the floor takes on `device`, with the words that name it: cuBLASLt's dense fp8
+/// GEMM where the layer multiplies fp8 rows by fp8 weights (`w8a8`) and the GPU has fp8 tensor
+/// cores, else `bf16_tflops` (cuBLAS's bf16 GEMM, measured with the ceilings).
+fn floor_gemm_rate(device: usize, w8a8: bool, bf16_tflops: f64) -> Result<(f64, &'static str)> {
+    if w8a8 {
+        if let Some(tflops) = moeflow::backend::cuda::measure_fp8_gemm(device, false)? {
+            return Ok((tflops, "cuBLASLt fp8 e4m3 8192³, one scale a tensor"));
+        }
+    }
+    Ok((bf16_tflops, "cuBLAS bf16 8192³"))
+}
+
+/// The rate of [`floor_gemm_rate`]'s GEMM under sustained load.
+fn sustained_gemm_rate(device: usize, w8a8: bool) -> Result<f64> {
+    if w8a8 {
+        if let Some(tflops) = moeflow::backend::cuda::measure_fp8_gemm(device, true)? {
+            return Ok(tflops);
+        }
+    }
+    moeflow::backend::cuda::measure_sustained_gemm(device)
 }
 
 /// After a GPU benchmark's runs (it leaves the GPU throttled for a while): measures the GEMM

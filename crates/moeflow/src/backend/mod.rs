@@ -86,6 +86,11 @@ pub mod cuda {
     }
 
     /// Always an error without the feature.
+    pub fn measure_fp8_gemm(_device: usize, _sustained: bool) -> Result<Option<f64>> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
     pub fn measure_peer_copy(_from: usize, _to: usize) -> Result<f64> {
         Err(missing())
     }

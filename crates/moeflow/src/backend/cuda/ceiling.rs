@@ -1,7 +1,8 @@
-//! The GPU's own ceilings, measured where the benchmark runs: dense bf16 GEMM rate (on a cool
-//! GPU, and under sustained load) and device-to-device copy bandwidth.
+//! The GPU's own ceilings, measured where the benchmark runs: dense bf16 and fp8 GEMM rates (on
+//! a cool GPU, and under sustained load) and device-to-device copy bandwidth.
 
 use super::blas_handle::BlasHandle;
+use super::dense_fp8::DenseFp8;
 use super::layer::gemm_bf16;
 use super::{err, Gpu, GpuCeilings};
 use crate::error::Result;
@@ -99,12 +100,64 @@ pub(super) fn measure(g: &Gpu, blas: &CudaBlas) -> Result<GpuCeilings> {
 /// throttled for a while, so benchmarks measure it after their own runs.
 fn measure_sustained(g: &Gpu, blas: &CudaBlas) -> Result<f64> {
     let ops = Operands::new(g)?;
-    let mut gemm = || ops.gemm(g, blas);
+    Ok(tflops(loaded_ms(g, &mut || ops.gemm(g, blas))?))
+}
+
+/// Milliseconds a run of `f` takes over 20 runs after [`LOAD_SECONDS`] of back-to-back runs.
+fn loaded_ms(g: &Gpu, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
     let mut loaded = 0.0;
     while loaded < LOAD_SECONDS * 1e3 {
-        loaded += span(g, 50, &mut gemm)?;
+        loaded += span(g, 50, f)?;
     }
-    Ok(tflops(span(g, 20, &mut gemm)? / 20.0))
+    Ok(span(g, 20, f)? / 20.0)
+}
+
+/// The dense fp8 GEMM's TFLOP/s on GPU `device`: cuBLASLt over the N × N operands' random values
+/// as e4m3 codes, one scale a tensor (see [`DenseFp8`]); the median of 5 runs on a cool GPU, or
+/// with `sustained` the rate after [`LOAD_SECONDS`] of load (as [`measure_sustained_gemm`]).
+/// `None` where the GPU has no fp8 GEMM (before compute capability 8.9).
+pub fn measure_fp8_gemm(device: usize, sustained: bool) -> Result<Option<f64>> {
+    let g = Gpu::new(device)?;
+    let Some(gemm) = DenseFp8::new(&g, N)? else {
+        return Ok(None);
+    };
+    let ops = Operands::new(&g)?;
+    let (a, w) = (fp8_codes(&g, &ops.a)?, fp8_codes(&g, &ops.w)?);
+    let p = |s: &CudaSlice<u8>| s.device_ptr(&g.stream).0;
+    let operands = [p(&a), p(&w), ops.c.device_ptr(&g.stream).0];
+    let mut run = || gemm.run(&g, operands);
+    let ms = if sustained { loaded_ms(&g, &mut run)? } else { median_ms(&g, &mut run)? };
+    Ok(Some(tflops(ms)))
+}
+
+/// The e4m3 codes of the N × N bf16 values `x` (one scale per 128 values, as the layer quantizes
+/// its rows), so that the fp8 GEMM multiplies realistic codes.
+fn fp8_codes(g: &Gpu, x: &CudaSlice<u16>) -> Result<CudaSlice<u8>> {
+    let codes = g.stream.alloc_zeros::<u8>(N * N).map_err(|e| err("alloc", e))?;
+    let scales = g.stream.alloc_zeros::<f32>(N * N / 128).map_err(|e| err("alloc", e))?;
+    let quantize = g.function("quantize_rows_bf16")?;
+    let (xp, cp, sp) = (x.device_ptr(&g.stream).0, codes.device_ptr(&g.stream).0, scales.device_ptr(&g.stream).0);
+    let (rows, h, group, fp8_kind, cap, none) = (N as i64, N as i32, 128i32, 2i32, 1i32, 0u64);
+    // SAFETY: quantize_rows_bf16(bf16*, long, int, int, int, int*, int, u8*, float*, bf16*) over
+    // N rows of N values: x holds them, codes N² bytes, scales N² / 128 floats; no counts, no
+    // values written back.
+    unsafe {
+        g.stream
+            .launch_builder(&quantize)
+            .arg(&xp)
+            .arg(&rows)
+            .arg(&h)
+            .arg(&group)
+            .arg(&fp8_kind)
+            .arg(&none)
+            .arg(&cap)
+            .arg(&cp)
+            .arg(&sp)
+            .arg(&none)
+            .launch(super::quant::quantize_launch(N, N, 128))
+    }
+    .map_err(|e| err("quantize_rows_bf16", e))?;
+    Ok(codes)
 }
 
 /// Device memory from `cuMemAlloc` (which peer access reaches, unlike the stream-ordered
