@@ -29,7 +29,7 @@ pub struct Record {
     pub ms: f64,
     /// Whole-layer GFLOP/s (all DP groups' tokens).
     pub gflops: f64,
-    /// Fraction of the measured dense matmul rate.
+    /// Fraction of the measured dense matmul rate (on a GPU with W8A8, the dense fp8 GEMM's).
     pub matmul_fraction: f64,
     /// max(FLOPs at the matmul rate, weight bytes at the copy bandwidth).
     pub floor_ms: f64,

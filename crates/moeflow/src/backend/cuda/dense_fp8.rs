@@ -1,6 +1,7 @@
 //! cuBLASLt's dense fp8 GEMM: `D = X · Wᵀ` over `[n, n]` e4m3 codes (row-major, as the layer's
-//! rows and weights) with one f32 scale a tensor, f32 accumulation, bf16 out. Its rate is the fp8 tensor cores' ceiling that `bench`
-//! takes for the floor of a layer whose rows and weights are both fp8 (W8A8).
+//! rows and weights) with one f32 scale a tensor, f32 accumulation, bf16 out. Its rate is the fp8
+//! tensor cores' ceiling that `bench` takes for the floor of a layer whose rows and weights are
+//! both fp8 (W8A8).
 
 use super::{err, Gpu};
 use crate::error::Result;
@@ -15,14 +16,14 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// Floats between the A and B scales.
 const SCALE_STRIDE: usize = 64;
 
-/// Algorithms asked of cuBLASLt's heuristic: it can offer one that the call then refuses, so the
-/// next are tried in its order.
+/// Algorithms asked of cuBLASLt's heuristic. It sees the layouts but not the pointers, so the
+/// call may refuse its first offer; the next are tried in its order.
 const CANDIDATES: usize = 8;
 
 /// One `[n, n]` fp8 GEMM set up on cuBLASLt: its handle, descriptors, the algorithms its
 /// heuristic offered (best first) and which one runs, the workspace, the two tensor scales (1.0
-/// each) and a C operand of its own (beta is 0, so its values do not matter; apart from D, the
-/// call runs out of place).
+/// each) and a C operand of its own, so that the call runs out of place (beta is 0: C is not
+/// read).
 pub(super) struct DenseFp8 {
     handle: sys::cublasLtHandle_t,
     desc: sys::cublasLtMatmulDesc_t,
@@ -45,8 +46,8 @@ impl DenseFp8 {
     /// it (GPUs without fp8 tensor cores, before compute capability 8.9).
     pub(super) fn new(g: &Gpu, n: usize) -> Result<Option<Self>> {
         let handle = lt::create_handle().map_err(|e| lt_err("handle", e))?;
-        // The two scales 256 bytes apart: cuBLASLt refuses a scale pointer that is not aligned
-        // (the second of two adjacent floats made every algorithm "not supported").
+        // The two scales 256 bytes apart: with the second scale 4 bytes after the first,
+        // cuBLASLt refused every algorithm ("not supported").
         let scales = g.stream.clone_htod(&[1.0f32; 2 * SCALE_STRIDE]).map_err(|e| err("upload", e))?;
         let workspace = g.stream.alloc_zeros::<u8>(WORKSPACE_BYTES).map_err(|e| err("alloc", e))?;
         let c = g.stream.alloc_zeros::<u16>(n * n).map_err(|e| err("alloc", e))?;
@@ -128,9 +129,9 @@ impl DenseFp8 {
 
     /// `d = x · wᵀ` on `g`'s stream, all row-major: `x` and `w` device addresses of `n × n` e4m3
     /// codes, `d` of `n × n` bf16 values (the `n` given to [`DenseFp8::new`]). cuBLASLt's
-    /// column-major `Aᵀ · B` with `w` as A and `x` as B is that product, transposed.
-    /// The first call tries the heuristic's algorithms in order until one runs, and keeps it;
-    /// an error when none does.
+    /// column-major `Aᵀ · B` with `w` as A and `x` as B is that product, transposed. The first
+    /// call tries the heuristic's algorithms in order until one runs, and keeps it; an error when
+    /// none does.
     pub(super) fn run(&self, g: &Gpu, operands: [u64; 3]) -> Result<()> {
         loop {
             let at = self.chosen.get();
