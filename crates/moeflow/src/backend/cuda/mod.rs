@@ -187,8 +187,10 @@ fn compile_kernels(arch: &'static str, nvrtc_options: &[String]) -> Result<cudar
 
 #[cfg(test)]
 mod tests {
-    use super::{compile_kernels, require_compute_capability};
+    use super::{compile_kernels, require_compute_capability, KERNELS};
     use crate::error::MoeError;
+    use cudarc::nvrtc::result as nvrtc;
+    use std::ffi::{CStr, CString};
 
     /// Every kernel compiles with NVRTC for Ampere (sm_80) and Hopper (sm_90a), the Hopper PTX
     /// with the grouped GEMMs' `wgmma` products and the Ampere PTX with their entry points left
@@ -209,6 +211,46 @@ mod tests {
             }
             assert_eq!(text.contains("wgmma.mma_async"), hopper, "{arch}: wgmma products present: {}", !hopper);
             eprintln!("the kernels compile for {arch}: {} KiB of PTX", text.len() / 1024);
+        }
+    }
+
+    /// ptxas keeps every Hopper kernel's `wgmma` products asynchronous. It serializes them, with
+    /// a warning ("wgmma.mma_async instructions are serialized …", C7510–C7520), when the paths
+    /// out of a loop leave different products in flight, which made a GEMM 2.3 times slower
+    /// (docs/tuning.md). Compiles the sm_90a build to machine code with ptxas's report and prints
+    /// the kernels that spill. Needs NVRTC's library but no GPU; says loudly when it skips.
+    #[test]
+    fn kernels_keep_hopper_wgmma_asynchronous() {
+        // SAFETY: only tries to open the library by its names.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            eprintln!("SKIPPED kernels_keep_hopper_wgmma_asynchronous: no NVRTC library found");
+            return;
+        }
+        let src = CString::new(KERNELS).unwrap();
+        let program = nvrtc::create_program(&src, None).unwrap();
+        let options = ["--gpu-architecture=sm_90a", "--ptxas-options=--verbose"];
+        // SAFETY: the program was created above; it is compiled, read and destroyed once each, and
+        // the log is a NUL-terminated string NVRTC wrote.
+        let log = unsafe {
+            let compiled = nvrtc::compile_program(program, &options);
+            let log = nvrtc::get_program_log(program);
+            let _ = nvrtc::destroy_program(program);
+            compiled.unwrap();
+            CStr::from_ptr(log.unwrap().as_ptr()).to_string_lossy().into_owned()
+        };
+        assert!(log.contains("Compiling entry function 'grouped_gemm_fp8_sm90'"), "no ptxas report:\n{log}");
+        let serialized: Vec<&str> = log.lines().filter(|l| l.contains("wgmma") && l.contains("serialized")).collect();
+        assert!(serialized.is_empty(), "ptxas serialized wgmma products:\n{}", serialized.join("\n"));
+        let mut kernel = "";
+        for line in log.lines() {
+            if let Some(name) = line.split("Function properties for ").nth(1) {
+                kernel = name.trim();
+            } else if line.contains("bytes spill stores") && !line.contains(" 0 bytes spill stores") {
+                eprintln!(
+                    "{kernel} spills: {}",
+                    line.trim_start_matches(|c: char| c == ' ' || c == '.' || c.is_alphabetic())
+                );
+            }
         }
     }
 
