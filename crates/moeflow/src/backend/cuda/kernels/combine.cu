@@ -1,6 +1,7 @@
 // The combine: each token's expert rows weighted and summed in slot order (one GPU), a rank's
 // partial sums of the tokens it served (expert parallel) and their sum at home in rank order,
-// and the shared expert's output added. (Compiled after common.cu.)
+// the shared expert's output added; and, for routers that weight the input instead (top-1),
+// the rows scaled by their weight. (Compiled after common.cu.)
 
 // The weighted rows of one token, in slot order: acc[q] += w_j · (y[rows_j, h] + b2[ids_j, h]) for
 // the eight columns h = 8c + q (sum_rows8; H % 8 == 0) or the one column h (sum_rows1), over the
