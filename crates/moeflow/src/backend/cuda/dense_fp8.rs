@@ -195,7 +195,7 @@ impl Drop for DenseFp8 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::Gpu;
+    use super::super::{random_e4m3_codes, Gpu};
     use super::DenseFp8;
     use crate::quant::fp8_e4m3_decode;
     use cudarc::driver::DevicePtr;
@@ -217,21 +217,8 @@ mod tests {
             eprintln!("SKIPPED {name}: no fp8 GEMM on this GPU");
             return;
         };
-        // Codes without NaN (S.1111.111), from a fixed xorshift stream.
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut code = || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let c = (state >> 24) as u8;
-            if c & 0x7f == 0x7f {
-                c & 0xfe
-            } else {
-                c
-            }
-        };
-        let x: Vec<u8> = (0..n * n).map(|_| code()).collect();
-        let w: Vec<u8> = (0..n * n).map(|_| code()).collect();
+        let x = random_e4m3_codes(n * n, 1);
+        let w = random_e4m3_codes(n * n, 2);
         let s = &g.stream;
         let (xd, wd) = (s.clone_htod(&x).unwrap(), s.clone_htod(&w).unwrap());
         let d = s.clone_htod(&vec![0x7fc1u16; n * n]).unwrap();

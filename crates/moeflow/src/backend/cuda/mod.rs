@@ -185,6 +185,26 @@ fn compile_kernels(arch: &'static str, nvrtc_options: &[String]) -> Result<cudar
         .map_err(|e| err(&format!("NVRTC compile of the kernels for {arch}"), e))
 }
 
+/// Random fp8 e4m3 codes for the GPU tests (a xorshift stream from `seed`), NaN (S.1111.111)
+/// left out.
+#[cfg(test)]
+pub(crate) fn random_e4m3_codes(n: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let c = (state >> 24) as u8;
+            if c & 0x7f == 0x7f {
+                c & 0xfe
+            } else {
+                c
+            }
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::{compile_kernels, require_compute_capability, KERNELS};

@@ -226,27 +226,10 @@ impl HopperFp8Gemm {
 mod tests {
     use super::super::{dptr, Gpu};
     use super::{Epilogue, Fp8Gather, Fp8Operand, GemmOut, HopperFp8Gemm};
+    use crate::backend::cuda::random_e4m3_codes as codes;
     use crate::experts::Activation;
     use crate::quant::fp8_e4m3_decode;
     use half::bf16;
-
-    /// Random e4m3 codes, NaN (S.1111.111) left out.
-    fn codes(n: usize, seed: u64) -> Vec<u8> {
-        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-        (0..n)
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                let c = (state >> 24) as u8;
-                if c & 0x7f == 0x7f {
-                    c & 0xfe
-                } else {
-                    c
-                }
-            })
-            .collect()
-    }
 
     /// The up projection with its activation quantized in the epilogue (`GemmOut::Fp8`), two
     /// launches, against the activation's bf16 rows `bf16_out` (the same GEMM with bf16 out)
