@@ -159,8 +159,7 @@ impl Gpu {
         require_compute_capability(ordinal, (major, minor))?;
         // Hopper builds for sm_90a, whose wgmma and TMA the grouped GEMM needs.
         let suffix = if (major, minor) == (9, 0) { "a" } else { "" };
-        let arch: &'static str = Box::leak(format!("sm_{major}{minor}{suffix}").into_boxed_str());
-        let ptx = compile_kernels(arch, nvrtc_options)?;
+        let (ptx, _) = compile_kernels(&format!("sm_{major}{minor}{suffix}"), nvrtc_options)?;
         let module = ctx.load_module(ptx).map_err(|e| err("loading module", e))?;
         cache.push((key, module.clone()));
         Ok(module)
@@ -173,16 +172,28 @@ impl Gpu {
 }
 
 /// The kernel sources compiled by NVRTC to PTX for `arch` (`sm_80`, `sm_90a`, …), with
-/// `nvrtc_options` added; needs NVRTC's library, not a GPU.
-fn compile_kernels(arch: &'static str, nvrtc_options: &[String]) -> Result<cudarc::nvrtc::Ptx> {
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch),
-        use_fast_math: Some(false),
-        options: nvrtc_options.to_vec(),
-        ..Default::default()
-    };
-    cudarc::nvrtc::compile_ptx_with_opts(KERNELS, opts)
-        .map_err(|e| err(&format!("NVRTC compile of the kernels for {arch}"), e))
+/// `nvrtc_options` added, and NVRTC's log (ptxas's report where the options ask for one);
+/// needs NVRTC's library, not a GPU. A failed compile's error holds the log.
+fn compile_kernels(arch: &str, nvrtc_options: &[String]) -> Result<(cudarc::nvrtc::Ptx, String)> {
+    use cudarc::nvrtc::result as nvrtc;
+    let what = format!("NVRTC compile of the kernels for {arch}");
+    let src = std::ffi::CString::new(KERNELS).map_err(|e| err(&what, e))?;
+    let program = nvrtc::create_program(&src, None).map_err(|e| err(&what, e))?;
+    let mut options = vec![format!("--gpu-architecture={arch}")];
+    options.extend(nvrtc_options.iter().cloned());
+    // SAFETY: `program` was created above; it is compiled, read and destroyed once each, and
+    // the log and the PTX are NUL-terminated strings NVRTC wrote.
+    unsafe {
+        let compiled = nvrtc::compile_program(program, &options);
+        let log = nvrtc::get_program_log(program)
+            .map(|l| std::ffi::CStr::from_ptr(l.as_ptr()).to_string_lossy().into_owned());
+        let ptx = compiled.and_then(|_| nvrtc::get_ptx(program));
+        let _ = nvrtc::destroy_program(program);
+        let log = log.map_err(|e| err(&what, e))?;
+        let ptx = ptx.map_err(|e| err(&what, format!("{e:?}\n{log}")))?;
+        let text = std::ffi::CStr::from_ptr(ptx.as_ptr()).to_string_lossy().into_owned();
+        Ok((cudarc::nvrtc::Ptx::from_src(text), log))
+    }
 }
 
 /// Random fp8 e4m3 codes for the GPU tests (a xorshift stream from `seed`), NaN (S.1111.111)
@@ -207,15 +218,17 @@ pub(crate) fn random_e4m3_codes(n: usize, seed: u64) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{compile_kernels, require_compute_capability, KERNELS};
+    use super::{compile_kernels, require_compute_capability};
     use crate::error::MoeError;
-    use cudarc::nvrtc::result as nvrtc;
-    use std::ffi::{CStr, CString};
 
     /// Every kernel compiles with NVRTC for Ampere (sm_80) and Hopper (sm_90a), the Hopper PTX
     /// with the grouped GEMMs' `wgmma` products and the Ampere PTX with their entry points left
-    /// empty. Needs NVRTC's library but no GPU (CI takes it from PyTorch's wheels); says loudly
-    /// when it skips.
+    /// empty; and ptxas keeps every Hopper kernel's `wgmma` products asynchronous. It
+    /// serializes them, with a warning ("wgmma.mma_async instructions are serialized …",
+    /// C7510–C7520), when the paths out of a loop leave different products in flight, which
+    /// made a GEMM 2.3 times slower (docs/tuning.md). Prints the kernels that spill. Needs
+    /// NVRTC's library but no GPU (CI takes it from PyTorch's wheels); says loudly when it
+    /// skips.
     #[test]
     fn kernels_compile_for_ampere_and_hopper() {
         // SAFETY: only tries to open the library by its names.
@@ -224,52 +237,29 @@ mod tests {
             return;
         }
         for (arch, hopper) in [("sm_80", false), ("sm_90a", true)] {
-            let ptx = compile_kernels(arch, &[]).unwrap_or_else(|e| panic!("{e}"));
+            let report = ["--ptxas-options=--verbose".to_string()];
+            let (ptx, log) = compile_kernels(arch, &report).unwrap_or_else(|e| panic!("{e}"));
             let text = ptx.to_src();
             for entry in ["route", "combine", "quantize_rows_bf16", "grouped_gemm_sm90", "grouped_gemm_fp8_sm90"] {
                 assert!(text.contains(&format!(".entry {entry}(")), "{arch}: no kernel {entry}");
             }
             assert_eq!(text.contains("wgmma.mma_async"), hopper, "{arch}: wgmma products present: {}", !hopper);
+            assert!(
+                log.contains("Compiling entry function 'grouped_gemm_fp8_sm90'"),
+                "{arch}: no ptxas report:\n{log}"
+            );
+            let serialized: Vec<&str> =
+                log.lines().filter(|l| l.contains("wgmma") && l.contains("serialized")).collect();
+            assert!(serialized.is_empty(), "{arch}: ptxas serialized wgmma products:\n{}", serialized.join("\n"));
             eprintln!("the kernels compile for {arch}: {} KiB of PTX", text.len() / 1024);
-        }
-    }
-
-    /// ptxas keeps every Hopper kernel's `wgmma` products asynchronous. It serializes them, with
-    /// a warning ("wgmma.mma_async instructions are serialized …", C7510–C7520), when the paths
-    /// out of a loop leave different products in flight, which made a GEMM 2.3 times slower
-    /// (docs/tuning.md). Compiles the sm_90a build to machine code with ptxas's report and prints
-    /// the kernels that spill. Needs NVRTC's library but no GPU; says loudly when it skips.
-    #[test]
-    fn kernels_keep_hopper_wgmma_asynchronous() {
-        // SAFETY: only tries to open the library by its names.
-        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-            eprintln!("SKIPPED kernels_keep_hopper_wgmma_asynchronous: no NVRTC library found");
-            return;
-        }
-        let src = CString::new(KERNELS).unwrap();
-        let program = nvrtc::create_program(&src, None).unwrap();
-        let options = ["--gpu-architecture=sm_90a", "--ptxas-options=--verbose"];
-        // SAFETY: the program was created above; it is compiled, read and destroyed once each, and
-        // the log is a NUL-terminated string NVRTC wrote.
-        let log = unsafe {
-            let compiled = nvrtc::compile_program(program, &options);
-            let log = nvrtc::get_program_log(program);
-            let _ = nvrtc::destroy_program(program);
-            compiled.unwrap();
-            CStr::from_ptr(log.unwrap().as_ptr()).to_string_lossy().into_owned()
-        };
-        assert!(log.contains("Compiling entry function 'grouped_gemm_fp8_sm90'"), "no ptxas report:\n{log}");
-        let serialized: Vec<&str> = log.lines().filter(|l| l.contains("wgmma") && l.contains("serialized")).collect();
-        assert!(serialized.is_empty(), "ptxas serialized wgmma products:\n{}", serialized.join("\n"));
-        let mut kernel = "";
-        for line in log.lines() {
-            if let Some(name) = line.split("Function properties for ").nth(1) {
-                kernel = name.trim();
-            } else if line.contains("bytes spill stores") && !line.contains(" 0 bytes spill stores") {
-                eprintln!(
-                    "{kernel} spills: {}",
-                    line.trim_start_matches(|c: char| c == ' ' || c == '.' || c.is_alphabetic())
-                );
+            let mut kernel = "";
+            for line in log.lines() {
+                if let Some(name) = line.split("Function properties for ").nth(1) {
+                    kernel = name.trim();
+                } else if line.contains("bytes spill stores") && !line.contains(" 0 bytes spill stores") {
+                    let spill = line.trim_start_matches(|c: char| c == ' ' || c == '.' || c.is_alphabetic());
+                    eprintln!("  {kernel} spills: {spill}");
+                }
             }
         }
     }
