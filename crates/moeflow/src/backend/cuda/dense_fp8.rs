@@ -16,24 +16,16 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// Floats between the A and B scales.
 const SCALE_STRIDE: usize = 64;
 
-/// Algorithms asked of cuBLASLt's heuristic. It sees the layouts but not the pointers, so the
-/// call may refuse its first offer; the next are tried in its order.
-const CANDIDATES: usize = 8;
-
-/// One `[n, n]` fp8 GEMM set up on cuBLASLt: its handle, descriptors, the algorithms its
-/// heuristic offered (best first) and which one runs, the workspace, the two tensor scales (1.0
-/// each) and a C operand of its own, so that the call runs out of place (beta is 0: C is not
-/// read).
+/// One `[n, n]` fp8 GEMM set up on cuBLASLt: its handle, descriptors, the algorithm its
+/// heuristic offered first, the workspace and the two tensor scales (1.0 each).
 pub(super) struct DenseFp8 {
     handle: sys::cublasLtHandle_t,
     desc: sys::cublasLtMatmulDesc_t,
     codes: sys::cublasLtMatrixLayout_t,
     out: sys::cublasLtMatrixLayout_t,
-    algos: Vec<sys::cublasLtMatmulAlgo_t>,
-    chosen: std::cell::Cell<usize>,
+    algo: sys::cublasLtMatmulAlgo_t,
     workspace: CudaSlice<u8>,
     scales: CudaSlice<f32>,
-    c: CudaSlice<u16>,
 }
 
 /// A cuBLASLt error while doing `what`.
@@ -50,7 +42,6 @@ impl DenseFp8 {
         // cuBLASLt refused every algorithm ("not supported").
         let scales = g.stream.clone_htod(&[1.0f32; 2 * SCALE_STRIDE]).map_err(|e| err("upload", e))?;
         let workspace = g.stream.alloc_zeros::<u8>(WORKSPACE_BYTES).map_err(|e| err("alloc", e))?;
-        let c = g.stream.alloc_zeros::<u16>(n * n).map_err(|e| err("alloc", e))?;
         let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
             .map_err(|e| lt_err("matmul descriptor", e))?;
         let (dim, ld) = (n as u64, n as i64);
@@ -58,8 +49,8 @@ impl DenseFp8 {
             .map_err(|e| lt_err("layout", e))?;
         let out =
             lt::create_matrix_layout(sys::cudaDataType::CUDA_R_16BF, dim, dim, ld).map_err(|e| lt_err("layout", e))?;
-        let chosen = std::cell::Cell::new(0);
-        let mut gemm = DenseFp8 { handle, desc, codes, out, algos: Vec::new(), chosen, workspace, scales, c };
+        let algo = sys::cublasLtMatmulAlgo_t { data: [0; 8] };
+        let mut gemm = DenseFp8 { handle, desc, codes, out, algo, workspace, scales };
         // cuBLASLt's fp8 GEMMs take A transposed (both operands K-major).
         let transposed = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T as i32;
         let scale_at = gemm.scales.device_ptr(&g.stream).0;
@@ -78,17 +69,16 @@ impl DenseFp8 {
         }
         let pref = lt::create_matmul_pref().map_err(|e| lt_err("preference", e))?;
         let room = WORKSPACE_BYTES as u64;
-        let empty = sys::cublasLtMatmulHeuristicResult_t {
-            algo: sys::cublasLtMatmulAlgo_t { data: [0; 8] },
+        let mut offered = sys::cublasLtMatmulHeuristicResult_t {
+            algo,
             workspaceSize: 0,
             state: sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS,
             wavesCount: 0.0,
             reserved: [0; 4],
         };
-        let mut offered = [empty; CANDIDATES];
         let mut count = 0i32;
-        // SAFETY: `room` is the u64 the attribute takes; `offered` holds CANDIDATES results and
-        // `count` receives how many were written; the preference is destroyed once, here.
+        // SAFETY: `room` is the u64 the attribute takes; `offered` holds the one result asked for
+        // and `count` receives how many were written; the preference is destroyed once, here.
         let status = unsafe {
             let set = lt::set_matmul_pref_attribute(
                 pref,
@@ -105,8 +95,8 @@ impl DenseFp8 {
                     out,
                     out,
                     pref,
-                    CANDIDATES as i32,
-                    offered.as_mut_ptr(),
+                    1,
+                    &mut offered,
                     &mut count,
                 )
                 .result()
@@ -119,44 +109,23 @@ impl DenseFp8 {
             Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => return Ok(None),
             Err(e) => return Err(lt_err("algorithm heuristic", e)),
         }
-        let usable = offered.iter().take(count.max(0) as usize);
-        gemm.algos = usable.filter(|h| h.state == sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS).map(|h| h.algo).collect();
-        if gemm.algos.is_empty() {
+        if count < 1 || offered.state != sys::cublasStatus_t::CUBLAS_STATUS_SUCCESS {
             return Ok(None);
         }
+        gemm.algo = offered.algo;
         Ok(Some(gemm))
     }
 
     /// `d = x · wᵀ` on `g`'s stream, all row-major: `x` and `w` device addresses of `n × n` e4m3
     /// codes, `d` of `n × n` bf16 values (the `n` given to [`DenseFp8::new`]). cuBLASLt's
-    /// column-major `Aᵀ · B` with `w` as A and `x` as B is that product, transposed. The first
-    /// call tries the heuristic's algorithms in order until one runs, and keeps it; an error when
-    /// none does.
-    pub(super) fn run(&self, g: &Gpu, operands: [u64; 3]) -> Result<()> {
-        loop {
-            let at = self.chosen.get();
-            match self.run_with(g, &self.algos[at], operands) {
-                Err(lt::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) if at + 1 < self.algos.len() => {
-                    self.chosen.set(at + 1)
-                }
-                done => return done.map_err(|e| lt_err("fp8 matmul", e)),
-            }
-        }
-    }
-
-    /// [`DenseFp8::run`] with algorithm `algo`.
-    fn run_with(
-        &self,
-        g: &Gpu,
-        algo: &sys::cublasLtMatmulAlgo_t,
-        [x, w, d]: [u64; 3],
-    ) -> std::result::Result<(), lt::CublasError> {
+    /// column-major `Aᵀ · B` with `w` as A and `x` as B is that product, transposed; `d` is
+    /// also the C operand, which beta 0 leaves unread.
+    pub(super) fn run(&self, g: &Gpu, [x, w, d]: [u64; 3]) -> Result<()> {
         let (alpha, beta) = (1.0f32, 0.0f32);
         let workspace = self.workspace.device_ptr(&g.stream).0;
-        let c = self.c.device_ptr(&g.stream).0;
-        // SAFETY: the layouts describe the n × n operands at x, w, c and d; alpha and beta are
-        // f32 as the descriptor's scale type says; the algorithm came from this descriptor's
-        // heuristic with at most WORKSPACE_BYTES of workspace, which `self` owns, as it owns c.
+        // SAFETY: the layouts describe the n × n operands at x, w and d; alpha and beta are f32
+        // as the descriptor's scale type says; the algorithm came from this descriptor's
+        // heuristic with at most WORKSPACE_BYTES of workspace, which `self` owns.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -167,16 +136,17 @@ impl DenseFp8 {
                 self.codes,
                 x as *const c_void,
                 self.codes,
-                c as *const c_void,
+                d as *const c_void,
                 self.out,
                 d as *mut c_void,
                 self.out,
-                algo,
+                &self.algo,
                 workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 g.stream.cu_stream() as sys::cudaStream_t,
             )
         }
+        .map_err(|e| lt_err("fp8 matmul", e))
     }
 }
 

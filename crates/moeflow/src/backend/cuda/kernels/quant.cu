@@ -180,10 +180,18 @@ __global__ void quantize_rows(const float* x, long rows, int H, int group, int k
     quantize_rows_of(x, rows, H, group, kind, (const int*)0, 1, codes, scales, (bf16_t*)0);
 }
 
-// bf16 rows to codes and scales, or to the values they stand for (see quantize_rows_of). Six
-// blocks of 256 threads a SM (40 registers a thread, against 51 unbounded): the pass is bound
-// by its loads' latency, so more of them in flight (docs/tuning.md).
-__global__ void __launch_bounds__(256, 6)
+// Blocks of 256 threads a SM that quantize_rows_bf16 asks room for: six on Hopper (40
+// registers a thread, against 51 unbounded): the pass is bound by its loads' latency, so more
+// of them in flight (docs/tuning.md). Ampere's code spills at 40 and at 48 registers, so four
+// there (64; `kernels_compile_for_ampere_and_hopper` prints spills).
+#if __CUDA_ARCH__ >= 900
+#define QUANT_BLOCKS_PER_SM 6
+#else
+#define QUANT_BLOCKS_PER_SM 4
+#endif
+
+// bf16 rows to codes and scales, or to the values they stand for (see quantize_rows_of).
+__global__ void __launch_bounds__(256, QUANT_BLOCKS_PER_SM)
     quantize_rows_bf16(const bf16_t* x, long rows, int H, int group, int kind, const int* counts, int cap,
                        unsigned char* codes, float* scales, bf16_t* values) {
     quantize_rows_of(x, rows, H, group, kind, counts, cap, codes, scales, values);
