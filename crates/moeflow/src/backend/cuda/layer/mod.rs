@@ -525,8 +525,13 @@ impl CudaMoeLayer {
         let gate_is_tf32 = router_tf32::is_tf32(&gate);
         let gate = gpu.stream.clone_htod(&gate).map_err(|e| err("upload", e))?;
         let gate_bias = if biases { Some(f32s(e, 0.5, router_seed)?) } else { None };
+        // DeepSeek-V3's correction bias is trained to even the experts' loads; under a random
+        // gate every expert is alike in expectation, so the bias that evens them is zero. A
+        // random one would not be: ±0.05 beside sigmoid scores spread by about 0.2 made the
+        // experts' rows 256 ± 127 at 4096 tokens on EP 2 (docs/tuning.md). `--skew` skews on
+        // purpose.
         let correction_bias = if matches!(config.router, RouterConfig::SigmoidGrouped { .. }) {
-            Some(f32s(e, 0.05, router_seed)?)
+            Some(gpu.stream.alloc_zeros::<f32>(e).map_err(|e| err("alloc", e))?)
         } else {
             None
         };
