@@ -305,7 +305,8 @@ impl EpTable<'_> {
         use moeflow::backend::cuda::GpuStageTimes;
         let (config, par, capacity, fp8, rows8) = (self.config, self.par, self.capacity, self.fp8, self.rows8);
         let (gemm_tflops, copy_gbps) = (self.gemm_tflops, self.copy_gbps);
-        let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
+        let width = if fp8 { 1 } else { 2 };
+        let per_expert = 3 * config.hidden * config.inter * width;
         let mut records = Vec::new();
         let mut floor_inputs = Vec::new();
         let mut ours = Vec::new();
@@ -313,11 +314,11 @@ impl EpTable<'_> {
         for (&t, (slowest, samples)) in tokens.iter().zip(measured) {
             let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
             let ms = median(&slowest);
-            // Per GPU: its tokens' expert FLOPs, its experts' weights read once.
+            // Per GPU: its tokens' expert FLOPs, the weights of the experts it serves read once.
             let flops = config.expert_flops(t);
-            let local = config.num_experts / par.ep;
-            let bytes = local.min(t * par.ep * config.top_k) * per_expert
-                + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2);
+            let experts = ep_experts_read(config, par, t, med(|s| s.experts_used as f64));
+            let bytes = (experts * per_expert as f64).round() as usize
+                + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * width);
             let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
             floor_inputs.push((flops, bytes));
             let sent = med(|s| s.dispatch_bytes as f64);
@@ -486,7 +487,8 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     println!("  layer: {}", gpu.0.describe());
     print_skew(args);
     print_one_gpu_header();
-    let per_expert = 3 * config.hidden * config.inter * if fp8 { 1 } else { 2 };
+    let width = if fp8 { 1 } else { 2 };
+    let per_expert = 3 * config.hidden * config.inter * width;
     let mut records = Vec::new();
     let mut floor_inputs = Vec::new();
     for &t in &args.tokens {
@@ -501,7 +503,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         let used = med(|s| s.experts_used as f64);
         let experts_read = if used > 0.0 { used.round() as usize } else { config.num_experts.min(t * config.top_k) };
         let bytes = experts_read * per_expert
-            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * 2)
+            + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * width)
             + t * config.hidden * 8;
         let floor = (flops / (gemm_tflops * 1e12)).max(bytes as f64 / (copy_gbps * 1e9)) * 1e3;
         floor_inputs.push((flops, bytes));
@@ -565,6 +567,19 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
         torch_single_baseline(args, &config, true, &ours)?;
     }
     Ok(())
+}
+
+/// The experts an expert-parallel rank reads the weights of for `t` tokens a DP group: those
+/// rank 0's runs served (`used`, where counted), else the expectation under uniform routing,
+/// `local · (1 − (1 − k/E)^T)` over the `T` tokens of every group (each token picks `k` of the
+/// `E` experts).
+fn ep_experts_read(config: &moeflow::MoeConfig, par: &ParallelConfig, t: usize, used: f64) -> f64 {
+    if used > 0.0 {
+        return used;
+    }
+    let (e, k) = (config.num_experts as f64, config.top_k as f64);
+    let tokens = (t * par.ep / par.tp.max(1)) as f64;
+    (config.num_experts / par.ep) as f64 * (1.0 - (1.0 - k / e).powf(tokens))
 }
 
 /// The GEMM rate the floor takes on `device`, with the words that name it: cuBLASLt's dense fp8
@@ -665,5 +680,33 @@ fn note_failed_captures(gpu: &Timed, before: usize) {
             failed - before,
             why.as_deref().unwrap_or("no reason kept")
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ep_experts_read;
+    use moeflow::parallel::{ParallelConfig, StrategyKind};
+
+    /// The bytes floor of an expert-parallel row reads the experts a rank serves: the count
+    /// measured when there is one, else the uniform routing's expectation, which is exactly k
+    /// for one token on one rank and every local expert once the batch is large.
+    #[test]
+    fn a_rank_reads_the_experts_it_serves() {
+        let config = moeflow::preset::preset("deepseek-v3").unwrap().config;
+        let (e, k) = (config.num_experts as f64, config.top_k as f64);
+        let one = ParallelConfig::new(1, 1, StrategyKind::All2AllV);
+        assert!((ep_experts_read(&config, &one, 1, 0.0) - k).abs() < 1e-9);
+        let ep2 = ParallelConfig::new(2, 1, StrategyKind::All2AllV);
+        // Two tokens over 256 experts, 128 here: 128 · (1 − (1 − 8/256)²).
+        let two = ep_experts_read(&config, &ep2, 1, 0.0);
+        assert!((two - e / 2.0 * (1.0 - (1.0 - k / e).powi(2))).abs() < 1e-9);
+        assert!(two < k, "a rank serves fewer than every slot's expert: {two}");
+        assert!((ep_experts_read(&config, &ep2, 4096, 0.0) - e / 2.0).abs() < 1e-6);
+        assert_eq!(ep_experts_read(&config, &ep2, 0, 0.0), 0.0);
+        // TP 2 of EP 2: one DP group, so the tokens of one rank's batch.
+        let tp2 = ParallelConfig::new(2, 2, StrategyKind::All2AllV);
+        assert!((ep_experts_read(&config, &tp2, 1, 0.0) - e / 2.0 * (k / e)).abs() < 1e-9);
+        assert_eq!(ep_experts_read(&config, &ep2, 1, 11.0), 11.0);
     }
 }

@@ -31,7 +31,8 @@ pub struct Record {
     pub gflops: f64,
     /// Fraction of the measured dense matmul rate (on a GPU with W8A8, the dense fp8 GEMM's).
     pub matmul_fraction: f64,
-    /// max(FLOPs at the matmul rate, weight bytes at the copy bandwidth).
+    /// max(FLOPs at the matmul rate, weight bytes at the copy bandwidth): the weights of the
+    /// experts the runs served (under expert parallelism, rank 0's).
     pub floor_ms: f64,
     /// GPU: the same floor with the GEMM rate a GPU holds under sustained load (its power cap
     /// lowers the clocks within a second), the rate a long run of GEMMs can reach.

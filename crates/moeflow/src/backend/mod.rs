@@ -30,7 +30,8 @@ pub struct GpuStageTimes {
     /// Expert-parallel: bytes of rows this rank sent to other ranks in the dispatch (the
     /// combine sends as many back).
     pub dispatch_bytes: usize,
-    /// One GPU: the experts that received rows, whose weights the layer read (0: not counted).
+    /// The experts that received rows (on an expert-parallel rank, of its own), whose weights
+    /// the layer read (0: not counted).
     pub experts_used: usize,
     /// The prepare/finalize strategy and the experts' implementation that ran (empty for a
     /// graph replay, which times only the whole).

@@ -245,6 +245,7 @@ impl CudaMoeLayer {
         let ms = |a: usize, z: usize| Ok(ns[z].saturating_sub(ns[a]) as f64 * 1e-6);
         Ok(GpuStageTimes {
             dispatch_bytes: self.ll_sent_bytes(t),
+            experts_used: self.experts_used(b)?,
             strategy: ran.strategy,
             experts: ran.experts,
             transport: link.transport_name(),

@@ -917,12 +917,19 @@ impl CudaMoeLayer {
         Ok(counts.iter().enumerate().filter(|&(d, _)| d != rank).map(|(_, &c)| c.max(0) as usize * row_bytes).sum())
     }
 
-    /// One GPU: the experts that received rows in the last run on `b` (0 elsewhere).
+    /// The experts that received rows in the last run on `b`: any of one GPU's, or an
+    /// expert-parallel rank's own (from its grouped rows' counts, or the low-latency layout's);
+    /// 0 before an expert-parallel rank has grouped any.
     fn experts_used(&self, b: &Buffers) -> Result<usize> {
-        if self.ep.is_some() {
-            return Ok(0);
+        let s = &self.gpu.stream;
+        let counts = match (&self.ep, &b.ll, &b.ep) {
+            (None, _, _) => s.clone_dtoh(&b.counts),
+            (Some(link), Some(ll), _) => s.clone_dtoh(&ll.counts.slice(..link.local)),
+            // The grouped counts end with the bucket of slots served elsewhere.
+            (Some(link), None, Some(ep)) => s.clone_dtoh(&ep.counts.slice(..link.local)),
+            (Some(_), None, None) => return Ok(0),
         }
-        let counts = self.gpu.stream.clone_dtoh(&b.counts).map_err(|e| err("reading expert counts", e))?;
+        .map_err(|e| err("reading expert counts", e))?;
         Ok(counts.iter().filter(|&&c| c > 0).count())
     }
 
