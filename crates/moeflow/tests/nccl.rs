@@ -951,6 +951,35 @@ fn peer_copy_and_push_measure_the_link() {
     eprintln!("peer copy {copy:.0} GB/s, push kernel on 64 SMs {push:.0} GB/s");
 }
 
+/// The timed forward counts the experts a rank served (the weight-read floor of `bench` under
+/// expert parallelism): one token a rank reaches at most every rank's slots' worth of them, 300
+/// tokens a rank all of them, in the throughput layer and in the low-latency graph.
+#[test]
+fn timed_forward_counts_the_experts_a_rank_served() {
+    use moeflow::backend::cuda::CudaMoeLayer;
+    let Some(Gpus { n, _serial }) = gpus("timed_forward_counts_the_experts_a_rank_served") else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    let (_, config, weights) = device_cases().remove(2);
+    let (local, k) = (config.num_experts / n, config.top_k);
+    for low_latency in [false, true] {
+        let served = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let opts = Default::default();
+            let mut layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?;
+            if low_latency {
+                layer = layer.low_latency(300)?;
+            }
+            let one = layer.forward_timed_stages(1, 7)?.experts_used;
+            Ok((one, layer.forward_timed_stages(300, 8)?.experts_used))
+        });
+        for (rank, r) in served.into_iter().enumerate() {
+            let (one, many) = r.unwrap_or_else(|e| panic!("low-latency {low_latency}: rank {rank}: {e}"));
+            assert!(one <= (n * k).min(local), "low-latency {low_latency}: rank {rank}: one token a rank, {one}");
+            assert_eq!(many, local, "low-latency {low_latency}: rank {rank}: 300 tokens a rank");
+            eprintln!("low-latency {low_latency}: rank {rank} served {one} experts at 1 token, {many} at 300");
+        }
+    }
+}
+
 /// The NVLink window grows with the batch: one layer takes batches that need larger regions
 /// (every rank reopens its window at once) and a smaller one after, in default and
 /// deterministic mode and, for the fixed-capacity windows, the low-latency graph, giving NCCL's

@@ -570,9 +570,9 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
 }
 
 /// The experts an expert-parallel rank reads the weights of for `t` tokens a DP group: those
-/// rank 0's runs served (`used`, where counted), else the expectation under uniform routing,
-/// `local · (1 − (1 − k/E)^T)` over the `T` tokens of every group (each token picks `k` of the
-/// `E` experts).
+/// rank 0's runs served (`used`), else (none counted, or none served) the expectation under
+/// uniform routing, `local · (1 − (1 − k/E)^T)` over the `T` tokens of every group (each token
+/// picks `k` of the `E` experts).
 fn ep_experts_read(config: &moeflow::MoeConfig, par: &ParallelConfig, t: usize, used: f64) -> f64 {
     if used > 0.0 {
         return used;
