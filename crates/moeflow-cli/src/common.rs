@@ -91,9 +91,23 @@ impl LayerArgs {
         let bar = spinner(format!("generating {:.2} GiB of random {} weights", gib(bytes), self.dtype));
         let mut w = preset::try_random_weights(config, self.dtype, self.seed)?;
         bar.finish_and_clear();
+        even_correction_bias(&mut w)?;
         self.skew.apply(config, &mut w)?;
         Ok(w)
     }
+}
+
+/// Zeroes a random layer's DeepSeek correction bias. A trained model's bias evens the experts'
+/// loads, and under a random gate, where every expert is alike in expectation, the bias that
+/// does so is zero; the library draws it at random to exercise it in tests, which would skew a
+/// benchmark's experts (docs/tuning.md, "The random layer routes every expert alike"). `--skew`
+/// skews them on purpose.
+fn even_correction_bias(weights: &mut MoeWeights) -> Result<()> {
+    if let Some(bias) = &weights.correction_bias {
+        let e = bias.elem_count();
+        weights.correction_bias = Some(moeflow::Tensor::from_f32(&[e], vec![0.0; e])?);
+    }
+    Ok(())
 }
 
 /// The launcher's variables, when this process is one rank of a launched job: the one place
@@ -299,4 +313,24 @@ impl ParallelArgs {
 /// Splits `tokens` over `groups` DP groups: contiguous, the first groups one larger.
 pub fn split_tokens(tokens: usize, groups: usize) -> Vec<(usize, usize)> {
     (0..groups).map(|g| moeflow::rank_layer::share(tokens, groups, g)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::even_correction_bias;
+    use moeflow::{preset, DType, MoeConfig};
+
+    /// The command line's random DeepSeek layer routes with a zero correction bias, where the
+    /// library's random weights draw one.
+    #[test]
+    fn random_deepseek_layers_route_without_a_correction_bias() {
+        let deepseek = preset::preset("deepseek-v3").unwrap().config.with_num_experts(16).unwrap();
+        let config = MoeConfig { hidden: 64, inter: 32, shared: None, ..deepseek };
+        let mut weights = preset::random_weights(&config, DType::F32, 5);
+        let drawn = weights.correction_bias.as_ref().unwrap().to_f32_vec();
+        assert!(drawn.iter().any(|&b| b != 0.0), "the library draws a bias: {drawn:?}");
+        even_correction_bias(&mut weights).unwrap();
+        let bias = weights.correction_bias.as_ref().unwrap().to_f32_vec();
+        assert_eq!(bias, vec![0.0; 16]);
+    }
 }
