@@ -53,16 +53,20 @@ __global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
     for (long i = 8 * n8 + first; i < n; i += stride) y[i] = f32_to_bf16(x[i]);
 }
 
+// The deterministic uniform value in [-scale, scale) of (seed, index i): a splitmix64 hash of
+// the index, its top 24 bits as the fraction.
+__device__ __forceinline__ float uniform_at(u64 seed, long i, float scale) {
+    u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    z ^= z >> 31;
+    return (2.0f * ((float)(z >> 40) / 16777216.0f) - 1.0f) * scale;
+}
+
 // Deterministic uniform values in [-scale, scale) from (seed, index): for large benchmarks.
 __global__ void fill_uniform_bf16(bf16_t* y, long n, u64 seed, float scale) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        float u = (float)(z >> 40) / 16777216.0f;
-        y[i] = f32_to_bf16((2.0f * u - 1.0f) * scale);
-    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] = f32_to_bf16(uniform_at(seed, i, scale));
 }
 
 // *at = the GPU's global nanosecond clock: a stage boundary inside a CUDA graph, where events
@@ -73,14 +77,10 @@ __global__ void stamp_clock(u64* at) {
     *at = now;
 }
 
+// The same values as f32 (the random layer's weights and inputs).
 __global__ void fill_uniform_f32(float* y, long n, u64 seed, float scale) {
-    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
-        u64 z = seed + 0x9E3779B97F4A7C15ull * (u64)(i + 1);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        y[i] = (2.0f * ((float)(z >> 40) / 16777216.0f) - 1.0f) * scale;
-    }
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] = uniform_at(seed, i, scale);
 }
 
 // Ints from the host, by value (write_ints): 1 KiB, a push's lane table at EP 4 in one launch.
