@@ -230,8 +230,19 @@ impl RankLayer {
     /// whole on the device (one GPU, or expert-parallel without dual-batch, TP-sliced or not;
     /// a TP rank passes its group's whole batch).
     pub fn forward_device(&self, x: u64, out: u64, tokens: usize, stream: u64) -> Result<()> {
+        self.device()?.forward_device(x, out, tokens, stream)
+    }
+
+    /// [`RankLayer::forward_device`] on bf16 hidden states: `x` and `out` bf16 device addresses
+    /// (see [`CudaMoeLayer::forward_device_bf16`]).
+    pub fn forward_device_bf16(&self, x: u64, out: u64, tokens: usize, stream: u64) -> Result<()> {
+        self.device()?.forward_device_bf16(x, out, tokens, stream)
+    }
+
+    /// The layer that runs whole on the device, for calls on device memory.
+    fn device(&self) -> Result<&CudaMoeLayer> {
         match &self.inner {
-            Inner::Device(layer) => layer.forward_device(x, out, tokens, stream),
+            Inner::Device(layer) => Ok(layer),
             _ => Err(MoeError::Unsupported(format!(
                 "device tensors run through layers whole on the device (one GPU, or expert-parallel without \
                  dual-batch); this one is: {}",

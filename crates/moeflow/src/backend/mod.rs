@@ -293,6 +293,10 @@ pub mod cuda {
             Err(missing())
         }
         /// Unreachable without the feature.
+        pub fn forward_device_bf16(&self, _x: u64, _out: u64, _t: usize, _stream: u64) -> Result<()> {
+            Err(missing())
+        }
+        /// Unreachable without the feature.
         pub fn synchronize_device(&self, _stream: u64, _timeout: std::time::Duration) -> Result<()> {
             Err(missing())
         }

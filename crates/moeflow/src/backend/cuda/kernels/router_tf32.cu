@@ -247,10 +247,27 @@ __device__ __forceinline__ void rt_wgmma(float* d, const unsigned* a, u64 b, int
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
 
-// The kernels' body: GATE_TAILS false for a gate of TF32 values.
-template <bool GATE_TAILS>
-__device__ __forceinline__ void rt_partials_sm90(const float* x, const float* gate, int T, int E, int H, int cols,
+// bf16 tokens in a stage: rows of RT_BK values, RT_LD_BF16 apart (80 bytes, so that a warp's
+// fragment loads miss no bank), in the room of the f32 tokens' stage.
+#define RT_LD_BF16 40
+
+// The fragment of rt_split_fragment from bf16 tokens: their values are TF32 values (bf16 has
+// fewer mantissa bits), so each is its own head, exact, and has no tail.
+__device__ __forceinline__ void rt_bf16_fragment(const bf16_t* p, unsigned* head) {
+    head[0] = (unsigned)p[0] << 16;
+    head[1] = (unsigned)p[8 * RT_LD_BF16] << 16;
+    head[2] = (unsigned)p[4] << 16;
+    head[3] = (unsigned)p[8 * RT_LD_BF16 + 4] << 16;
+}
+
+// The kernels' body: GATE_TAILS false for a gate of TF32 values; X_BF16 for bf16 tokens (`xv`
+// then holds bf16 values and the gate must hold TF32 values): each step is then the one
+// product of the heads, the products with the tokens' tails having been exact zeros.
+template <bool GATE_TAILS, bool X_BF16>
+__device__ __forceinline__ void rt_partials_sm90(const void* xv, const float* gate, int T, int E, int H, int cols,
                                                  const float* bias, float* partial, bf16_t* x_bf) {
+    const float* x = (const float*)xv;
+    const bf16_t* xb = (const bf16_t*)xv;
     constexpr int STAGES = RT_SM90_STAGES, AHEAD = STAGES - 2;  // chunks loading while one is split
     extern __shared__ __align__(16) unsigned char rt_raw[];
     // The gate tiles start 1024-aligned (the swizzle pattern repeats every 1024 bytes).
@@ -272,6 +289,7 @@ __device__ __forceinline__ void rt_partials_sm90(const float* x, const float* ga
     // rows lie within T and E, and their offsets in a stage.
     const int p = threadIdx.x % (RT_BK / 4), r0 = threadIdx.x / (RT_BK / 4);
     const float* x_at = x + (long)(t0 + r0) * H + k_lo + 4 * p;
+    const bf16_t* xb_at = xb + (long)(t0 + r0) * H + k_lo + 8 * (p % 4);
     const float* gate_at = gate + (long)(e0 + r0) * H + k_lo + 4 * p;
     unsigned x_rows = 0, gate_rows = 0;
 #pragma unroll
@@ -280,6 +298,7 @@ __device__ __forceinline__ void rt_partials_sm90(const float* x, const float* ga
         if (e0 + r0 + 32 * u < E) gate_rows |= 1u << u;
     }
     const int x_off = r0 * RT_LD + 4 * p, gate_off = r0 * 128 + ((p ^ (r0 & 7)) << 4);
+    const int xb_off = r0 * RT_LD_BF16 + 8 * (p % 4);
 
     // Stage s gets chunk c: the tokens' 128 × 32 values padded as above, and the gate's 128
     // rows of 32 values (128 bytes), piece p of row r at p ^ (r % 8); zeros past T, E and the
@@ -289,10 +308,22 @@ __device__ __forceinline__ void rt_partials_sm90(const float* x, const float* ga
 #pragma unroll
         for (int u = 0; u < PIECES; u++) {
             const bool xin = kin && (x_rows >> u & 1u), gin = kin && (gate_rows >> u & 1u);
-            mg_cp_async16(xs + s * RT_BM * RT_LD + x_off + 32 * u * RT_LD,
-                          xin ? x_at + (long)u * 32 * H + c * RT_BK : x, xin ? 16 : 0);
+            if constexpr (!X_BF16)
+                mg_cp_async16(xs + s * RT_BM * RT_LD + x_off + 32 * u * RT_LD,
+                              xin ? x_at + (long)u * 32 * H + c * RT_BK : x, xin ? 16 : 0);
             mg_cp_async16(heads + s * RT_GATE_TILE + gate_off + 32 * u * 128,
                           gin ? gate_at + (long)u * 32 * H + c * RT_BK : gate, gin ? 16 : 0);
+        }
+        if constexpr (X_BF16) {
+            // A row's RT_BK bf16 values are four 16-byte pieces, copied by the threads of p < 4.
+            const bool bin = p < 4 && k_lo + c * RT_BK + 8 * p < k_hi;
+#pragma unroll
+            for (int u = 0; u < PIECES; u++) {
+                const bool in = bin && (x_rows >> u & 1u);
+                if (p < 4)
+                    mg_cp_async16((bf16_t*)(xs + s * RT_BM * RT_LD) + xb_off + 32 * u * RT_LD_BF16,
+                                  in ? xb_at + (long)u * 32 * H + c * RT_BK : xb, in ? 16 : 0);
+            }
         }
     };
 
@@ -351,15 +382,22 @@ __device__ __forceinline__ void rt_partials_sm90(const float* x, const float* ga
         int s = c % STAGES;
         const float* xa = xs + (long)s * RT_BM * RT_LD + (wg * 64 + wq * 16 + g) * RT_LD + q;
         unsigned ah[4][4], at[4][4];
+        if constexpr (X_BF16) {
+            const bf16_t* xb_row =
+                (const bf16_t*)(xs + (long)s * RT_BM * RT_LD) + (wg * 64 + wq * 16 + g) * RT_LD_BF16 + q;
 #pragma unroll
-        for (int kk = 0; kk < 4; kk++) rt_split_fragment(xa + kk * 8, ah[kk], at[kk]);
+            for (int kk = 0; kk < 4; kk++) rt_bf16_fragment(xb_row + kk * 8, ah[kk]);
+        } else {
+#pragma unroll
+            for (int kk = 0; kk < 4; kk++) rt_split_fragment(xa + kk * 8, ah[kk], at[kk]);
+        }
         u64 dh = gg_desc(heads + s * RT_GATE_TILE), dt = gg_desc(tails + s * RT_GATE_TILE);
         gg_fence();
 #pragma unroll
         for (int kk = 0; kk < 4; kk++) {
             if constexpr (GATE_TAILS) rt_wgmma(acc, ah[kk], dt + 2 * kk, kk > 0);
-            rt_wgmma(acc, at[kk], dh + 2 * kk, GATE_TAILS || kk > 0);
-            rt_wgmma(acc, ah[kk], dh + 2 * kk, 1);
+            if constexpr (!X_BF16) rt_wgmma(acc, at[kk], dh + 2 * kk, GATE_TAILS || kk > 0);
+            rt_wgmma(acc, ah[kk], dh + 2 * kk, !X_BF16 || kk > 0);
         }
         gg_commit();
     }
@@ -380,10 +418,21 @@ __device__ __forceinline__ void rt_partials_sm90(const float* x, const float* ga
         }
     }
 }
-#define RT_SM90_BODY(GATE_TAILS) rt_partials_sm90<GATE_TAILS>(x, gate, T, E, H, cols, bias, partial, x_bf);
+#define RT_SM90_BODY(GATE_TAILS) rt_partials_sm90<GATE_TAILS, false>(x, gate, T, E, H, cols, bias, partial, x_bf);
 #else
 #define RT_SM90_BODY(GATE_TAILS)
 #endif
+
+// The same for bf16 tokens x [T, H] (H a multiple of 8) and a gate of TF32 values: one product
+// a step, and the logits' bits those of the forms below on the same values as f32; no bf16
+// copy (x_bf is ignored: the tokens are one).
+extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)
+    router_partials_tf32_sm90_bf16_tokens(const bf16_t* x, const float* gate, int T, int E, int H, int cols,
+                                          const float* bias, float* partial, bf16_t* x_bf) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    rt_partials_sm90<false, true>(x, gate, T, E, H, cols, bias, partial, nullptr);
+#endif
+}
 
 // partial and x_bf as router_partials_tf32's, any f32 gate.
 extern "C" __global__ void __launch_bounds__(RT_THREADS, 1)

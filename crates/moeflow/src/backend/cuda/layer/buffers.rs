@@ -14,6 +14,10 @@ pub(super) struct Buffers {
     pub(super) batch: usize,
     pub(super) x: CudaSlice<f32>,
     pub(super) x_bf: CudaSlice<u16>,
+    /// The batch's tokens came in as bf16 and are in `x_bf` alone, for a router that reads them
+    /// there ([`CudaMoeLayer::routes_bf16_tokens`]); otherwise `x` holds them (and the route
+    /// writes `x_bf`).
+    pub(super) tokens_bf16: bool,
     pub(super) logits: CudaSlice<f32>,
     pub(super) ids: CudaSlice<i32>,
     pub(super) weights: CudaSlice<f32>,
@@ -108,6 +112,7 @@ impl CudaMoeLayer {
                 batch: 0,
                 x: z!(f32, t * h),
                 x_bf: z!(u16, t * h),
+                tokens_bf16: false,
                 logits: z!(f32, t * e),
                 ids: z!(i32, t * k),
                 weights: z!(f32, t * k),

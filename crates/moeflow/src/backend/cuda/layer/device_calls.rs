@@ -229,7 +229,16 @@ impl CudaMoeLayer {
 
     /// [`CudaMoeLayer::forward_device`] where [`CudaMoeLayer::host_read`] is `None`: enqueued
     /// without waiting (see the module), or captured when the caller's stream is.
-    pub(super) fn forward_device_enqueued(&self, x: u64, out: u64, t: usize, stream: u64, capture: bool) -> Result<()> {
+    /// With `bf16`, `x` and `out` hold bf16 values (see [`CudaMoeLayer::forward_device_bf16`]).
+    pub(super) fn forward_device_enqueued(
+        &self,
+        x: u64,
+        out: u64,
+        t: usize,
+        stream: u64,
+        capture: bool,
+        bf16: bool,
+    ) -> Result<()> {
         let h = self.config.hidden;
         let g = &self.gpu;
         let s = &g.stream;
@@ -252,6 +261,7 @@ impl CudaMoeLayer {
             b
         };
         b.batch = t;
+        b.tokens_bf16 = false;
         let mut calls = self.calls.lock().unwrap_or_else(|p| p.into_inner());
         if calls.is_none() {
             if capture {
@@ -279,7 +289,7 @@ impl CudaMoeLayer {
         unsafe { result::event::record(ready.cu_event(), caller) }
             .map_err(|e| err("waiting for the caller's stream", e))?;
         s.wait(ready).map_err(|e| err("waiting for the caller's stream", e))?;
-        let ran = self.enqueue_on_device(b, c, x, out, t, capture);
+        let ran = self.enqueue_on_device(b, c, [x, out], t, capture, bf16);
         if ran.is_err() && capture {
             // Streams forked into the capture must join it again for it to end.
             let _ = self.side.join(s, self.side.all());
@@ -295,32 +305,31 @@ impl CudaMoeLayer {
 
     /// The run itself, on the layer's stream: copy in, input count, the layer (its own graph
     /// replayed where it takes one and the caller is not capturing), output count, copy out,
-    /// records mirrored.
+    /// records mirrored. `[x, out]` are the caller's addresses, bf16 values with `bf16`.
     fn enqueue_on_device(
         &self,
         b: &mut Buffers,
         c: &DeviceCalls,
-        x: u64,
-        out: u64,
+        [x, out]: [u64; 2],
         t: usize,
         capture: bool,
+        bf16: bool,
     ) -> Result<()> {
         let (g, h) = (&self.gpu, self.config.hidden);
         let s = &g.stream;
-        let bytes = bytes_of(h, t);
-        // SAFETY: `x` holds t · H floats (the caller's promise); `b.x` holds at least as many.
-        unsafe { result::memcpy_dtod_async(dptr(&b.x, g), x, bytes, s.cu_stream()) }.map_err(|e| err("copy in", e))?;
+        self.copy_tokens_in(b, x, t, bf16)?;
         c.count(self, s, dptr(&b.x, g), t * h, x, 0)?;
         if capture || !self.takes_graph(t) || !self.launch_graph(b, t)? {
+            // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
+            b.tokens_bf16 = bf16 && self.routes_bf16_tokens(t);
             self.enqueue(b, t, &|_| Ok(()))?;
+            b.tokens_bf16 = false;
         }
         if !self.allow_nonfinite {
             let o = dptr(&b.out, g);
             c.count(self, s, o, t * h, o, 1)?;
         }
-        // SAFETY: `out` holds t · H floats (the caller's promise); the layer wrote as many.
-        unsafe { result::memcpy_dtod_async(out, dptr(&b.out, g), bytes, s.cu_stream()) }
-            .map_err(|e| err("copy out", e))?;
+        self.copy_output(b, out, t, bf16)?;
         c.mirror(self, s)
     }
 
@@ -348,10 +357,6 @@ impl CudaMoeLayer {
             None => Ok(()),
         }
     }
-}
-
-fn bytes_of(h: usize, t: usize) -> usize {
-    t * h * std::mem::size_of::<f32>()
 }
 
 #[cfg(test)]
@@ -505,5 +510,71 @@ mod tests {
         caller.synchronize().unwrap();
         assert_eq!(bits(&caller.clone_dtoh(&out).unwrap()), host_bits(&layer, &input(t, 8)));
         eprintln!("a layer reading the host refuses a capture");
+    }
+
+    /// bf16 hidden states through `forward_device_bf16` give the bf16 rounding of the f32 call's
+    /// output on the same values, bit for bit: a small batch (its graph, or the fused route), a
+    /// middle one, and a large one whose router reads the bf16 rows as they are (on Hopper, where
+    /// the layer says so), with a shared expert and without a gate of its own (a gated one reads
+    /// the f32 rows), also within a caller's capture. 64 experts of DeepSeek-V3's router, a gate
+    /// of bf16 values. Needs a GPU; says loudly when it skips.
+    #[test]
+    fn bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
+        let name = "bf16_hidden_states_give_the_rounded_bits_of_f32_ones";
+        if crate::backend::cuda::skip_without_gpu(name) {
+            return;
+        }
+        let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        let shared = Some(SharedConfig { inter: 64, gated: false });
+        let config = preset::config(256, 64, 64, 8, router, Activation::Silu, shared);
+        let layer = CudaMoeLayer::random(&config, 3, &CudaOptions::default()).unwrap();
+        let h = config.hidden;
+        let caller = layer.gpu.ctx.new_stream().unwrap();
+        let raw = caller.cu_stream() as u64;
+        let big = 1000;
+        let direct = layer.routes_bf16_tokens(big) && !layer.takes_graph(big);
+        assert_eq!(direct, layer.k.router_tf32_sm90.is_some(), "{big} tokens: the router reads bf16 rows on Hopper");
+        for (t, seed) in [(3usize, 1u64), (40, 2), (big, 3)] {
+            let values: Vec<u16> =
+                preset::uniform(t * h, 1.0, seed).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let widened: Vec<f32> = values.iter().map(|&v| half::bf16::from_bits(v).to_f32()).collect();
+            let (x32, x16) = (caller.clone_htod(&widened).unwrap(), caller.clone_htod(&values).unwrap());
+            let (out32, mut out16) =
+                (caller.alloc_zeros::<f32>(t * h).unwrap(), caller.alloc_zeros::<u16>(t * h).unwrap());
+            // The bf16 call into a zeroed output, directly or from a captured graph.
+            let mut run = |capture: bool| {
+                caller.memset_zeros(&mut out16).unwrap();
+                if capture {
+                    caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                }
+                let ran = layer.forward_device_bf16(addr(&x16, &caller), addr(&out16, &caller), t, raw);
+                if capture {
+                    let graph = caller.end_capture(drv::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+                    ran.unwrap();
+                    graph.launch().unwrap();
+                } else {
+                    ran.unwrap();
+                }
+                layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
+                caller.clone_dtoh(&out16).unwrap()
+            };
+            layer.forward_device(addr(&x32, &caller), addr(&out32, &caller), t, raw).unwrap();
+            layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
+            let want: Vec<u16> =
+                caller.clone_dtoh(&out32).unwrap().iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            assert!(want.iter().any(|&v| v != 0), "{t} tokens: the f32 call wrote its output");
+            let got = run(false);
+            if let Some(i) = (0..t * h).find(|&i| got[i] != want[i]) {
+                panic!(
+                    "{t} tokens: output {i} is {:#06x} from bf16 hidden states, {:#06x} rounded from f32",
+                    got[i], want[i]
+                );
+            }
+            // Within the caller's capture too, where the layer runs on device memory alone.
+            if layer.host_read(t).is_none() {
+                assert!(run(true) == want, "{t} tokens: a captured bf16 call gives the same bits");
+            }
+            eprintln!("{name}: {t} tokens: the bf16 call's {} outputs are the f32 call's rounded", t * h);
+        }
     }
 }

@@ -66,6 +66,7 @@ use side_streams::SideStreams;
 
 struct Kernels {
     to_bf16: CudaFunction,
+    to_f32: CudaFunction,
     add_bias: CudaFunction,
     route: CudaFunction,
     route_wide: CudaFunction,
@@ -259,6 +260,7 @@ impl CudaMoeLayer {
         let f = |n: &str| gpu.function(n);
         let k = Kernels {
             to_bf16: f("f32_to_bf16_kernel")?,
+            to_f32: f("bf16_to_f32_kernel")?,
             add_bias: f("add_row_bias")?,
             route: f("route")?,
             route_wide: f("route_wide")?,
@@ -668,6 +670,19 @@ impl CudaMoeLayer {
     /// A TP-sliced layer ([`CudaMoeLayer::tp_slice`]) copies in only its share's rows of `x`
     /// and writes every row of `out`.
     pub fn forward_device(&self, x: u64, out: u64, t: usize, stream: u64) -> Result<()> {
+        self.forward_device_as(x, out, t, stream, false)
+    }
+
+    /// [`CudaMoeLayer::forward_device`] on bf16 hidden states: `x [t, H]` and `out [t, H]` bf16,
+    /// as inference engines hold them. The layer computes as for the same values in f32 (a bf16
+    /// value is an f32 value), so `out` is the f32 call's output rounded to the nearest bf16;
+    /// on Hopper the router reads the bf16 rows as they are ([`CudaMoeLayer::routes_bf16_tokens`]).
+    pub fn forward_device_bf16(&self, x: u64, out: u64, t: usize, stream: u64) -> Result<()> {
+        self.forward_device_as(x, out, t, stream, true)
+    }
+
+    /// [`CudaMoeLayer::forward_device`] on f32 hidden states, or with `bf16` on bf16 ones.
+    fn forward_device_as(&self, x: u64, out: u64, t: usize, stream: u64, bf16: bool) -> Result<()> {
         let h = self.config.hidden;
         let (a, z) = self.strategy.token_window(t);
         let capacity = self.capacity();
@@ -676,7 +691,7 @@ impl CudaMoeLayer {
         g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
         let capture = self.caller_capturing(stream)?;
         match (self.host_read(t), capture) {
-            (None, _) => return self.forward_device_enqueued(x, out, t, stream, capture),
+            (None, _) => return self.forward_device_enqueued(x, out, t, stream, capture, bf16),
             (Some(why), true) => {
                 return Err(MoeError::Unsupported(format!(
                     "capturing this layer into a CUDA graph: {why}, so it waits for the GPU; call it outside the \
@@ -696,22 +711,14 @@ impl CudaMoeLayer {
         s.wait(&ready).map_err(|e| err("waiting for the caller's stream", e))?;
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         let b = self.batch_buffers(&mut guard, t)?;
-        let (row, rows) = (h * std::mem::size_of::<f32>(), z - a);
-        let bytes = t * row;
+        let rows = z - a;
         if rows > 0 {
-            // SAFETY: `x` holds t · H floats (the caller's promise), of which rows [a, z) are
-            // read; `b.x` holds at least z - a rows.
-            unsafe {
-                cudarc::driver::result::memcpy_dtod_async(
-                    dptr(&b.x, g),
-                    x + (a * row) as u64,
-                    rows * row,
-                    s.cu_stream(),
-                )
-            }
-            .map_err(|e| err("copy in", e))?;
+            let width = if bf16 { 2 } else { 4 };
+            self.copy_tokens_in(b, x + (a * h * width) as u64, rows, bf16)?;
             super::finite::check_input_on_device(g, &b.x.slice(0..rows * h), "hidden_states")?;
         }
+        // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
+        b.tokens_bf16 = bf16 && capacity.is_none() && !self.takes_graph(rows) && self.routes_bf16_tokens(rows);
         match capacity {
             Some(_) => self.ll_run(b, rows, false)?,
             None if self.takes_graph(rows) => self.graph_run(b, rows, false)?,
@@ -720,11 +727,7 @@ impl CudaMoeLayer {
         if !self.allow_nonfinite {
             super::finite::check_output(g, &b.out.slice(0..t * h), h)?;
         }
-        if bytes > 0 {
-            // SAFETY: `out` holds t · H floats (the caller's promise); the layer wrote as many.
-            unsafe { cudarc::driver::result::memcpy_dtod_async(out, dptr(&b.out, g), bytes, s.cu_stream()) }
-                .map_err(|e| err("copy out", e))?;
-        }
+        self.copy_output(b, out, t, bf16)?;
         let done = s.record_event(None).map_err(|e| err("event", e))?;
         // SAFETY: the caller's stream waits for an event of this context (same device).
         let r = unsafe { drv::cuStreamWaitEvent(caller, done.cu_event(), 0) };
@@ -732,6 +735,47 @@ impl CudaMoeLayer {
             return Err(err("ordering the caller's stream", r));
         }
         Ok(())
+    }
+
+    /// Copies `rows` tokens' hidden states from device address `x` (f32, or bf16 with `bf16`)
+    /// into `b.x`, and with `bf16` also as they are into `b.x_bf`, on the layer's stream.
+    fn copy_tokens_in(&self, b: &Buffers, x: u64, rows: usize, bf16: bool) -> Result<()> {
+        let (g, n) = (&self.gpu, rows * self.config.hidden);
+        let (xp, xbp) = (dptr(&b.x, g), dptr(&b.x_bf, g));
+        if bf16 {
+            let len = n as i64;
+            // SAFETY: bf16_to_f32_kernel(bf16*, float*, bf16*, long) reads n bf16 values at `x`
+            // (the caller's promise) and writes n into `b.x` and `b.x_bf`, which hold `rows` rows.
+            unsafe { g.stream.launch_builder(&self.k.to_f32).arg(&x).arg(&xp).arg(&xbp).arg(&len).launch(grid(n)) }
+                .map(|_| ())
+                .map_err(|e| err("copy in", e))
+        } else {
+            // SAFETY: `x` holds n floats (the caller's promise); `b.x` holds at least as many.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(xp, x, n * 4, g.stream.cu_stream()) }
+                .map_err(|e| err("copy in", e))
+        }
+    }
+
+    /// Copies the first `t` rows of `b.out` to device address `out`: as they are, or with `bf16`
+    /// rounded to the nearest bf16 (ties to even), on the layer's stream.
+    fn copy_output(&self, b: &Buffers, out: u64, t: usize, bf16: bool) -> Result<()> {
+        let (g, n) = (&self.gpu, t * self.config.hidden);
+        if n == 0 {
+            return Ok(());
+        }
+        let op = dptr(&b.out, g);
+        if bf16 {
+            let len = n as i64;
+            // SAFETY: f32_to_bf16_kernel(float*, bf16*, long) reads n floats of `b.out` and
+            // writes n bf16 values at `out` (the caller's promise).
+            unsafe { g.stream.launch_builder(&self.k.to_bf16).arg(&op).arg(&out).arg(&len).launch(grid(n)) }
+                .map(|_| ())
+                .map_err(|e| err("copy out", e))
+        } else {
+            // SAFETY: `out` holds n floats (the caller's promise); the layer wrote as many.
+            unsafe { cudarc::driver::result::memcpy_dtod_async(out, op, n * 4, g.stream.cu_stream()) }
+                .map_err(|e| err("copy out", e))
+        }
     }
 
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
@@ -776,12 +820,19 @@ impl CudaMoeLayer {
         let n = rows * self.config.hidden;
         // The TP ranks of a group pass the same seed: each share gets values of its own.
         let seed = seed ^ ((a as u64) << 32);
-        let (ptr, len, scale) = (dptr(&b.x, &self.gpu), n as i64, 1.0f32);
-        // SAFETY: fills the first `n` floats of the input buffer, which holds at least `n`.
-        unsafe {
-            self.gpu.stream.launch_builder(&self.k.fill_f32).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n))
-        }
-        .map_err(|e| err("fill", e))?;
+        // bf16 hidden states, as inference engines and the PyTorch baselines hold them, where a
+        // direct run's router reads them as they are; else f32 ones.
+        let graph = matches!(replay, Replay::Graph) && self.takes_graph(rows);
+        b.tokens_bf16 = capacity.is_none() && !graph && self.routes_bf16_tokens(rows);
+        let (fill, ptr) = match b.tokens_bf16 {
+            true => (&self.k.fill_bf16, dptr(&b.x_bf, &self.gpu)),
+            false => (&self.k.fill_f32, dptr(&b.x, &self.gpu)),
+        };
+        let (len, scale) = (n as i64, 1.0f32);
+        // SAFETY: fills the first `n` values of the input buffer (bf16 or f32, as the kernel
+        // writes), which holds at least `n`.
+        unsafe { self.gpu.stream.launch_builder(fill).arg(&ptr).arg(&len).arg(&seed).arg(&scale).launch(grid(n)) }
+            .map_err(|e| err("fill", e))?;
         if let Some(link) = &self.ep {
             self.align_ranks(b, link)?;
         }
@@ -811,6 +862,7 @@ impl CudaMoeLayer {
             b.out = self.gpu.stream.alloc_zeros::<f32>(t * h).map_err(|e| err("allocating workspace", e))?;
         }
         b.batch = t;
+        b.tokens_bf16 = false;
         Ok(b)
     }
 

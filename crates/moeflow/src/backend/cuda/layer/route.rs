@@ -40,8 +40,12 @@ pub(super) const ROUTE_COLS: usize = 128;
 impl CudaMoeLayer {
     /// f32 → bf16 copy of the tokens, router GEMM, bias, and top-k into `b.ids`/`b.weights`;
     /// where [`CudaMoeLayer::routes_fused`] says so, all of it and the permute's counts,
-    /// offsets and maps in one launch.
+    /// offsets and maps in one launch. bf16 tokens (`b.tokens_bf16`) need no copy: the router
+    /// reads their rows.
     pub(super) fn route(&self, b: &Buffers, t: usize) -> Result<()> {
+        if b.tokens_bf16 && !self.routes_bf16_tokens(t) {
+            return Err(MoeError::Unsupported(format!("a router that reads {t} bf16 tokens as they are")));
+        }
         if self.routes_fused(t) {
             return self.route_fused(b, t);
         }
@@ -53,10 +57,12 @@ impl CudaMoeLayer {
         let pb = |x: &CudaSlice<u16>| dptr(x, g);
         let (n_th, n) = (t * h, (t * h) as i64);
         let (xp, xbp) = (p(&b.x), pb(&b.x_bf));
-        // The tensor-core router writes the bf16 copy as it reads the tokens. Otherwise large
-        // batches make it on side stream 0, beside the router GEMM (both read x from memory);
-        // for small ones the fork and join cost more than they hide (docs/tuning.md).
-        let router_copies = b.ll.is_none() && !self.opts.deterministic && self.router_on_tensor_cores();
+        // bf16 tokens are their own copy. The tensor-core router writes the bf16 copy as it
+        // reads f32 tokens. Otherwise large batches make it on side stream 0, beside the router
+        // GEMM (both read x from memory); for small ones the fork and join cost more than they
+        // hide (docs/tuning.md).
+        let router_copies =
+            b.tokens_bf16 || (b.ll.is_none() && !self.opts.deterministic && self.router_on_tensor_cores());
         let overlap = !router_copies && t * h >= 1 << 23;
         let side = if overlap { &self.side.shared().stream } else { s };
         if overlap {

@@ -38,22 +38,32 @@ const SMEM: u32 = STAGES * (2 * TILE as u32) * ROW_FLOATS * 4;
 /// and of the gate's 128 rows of 32 heads and 32 tails, plus 1 KiB to align the gate tiles.
 const SMEM_SM90: u32 = STAGES_SM90 * (TILE as u32 * ROW_FLOATS * 4 + 2 * TILE as u32 * DEPTH as u32 * 4) + 1024;
 
-/// A router kernel's two forms: for any f32 gate (three TF32 products a product), and for a
-/// gate of TF32 values such as a checkpoint's bf16 router (`_tf32_gate`: the same bits from
-/// two products, since the gate's tails are zero).
+/// A router kernel's forms: for any f32 gate (three TF32 products a product), for a gate of
+/// TF32 values such as a checkpoint's bf16 router (`_tf32_gate`: the same bits from two
+/// products, since the gate's tails are zero), and on Hopper for bf16 tokens and such a gate
+/// (`_bf16_tokens`: the same bits from one product, since the tokens' tails are zero too).
 pub(super) struct RouterForms {
     any_gate: CudaFunction,
     tf32_gate: CudaFunction,
+    bf16_tokens: Option<CudaFunction>,
 }
 
 impl RouterForms {
     /// Kernel `name` and `name`_tf32_gate of router_tf32.cu, allowed `smem` bytes of shared memory
     /// (above the 48 KiB a launch gets by default).
-    fn load(gpu: &super::Gpu, name: &str, smem: u32) -> Result<Self> {
+    /// (With `bf16_tokens`, also `name`_bf16_tokens.)
+    fn load(gpu: &super::Gpu, name: &str, smem: u32, bf16_tokens: bool) -> Result<Self> {
         let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
-        let forms =
-            RouterForms { any_gate: gpu.function(name)?, tf32_gate: gpu.function(&format!("{name}_tf32_gate"))? };
-        for f in [&forms.any_gate, &forms.tf32_gate] {
+        let bf16_tokens = match bf16_tokens {
+            true => Some(gpu.function(&format!("{name}_bf16_tokens"))?),
+            false => None,
+        };
+        let forms = RouterForms {
+            any_gate: gpu.function(name)?,
+            tf32_gate: gpu.function(&format!("{name}_tf32_gate"))?,
+            bf16_tokens,
+        };
+        for f in [&forms.any_gate, &forms.tf32_gate].into_iter().chain(forms.bf16_tokens.as_ref()) {
             f.set_attribute(attr, smem as i32).map_err(|e| err(&format!("{name} shared memory"), e))?;
         }
         Ok(forms)
@@ -61,7 +71,7 @@ impl RouterForms {
 
     /// The `mma.sync` forms, for any GPU the module runs on.
     pub(super) fn load_mma_sync(gpu: &super::Gpu) -> Result<Self> {
-        Self::load(gpu, "router_partials_tf32", SMEM)
+        Self::load(gpu, "router_partials_tf32", SMEM, false)
     }
 
     /// The wgmma forms where the GPU is a Hopper (compute capability 9.0, where the module is
@@ -71,17 +81,19 @@ impl RouterForms {
         if cc != (9, 0) {
             return Ok(None);
         }
-        Self::load(gpu, "router_partials_tf32_sm90", SMEM_SM90).map(Some)
+        Self::load(gpu, "router_partials_tf32_sm90", SMEM_SM90, true).map(Some)
     }
 }
 
 /// Which kernel computes the tensor-core router's products: wgmma (Hopper) or `mma.sync`, in
 /// the form for any gate or, with `tf32_gate`, the one for a gate of TF32 values (the layer's
-/// gate must be one).
+/// gate must be one); with `bf16_tokens` (wgmma and `tf32_gate` too), the form that reads the
+/// tokens' bf16 rows (`b.x_bf`) instead of their f32 ones.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) struct RouterKernel {
     pub(super) wgmma: bool,
     pub(super) tf32_gate: bool,
+    pub(super) bf16_tokens: bool,
 }
 
 /// Whether every value of `gate` is a TF32 value (its low 13 mantissa bits zero), so that its
@@ -131,9 +143,30 @@ impl CudaMoeLayer {
     /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync` (two products a
     /// product where the gate holds TF32 values); and x's bf16 copy into `b.x_bf`, written as
     /// the router reads the tokens.
+    /// With `b.tokens_bf16` the tokens come from their bf16 rows, and no copy is written.
     pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
-        let kernel = RouterKernel { wgmma: self.k.router_tf32_sm90.is_some(), tf32_gate: self.w.gate_is_tf32 };
+        let kernel = RouterKernel {
+            wgmma: self.k.router_tf32_sm90.is_some(),
+            tf32_gate: self.w.gate_is_tf32,
+            bf16_tokens: b.tokens_bf16,
+        };
         self.router_tf32_on(b, t, kernel)
+    }
+
+    /// Whether the router reads a batch of `t` bf16 tokens as they are (the tensor-core router's
+    /// `_bf16_tokens` form, see [`CudaMoeLayer::router_tf32`]), so that nothing needs their f32
+    /// rows: a direct run (no low-latency capacity, no fused small-batch route, not
+    /// deterministic) on Hopper with a gate of TF32 values, H a multiple of 8, and no shared
+    /// expert gate (whose dot product reads the f32 rows).
+    pub(super) fn routes_bf16_tokens(&self, t: usize) -> bool {
+        self.k.router_tf32_sm90.as_ref().is_some_and(|f| f.bf16_tokens.is_some())
+            && self.w.gate_is_tf32
+            && self.router_on_tensor_cores()
+            && !self.opts.deterministic
+            && self.capacity().is_none()
+            && !self.routes_fused(t)
+            && self.config.hidden.is_multiple_of(8)
+            && self.w.shared.as_ref().is_none_or(|s| s.gate.is_none())
     }
 
     /// [`CudaMoeLayer::router_tf32`] with the given kernel.
@@ -155,7 +188,9 @@ impl CudaMoeLayer {
                 )))
             }
         };
-        let (xp, gp, x_bf) = (dptr(&b.x, g), dptr(&self.w.gate, g), dptr(&b.x_bf, g));
+        let (gp, x_bf) = (dptr(&self.w.gate, g), dptr(&b.x_bf, g));
+        // bf16 tokens are read from their rows, which need no copy.
+        let (xp, x_bf) = if kernel.bf16_tokens { (x_bf, 0u64) } else { (dptr(&b.x, g), x_bf) };
         let (ti, ei, hi, ci) = (t as i32, e as i32, h as i32, cols as i32);
         if kernel.tf32_gate && !self.w.gate_is_tf32 {
             return Err(MoeError::Unsupported("the router's gate holds values that are not TF32 values".into()));
@@ -165,7 +200,16 @@ impl CudaMoeLayer {
             (Some(k), true) => (k, SMEM_SM90),
             (None, true) => return Err(MoeError::Unsupported("the wgmma router needs a Hopper GPU".into())),
         };
-        let f = if kernel.tf32_gate { &forms.tf32_gate } else { &forms.any_gate };
+        let f = match (kernel.bf16_tokens, &forms.bf16_tokens) {
+            (false, _) if kernel.tf32_gate => &forms.tf32_gate,
+            (false, _) => &forms.any_gate,
+            (true, Some(f)) if kernel.tf32_gate && h.is_multiple_of(8) => f,
+            (true, _) => {
+                return Err(MoeError::Unsupported(
+                    "bf16 tokens need the wgmma router, a gate of TF32 values and H a multiple of 8".into(),
+                ))
+            }
+        };
         let cfg = LaunchConfig {
             grid_dim: (e.div_ceil(TILE) as u32, t.div_ceil(TILE) as u32, split as u32),
             block_dim: (256, 1, 1),
@@ -175,7 +219,9 @@ impl CudaMoeLayer {
         // float*, float*, bf16*) reads t · H and E · H floats (H a multiple of 4, checked by
         // `router_on_tensor_cores`) and writes split · t · E floats (the logits for one split,
         // else the partials, which `partial_floats` sized for this many tokens) and t · H bf16
-        // values into `b.x_bf`, sized for `t` tokens.
+        // values into `b.x_bf`, sized for `t` tokens; the _bf16_tokens form (same arguments,
+        // bf16* first) reads t · H bf16 values of `b.x_bf` instead (H a multiple of 8, checked
+        // above) and writes no copy.
         unsafe {
             g.stream
                 .launch_builder(f)
@@ -270,7 +316,7 @@ mod tests {
                     match kernel {
                         0 => layer.gemm_f32_router(b, t).unwrap(),
                         k => {
-                            let kernel = RouterKernel { wgmma: k % 2 == 0, tf32_gate: k > 2 };
+                            let kernel = RouterKernel { wgmma: k % 2 == 0, tf32_gate: k > 2, bf16_tokens: false };
                             layer.router_tf32_on(b, t, kernel).unwrap()
                         }
                     }
@@ -334,6 +380,64 @@ mod tests {
                      {worst_wgmma:.2e}, for a TF32 gate {worst_sync_tf32:.2e} and {worst_wgmma_tf32:.2e} (0: \
                      not run), cuBLAS f32 {worst_cublas:.2e}"
                 );
+            }
+        }
+    }
+
+    /// bf16 tokens through the wgmma router's `_bf16_tokens` form: the logits are the bits of the
+    /// form for f32 tokens on the same values (a gate of bf16 values, as checkpoints and the
+    /// random layers hold), and the tokens' rows are left as they were. DeepSeek-V3's 256 experts
+    /// (one split and several) and 64 experts, batches from 1 token to several tiles. Needs a
+    /// Hopper GPU; says loudly when it skips.
+    #[test]
+    fn bf16_tokens_route_to_the_bits_of_their_f32_values() {
+        let name = "bf16_tokens_route_to_the_bits_of_their_f32_values";
+        if crate::backend::cuda::skip_without_gpu(name) {
+            return;
+        }
+        let grouped = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        let softmax = RouterConfig::Softmax { renormalize: true };
+        for (case_no, (router, e, h, batches)) in
+            [(grouped, 256, 7168, vec![1usize, 129, 4096]), (softmax, 64, 2048, vec![5, 1000])].into_iter().enumerate()
+        {
+            let config = preset::config(h, 16, e, 8, router, Activation::Silu, None);
+            let layer = CudaMoeLayer::random(&config, 11 + case_no as u64, &Default::default()).unwrap();
+            if layer.k.router_tf32_sm90.is_none() {
+                eprintln!("SKIPPED {name}: the bf16-token router needs a Hopper GPU");
+                return;
+            }
+            let most = *batches.iter().max().unwrap();
+            let mut guard = layer.bufs.lock().unwrap();
+            let b = layer.buffers(&mut guard, most).unwrap();
+            let s = layer.gpu.stream.clone();
+            for t in batches {
+                assert!(
+                    layer.routes_bf16_tokens(t) || t <= super::super::route::FUSED_ROUTE_TOKENS,
+                    "{e} experts, {t} tokens"
+                );
+                let bits: Vec<u16> = preset::uniform(t * h, 1.0, 3 + t as u64)
+                    .iter()
+                    .map(|&v| half::bf16::from_f32(v).to_bits())
+                    .collect();
+                let widened: Vec<f32> = bits.iter().map(|&v| half::bf16::from_bits(v).to_f32()).collect();
+                s.memcpy_htod(&widened, &mut b.x.slice_mut(0..t * h)).unwrap();
+                let mut logits_of = |bf16_tokens: bool| {
+                    s.memcpy_htod(&vec![f32::NAN; t * e], &mut b.logits.slice_mut(0..t * e)).unwrap();
+                    s.memcpy_htod(&bits, &mut b.x_bf.slice_mut(0..t * h)).unwrap();
+                    let kernel = RouterKernel { wgmma: true, tf32_gate: true, bf16_tokens };
+                    layer.router_tf32_on(b, t, kernel).unwrap();
+                    (s.clone_dtoh(&b.logits.slice(0..t * e)).unwrap(), s.clone_dtoh(&b.x_bf.slice(0..t * h)).unwrap())
+                };
+                let ((f32_logits, _), (bf16_logits, rows)) = (logits_of(false), logits_of(true));
+                assert!(f32_logits.iter().all(|v| v.is_finite()), "{e} experts, {t} tokens: every logit written");
+                if let Some(i) = (0..t * e).find(|&i| f32_logits[i].to_bits() != bf16_logits[i].to_bits()) {
+                    panic!(
+                        "{e} experts, {t} tokens: logit {i} is {} from bf16 tokens, {} from f32",
+                        bf16_logits[i], f32_logits[i]
+                    );
+                }
+                assert!(rows == bits, "{e} experts, {t} tokens: the bf16 rows were written over");
+                eprintln!("{name}: {e} experts, H {h}, {t} tokens: the same {} logits", t * e);
             }
         }
     }
