@@ -323,7 +323,6 @@ impl CudaMoeLayer {
             // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
             b.tokens_bf16 = bf16 && self.routes_bf16_tokens(t);
             self.enqueue(b, t, &|_| Ok(()))?;
-            b.tokens_bf16 = false;
         }
         if !self.allow_nonfinite {
             let o = dptr(&b.out, g);

@@ -718,7 +718,7 @@ impl CudaMoeLayer {
             super::finite::check_input_on_device(g, &b.x.slice(0..rows * h), "hidden_states")?;
         }
         // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
-        b.tokens_bf16 = bf16 && capacity.is_none() && !self.takes_graph(rows) && self.routes_bf16_tokens(rows);
+        b.tokens_bf16 = bf16 && !self.takes_graph(rows) && self.routes_bf16_tokens(rows);
         match capacity {
             Some(_) => self.ll_run(b, rows, false)?,
             None if self.takes_graph(rows) => self.graph_run(b, rows, false)?,
@@ -823,7 +823,7 @@ impl CudaMoeLayer {
         // bf16 hidden states, as inference engines and the PyTorch baselines hold them, where a
         // direct run's router reads them as they are; else f32 ones.
         let graph = matches!(replay, Replay::Graph) && self.takes_graph(rows);
-        b.tokens_bf16 = capacity.is_none() && !graph && self.routes_bf16_tokens(rows);
+        b.tokens_bf16 = !graph && self.routes_bf16_tokens(rows);
         let (fill, ptr) = match b.tokens_bf16 {
             true => (&self.k.fill_bf16, dptr(&b.x_bf, &self.gpu)),
             false => (&self.k.fill_f32, dptr(&b.x, &self.gpu)),
