@@ -82,6 +82,22 @@ impl Layer {
         };
         Ok(Layer { layer, config, device, world, timeout: par.timeout })
     }
+
+    /// Runs `call` (the layer on device memory) without holding the GIL, and on a launched
+    /// world under its guard, so that a failure on any rank fails every rank's call.
+    fn on_device(&self, py: Python<'_>, call: impl FnOnce() -> moeflow::Result<()> + Send) -> PyResult<()> {
+        let world = self.world.as_ref().map(|w| w.get());
+        let result = py
+            .detach(|| match world {
+                Some(w) => w.guard(call),
+                None => call(),
+            })
+            .py_err();
+        match &self.world {
+            Some(w) => w.get().fail_on_error(result, py),
+            None => result,
+        }
+    }
 }
 
 /// The optional tensor `name` of `weights`, copied.
@@ -271,20 +287,13 @@ impl Layer {
     /// (PyTorch's current stream): no copy through host memory (see
     /// `moeflow::RankLayer::forward_device`).
     fn forward_device(&self, py: Python<'_>, x: u64, out: u64, tokens: usize, stream: u64) -> PyResult<()> {
-        let world = self.world.as_ref().map(|w| w.get());
-        let result = py
-            .detach(|| {
-                let run = || self.layer.forward_device(x, out, tokens, stream);
-                match world {
-                    Some(w) => w.guard(run),
-                    None => run(),
-                }
-            })
-            .py_err();
-        match &self.world {
-            Some(w) => w.get().fail_on_error(result, py),
-            None => result,
-        }
+        self.on_device(py, || self.layer.forward_device(x, out, tokens, stream))
+    }
+
+    /// The same on bfloat16 device addresses `x` and `out`: the float32 call's output rounded to
+    /// bfloat16, bit for bit (see `moeflow::RankLayer::forward_device_bf16`).
+    fn forward_device_bf16(&self, py: Python<'_>, x: u64, out: u64, tokens: usize, stream: u64) -> PyResult<()> {
+        self.on_device(py, || self.layer.forward_device_bf16(x, out, tokens, stream))
     }
 
     /// Waits, up to the layer's timeout, for its calls on device memory that returned without

@@ -54,6 +54,9 @@ def test_cuda_tensors_stay_on_the_device_and_follow_the_current_stream():
     assert torch.equal(doubled, out * 2)
     half = layer(torch.from_numpy(x).to("cuda:0", dtype=torch.bfloat16))
     assert half.dtype == torch.bfloat16 and half.shape == out.shape
+    # bfloat16 rows go in as they are: the float32 layer's output on the same values, rounded.
+    widened = layer(torch.from_numpy(x).to("cuda:0", dtype=torch.bfloat16).float())
+    assert torch.equal(half.view(torch.int16), widened.to(torch.bfloat16).view(torch.int16))
     with pytest.raises(ValueError, match="not contiguous"):
         layer(torch.from_numpy(x).to("cuda:0").t().contiguous().t())
     with pytest.raises(ValueError, match="hidden_states"):

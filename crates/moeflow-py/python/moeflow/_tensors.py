@@ -29,8 +29,9 @@ def host_input(x, device):
 
 def cuda_forward(layer, x):
     """The layer on a CUDA torch tensor ``x`` on the layer's own GPU, in device memory on
-    torch's current stream, without a copy through the host (float32 rows are read where they
-    are; other dtypes are converted on the device and the result converted back); ``None``
+    torch's current stream, without a copy through the host (float32 and bfloat16 rows are read
+    where they are, a bfloat16 result being the float32 one rounded; other dtypes are converted
+    on the device and the result converted back); ``None``
     for any other input, which goes through :func:`host_input`. Where the layer's run stays on
     the device the call returns without waiting for the GPU (and can be captured into a CUDA
     graph); torch's stream order keeps ``x`` and the result safe to use and free."""
@@ -46,10 +47,14 @@ def cuda_forward(layer, x):
     if not x.is_contiguous():
         raise ValueError("hidden is not contiguous (call .contiguous() first)")
     rows = x.detach()
+    stream = current_stream(x.device)
+    if rows.dtype == torch.bfloat16:
+        out = torch.empty_like(rows)
+        layer.forward_device_bf16(rows.data_ptr(), out.data_ptr(), rows.shape[0], stream)
+        return out
     if rows.dtype != torch.float32:
         rows = rows.float()
     out = torch.empty_like(rows)
-    stream = current_stream(x.device)
     layer.forward_device(rows.data_ptr(), out.data_ptr(), rows.shape[0], stream)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
