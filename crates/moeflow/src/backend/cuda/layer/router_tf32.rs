@@ -49,9 +49,9 @@ pub(super) struct RouterForms {
 }
 
 impl RouterForms {
-    /// Kernel `name` and `name`_tf32_gate of router_tf32.cu, allowed `smem` bytes of shared memory
-    /// (above the 48 KiB a launch gets by default).
-    /// (With `bf16_tokens`, also `name`_bf16_tokens.)
+    /// Kernel `name`, `name`_tf32_gate and with `bf16_tokens` `name`_bf16_tokens of
+    /// router_tf32.cu, allowed `smem` bytes of shared memory (above the 48 KiB a launch gets by
+    /// default).
     fn load(gpu: &super::Gpu, name: &str, smem: u32, bf16_tokens: bool) -> Result<Self> {
         let attr = drv::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES;
         let bf16_tokens = match bf16_tokens {
@@ -142,8 +142,8 @@ impl CudaMoeLayer {
     /// logits `[t, E]` in `b.logits` = x `[t, H]` · gate `[E, H]`ᵀ plus the gate's bias, on the
     /// tensor cores at f32 accuracy: with wgmma on Hopper, else `mma.sync` (two products a
     /// product where the gate holds TF32 values); and x's bf16 copy into `b.x_bf`, written as
-    /// the router reads the tokens.
-    /// With `b.tokens_bf16` the tokens come from their bf16 rows, and no copy is written.
+    /// the router reads the tokens; with `b.tokens_bf16`, the tokens come from their bf16 rows
+    /// and no copy is written.
     pub(super) fn router_tf32(&self, b: &Buffers, t: usize) -> Result<()> {
         let kernel = RouterKernel {
             wgmma: self.k.router_tf32_sm90.is_some(),
