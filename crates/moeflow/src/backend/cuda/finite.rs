@@ -1,11 +1,11 @@
-//! Non-finite values found on the device: one reduction kernel (`kernels/finite.cu`) over an
-//! f32 buffer, of which only two numbers (the count and the first index) come back to the
-//! host, never the tensor. Also device memory checked before large allocations, and
+//! Non-finite values found on the device: reduction kernels (`kernels/finite.cu`) over an f32
+//! buffer, or over bf16 input as it is copied in, of which only two numbers (the count and the
+//! first index) come back to the host, never the tensor. Also device memory checked before large allocations, and
 //! out-of-memory errors that say what was being allocated.
 
 use super::{err, Gpu};
 use crate::error::{MoeError, Result};
-use cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use cudarc::driver::{result, CudaSlice, CudaView, LaunchConfig, PushKernelArg};
 
 /// NaN and infinities among the `x.len()` values of `x`: `(count, first flat index)`, or
 /// `None` when all are finite. Waits for the layer's stream.
@@ -15,20 +15,35 @@ pub(crate) fn count_nonfinite(gpu: &Gpu, x: &CudaView<'_, f32>) -> Result<Option
         return Ok(None);
     }
     let s = &gpu.stream;
-    let mut result = s.clone_htod(&[0u64, u64::MAX]).map_err(|e| err("allocating the non-finite count", e))?;
+    let mut result = fresh_count(gpu)?;
     let kernel = gpu.function("count_nonfinite_f32")?;
-    let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
-    };
     let len = n as i64;
     // SAFETY: count_nonfinite_f32(const float*, long long, unsigned long long*) reads the `n`
     // floats of `x` and updates the two values of `result`; both live until the copy below,
     // which waits for the kernel on the same stream.
-    unsafe { s.launch_builder(&kernel).arg(x).arg(&len).arg(&mut result).launch(cfg) }
+    unsafe { s.launch_builder(&kernel).arg(x).arg(&len).arg(&mut result).launch(warps_over(n)) }
         .map_err(|e| err("counting non-finite values", e))?;
-    let host = s.clone_dtoh(&result).map_err(|e| err("reading the non-finite count", e))?;
+    read_count(gpu, &result)
+}
+
+/// The grid of the non-finite kernels over `n` values: blocks of 256 threads, at most 1024.
+pub(crate) fn warps_over(n: usize) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// A `{count, first index}` on the device for the kernels of `finite.cu`, none found yet.
+pub(crate) fn fresh_count(gpu: &Gpu) -> Result<CudaSlice<u64>> {
+    gpu.stream.clone_htod(&[0u64, u64::MAX]).map_err(|e| err("allocating the non-finite count", e))
+}
+
+/// What `count` (see [`fresh_count`]) holds once the layer's stream has run to here: `(count,
+/// first flat index)`, or `None` when none was found. Waits for the stream.
+pub(crate) fn read_count(gpu: &Gpu, count: &CudaSlice<u64>) -> Result<Option<(usize, usize)>> {
+    let host = gpu.stream.clone_dtoh(count).map_err(|e| err("reading the non-finite count", e))?;
     Ok((host[0] > 0).then(|| (host[0] as usize, host[1] as usize)))
 }
 
@@ -53,6 +68,24 @@ pub(crate) fn check_input_on_device(gpu: &Gpu, x: &CudaView<'_, f32>, what: &str
     let mut value = [0f32];
     gpu.stream.memcpy_dtoh(&x.slice(first..first + 1), &mut value).map_err(|e| err("reading a value", e))?;
     Err(MoeError::NonFinite { what: what.to_string(), index: first, value: value[0] })
+}
+
+/// The error for bf16 input `x [T, hidden]` on the device at address `x` (the caller's memory)
+/// in which `count` (see [`fresh_count`], filled by `clear_nonfinite_bf16`) found NaN or
+/// infinity: as [`check_input_on_device`]'s, naming the first such value. `Ok` when none was
+/// found. Waits for the layer's stream.
+pub(crate) fn check_bf16_input(gpu: &Gpu, count: &CudaSlice<u64>, x: u64, what: &str) -> Result<()> {
+    let Some((_count, first)) = read_count(gpu, count)? else {
+        return Ok(());
+    };
+    let mut bits = [0u16];
+    // SAFETY: `x` holds the bf16 values the count ran over (the caller's promise), `first` among
+    // them; the copy waits on the layer's stream, after which no work of the layer writes `x`.
+    unsafe { result::memcpy_dtoh_async(&mut bits, x + 2 * first as u64, gpu.stream.cu_stream()) }
+        .and_then(|_| gpu.stream.synchronize())
+        .map_err(|e| err("reading a value", e))?;
+    let value = half::bf16::from_bits(bits[0]).to_f32();
+    Err(MoeError::NonFinite { what: what.to_string(), index: first, value })
 }
 
 /// Refuses `bytes` for `what` on `gpu` when they exceed its free memory, before allocating.

@@ -53,31 +53,6 @@ __global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
     for (long i = 8 * n8 + first; i < n; i += stride) y[i] = f32_to_bf16(x[i]);
 }
 
-// y = x widened to f32 (exact), and when `copy` is not null x copied into it too: eight values
-// a step (one 16-byte load, two and one 16-byte stores) when all are 16-byte aligned, then the
-// rest one by one. Takes a batch of bf16 hidden states in: the f32 rows most stages read, the
-// bf16 rows the experts' GEMMs read.
-__global__ void bf16_to_f32_kernel(const bf16_t* x, float* y, bf16_t* copy, long n) {
-    const long first = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
-    const long n8 = (((u64)x | (u64)y | (u64)copy) & 15) == 0 ? n / 8 : 0;
-    for (long i = first; i < n8; i += stride) {
-        const uint4 v = ((const uint4*)x)[i];
-        const unsigned w[4] = {v.x, v.y, v.z, v.w};
-        float f[8];
-        for (int j = 0; j < 4; j++) {
-            f[2 * j] = __uint_as_float(w[j] << 16);
-            f[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
-        }
-        ((float4*)y)[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-        ((float4*)y)[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
-        if (copy) ((uint4*)copy)[i] = v;
-    }
-    for (long i = 8 * n8 + first; i < n; i += stride) {
-        y[i] = bf16_to_f32(x[i]);
-        if (copy) copy[i] = x[i];
-    }
-}
-
 // The deterministic uniform value in [-scale, scale) of (seed, index i): a splitmix64 hash of
 // the index, its top 24 bits as the fraction.
 __device__ __forceinline__ float uniform_at(u64 seed, long i, float scale) {

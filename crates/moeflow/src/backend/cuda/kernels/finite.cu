@@ -39,20 +39,72 @@ __global__ void clear_nonfinite_f32(float* x, long long n, unsigned long long* r
     nonfinite_pass(x, n, result, true);
 }
 
+// Takes a batch of bf16 hidden states in: x[0, n) copied into x_bf and, when `y` is not null,
+// widened into y (exact), each NaN or infinite value written as 0 in both (so that routing never
+// meets one) and counted as nonfinite_pass counts them into `result`. Eight values a step (one
+// 16-byte load, one and two 16-byte stores) when all are 16-byte aligned, then the rest one by
+// one. Any grid of whole warps.
+__global__ void clear_nonfinite_bf16(const bf16_t* __restrict__ x, bf16_t* __restrict__ x_bf, float* __restrict__ y,
+                                     long long n, unsigned long long* result) {
+    unsigned long long count = 0, first = ~0ull;
+    const long long start = (long long)blockIdx.x * blockDim.x + threadIdx.x, stride = (long long)gridDim.x * blockDim.x;
+    const long long n8 = (((u64)x | (u64)x_bf | (u64)y) & 15) == 0 ? n / 8 : 0;
+    for (long long i = start; i < n8; i += stride) {
+        const uint4 v = ((const uint4*)x)[i];
+        unsigned w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            // All exponent bits set: infinity or NaN.
+            if (((w[j / 2] >> (16 * (j % 2))) & 0x7f80u) == 0x7f80u) {
+                count++;
+                first = min(first, (unsigned long long)(8 * i + j));
+                w[j / 2] &= j % 2 ? 0x0000ffffu : 0xffff0000u;
+            }
+        }
+        ((uint4*)x_bf)[i] = make_uint4(w[0], w[1], w[2], w[3]);
+        if (y) {
+            ((float4*)y)[2 * i] = make_float4(__uint_as_float(w[0] << 16), __uint_as_float(w[0] & 0xffff0000u),
+                                              __uint_as_float(w[1] << 16), __uint_as_float(w[1] & 0xffff0000u));
+            ((float4*)y)[2 * i + 1] = make_float4(__uint_as_float(w[2] << 16), __uint_as_float(w[2] & 0xffff0000u),
+                                                  __uint_as_float(w[3] << 16), __uint_as_float(w[3] & 0xffff0000u));
+        }
+    }
+    for (long long i = 8 * n8 + start; i < n; i += stride) {
+        bf16_t v = x[i];
+        if ((v & 0x7f80u) == 0x7f80u) {
+            count++;
+            first = min(first, (unsigned long long)i);
+            v = 0;
+        }
+        x_bf[i] = v;
+        if (y) y[i] = bf16_to_f32(v);
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        count += __shfl_xor_sync(0xffffffffu, count, o);
+        unsigned long long other = __shfl_xor_sync(0xffffffffu, first, o);
+        if (other < first) first = other;
+    }
+    if (threadIdx.x % 32 == 0 && count > 0) {
+        atomicAdd(&result[0], count);
+        atomicMin(&result[1], first);
+    }
+}
+
 // Moves one call's count of non-finite values of x (call = {count, first index}, as
-// count_nonfinite_f32 or clear_nonfinite_f32 left it; x as it was before a clear) into a running
-// record {count, latest first index, that value's bits}: adds the count and, when the call
-// found any, records where the first was and its value; then resets call to {0, ~0} for the
-// next call. One thread; stream-ordered after the count, so a CUDA graph replays it as it
-// replays the count.
-__global__ void latch_nonfinite_f32(const float* __restrict__ x, unsigned long long* call,
-                                    unsigned long long* record) {
+// count_nonfinite_f32, clear_nonfinite_f32 or clear_nonfinite_bf16 left it; x as it was before
+// a clear: f32 values, or bf16 ones when `bf16`) into a running record {count, latest first
+// index, that value's f32 bits}: adds the count and, when the call found any, records where the
+// first was and its value; then resets call to {0, ~0} for the next call. One thread;
+// stream-ordered after the count, so a CUDA graph replays it as it replays the count.
+__global__ void latch_nonfinite(const void* __restrict__ x, int bf16, unsigned long long* call,
+                                unsigned long long* record) {
     if (blockIdx.x != 0 || threadIdx.x != 0) return;
     unsigned long long count = call[0];
     if (count > 0) {
         record[0] += count;
         record[1] = call[1];
-        record[2] = (unsigned long long)__float_as_uint(x[call[1]]);
+        const float v = bf16 ? bf16_to_f32(((const bf16_t*)x)[call[1]]) : ((const float*)x)[call[1]];
+        record[2] = (unsigned long long)__float_as_uint(v);
     }
     call[0] = 0;
     call[1] = ~0ull;

@@ -78,13 +78,19 @@ impl DeviceCalls {
             kept: Vec::new(),
             count: g.function("count_nonfinite_f32")?,
             clear: g.function("clear_nonfinite_f32")?,
-            latch: g.function("latch_nonfinite_f32")?,
+            latch: g.function("latch_nonfinite")?,
         })
     }
 
     /// Keeps `b` (which a captured graph points into) for the layer's life.
     pub(super) fn keep(&mut self, b: Buffers) {
         self.kept.push(b);
+    }
+
+    /// This call's `{count, first index}` of record `which` (0: inputs, 1: outputs), on the
+    /// device.
+    fn call_count(&self, layer: &CudaMoeLayer, which: usize) -> u64 {
+        dptr(&self.call, &layer.gpu) + 16 * which as u64
     }
 
     /// Enqueues on `s` the count of the non-finite values of the `n` floats at `x` into record
@@ -94,32 +100,32 @@ impl DeviceCalls {
         if n == 0 {
             return Ok(());
         }
-        let g = &layer.gpu;
-        let (call, record) = (dptr(&self.call, g) + 16 * which as u64, dptr(&self.records, g) + 24 * which as u64);
-        let cfg = LaunchConfig {
-            grid_dim: (n.div_ceil(256).clamp(1, 1024) as u32, 1, 1),
-            block_dim: (256, 1, 1),
-            shared_mem_bytes: 0,
-        };
+        let call = self.call_count(layer, which);
         let (len, kernel) = (n as i64, if which == 0 { &self.clear } else { &self.count });
         // SAFETY: clear_nonfinite_f32(float*, long long, unsigned long long*) and
         // count_nonfinite_f32(const float*, ...) read (and the first writes) the `n` floats at
-        // `x` and update this call's two counts; latch_nonfinite_f32(const float*, unsigned long
-        // long*, unsigned long long*) reads them and one of the `n` floats at `values`, updates
-        // the three values of the record and resets the counts. The counts and records live as
-        // long as the layer; `x` and `values` hold `n` floats (a layer buffer, or the caller's
-        // input, read in stream order before the caller's stream goes on).
-        unsafe {
-            s.launch_builder(kernel).arg(&x).arg(&len).arg(&call).launch(cfg).map_err(|e| err("count", e))?;
-            let one = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 };
-            s.launch_builder(&self.latch)
-                .arg(&values)
-                .arg(&call)
-                .arg(&record)
-                .launch(one)
-                .map_err(|e| err("latch", e))?;
-        }
-        Ok(())
+        // `x` and update this call's two counts, which live as long as the layer; `x` holds `n`
+        // floats (a layer buffer).
+        unsafe { s.launch_builder(kernel).arg(&x).arg(&len).arg(&call).launch(super::super::finite::warps_over(n)) }
+            .map_err(|e| err("count", e))?;
+        self.latch(layer, s, values, false, which)
+    }
+
+    /// Enqueues on `s` the move of this call's count of record `which` (see
+    /// [`DeviceCalls::count`]) into the running record, the first value read at `values` (f32,
+    /// or bf16 with `bf16`).
+    fn latch(&self, layer: &CudaMoeLayer, s: &CudaStream, values: u64, bf16: bool, which: usize) -> Result<()> {
+        let (call, record) = (self.call_count(layer, which), dptr(&self.records, &layer.gpu) + 24 * which as u64);
+        let (bf16, one) =
+            (bf16 as i32, LaunchConfig { grid_dim: (1, 1, 1), block_dim: (1, 1, 1), shared_mem_bytes: 0 });
+        // SAFETY: latch_nonfinite(const void*, int, unsigned long long*, unsigned long long*)
+        // reads this call's two counts and, where they found any, one value at `values` (of the
+        // values counted, which are a layer buffer or the caller's input, read in stream order
+        // before the caller's stream goes on), updates the three values of the record and
+        // resets the counts. The counts and records live as long as the layer.
+        unsafe { s.launch_builder(&self.latch).arg(&values).arg(&bf16).arg(&call).arg(&record).launch(one) }
+            .map(|_| ())
+            .map_err(|e| err("latch", e))
     }
 
     /// Enqueues the copy of the records into the pinned mirror on `s`.
@@ -317,11 +323,18 @@ impl CudaMoeLayer {
     ) -> Result<()> {
         let (g, h) = (&self.gpu, self.config.hidden);
         let s = &g.stream;
-        self.copy_tokens_in(b, x, t, bf16)?;
-        c.count(self, s, dptr(&b.x, g), t * h, x, 0)?;
+        // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
+        let bf16_rows = bf16 && self.routes_bf16_tokens(t);
+        if bf16 {
+            let widen = !bf16_rows || (!capture && self.takes_graph(t));
+            self.take_bf16_tokens(b, x, t, widen, c.call_count(self, 0))?;
+            c.latch(self, s, x, true, 0)?;
+        } else {
+            self.copy_tokens_in(b, x, t)?;
+            c.count(self, s, dptr(&b.x, g), t * h, x, 0)?;
+        }
         if capture || !self.takes_graph(t) || !self.launch_graph(b, t)? {
-            // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
-            b.tokens_bf16 = bf16 && self.routes_bf16_tokens(t);
+            b.tokens_bf16 = bf16_rows;
             self.enqueue(b, t, &|_| Ok(()))?;
         }
         if !self.allow_nonfinite {
@@ -511,69 +524,147 @@ mod tests {
         eprintln!("a layer reading the host refuses a capture");
     }
 
+    /// The layer of the bf16 tests: 64 experts of DeepSeek-V3's router (a gate of bf16 values)
+    /// and a shared expert without a gate of its own (a gated one reads the f32 rows), with
+    /// `gemm`'s expert GEMMs.
+    fn bf16_layer(gemm: ExpertGemm) -> CudaMoeLayer {
+        let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        let shared = Some(SharedConfig { inter: 64, gated: false });
+        let config = preset::config(256, 64, 64, 8, router, Activation::Silu, shared);
+        let opts = CudaOptions { expert_gemm: gemm, ..Default::default() };
+        CudaMoeLayer::random(&config, 3, &opts).unwrap()
+    }
+
+    /// `n` random bf16 values (seeded), as bits.
+    fn bf16_values(n: usize, seed: u64) -> Vec<u16> {
+        preset::uniform(n, 1.0, seed).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
+    }
+
+    /// The f32 call's output on the values of `values` (bf16 bits, `t` tokens), rounded to the
+    /// nearest bf16.
+    fn rounded_f32_call(layer: &CudaMoeLayer, caller: &Arc<CudaStream>, values: &[u16], t: usize) -> Vec<u16> {
+        let (raw, h) = (caller.cu_stream() as u64, layer.config.hidden);
+        let widened: Vec<f32> = values.iter().map(|&v| half::bf16::from_bits(v).to_f32()).collect();
+        let (x32, out32) = (caller.clone_htod(&widened).unwrap(), caller.alloc_zeros::<f32>(t * h).unwrap());
+        layer.forward_device(addr(&x32, caller), addr(&out32, caller), t, raw).unwrap();
+        layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
+        let want: Vec<u16> =
+            caller.clone_dtoh(&out32).unwrap().iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+        assert!(want.iter().any(|&v| v != 0), "{t} tokens: the f32 call wrote its output");
+        want
+    }
+
     /// bf16 hidden states through `forward_device_bf16` give the bf16 rounding of the f32 call's
     /// output on the same values, bit for bit: a small batch (its graph, or the fused route), a
     /// middle one, and a large one whose router reads the bf16 rows as they are (on Hopper, where
-    /// the layer says so), with a shared expert and without a gate of its own (a gated one reads
-    /// the f32 rows), also within a caller's capture. 64 experts of DeepSeek-V3's router, a gate
-    /// of bf16 values. Needs a GPU; says loudly when it skips.
+    /// the layer says so), also within a caller's capture; on a layer whose run stays on the
+    /// device and on one whose cuBLAS experts read the host (the call that waits). Needs a GPU;
+    /// says loudly when it skips.
     #[test]
     fn bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
         let name = "bf16_hidden_states_give_the_rounded_bits_of_f32_ones";
         if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
-        let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
-        let shared = Some(SharedConfig { inter: 64, gated: false });
-        let config = preset::config(256, 64, 64, 8, router, Activation::Silu, shared);
-        let layer = CudaMoeLayer::random(&config, 3, &CudaOptions::default()).unwrap();
-        let h = config.hidden;
-        let caller = layer.gpu.ctx.new_stream().unwrap();
-        let raw = caller.cu_stream() as u64;
-        let big = 1000;
-        let direct = layer.routes_bf16_tokens(big) && !layer.takes_graph(big);
-        assert_eq!(direct, layer.k.router_tf32_sm90.is_some(), "{big} tokens: the router reads bf16 rows on Hopper");
-        for (t, seed) in [(3usize, 1u64), (40, 2), (big, 3)] {
-            let values: Vec<u16> =
-                preset::uniform(t * h, 1.0, seed).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-            let widened: Vec<f32> = values.iter().map(|&v| half::bf16::from_bits(v).to_f32()).collect();
-            let (x32, x16) = (caller.clone_htod(&widened).unwrap(), caller.clone_htod(&values).unwrap());
-            let (out32, mut out16) =
-                (caller.alloc_zeros::<f32>(t * h).unwrap(), caller.alloc_zeros::<u16>(t * h).unwrap());
-            // The bf16 call into a zeroed output, directly or from a captured graph.
-            let mut run = |capture: bool| {
-                caller.memset_zeros(&mut out16).unwrap();
-                if capture {
-                    caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+        for gemm in [ExpertGemm::Auto, ExpertGemm::Cublas] {
+            let layer = bf16_layer(gemm);
+            let h = layer.config.hidden;
+            let caller = layer.gpu.ctx.new_stream().unwrap();
+            let raw = caller.cu_stream() as u64;
+            let big = 1000;
+            let direct = layer.routes_bf16_tokens(big) && !layer.takes_graph(big);
+            assert_eq!(
+                direct,
+                layer.k.router_tf32_sm90.is_some(),
+                "{big} tokens: the router reads bf16 rows on Hopper"
+            );
+            for (t, seed) in [(3usize, 1u64), (40, 2), (big, 3)] {
+                let values = bf16_values(t * h, seed);
+                let x16 = caller.clone_htod(&values).unwrap();
+                let mut out16 = caller.alloc_zeros::<u16>(t * h).unwrap();
+                // The bf16 call into a zeroed output, directly or from a captured graph.
+                let mut run = |capture: bool| {
+                    caller.memset_zeros(&mut out16).unwrap();
+                    if capture {
+                        caller.begin_capture(drv::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL).unwrap();
+                    }
+                    let ran = layer.forward_device_bf16(addr(&x16, &caller), addr(&out16, &caller), t, raw);
+                    if capture {
+                        let graph = caller.end_capture(drv::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
+                        ran.unwrap();
+                        graph.launch().unwrap();
+                    } else {
+                        ran.unwrap();
+                    }
+                    layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
+                    caller.clone_dtoh(&out16).unwrap()
+                };
+                let want = rounded_f32_call(&layer, &caller, &values, t);
+                let got = run(false);
+                if let Some(i) = (0..t * h).find(|&i| got[i] != want[i]) {
+                    panic!(
+                        "{gemm:?}, {t} tokens: output {i} is {:#06x} from bf16 hidden states, {:#06x} rounded from f32",
+                        got[i], want[i]
+                    );
                 }
-                let ran = layer.forward_device_bf16(addr(&x16, &caller), addr(&out16, &caller), t, raw);
-                if capture {
-                    let graph = caller.end_capture(drv::CUgraphInstantiate_flags(0)).unwrap().expect("a graph");
-                    ran.unwrap();
-                    graph.launch().unwrap();
-                } else {
-                    ran.unwrap();
+                // Within the caller's capture too, where the layer runs on device memory alone.
+                let waits = layer.host_read(t).is_some();
+                if !waits {
+                    assert!(run(true) == want, "{t} tokens: a captured bf16 call gives the same bits");
                 }
-                layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
-                caller.clone_dtoh(&out16).unwrap()
-            };
-            layer.forward_device(addr(&x32, &caller), addr(&out32, &caller), t, raw).unwrap();
-            layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
-            let want: Vec<u16> =
-                caller.clone_dtoh(&out32).unwrap().iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-            assert!(want.iter().any(|&v| v != 0), "{t} tokens: the f32 call wrote its output");
-            let got = run(false);
-            if let Some(i) = (0..t * h).find(|&i| got[i] != want[i]) {
-                panic!(
-                    "{t} tokens: output {i} is {:#06x} from bf16 hidden states, {:#06x} rounded from f32",
-                    got[i], want[i]
-                );
+                let how = if waits { "waiting" } else { "enqueued" };
+                eprintln!("{name}: {gemm:?}, {t} tokens ({how}): the bf16 call's outputs are the f32 call's rounded");
             }
-            // Within the caller's capture too, where the layer runs on device memory alone.
-            if layer.host_read(t).is_none() {
-                assert!(run(true) == want, "{t} tokens: a captured bf16 call gives the same bits");
+        }
+    }
+
+    /// NaN and infinities among bf16 hidden states: a call that waits refuses them naming the
+    /// first, before the run; a call that does not wait computes on them as zeros (the output
+    /// is the f32 call's on the values with zeros there, rounded) and the next synchronization
+    /// reports the first, once. Whichever router reads the tokens (a small batch's reads the
+    /// f32 rows, a large one's on Hopper the bf16 rows). Needs a GPU; says loudly when it skips.
+    #[test]
+    fn nonfinite_bf16_hidden_states_are_zeroed_and_reported() {
+        let name = "nonfinite_bf16_hidden_states_are_zeroed_and_reported";
+        if crate::backend::cuda::skip_without_gpu(name) {
+            return;
+        }
+        for gemm in [ExpertGemm::Auto, ExpertGemm::Cublas] {
+            let layer = bf16_layer(gemm);
+            let h = layer.config.hidden;
+            let caller = layer.gpu.ctx.new_stream().unwrap();
+            let raw = caller.cu_stream() as u64;
+            for (t, seed) in [(3usize, 4u64), (1000, 5)] {
+                let mut values = bf16_values(t * h, seed);
+                // A NaN in token 1 and a negative infinity in token 2.
+                let (nan, inf) = (h + 37, 2 * h + 200);
+                values[nan] = 0x7fc1;
+                values[inf] = 0xff80;
+                let x16 = caller.clone_htod(&values).unwrap();
+                let out16 = caller.alloc_zeros::<u16>(t * h).unwrap();
+                let called = layer.forward_device_bf16(addr(&x16, &caller), addr(&out16, &caller), t, raw);
+                let reported = match layer.host_read(t) {
+                    Some(_) => called,
+                    None => {
+                        called.expect("the call does not wait to see its input");
+                        let out = caller.clone_dtoh(&out16).unwrap();
+                        let reported = layer.synchronize_device(raw, Duration::from_secs(20));
+                        let mut zeroed = values.clone();
+                        (zeroed[nan], zeroed[inf]) = (0, 0);
+                        assert!(out == rounded_f32_call(&layer, &caller, &zeroed, t), "{t} tokens: computed on zeros");
+                        layer.synchronize_device(raw, Duration::from_secs(20)).expect("reported once");
+                        reported
+                    }
+                };
+                match reported {
+                    Err(MoeError::NonFinite { index, value, .. }) => {
+                        assert_eq!(index, nan, "{gemm:?}, {t} tokens: the first non-finite value");
+                        assert!(value.is_nan(), "{gemm:?}, {t} tokens: {value} reported for a NaN");
+                    }
+                    other => panic!("{gemm:?}, {t} tokens: expected the NaN input, got {other:?}"),
+                }
+                eprintln!("{name}: {gemm:?}, {t} tokens: the NaN at {nan} is reported");
             }
-            eprintln!("{name}: {t} tokens: the bf16 call's {} outputs are the f32 call's rounded", t * h);
         }
     }
 }

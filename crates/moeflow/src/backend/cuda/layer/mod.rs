@@ -66,7 +66,7 @@ use side_streams::SideStreams;
 
 struct Kernels {
     to_bf16: CudaFunction,
-    to_f32: CudaFunction,
+    take_bf16: CudaFunction,
     add_bias: CudaFunction,
     route: CudaFunction,
     route_wide: CudaFunction,
@@ -260,7 +260,7 @@ impl CudaMoeLayer {
         let f = |n: &str| gpu.function(n);
         let k = Kernels {
             to_bf16: f("f32_to_bf16_kernel")?,
-            to_f32: f("bf16_to_f32_kernel")?,
+            take_bf16: f("clear_nonfinite_bf16")?,
             add_bias: f("add_row_bias")?,
             route: f("route")?,
             route_wide: f("route_wide")?,
@@ -712,13 +712,18 @@ impl CudaMoeLayer {
         let mut guard = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         let b = self.batch_buffers(&mut guard, t)?;
         let rows = z - a;
-        if rows > 0 {
-            let width = if bf16 { 2 } else { 4 };
-            self.copy_tokens_in(b, x + (a * h * width) as u64, rows, bf16)?;
+        // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
+        let bf16_rows = bf16 && !self.takes_graph(rows) && self.routes_bf16_tokens(rows);
+        if rows > 0 && bf16 {
+            let found = super::finite::fresh_count(g)?;
+            let at = x + (a * h * 2) as u64;
+            self.take_bf16_tokens(b, at, rows, !bf16_rows, dptr(&found, g))?;
+            super::finite::check_bf16_input(g, &found, at, "hidden_states")?;
+        } else if rows > 0 {
+            self.copy_tokens_in(b, x + (a * h * 4) as u64, rows)?;
             super::finite::check_input_on_device(g, &b.x.slice(0..rows * h), "hidden_states")?;
         }
-        // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
-        b.tokens_bf16 = bf16 && !self.takes_graph(rows) && self.routes_bf16_tokens(rows);
+        b.tokens_bf16 = bf16_rows;
         match capacity {
             Some(_) => self.ll_run(b, rows, false)?,
             None if self.takes_graph(rows) => self.graph_run(b, rows, false)?,
@@ -737,23 +742,38 @@ impl CudaMoeLayer {
         Ok(())
     }
 
-    /// Copies `rows` tokens' hidden states from device address `x` (f32, or bf16 with `bf16`)
-    /// into `b.x`, and with `bf16` also as they are into `b.x_bf`, on the layer's stream.
-    fn copy_tokens_in(&self, b: &Buffers, x: u64, rows: usize, bf16: bool) -> Result<()> {
+    /// Copies `rows` tokens' f32 hidden states from device address `x` into `b.x`, on the
+    /// layer's stream.
+    fn copy_tokens_in(&self, b: &Buffers, x: u64, rows: usize) -> Result<()> {
         let (g, n) = (&self.gpu, rows * self.config.hidden);
-        let (xp, xbp) = (dptr(&b.x, g), dptr(&b.x_bf, g));
-        if bf16 {
-            let len = n as i64;
-            // SAFETY: bf16_to_f32_kernel(bf16*, float*, bf16*, long) reads n bf16 values at `x`
-            // (the caller's promise) and writes n into `b.x` and `b.x_bf`, which hold `rows` rows.
-            unsafe { g.stream.launch_builder(&self.k.to_f32).arg(&x).arg(&xp).arg(&xbp).arg(&len).launch(grid(n)) }
-                .map(|_| ())
-                .map_err(|e| err("copy in", e))
-        } else {
-            // SAFETY: `x` holds n floats (the caller's promise); `b.x` holds at least as many.
-            unsafe { cudarc::driver::result::memcpy_dtod_async(xp, x, n * 4, g.stream.cu_stream()) }
-                .map_err(|e| err("copy in", e))
+        // SAFETY: `x` holds n floats (the caller's promise); `b.x` holds at least as many.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dptr(&b.x, g), x, n * 4, g.stream.cu_stream()) }
+            .map_err(|e| err("copy in", e))
+    }
+
+    /// Takes `rows` tokens' bf16 hidden states in from device address `x`, on the layer's
+    /// stream: into `b.x_bf` as they are, and with `widen` into `b.x` as f32 too (for every
+    /// router but the one that reads bf16 rows, see [`CudaMoeLayer::routes_bf16_tokens`]), each
+    /// NaN or infinity as 0 and counted into the `{count, first index}` at `count` (see
+    /// `finite.rs`).
+    fn take_bf16_tokens(&self, b: &Buffers, x: u64, rows: usize, widen: bool, count: u64) -> Result<()> {
+        let (g, n) = (&self.gpu, rows * self.config.hidden);
+        let (xbp, xp, len) = (dptr(&b.x_bf, g), if widen { dptr(&b.x, g) } else { 0u64 }, n as i64);
+        // SAFETY: clear_nonfinite_bf16(bf16*, bf16*, float*, long long, unsigned long long*)
+        // reads n bf16 values at `x` (the caller's promise), writes n into `b.x_bf` and, unless
+        // null, `b.x` (both hold `rows` rows), and updates the two u64 at `count`.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.take_bf16)
+                .arg(&x)
+                .arg(&xbp)
+                .arg(&xp)
+                .arg(&len)
+                .arg(&count)
+                .launch(super::finite::warps_over(n))
         }
+        .map(|_| ())
+        .map_err(|e| err("copy in", e))
     }
 
     /// Copies the first `t` rows of `b.out` to device address `out`: as they are, or with `bf16`
