@@ -1068,6 +1068,78 @@ fn through_device(
     Ok(got)
 }
 
+/// [`through_device`] on bf16 hidden states: `x` (bf16 values as f32) through
+/// [`CudaMoeLayer::forward_device_bf16`], the output's bf16 bits read back.
+fn through_device_bf16(
+    layer: &moeflow::backend::cuda::CudaMoeLayer,
+    x: &[f32],
+    t: usize,
+    device: usize,
+) -> moeflow::Result<Vec<u16>> {
+    use cudarc::driver::{CudaContext, DevicePtr};
+    let cuda = |e: cudarc::driver::DriverError| moeflow::MoeError::Unsupported(format!("test buffers: {e:?}"));
+    let stream = CudaContext::new(device).map_err(cuda)?.new_stream().map_err(cuda)?;
+    let h = layer.config().hidden;
+    let mut input = vec![0u16; (t * h).max(1)];
+    input.iter_mut().zip(x).for_each(|(b, &v)| *b = half::bf16::from_f32(v).to_bits());
+    let xd = stream.clone_htod(&input).map_err(cuda)?;
+    let out = stream.alloc_zeros::<u16>((t * h).max(1)).map_err(cuda)?;
+    {
+        let (xp, _x) = xd.device_ptr(&stream);
+        let (op, _o) = out.device_ptr(&stream);
+        layer.forward_device_bf16(xp, op, t, stream.cu_stream() as u64)?;
+    }
+    let mut got = stream.clone_dtoh(&out).map_err(cuda)?;
+    got.truncate(t * h);
+    Ok(got)
+}
+
+/// bf16 hidden states on expert-parallel ranks (all-to-all-v over the default transport, and
+/// the low-latency layer), whose calls on device memory wait for the GPU: each rank's
+/// `forward_device_bf16` gives its f32 call's output on the same values rounded to bf16, bit
+/// for bit, with uneven and empty batches. The gate holds bf16 values, as checkpoints do, so on
+/// Hopper the all-to-all-v router reads the bf16 rows as they are.
+#[test]
+fn expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
+    let name = "expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones";
+    let Some(Gpus { n, _serial }) = gpus(name) else { return };
+    let (case, config, mut weights) = device_cases().remove(2);
+    let gate: Vec<f32> = weights.gate.to_f32_vec().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    weights.gate = Tensor::from_f32(weights.gate.shape(), gate).unwrap();
+    let (h, total) = (config.hidden, 600);
+    let x: Vec<f32> = preset::uniform(total * h, 1.0, 83).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    let spec = moeflow::RankLayerSpec::new(&config, &weights);
+    for s in [StrategyKind::All2AllV, StrategyKind::LowLatency] {
+        let par = ParallelConfig { max_tokens_per_rank: total, ..ParallelConfig::new(n, 1, s) };
+        for sizes in splits(total, n) {
+            let starts: Vec<usize> = sizes.iter().scan(0, |a, &s| Some(std::mem::replace(a, *a + s))).collect();
+            let runs = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
+                let layer = par.rank_layer(Some(comm), kind, &spec)?;
+                let device = match kind {
+                    moeflow::ExpertsKind::Cuda { device } => device,
+                    _ => unreachable!("GPU ranks"),
+                };
+                let cuda = layer.device_layer().expect("an expert-parallel rank runs whole on the device");
+                let (a, t) = (starts[comm.rank()], sizes[comm.rank()]);
+                let rows = &x[a * h..(a + t) * h];
+                Ok((t, through_device(cuda, rows, t, device)?, through_device_bf16(cuda, rows, t, device)?))
+            });
+            for (rank, r) in runs {
+                let (t, f32_out, bf16_out) = r.unwrap_or_else(|e| panic!("{case}, {s}, {sizes:?}: rank {rank}: {e}"));
+                let want: Vec<u16> = f32_out.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                assert!(t == 0 || want.iter().any(|&v| v != 0), "{s}, {sizes:?}: rank {rank} wrote its output");
+                if let Some(i) = (0..t * h).find(|&i| bf16_out[i] != want[i]) {
+                    panic!(
+                        "{s}, {sizes:?}: rank {rank}: output {i} is {:#06x} from bf16 hidden states, {:#06x} rounded",
+                        bf16_out[i], want[i]
+                    );
+                }
+            }
+            eprintln!("{name}: {s}, {sizes:?}: every rank's bf16 call gives its f32 call's bits, rounded");
+        }
+    }
+}
+
 /// TP slicing on the device (the library's layer choice for TP 2 without dual-batch): around
 /// all2allv, lowlatency and auto, with batches not divisible by TP, smaller than TP and empty,
 /// through `forward`, `forward_device` and the timed run. Every rank of a TP group returns its
