@@ -46,6 +46,57 @@ fn overflowing_outputs_are_counted_on_the_device() {
     assert!(out.to_f32_vec().iter().all(|v| v.is_finite()));
 }
 
+/// The same overflow through device memory, f32 and bf16 hidden states alike
+/// (`forward_device`, `forward_device_bf16`): the count and the first position are the host's,
+/// from the call itself where it waits (cuBLAS's experts read the host) or from the next
+/// `synchronize_device` where it does not (the library's choice on Hopper).
+#[test]
+fn overflowing_outputs_of_calls_on_device_memory_are_counted() {
+    use cudarc::driver::{CudaContext, DevicePtr};
+    use moeflow::backend::cuda_options::{CudaOptions, ExpertGemm};
+    if !have_gpu("overflowing_outputs_of_calls_on_device_memory_are_counted") {
+        return;
+    }
+    let config = preset::config(64, 32, 8, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 3);
+    // bf16 values, so that both calls take the same ones.
+    let mut x = preset::uniform(5 * 64, 1.0, 9);
+    x[64..].iter_mut().for_each(|v| *v *= 1e25);
+    let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    let x16: Vec<u16> = x.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+    let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let raw = stream.cu_stream() as u64;
+    let (x32d, x16d) = (stream.clone_htod(&x).unwrap(), stream.clone_htod(&x16).unwrap());
+    let (out32, out16) = (stream.alloc_zeros::<f32>(x.len()).unwrap(), stream.alloc_zeros::<u16>(x.len()).unwrap());
+    for gemm in [ExpertGemm::Cublas, ExpertGemm::Auto] {
+        let layer =
+            CudaMoeLayer::new(&config, &weights, &CudaOptions { expert_gemm: gemm, ..Default::default() }).unwrap();
+        let want = match layer.forward(&Tensor::from_f32(&[5, 64], x.clone()).unwrap()).unwrap_err() {
+            MoeError::NonFiniteOutput { count, token, column, .. } => (count, token, column),
+            e => panic!("expected a non-finite output error, got {e}"),
+        };
+        for bf16 in [false, true] {
+            let called = if bf16 {
+                let (xp, _a) = x16d.device_ptr(&stream);
+                let (op, _b) = out16.device_ptr(&stream);
+                layer.forward_device_bf16(xp, op, 5, raw)
+            } else {
+                let (xp, _a) = x32d.device_ptr(&stream);
+                let (op, _b) = out32.device_ptr(&stream);
+                layer.forward_device(xp, op, 5, raw)
+            };
+            let reported = called.and_then(|()| layer.synchronize_device(raw, std::time::Duration::from_secs(20)));
+            match reported {
+                Err(MoeError::NonFiniteOutput { count, token, column, .. }) => {
+                    assert_eq!((count, token, column), want, "{gemm:?}, bf16 {bf16}: the host's count and position")
+                }
+                other => panic!("{gemm:?}, bf16 {bf16}: expected a non-finite output error, got {other:?}"),
+            }
+            layer.synchronize_device(raw, std::time::Duration::from_secs(20)).expect("reported once");
+        }
+    }
+}
+
 #[test]
 fn device_out_of_memory_names_the_allocation() {
     if !have_gpu("device_out_of_memory_names_the_allocation") {

@@ -50,7 +50,24 @@ pub(crate) fn read_count(gpu: &Gpu, count: &CudaSlice<u64>) -> Result<Option<(us
 /// Refuses an output `[T, hidden]` on the device that holds NaN or infinity, naming the count
 /// and the first one's position (its value is read back alone).
 pub(crate) fn check_output(gpu: &Gpu, out: &CudaView<'_, f32>, hidden: usize) -> Result<()> {
-    let Some((count, first)) = count_nonfinite(gpu, out)? else {
+    output_error(gpu, out, hidden, count_nonfinite(gpu, out)?)
+}
+
+/// [`check_output`] where `count` (see [`fresh_count`]) holds the count of `out`'s non-finite
+/// values, made on the layer's stream (by `copy_counting_nonfinite`). Waits for the stream.
+pub(crate) fn check_output_count(
+    gpu: &Gpu,
+    count: &CudaSlice<u64>,
+    out: &CudaView<'_, f32>,
+    hidden: usize,
+) -> Result<()> {
+    output_error(gpu, out, hidden, read_count(gpu, count)?)
+}
+
+/// The error for output `out [T, hidden]` in which `found` (`(count, first flat index)`) names
+/// non-finite values; `Ok` for none.
+fn output_error(gpu: &Gpu, out: &CudaView<'_, f32>, hidden: usize, found: Option<(usize, usize)>) -> Result<()> {
+    let Some((count, first)) = found else {
         return Ok(());
     };
     let mut value = [0f32];
@@ -59,32 +76,26 @@ pub(crate) fn check_output(gpu: &Gpu, out: &CudaView<'_, f32>, hidden: usize) ->
     Err(MoeError::NonFiniteOutput { count, token: first / hidden, column: first % hidden, value: value[0] })
 }
 
-/// Checks an input already on the device, `x [T, hidden]`: the error [`crate::error::check_finite`]
-/// gives for host input, naming the first NaN or infinite value.
-pub(crate) fn check_input_on_device(gpu: &Gpu, x: &CudaView<'_, f32>, what: &str) -> Result<()> {
-    let Some((_count, first)) = count_nonfinite(gpu, x)? else {
-        return Ok(());
-    };
-    let mut value = [0f32];
-    gpu.stream.memcpy_dtoh(&x.slice(first..first + 1), &mut value).map_err(|e| err("reading a value", e))?;
-    Err(MoeError::NonFinite { what: what.to_string(), index: first, value: value[0] })
-}
-
-/// The error for bf16 input `x [T, hidden]` on the device at address `x` (the caller's memory)
-/// in which `count` (see [`fresh_count`], filled by `clear_nonfinite_bf16`) found NaN or
-/// infinity: as [`check_input_on_device`]'s, naming the first such value. `Ok` when none was
-/// found. Waits for the layer's stream.
-pub(crate) fn check_bf16_input(gpu: &Gpu, count: &CudaSlice<u64>, x: u64, what: &str) -> Result<()> {
+/// The error for input `x [T, hidden]` on the device at address `x` (the caller's memory; f32
+/// values, or bf16 with `bf16`) in which `count` (see [`fresh_count`], filled as the input was
+/// taken in) found NaN or infinity: the error [`crate::error::check_finite`] gives for host
+/// input, naming the first such value. `Ok` when none was found. Waits for the layer's stream.
+pub(crate) fn check_input_count(gpu: &Gpu, count: &CudaSlice<u64>, x: u64, bf16: bool, what: &str) -> Result<()> {
     let Some((_count, first)) = read_count(gpu, count)? else {
         return Ok(());
     };
-    let mut bits = [0u16];
-    // SAFETY: `x` holds the bf16 values the count ran over (the caller's promise), `first` among
-    // them; the copy waits on the layer's stream, after which no work of the layer writes `x`.
-    unsafe { result::memcpy_dtoh_async(&mut bits, x + 2 * first as u64, gpu.stream.cu_stream()) }
+    let mut bytes = [0u8; 4];
+    let width = if bf16 { 2 } else { 4 };
+    // SAFETY: `x` holds the values the count ran over (the caller's promise), `first` among
+    // them, `width` bytes each; the copy waits on the layer's stream, after which no work of the
+    // layer writes `x`.
+    unsafe { result::memcpy_dtoh_async(&mut bytes[..width], x + (width * first) as u64, gpu.stream.cu_stream()) }
         .and_then(|_| gpu.stream.synchronize())
         .map_err(|e| err("reading a value", e))?;
-    let value = half::bf16::from_bits(bits[0]).to_f32();
+    let value = match bf16 {
+        true => half::bf16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
+        false => f32::from_le_bytes(bytes),
+    };
     Err(MoeError::NonFinite { what: what.to_string(), index: first, value })
 }
 

@@ -43,8 +43,6 @@ pub(super) struct DeviceCalls {
     started: bool,
     /// Buffers that captured graphs point into, kept for the layer's life.
     kept: Vec<Buffers>,
-    count: CudaFunction,
-    clear: CudaFunction,
     latch: CudaFunction,
 }
 
@@ -76,8 +74,6 @@ impl DeviceCalls {
             done: event()?,
             started: false,
             kept: Vec::new(),
-            count: g.function("count_nonfinite_f32")?,
-            clear: g.function("clear_nonfinite_f32")?,
             latch: g.function("latch_nonfinite")?,
         })
     }
@@ -93,27 +89,9 @@ impl DeviceCalls {
         dptr(&self.call, &layer.gpu) + 16 * which as u64
     }
 
-    /// Enqueues on `s` the count of the non-finite values of the `n` floats at `x` into record
-    /// `which` (0: inputs, with each of them set to 0 in `x`, so that routing never meets one;
-    /// 1: outputs), their values read at `values` (where `x` was copied from, for inputs).
-    fn count(&self, layer: &CudaMoeLayer, s: &CudaStream, x: u64, n: usize, values: u64, which: usize) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let call = self.call_count(layer, which);
-        let (len, kernel) = (n as i64, if which == 0 { &self.clear } else { &self.count });
-        // SAFETY: clear_nonfinite_f32(float*, long long, unsigned long long*) and
-        // count_nonfinite_f32(const float*, ...) read (and the first writes) the `n` floats at
-        // `x` and update this call's two counts, which live as long as the layer; `x` holds `n`
-        // floats (a layer buffer).
-        unsafe { s.launch_builder(kernel).arg(&x).arg(&len).arg(&call).launch(super::super::finite::warps_over(n)) }
-            .map_err(|e| err("count", e))?;
-        self.latch(layer, s, values, false, which)
-    }
-
-    /// Enqueues on `s` the move of this call's count of record `which` (see
-    /// [`DeviceCalls::count`]) into the running record, the first value read at `values` (f32,
-    /// or bf16 with `bf16`).
+    /// Enqueues on `s` the move of this call's count of record `which` (0: inputs, see
+    /// [`CudaMoeLayer::take_tokens`]; 1: outputs, see [`CudaMoeLayer::copy_output`]) into the
+    /// running record, the first value read at `values` (f32, or bf16 with `bf16`).
     fn latch(&self, layer: &CudaMoeLayer, s: &CudaStream, values: u64, bf16: bool, which: usize) -> Result<()> {
         let (call, record) = (self.call_count(layer, which), dptr(&self.records, &layer.gpu) + 24 * which as u64);
         let (bf16, one) =
@@ -309,9 +287,9 @@ impl CudaMoeLayer {
         Ok(())
     }
 
-    /// The run itself, on the layer's stream: copy in, input count, the layer (its own graph
-    /// replayed where it takes one and the caller is not capturing), output count, copy out,
-    /// records mirrored. `[x, out]` are the caller's addresses, bf16 values with `bf16`.
+    /// The run itself, on the layer's stream: the copy in with its count, the layer (its own
+    /// graph replayed where it takes one and the caller is not capturing), the copy out with its
+    /// count, records mirrored. `[x, out]` are the caller's addresses, bf16 values with `bf16`.
     fn enqueue_on_device(
         &self,
         b: &mut Buffers,
@@ -321,27 +299,22 @@ impl CudaMoeLayer {
         capture: bool,
         bf16: bool,
     ) -> Result<()> {
-        let (g, h) = (&self.gpu, self.config.hidden);
+        let g = &self.gpu;
         let s = &g.stream;
         // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
         let bf16_rows = bf16 && self.routes_bf16_tokens(t);
-        if bf16 {
-            let widen = !bf16_rows || (!capture && self.takes_graph(t));
-            self.take_bf16_tokens(b, x, t, widen, c.call_count(self, 0))?;
-            c.latch(self, s, x, true, 0)?;
-        } else {
-            self.copy_tokens_in(b, x, t)?;
-            c.count(self, s, dptr(&b.x, g), t * h, x, 0)?;
-        }
+        let widen = !bf16_rows || (!capture && self.takes_graph(t));
+        self.take_tokens(b, x, t, bf16, widen, c.call_count(self, 0))?;
+        c.latch(self, s, x, bf16, 0)?;
         if capture || !self.takes_graph(t) || !self.launch_graph(b, t)? {
             b.tokens_bf16 = bf16_rows;
             self.enqueue(b, t, &|_| Ok(()))?;
         }
-        if !self.allow_nonfinite {
-            let o = dptr(&b.out, g);
-            c.count(self, s, o, t * h, o, 1)?;
+        let counted = !self.allow_nonfinite;
+        self.copy_output(b, out, t, bf16, if counted { c.call_count(self, 1) } else { 0 })?;
+        if counted {
+            c.latch(self, s, dptr(&b.out, g), false, 1)?;
         }
-        self.copy_output(b, out, t, bf16)?;
         c.mirror(self, s)
     }
 

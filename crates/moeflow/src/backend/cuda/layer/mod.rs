@@ -66,7 +66,9 @@ use side_streams::SideStreams;
 
 struct Kernels {
     to_bf16: CudaFunction,
+    take_f32: CudaFunction,
     take_bf16: CudaFunction,
+    hand_out: CudaFunction,
     add_bias: CudaFunction,
     route: CudaFunction,
     route_wide: CudaFunction,
@@ -260,7 +262,9 @@ impl CudaMoeLayer {
         let f = |n: &str| gpu.function(n);
         let k = Kernels {
             to_bf16: f("f32_to_bf16_kernel")?,
+            take_f32: f("clear_nonfinite_f32")?,
             take_bf16: f("clear_nonfinite_bf16")?,
+            hand_out: f("copy_counting_nonfinite")?,
             add_bias: f("add_row_bias")?,
             route: f("route")?,
             route_wide: f("route_wide")?,
@@ -664,8 +668,9 @@ impl CudaMoeLayer {
     /// CUDA graph capturing `stream` takes the layer in (after one call of that batch size
     /// outside the capture); non-finite inputs and outputs are reported by a later call or
     /// [`CudaMoeLayer::synchronize_device`]. Elsewhere the host returns once the layer's run
-    /// has completed, as [`CudaMoeLayer::forward`] does, and a capture is refused with an error
-    /// saying what reads the host.
+    /// has completed, as [`CudaMoeLayer::forward`] does (an error for non-finite inputs before
+    /// the run, for a non-finite output after `out` is written), and a capture is refused with
+    /// an error saying what reads the host.
     ///
     /// A TP-sliced layer ([`CudaMoeLayer::tp_slice`]) copies in only its share's rows of `x`
     /// and writes every row of `out`.
@@ -714,14 +719,11 @@ impl CudaMoeLayer {
         let rows = z - a;
         // A direct run's router reads bf16 tokens as they are (a graph's reads the f32 rows).
         let bf16_rows = bf16 && !self.takes_graph(rows) && self.routes_bf16_tokens(rows);
-        if rows > 0 && bf16 {
+        if rows > 0 {
             let found = super::finite::fresh_count(g)?;
-            let at = x + (a * h * 2) as u64;
-            self.take_bf16_tokens(b, at, rows, !bf16_rows, dptr(&found, g))?;
-            super::finite::check_bf16_input(g, &found, at, "hidden_states")?;
-        } else if rows > 0 {
-            self.copy_tokens_in(b, x + (a * h * 4) as u64, rows)?;
-            super::finite::check_input_on_device(g, &b.x.slice(0..rows * h), "hidden_states")?;
+            let at = x + (a * h * if bf16 { 2 } else { 4 }) as u64;
+            self.take_tokens(b, at, rows, bf16, !bf16_rows, dptr(&found, g))?;
+            super::finite::check_input_count(g, &found, at, bf16, "hidden_states")?;
         }
         b.tokens_bf16 = bf16_rows;
         match capacity {
@@ -729,10 +731,11 @@ impl CudaMoeLayer {
             None if self.takes_graph(rows) => self.graph_run(b, rows, false)?,
             None => self.run_marks(b, rows, false, &no_hook)?.0,
         };
-        if !self.allow_nonfinite {
-            super::finite::check_output(g, &b.out.slice(0..t * h), h)?;
+        let found = if self.allow_nonfinite { None } else { Some(super::finite::fresh_count(g)?) };
+        self.copy_output(b, out, t, bf16, found.as_ref().map_or(0, |f| dptr(f, g)))?;
+        if let Some(found) = &found {
+            super::finite::check_output_count(g, found, &b.out.slice(0..t * h), h)?;
         }
-        self.copy_output(b, out, t, bf16)?;
         let done = s.record_event(None).map_err(|e| err("event", e))?;
         // SAFETY: the caller's stream waits for an event of this context (same device).
         let r = unsafe { drv::cuStreamWaitEvent(caller, done.cu_event(), 0) };
@@ -742,60 +745,58 @@ impl CudaMoeLayer {
         Ok(())
     }
 
-    /// Copies `rows` tokens' f32 hidden states from device address `x` into `b.x`, on the
-    /// layer's stream.
-    fn copy_tokens_in(&self, b: &Buffers, x: u64, rows: usize) -> Result<()> {
+    /// Takes `rows` tokens' hidden states in from device address `x` (f32, or bf16 with `bf16`),
+    /// on the layer's stream: f32 ones into `b.x`; bf16 ones into `b.x_bf` as they are and, with
+    /// `widen`, into `b.x` as f32 too (for every router but the one that reads bf16 rows, see
+    /// [`CudaMoeLayer::routes_bf16_tokens`]). Each NaN or infinity is taken as 0 and counted into
+    /// the `{count, first index}` at `count` (see `finite.rs`).
+    fn take_tokens(&self, b: &Buffers, x: u64, rows: usize, bf16: bool, widen: bool, count: u64) -> Result<()> {
         let (g, n) = (&self.gpu, rows * self.config.hidden);
-        // SAFETY: `x` holds n floats (the caller's promise); `b.x` holds at least as many.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dptr(&b.x, g), x, n * 4, g.stream.cu_stream()) }
-            .map_err(|e| err("copy in", e))
-    }
-
-    /// Takes `rows` tokens' bf16 hidden states in from device address `x`, on the layer's
-    /// stream: into `b.x_bf` as they are, and with `widen` into `b.x` as f32 too (for every
-    /// router but the one that reads bf16 rows, see [`CudaMoeLayer::routes_bf16_tokens`]), each
-    /// NaN or infinity as 0 and counted into the `{count, first index}` at `count` (see
-    /// `finite.rs`).
-    fn take_bf16_tokens(&self, b: &Buffers, x: u64, rows: usize, widen: bool, count: u64) -> Result<()> {
-        let (g, n) = (&self.gpu, rows * self.config.hidden);
-        let (xbp, xp, len) = (dptr(&b.x_bf, g), if widen { dptr(&b.x, g) } else { 0u64 }, n as i64);
+        let (xp, xbp, len) = (dptr(&b.x, g), dptr(&b.x_bf, g), n as i64);
+        let s = &g.stream;
+        let cfg = super::finite::warps_over(n);
         // SAFETY: clear_nonfinite_bf16(bf16*, bf16*, float*, long long, unsigned long long*)
-        // reads n bf16 values at `x` (the caller's promise), writes n into `b.x_bf` and, unless
-        // null, `b.x` (both hold `rows` rows), and updates the two u64 at `count`.
+        // reads n bf16 values at `x` and clear_nonfinite_f32(float*, float*, long long, unsigned
+        // long long*) n floats (the caller's promise); they write n values into `b.x_bf` and,
+        // unless null, `b.x` (or into `b.x`), which hold `rows` rows, and update the two u64 at
+        // `count`.
         unsafe {
-            g.stream
-                .launch_builder(&self.k.take_bf16)
-                .arg(&x)
-                .arg(&xbp)
-                .arg(&xp)
-                .arg(&len)
-                .arg(&count)
-                .launch(super::finite::warps_over(n))
+            match bf16 {
+                true => {
+                    let xp = if widen { xp } else { 0u64 };
+                    s.launch_builder(&self.k.take_bf16).arg(&x).arg(&xbp).arg(&xp).arg(&len).arg(&count).launch(cfg)
+                }
+                false => s.launch_builder(&self.k.take_f32).arg(&x).arg(&xp).arg(&len).arg(&count).launch(cfg),
+            }
         }
         .map(|_| ())
         .map_err(|e| err("copy in", e))
     }
 
     /// Copies the first `t` rows of `b.out` to device address `out`: as they are, or with `bf16`
-    /// rounded to the nearest bf16 (ties to even), on the layer's stream.
-    fn copy_output(&self, b: &Buffers, out: u64, t: usize, bf16: bool) -> Result<()> {
+    /// rounded to the nearest bf16 (ties to even), on the layer's stream, counting their NaN and
+    /// infinities into the `{count, first index}` at `count` unless it is 0 (see `finite.rs`).
+    fn copy_output(&self, b: &Buffers, out: u64, t: usize, bf16: bool, count: u64) -> Result<()> {
         let (g, n) = (&self.gpu, t * self.config.hidden);
         if n == 0 {
             return Ok(());
         }
-        let op = dptr(&b.out, g);
-        if bf16 {
-            let len = n as i64;
-            // SAFETY: f32_to_bf16_kernel(float*, bf16*, long) reads n floats of `b.out` and
-            // writes n bf16 values at `out` (the caller's promise).
-            unsafe { g.stream.launch_builder(&self.k.to_bf16).arg(&op).arg(&out).arg(&len).launch(grid(n)) }
-                .map(|_| ())
-                .map_err(|e| err("copy out", e))
-        } else {
-            // SAFETY: `out` holds n floats (the caller's promise); the layer wrote as many.
-            unsafe { cudarc::driver::result::memcpy_dtod_async(out, op, n * 4, g.stream.cu_stream()) }
-                .map_err(|e| err("copy out", e))
+        let (op, bf16, len) = (dptr(&b.out, g), bf16 as i32, n as i64);
+        // SAFETY: copy_counting_nonfinite(float*, void*, int, long long, unsigned long long*)
+        // reads n floats of `b.out`, writes n values (bf16 with `bf16`, else f32) at `out` (the
+        // caller's promise) and, unless null, updates the two u64 at `count`.
+        unsafe {
+            g.stream
+                .launch_builder(&self.k.hand_out)
+                .arg(&op)
+                .arg(&out)
+                .arg(&bf16)
+                .arg(&len)
+                .arg(&count)
+                .launch(super::finite::warps_over(n))
         }
+        .map(|_| ())
+        .map_err(|e| err("copy out", e))
     }
 
     /// Runs `tokens` tokens of uniform random input already on the device and returns the
