@@ -1042,56 +1042,47 @@ fn nvlink_window_grows_with_the_batch() {
     }
 }
 
-/// `layer` on `x [t, H]` through device memory: [`CudaMoeLayer::forward_device`] on a stream of
-/// GPU `device` (the layer's), the output read back.
-fn through_device(
+/// A call of a layer on device memory: `forward_device` or `forward_device_bf16`.
+type DeviceCall = fn(&moeflow::backend::cuda::CudaMoeLayer, u64, u64, usize, u64) -> moeflow::Result<()>;
+
+/// `layer` on `x [t, H]` through device memory: `call` on a stream of GPU `device` (the
+/// layer's), with values of `x`'s type in and out, the output read back.
+fn through_device_as<T>(
     layer: &moeflow::backend::cuda::CudaMoeLayer,
-    x: &[f32],
+    call: DeviceCall,
+    x: &[T],
     t: usize,
     device: usize,
-) -> moeflow::Result<Vec<f32>> {
+) -> moeflow::Result<Vec<T>>
+where
+    T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits + Default + Copy,
+{
     use cudarc::driver::{CudaContext, DevicePtr};
     let cuda = |e: cudarc::driver::DriverError| moeflow::MoeError::Unsupported(format!("test buffers: {e:?}"));
     let stream = CudaContext::new(device).map_err(cuda)?.new_stream().map_err(cuda)?;
     let h = layer.config().hidden;
-    let mut input = vec![0f32; (t * h).max(1)];
+    let mut input = vec![T::default(); (t * h).max(1)];
     input[..t * h].copy_from_slice(x);
     let xd = stream.clone_htod(&input).map_err(cuda)?;
-    let out = stream.alloc_zeros::<f32>((t * h).max(1)).map_err(cuda)?;
+    let out = stream.alloc_zeros::<T>((t * h).max(1)).map_err(cuda)?;
     {
         let (xp, _x) = xd.device_ptr(&stream);
         let (op, _o) = out.device_ptr(&stream);
-        layer.forward_device(xp, op, t, stream.cu_stream() as u64)?;
+        call(layer, xp, op, t, stream.cu_stream() as u64)?;
     }
     let mut got = stream.clone_dtoh(&out).map_err(cuda)?;
     got.truncate(t * h);
     Ok(got)
 }
 
-/// [`through_device`] on bf16 hidden states: `x` (bf16 values as f32) through
-/// [`CudaMoeLayer::forward_device_bf16`], the output's bf16 bits read back.
-fn through_device_bf16(
+/// `layer` on `x [t, H]` through [`CudaMoeLayer::forward_device`] (see [`through_device_as`]).
+fn through_device(
     layer: &moeflow::backend::cuda::CudaMoeLayer,
     x: &[f32],
     t: usize,
     device: usize,
-) -> moeflow::Result<Vec<u16>> {
-    use cudarc::driver::{CudaContext, DevicePtr};
-    let cuda = |e: cudarc::driver::DriverError| moeflow::MoeError::Unsupported(format!("test buffers: {e:?}"));
-    let stream = CudaContext::new(device).map_err(cuda)?.new_stream().map_err(cuda)?;
-    let h = layer.config().hidden;
-    let mut input = vec![0u16; (t * h).max(1)];
-    input.iter_mut().zip(x).for_each(|(b, &v)| *b = half::bf16::from_f32(v).to_bits());
-    let xd = stream.clone_htod(&input).map_err(cuda)?;
-    let out = stream.alloc_zeros::<u16>((t * h).max(1)).map_err(cuda)?;
-    {
-        let (xp, _x) = xd.device_ptr(&stream);
-        let (op, _o) = out.device_ptr(&stream);
-        layer.forward_device_bf16(xp, op, t, stream.cu_stream() as u64)?;
-    }
-    let mut got = stream.clone_dtoh(&out).map_err(cuda)?;
-    got.truncate(t * h);
-    Ok(got)
+) -> moeflow::Result<Vec<f32>> {
+    through_device_as(layer, moeflow::backend::cuda::CudaMoeLayer::forward_device, x, t, device)
 }
 
 /// bf16 hidden states on expert-parallel ranks (all-to-all-v over the default transport, and
@@ -1122,7 +1113,9 @@ fn expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
                 let cuda = layer.device_layer().expect("an expert-parallel rank runs whole on the device");
                 let (a, t) = (starts[comm.rank()], sizes[comm.rank()]);
                 let rows = &x[a * h..(a + t) * h];
-                Ok((t, through_device(cuda, rows, t, device)?, through_device_bf16(cuda, rows, t, device)?))
+                let bf16: Vec<u16> = rows.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                let call = moeflow::backend::cuda::CudaMoeLayer::forward_device_bf16;
+                Ok((t, through_device(cuda, rows, t, device)?, through_device_as(cuda, call, &bf16, t, device)?))
             });
             for (rank, r) in runs {
                 let (t, f32_out, bf16_out) = r.unwrap_or_else(|e| panic!("{case}, {s}, {sizes:?}: rank {rank}: {e}"));

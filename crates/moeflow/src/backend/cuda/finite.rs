@@ -1,7 +1,8 @@
 //! Non-finite values found on the device: reduction kernels (`kernels/finite.cu`) over an f32
-//! buffer, or over bf16 input as it is copied in, of which only two numbers (the count and the
-//! first index) come back to the host, never the tensor. Also device memory checked before large allocations, and
-//! out-of-memory errors that say what was being allocated.
+//! buffer, or over a layer's hidden states as they are copied in and its output as it is copied
+//! out, of which only two numbers (the count and the first index) come back to the host, never
+//! the tensor. Also device memory checked before large allocations, and out-of-memory errors
+//! that say what was being allocated.
 
 use super::{err, Gpu};
 use crate::error::{MoeError, Result};

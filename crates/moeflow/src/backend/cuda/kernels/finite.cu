@@ -1,4 +1,5 @@
-// Non-finite values of a device buffer, found in one pass.
+// Non-finite values of a device buffer, found in one pass: alone, or as a layer's hidden states
+// are copied in and its output copied out.
 
 extern "C" {
 

@@ -513,18 +513,21 @@ mod tests {
         preset::uniform(n, 1.0, seed).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
     }
 
-    /// The f32 call's output on the values of `values` (bf16 bits, `t` tokens), rounded to the
-    /// nearest bf16.
-    fn rounded_f32_call(layer: &CudaMoeLayer, caller: &Arc<CudaStream>, values: &[u16], t: usize) -> Vec<u16> {
+    /// The f32 call's output on the values of `values` (bf16 bits, `t` tokens).
+    fn f32_call(layer: &CudaMoeLayer, caller: &Arc<CudaStream>, values: &[u16], t: usize) -> Vec<f32> {
         let (raw, h) = (caller.cu_stream() as u64, layer.config.hidden);
         let widened: Vec<f32> = values.iter().map(|&v| half::bf16::from_bits(v).to_f32()).collect();
         let (x32, out32) = (caller.clone_htod(&widened).unwrap(), caller.alloc_zeros::<f32>(t * h).unwrap());
         layer.forward_device(addr(&x32, caller), addr(&out32, caller), t, raw).unwrap();
         layer.synchronize_device(raw, Duration::from_secs(20)).unwrap();
-        let want: Vec<u16> =
-            caller.clone_dtoh(&out32).unwrap().iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-        assert!(want.iter().any(|&v| v != 0), "{t} tokens: the f32 call wrote its output");
-        want
+        let out = caller.clone_dtoh(&out32).unwrap();
+        assert!(out.iter().any(|&v| v != 0.0), "{t} tokens: the f32 call wrote its output");
+        out
+    }
+
+    /// [`f32_call`]'s output rounded to the nearest bf16.
+    fn rounded_f32_call(layer: &CudaMoeLayer, caller: &Arc<CudaStream>, values: &[u16], t: usize) -> Vec<u16> {
+        f32_call(layer, caller, values, t).iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect()
     }
 
     /// bf16 hidden states through `forward_device_bf16` give the bf16 rounding of the f32 call's
@@ -591,52 +594,66 @@ mod tests {
         }
     }
 
-    /// NaN and infinities among bf16 hidden states: a call that waits refuses them naming the
-    /// first, before the run; a call that does not wait computes on them as zeros (the output
-    /// is the f32 call's on the values with zeros there, rounded) and the next synchronization
+    /// NaN and infinities among hidden states, bf16 or f32: a call that waits refuses them
+    /// naming the first, before the run; a call that does not wait computes on them as zeros
+    /// (the output is the call's on the values with zeros there) and the next synchronization
     /// reports the first, once. Whichever router reads the tokens (a small batch's reads the
     /// f32 rows, a large one's on Hopper the bf16 rows). Needs a GPU; says loudly when it skips.
     #[test]
-    fn nonfinite_bf16_hidden_states_are_zeroed_and_reported() {
-        let name = "nonfinite_bf16_hidden_states_are_zeroed_and_reported";
+    fn nonfinite_hidden_states_are_zeroed_and_reported() {
+        let name = "nonfinite_hidden_states_are_zeroed_and_reported";
         if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
+        // bf16 values as the f32 bits of their widening.
+        let widen = |v: &[u16]| v.iter().map(|&b| (b as u32) << 16).collect::<Vec<u32>>();
         for gemm in [ExpertGemm::Auto, ExpertGemm::Cublas] {
             let layer = bf16_layer(gemm);
             let h = layer.config.hidden;
             let caller = layer.gpu.ctx.new_stream().unwrap();
             let raw = caller.cu_stream() as u64;
-            for (t, seed) in [(3usize, 4u64), (1000, 5)] {
+            for ((t, seed), bf16) in [(3usize, 4u64), (1000, 5)].into_iter().flat_map(|c| [(c, true), (c, false)]) {
                 let mut values = bf16_values(t * h, seed);
                 // A NaN in token 1 and a negative infinity in token 2.
                 let (nan, inf) = (h + 37, 2 * h + 200);
                 values[nan] = 0x7fc1;
                 values[inf] = 0xff80;
-                let x16 = caller.clone_htod(&values).unwrap();
-                let out16 = caller.alloc_zeros::<u16>(t * h).unwrap();
-                let called = layer.forward_device_bf16(addr(&x16, &caller), addr(&out16, &caller), t, raw);
+                // The call, and its output as f32 bits.
+                let (called, out) = if bf16 {
+                    let (x16, out16) = (caller.clone_htod(&values).unwrap(), caller.alloc_zeros::<u16>(t * h).unwrap());
+                    let called = layer.forward_device_bf16(addr(&x16, &caller), addr(&out16, &caller), t, raw);
+                    (called, widen(&caller.clone_dtoh(&out16).unwrap()))
+                } else {
+                    let x = caller.clone_htod(&widen(&values).iter().map(|&b| f32::from_bits(b)).collect::<Vec<_>>());
+                    let (x32, out32) = (x.unwrap(), caller.alloc_zeros::<f32>(t * h).unwrap());
+                    let called = layer.forward_device(addr(&x32, &caller), addr(&out32, &caller), t, raw);
+                    (called, bits(&caller.clone_dtoh(&out32).unwrap()))
+                };
+                let label = format!("{gemm:?}, {t} tokens, {}", if bf16 { "bf16" } else { "f32" });
                 let reported = match layer.host_read(t) {
                     Some(_) => called,
                     None => {
                         called.expect("the call does not wait to see its input");
-                        let out = caller.clone_dtoh(&out16).unwrap();
                         let reported = layer.synchronize_device(raw, Duration::from_secs(20));
                         let mut zeroed = values.clone();
                         (zeroed[nan], zeroed[inf]) = (0, 0);
-                        assert!(out == rounded_f32_call(&layer, &caller, &zeroed, t), "{t} tokens: computed on zeros");
+                        let want = match bf16 {
+                            true => widen(&rounded_f32_call(&layer, &caller, &zeroed, t)),
+                            false => bits(&f32_call(&layer, &caller, &zeroed, t)),
+                        };
+                        assert!(out == want, "{label}: computed on zeros");
                         layer.synchronize_device(raw, Duration::from_secs(20)).expect("reported once");
                         reported
                     }
                 };
                 match reported {
                     Err(MoeError::NonFinite { index, value, .. }) => {
-                        assert_eq!(index, nan, "{gemm:?}, {t} tokens: the first non-finite value");
-                        assert!(value.is_nan(), "{gemm:?}, {t} tokens: {value} reported for a NaN");
+                        assert_eq!(index, nan, "{label}: the first non-finite value");
+                        assert!(value.is_nan(), "{label}: {value} reported for a NaN");
                     }
-                    other => panic!("{gemm:?}, {t} tokens: expected the NaN input, got {other:?}"),
+                    other => panic!("{label}: expected the NaN input, got {other:?}"),
                 }
-                eprintln!("{name}: {gemm:?}, {t} tokens: the NaN at {nan} is reported");
+                eprintln!("{name}: {label}: the NaN at {nan} is reported");
             }
         }
     }
