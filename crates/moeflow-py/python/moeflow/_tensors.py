@@ -31,10 +31,10 @@ def cuda_forward(layer, x):
     """The layer on a CUDA torch tensor ``x`` on the layer's own GPU, in device memory on
     torch's current stream, without a copy through the host (float32 and bfloat16 rows are read
     where they are, a bfloat16 result being the float32 one rounded; other dtypes are converted
-    on the device and the result converted back); ``None``
-    for any other input, which goes through :func:`host_input`. Where the layer's run stays on
-    the device the call returns without waiting for the GPU (and can be captured into a CUDA
-    graph); torch's stream order keeps ``x`` and the result safe to use and free."""
+    on the device and the result converted back); ``None`` for any other input, which goes
+    through :func:`host_input`. Where the layer's run stays on the device the call returns
+    without waiting for the GPU (and can be captured into a CUDA graph); torch's stream order
+    keeps ``x`` and the result safe to use and free."""
     torch = _torch()
     if torch is None or not isinstance(x, torch.Tensor) or x.device.type != "cuda":
         return None
