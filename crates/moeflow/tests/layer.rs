@@ -82,7 +82,7 @@ fn awkward_routings_match_reference() {
         let ids64: Vec<usize> = ids.iter().map(|&i| i as usize).collect();
         let w64: Vec<f64> = w.iter().map(|&v| v as f64).collect();
         let want = moeflow::reference::forward_with_routing(&config, &weights, &x, &ids64, &w64).unwrap();
-        let scale = want.iter().fold(0f64, |m, v| m.max(v.abs()));
+        let scale = magnitude_scale(&config, &weights, &x, &ids64, &w64);
         for (g, w) in got.iter().zip(&want) {
             assert!((*g as f64 - w).abs() <= tol * scale, "{g} vs {w} ({dtype}, {bf16_matmul:?})");
         }

@@ -7,7 +7,8 @@ use moeflow::{
 };
 
 /// Relative bound for the f32 paths against the f64 reference: f32 rounding (2^-24 per op)
-/// over reductions of at most a few thousand terms with random signs stays far below it.
+/// over reductions of at most a few thousand terms stays far below it, relative to the terms'
+/// magnitude where their sum cancels ([`magnitude`], which `check_against_reference` scales by).
 pub const F32_TOL: f64 = 2e-5;
 
 /// A small layer of the given shape and semantics.
@@ -39,8 +40,8 @@ pub fn hidden(tokens: usize, h: usize, seed: u64) -> (Vec<f32>, Tensor) {
 }
 
 /// Compares the layer with the reference: routing (ids equal except near-ties, weights close)
-/// and output (with the layer's own routing) within `tol` of the output's largest magnitude.
-/// Returns the relative error.
+/// and output (with the layer's own routing) within `tol` of the largest value of its
+/// [`magnitude`]. Returns that relative error.
 pub fn check_against_reference(config: &MoeConfig, weights: &MoeWeights, layer: &MoeLayer, x: &[f32], tol: f64) -> f64 {
     let (h, k) = (config.hidden, config.top_k);
     let tokens = x.len() / h;
@@ -68,7 +69,7 @@ pub fn check_against_reference(config: &MoeConfig, weights: &MoeWeights, layer: 
     let got = layer.forward(&xt).unwrap();
     assert_eq!(got.shape(), &[tokens, h]);
     let got = got.to_f32_vec();
-    let scale = want.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let scale = magnitude_scale(config, weights, x, &ids, &w).max(1e-30);
     let err = got.iter().zip(&want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale;
     assert!(err <= tol, "relative error {err:e} > {tol:e}");
     assert!(got.iter().all(|v| v.is_finite()));
@@ -83,9 +84,42 @@ pub const WEIGHT_DTYPES: [DType; 2] = [DType::F32, DType::BF16];
 pub const WEIGHT_VARIANTS: [(DType, Bf16Matmul); 3] =
     [(DType::F32, Bf16Matmul::Widen), (DType::BF16, Bf16Matmul::Widen), (DType::BF16, Bf16Matmul::Dot)];
 
-/// Relative error bound of bf16 dot products against the f64 reference: activations rounded
-/// to bf16 (2^-9 relative) before each GEMM, amplified by cancellation in tiny random layers.
+/// Error bound of bf16 dot products against the f64 reference, as a fraction of the output's
+/// magnitude without cancellation ([`magnitude`]): activations rounded to bf16 (2^-9 relative)
+/// before each GEMM.
 pub const BF16_DOT_TOL: f64 = 5e-2;
+
+/// The reference output on every input's, weight's and routing weight's magnitude: what the
+/// layer's terms add up to without cancellation. Rounding errs in proportion to the terms, not
+/// to their sum, which in a tiny random layer can cancel to a small fraction of them, so the
+/// error bounds are fractions of this output's largest value. Unquantized weights only.
+pub fn magnitude(config: &MoeConfig, weights: &MoeWeights, x: &[f32], ids: &[usize], w: &[f64]) -> Vec<f64> {
+    assert!(weights.experts.quant.is_none(), "the magnitude of quantized weights");
+    let abs = |t: &Tensor| {
+        let values: Vec<f32> = t.to_f32_vec().iter().map(|v| v.abs()).collect();
+        Tensor::from_f32_as(t.shape(), &values, t.dtype()).unwrap()
+    };
+    let experts = |e: &moeflow::ExpertWeights| moeflow::ExpertWeights {
+        w13: abs(&e.w13),
+        w2: abs(&e.w2),
+        b13: e.b13.as_ref().map(abs),
+        b2: e.b2.as_ref().map(abs),
+        quant: None,
+    };
+    let magnitudes = MoeWeights {
+        gate: weights.gate.clone(),
+        gate_bias: weights.gate_bias.clone(),
+        correction_bias: weights.correction_bias.clone(),
+        experts: experts(&weights.experts),
+        shared: weights
+            .shared
+            .as_ref()
+            .map(|s| moeflow::SharedWeights { mlp: experts(&s.mlp), gate: s.gate.as_ref().map(abs) }),
+    };
+    let x: Vec<f32> = x.iter().map(|v| v.abs()).collect();
+    let w: Vec<f64> = w.iter().map(|v| v.abs()).collect();
+    reference::forward_with_routing(config, &magnitudes, &x, ids, &w).unwrap()
+}
 
 /// The error bound of a weight variant.
 pub fn variant_tol(dtype: DType, bf16: Bf16Matmul) -> f64 {
@@ -94,6 +128,11 @@ pub fn variant_tol(dtype: DType, bf16: Bf16Matmul) -> f64 {
     } else {
         F32_TOL
     }
+}
+
+/// The largest value of [`magnitude`]: the scale of the error bounds.
+pub fn magnitude_scale(config: &MoeConfig, weights: &MoeWeights, x: &[f32], ids: &[usize], w: &[f64]) -> f64 {
+    magnitude(config, weights, x, ids, w).iter().fold(0f64, |m, v| m.max(v.abs()))
 }
 
 /// The GPUs a multi-GPU test runs on, held by that test alone until `_serial` drops: a test
