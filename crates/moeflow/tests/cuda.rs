@@ -329,6 +329,75 @@ fn quantization_kernels_match_the_cpu_bit_for_bit() {
     }
 }
 
+/// Values whose quotient by their group's scale lies within a few units in the last place of a
+/// point where the code changes (a midpoint between two e4m3 codes, or k + ½ for int8) get the
+/// CPU's codes. There the product with the scale's reciprocal, cheaper than the division, can
+/// give another code than the division the CPU does; the test counts such values first, so
+/// that a kernel that multiplied would fail it (docs/tuning.md).
+#[test]
+fn quantization_kernels_divide_where_the_code_changes() {
+    use moeflow::backend::cuda::CudaQuant;
+    use moeflow::quant::{fp8_e4m3_encode, quantize, QuantConfig};
+    let gpu = match CudaQuant::new() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    let e4m3_midpoints: Vec<f32> = (-6..9)
+        .flat_map(|e| (0..8).map(move |k| (1.0 + (2 * k + 1) as f32 / 16.0) * 2f32.powi(e)))
+        .chain((0..8).map(|k| (2 * k + 1) as f32 * 2f32.powi(-10)))
+        .filter(|&m| m < 448.0)
+        .collect();
+    let int8_midpoints: Vec<f32> = (0..127).map(|k| k as f32 + 0.5).collect();
+    let h = 1024;
+    for (q, top, midpoints) in [
+        (QuantConfig::Int8, 127.0f32, &int8_midpoints),
+        (QuantConfig::Fp8, 448.0, &e4m3_midpoints),
+        (QuantConfig::Fp8Block, 448.0, &e4m3_midpoints),
+    ] {
+        let code = |v: f32| match q {
+            QuantConfig::Int8 => v.round().clamp(-127.0, 127.0) as i8 as u8,
+            _ => fp8_e4m3_encode(v),
+        };
+        let (mut x, mut differ) = (Vec::new(), 0);
+        for amax in [3.0f32, 0.7071, 1.37e-3, 123.4, 5.9e4, 2.5e-30] {
+            let s = amax / top;
+            let y = 1.0 / s;
+            // Within 3 units in the last place of each midpoint's multiple of s, both signs;
+            // those whose product and quotient get different codes first.
+            let mut near: Vec<(bool, f32)> = midpoints
+                .iter()
+                .flat_map(|&m| {
+                    let at = (m * s).to_bits() as i64;
+                    (-3..=3).map(move |d| f32::from_bits((at + d) as u32))
+                })
+                .filter(|v| v.abs() < amax)
+                .flat_map(|v| [v, -v])
+                .map(|v| (code(v * y) != code(v / s), v))
+                .collect();
+            near.sort_by_key(|&(d, _)| !d);
+            differ += near.iter().filter(|&&(d, _)| d).count();
+            // Rows whose 128-value groups each start with amax, so every group's scale is s.
+            for row in near.chunks(h - h / 128) {
+                let mut values = row.iter().map(|&(_, v)| v);
+                x.extend((0..h).map(|i| if i % 128 == 0 { amax } else { values.next().unwrap_or(0.0) }));
+            }
+        }
+        assert!(differ >= 20, "{q}: only {differ} values whose product and quotient get different codes");
+        let cpu = quantize(q, &x, h).unwrap();
+        let dev = gpu.quantize(q, &x, h).unwrap();
+        assert_eq!(dev.scales, cpu.scales, "{q}: scales");
+        let wrong = dev.data.iter().zip(&cpu.data).filter(|(a, b)| a != b).count();
+        assert_eq!(wrong, 0, "{q}: {wrong} of {} codes differ from the CPU's", x.len());
+        println!(
+            "{q}: {} values near code boundaries ({differ} where the product's code is wrong) as on the CPU",
+            x.len()
+        );
+    }
+}
+
 /// Experts quantized to fp8 on the device (128 × 128 blocks, with partial blocks at both edges)
 /// compute, through the fp8 masked GEMM, what the CPU's fp8 quantization of the same weights
 /// gives.
