@@ -97,6 +97,83 @@ fn overflowing_outputs_of_calls_on_device_memory_are_counted() {
     }
 }
 
+/// A layer that allows non-finite outputs hands the same overflow out through device memory as
+/// it is: neither the call nor the next `synchronize_device` reports it, and the output holds
+/// the host's output bits (f32) or their bf16 rounding. A NaN among the hidden states is still
+/// refused, at its index. The hidden states and the outputs sit one value past their
+/// allocations' starts, off the copies' 16-byte steps, so that every value goes through their
+/// one-by-one loops (the output's copy here counting nothing).
+#[test]
+fn allowed_overflows_pass_through_unaligned_device_memory() {
+    use cudarc::driver::{CudaContext, DevicePtr};
+    use moeflow::backend::cuda_options::{CudaOptions, ExpertGemm};
+    let name = "allowed_overflows_pass_through_unaligned_device_memory";
+    if !have_gpu(name) {
+        return;
+    }
+    let (t, h) = (5, 64);
+    let config = preset::config(h, 32, 8, 2, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let weights = preset::random_weights(&config, DType::BF16, 3);
+    // bf16 values, so that both calls take the same ones; tokens 1 and on overflow.
+    let mut x = preset::uniform(t * h, 1.0, 9);
+    x[h..].iter_mut().for_each(|v| *v *= 1e25);
+    let x: Vec<f32> = x.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    let stream = CudaContext::new(0).unwrap().new_stream().unwrap();
+    let raw = stream.cu_stream() as u64;
+    for gemm in [ExpertGemm::Cublas, ExpertGemm::Auto] {
+        let opts = CudaOptions { expert_gemm: gemm, ..Default::default() };
+        let layer = CudaMoeLayer::new(&config, &weights, &opts).unwrap().allow_nonfinite(true);
+        let host = layer.forward(&Tensor::from_f32(&[t, h], x.clone()).unwrap()).unwrap().to_f32_vec();
+        assert!(host.iter().any(|v| !v.is_finite()), "{gemm:?}: the inputs overflow");
+        for (bf16, nan) in [false, true].into_iter().flat_map(|b| [(b, false), (b, true)]) {
+            let mut values = x.clone();
+            if nan {
+                values[h + 5] = f32::NAN;
+            }
+            let label =
+                format!("{gemm:?}, {}, {}", if bf16 { "bf16" } else { "f32" }, if nan { "a NaN" } else { "finite" });
+            // One value before the hidden states and before the output.
+            let (called, out) = if bf16 {
+                let padded: Vec<u16> =
+                    [0.0].iter().chain(&values).map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                let (xd, od) = (stream.clone_htod(&padded).unwrap(), stream.alloc_zeros::<u16>(t * h + 1).unwrap());
+                let (xp, _a) = xd.device_ptr(&stream);
+                let (op, _b) = od.device_ptr(&stream);
+                let called = layer
+                    .forward_device_bf16(xp + 2, op + 2, t, raw)
+                    .and_then(|()| layer.synchronize_device(raw, std::time::Duration::from_secs(20)));
+                let out =
+                    stream.clone_dtoh(&od).unwrap()[1..].iter().map(|&b| half::bf16::from_bits(b).to_f32()).collect();
+                (called, out)
+            } else {
+                let padded: Vec<f32> = [0.0].iter().chain(&values).copied().collect();
+                let (xd, od) = (stream.clone_htod(&padded).unwrap(), stream.alloc_zeros::<f32>(t * h + 1).unwrap());
+                let (xp, _a) = xd.device_ptr(&stream);
+                let (op, _b) = od.device_ptr(&stream);
+                let called = layer
+                    .forward_device(xp + 4, op + 4, t, raw)
+                    .and_then(|()| layer.synchronize_device(raw, std::time::Duration::from_secs(20)));
+                (called, stream.clone_dtoh(&od).unwrap()[1..].to_vec())
+            };
+            if nan {
+                match called {
+                    Err(MoeError::NonFinite { index, .. }) => assert_eq!(index, h + 5, "{label}: the NaN's index"),
+                    other => panic!("{label}: expected the NaN input refused, got {other:?}"),
+                }
+                layer.synchronize_device(raw, std::time::Duration::from_secs(20)).expect("reported once");
+                continue;
+            }
+            called.unwrap_or_else(|e| panic!("{label}: {e}"));
+            for (i, (&got, &want)) in out.iter().zip(&host).enumerate() {
+                let want = if bf16 { half::bf16::from_f32(want).to_f32() } else { want };
+                let same = if want.is_nan() { got.is_nan() } else { got.to_bits() == want.to_bits() };
+                assert!(same, "{label}: output {i} is {got}, the host's {want}");
+            }
+            eprintln!("{name}: {label}: the overflowing output as the host's");
+        }
+    }
+}
+
 #[test]
 fn device_out_of_memory_names_the_allocation() {
     if !have_gpu("device_out_of_memory_names_the_allocation") {

@@ -88,10 +88,9 @@ pub(crate) fn check_input_count(gpu: &Gpu, count: &CudaSlice<u64>, x: u64, bf16:
     let mut bytes = [0u8; 4];
     let width = if bf16 { 2 } else { 4 };
     // SAFETY: `x` holds the values the count ran over (the caller's promise), `first` among
-    // them, `width` bytes each; the copy waits on the layer's stream, after which no work of the
-    // layer writes `x`.
-    unsafe { result::memcpy_dtoh_async(&mut bytes[..width], x + (width * first) as u64, gpu.stream.cu_stream()) }
-        .and_then(|_| gpu.stream.synchronize())
+    // them, `width` bytes each; reading the count waited for the layer's stream, after which no
+    // work of the layer writes `x`, and this copy returns once the bytes are here.
+    unsafe { result::memcpy_dtoh_sync(&mut bytes[..width], x + (width * first) as u64) }
         .map_err(|e| err("reading a value", e))?;
     let value = match bf16 {
         true => half::bf16::from_le_bytes([bytes[0], bytes[1]]).to_f32(),
