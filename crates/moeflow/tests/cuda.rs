@@ -329,6 +329,62 @@ fn quantization_kernels_match_the_cpu_bit_for_bit() {
     }
 }
 
+/// bf16 rows through the kernel the layers run on their bf16 activations (`quantize_rows_bf16`)
+/// get the CPU's codes and scales bit for bit: every format on random rows, and, in groups of
+/// 128 (where the kernel takes each quotient from a product and two FMAs rather than a
+/// division; fp8 per 128, and int8 in rows of 128), every pair of bf16 significands: the
+/// group's largest value a, its binade varied from 2^-40 to 2^40, then a value of each other
+/// significand 0 to 21 binades below a, signs alternating; also zeros of both signs, and
+/// groups past 2^±60, which divide.
+#[test]
+fn quantization_of_bf16_rows_matches_the_cpu_for_every_pair_of_significands() {
+    use half::bf16;
+    use moeflow::backend::cuda::CudaQuant;
+    use moeflow::quant::{quantize, QuantConfig};
+    let gpu = match CudaQuant::new() {
+        Ok(g) => g,
+        Err(e) => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            return;
+        }
+    };
+    let widen = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
+    let same = |q: QuantConfig, x: &[bf16], h: usize, what: &str| {
+        let (cpu, dev) = (quantize(q, &widen(x), h).unwrap(), gpu.quantize_bf16(q, x, h).unwrap());
+        assert_eq!(dev.scales, cpu.scales, "{q}, {what}: scales");
+        let wrong = dev.data.iter().zip(&cpu.data).filter(|(a, b)| a != b).count();
+        assert_eq!(wrong, 0, "{q}, {what}: {wrong} of {} codes differ from the CPU's", x.len());
+    };
+    for q in [QuantConfig::Int8, QuantConfig::Fp8, QuantConfig::Fp8Block, QuantConfig::Mxfp8] {
+        for h in [1usize, 33, 300, 7168] {
+            let mut x = preset::uniform(6 * h, 1.0, h as u64);
+            for (r, row) in x.chunks_mut(h).enumerate() {
+                row.iter_mut().for_each(|v| *v *= [1.0, 1e3, 1e-3, 0.0, 37.5, 1.0][r]);
+            }
+            same(q, &x.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(), h, &format!("random rows of {h}"));
+        }
+    }
+    // Significand i (0 to 127) in binade e.
+    let value = |i: u16, e: i32| bf16::from_f32((1.0 + i as f32 / 128.0) * 2f32.powi(e));
+    let group = |a: u16, e: i32, d: i32| {
+        let below =
+            (0..128u16).filter(move |&i| i != a).map(move |i| value(i, e - if d == 0 && i > a { 1 } else { d }));
+        std::iter::once(value(a, e)).chain(below.enumerate().map(|(j, v)| if j % 2 == 1 { -v } else { v }))
+    };
+    let mut x: Vec<bf16> = (0..128u16)
+        .flat_map(|a| (0..22).flat_map(move |d| group(a, (a as i32 * 7 + d * 3) % 81 - 40, d)))
+        .chain((0..8u16).flat_map(|a| [-70, 70].into_iter().flat_map(move |e| group(a * 16, e, 2))))
+        .collect();
+    x.push(bf16::ONE);
+    x.extend((1..128).map(|j| if j % 2 == 1 { bf16::NEG_ZERO } else { bf16::ZERO }));
+    let h = 128 * 9;
+    x.resize(x.len().div_ceil(h) * h, bf16::ZERO);
+    same(QuantConfig::Fp8Block, &x, h, "every pair of significands");
+    // int8 takes one scale a row: rows of 128 are the same groups.
+    same(QuantConfig::Int8, &x, 128, "every pair of significands");
+    println!("bf16 rows: codes and scales identical to the CPU, {} values per 128 among them", x.len());
+}
+
 /// Values whose quotient by their group's scale lies within a few units in the last place of a
 /// point where the code changes (a midpoint between two e4m3 codes, or k + ½ for int8) get the
 /// CPU's codes. There the product with the scale's reciprocal, cheaper than the division, can

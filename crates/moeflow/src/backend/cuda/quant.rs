@@ -10,6 +10,7 @@ use cudarc::driver::{CudaFunction, DevicePtr, LaunchConfig, PushKernelArg};
 pub struct CudaQuant {
     gpu: Gpu,
     quantize: CudaFunction,
+    quantize_bf16: CudaFunction,
     dequantize: CudaFunction,
 }
 
@@ -44,35 +45,62 @@ impl CudaQuant {
     /// Opens GPU 0.
     pub fn new() -> Result<Self> {
         let gpu = Gpu::new(0)?;
-        let (quantize, dequantize) = (gpu.function("quantize_rows")?, gpu.function("dequantize_rows")?);
-        Ok(CudaQuant { gpu, quantize, dequantize })
+        let (quantize, quantize_bf16) = (gpu.function("quantize_rows")?, gpu.function("quantize_rows_bf16")?);
+        let dequantize = gpu.function("dequantize_rows")?;
+        Ok(CudaQuant { gpu, quantize, quantize_bf16, dequantize })
     }
 
     /// Quantizes `x [rows, h]` on the device.
     pub fn quantize(&self, q: QuantConfig, x: &[f32], h: usize) -> Result<QuantRows> {
         check_finite("activations to quantize", x)?;
+        let dx = self.gpu.stream.clone_htod(x).map_err(|e| err("upload", e))?;
+        let (xp, _read) = dx.device_ptr(&self.gpu.stream);
+        self.quantize_rows(q, xp, x.len(), h, false)
+    }
+
+    /// Quantizes bf16 rows `x [rows, h]` on the device with the kernel the layers run on their
+    /// bf16 activations (`quantize_rows_bf16`): the codes and scales of their f32 values.
+    pub fn quantize_bf16(&self, q: QuantConfig, x: &[half::bf16], h: usize) -> Result<QuantRows> {
+        check_finite("activations to quantize", &x.iter().map(|v| v.to_f32()).collect::<Vec<_>>())?;
+        let dx = self.gpu.stream.clone_htod(x).map_err(|e| err("upload", e))?;
+        let (xp, _read) = dx.device_ptr(&self.gpu.stream);
+        self.quantize_rows(q, xp, x.len(), h, true)
+    }
+
+    /// The quantization of `n` values in rows of `h` at device address `x` (f32, or bf16 with
+    /// `bf16`).
+    fn quantize_rows(&self, q: QuantConfig, x: u64, n: usize, h: usize, bf16: bool) -> Result<QuantRows> {
         let (kind, group) = (kind(q)?, q.group(h));
-        let rows = x.len() / h.max(1);
+        let rows = n / h.max(1);
         let groups = q.scales_per_row(h);
         let s = &self.gpu.stream;
-        let dx = s.clone_htod(x).map_err(|e| err("upload", e))?;
-        let codes = s.alloc_zeros::<u8>(x.len().max(1)).map_err(|e| err("alloc", e))?;
+        let codes = s.alloc_zeros::<u8>(n.max(1)).map_err(|e| err("alloc", e))?;
         let scales = s.alloc_zeros::<f32>((rows * groups).max(1)).map_err(|e| err("alloc", e))?;
         if rows > 0 && h > 0 {
-            let (xp, cp, sp) = (dx.device_ptr(s).0, codes.device_ptr(s).0, scales.device_ptr(s).0);
+            let (cp, sp) = (codes.device_ptr(s).0, scales.device_ptr(s).0);
             let (hi, gi) = (h as i32, group as i32);
             let (cfg, rows_l) = (quantize_launch(rows, h, group), rows as i64);
-            // SAFETY: quantize_rows(const float*, long, int, int, int, u8*, float*) over buffers
-            // of rows·h values and rows·groups scales.
+            let (no_counts, cap, no_values) = (0u64, 1i32, 0u64);
+            // SAFETY: quantize_rows(const float*, long, int, int, int, u8*, float*) and
+            // quantize_rows_bf16(const bf16*, long, int, int, int, const int*, int, u8*, float*,
+            // bf16*) read rows·h values of `x` and write as many codes and rows·groups scales
+            // into buffers of that size; the bf16 kernel skips no rows (no counts) and writes no
+            // values.
             unsafe {
-                let mut l = s.launch_builder(&self.quantize);
-                l.arg(&xp).arg(&rows_l).arg(&hi).arg(&gi).arg(&kind).arg(&cp).arg(&sp).launch(cfg)
+                if bf16 {
+                    let mut l = s.launch_builder(&self.quantize_bf16);
+                    l.arg(&x).arg(&rows_l).arg(&hi).arg(&gi).arg(&kind).arg(&no_counts).arg(&cap);
+                    l.arg(&cp).arg(&sp).arg(&no_values).launch(cfg)
+                } else {
+                    let mut l = s.launch_builder(&self.quantize);
+                    l.arg(&x).arg(&rows_l).arg(&hi).arg(&gi).arg(&kind).arg(&cp).arg(&sp).launch(cfg)
+                }
             }
             .map_err(|e| err("quantize_rows", e))?;
         }
         let mut data = s.clone_dtoh(&codes).map_err(|e| err("download", e))?;
         let mut sc = s.clone_dtoh(&scales).map_err(|e| err("download", e))?;
-        data.truncate(x.len());
+        data.truncate(n);
         sc.truncate(rows * groups);
         Ok(QuantRows { config: q, hidden: h, data, scales: sc })
     }

@@ -68,6 +68,24 @@ __device__ __forceinline__ float code_value(unsigned char q, int kind) {
     return kind == 1 ? (float)(signed char)q : fp8_e4m3_decode(q);
 }
 
+// Scales between these take quotient_of_bf16's path; others (tiny or huge groups) divide.
+#define QUOTIENT_FMA_LO 8.67361738e-19f  // 2^-60
+#define QUOTIENT_FMA_HI 1.15292150e18f   // 2^60
+
+// v / s rounded to f32 as the division rounds it, for a bf16 value v and a group's scale s in
+// [2^-60, 2^60] (as group_scale gives it for a group of bf16 values whose largest magnitude a
+// is at least |v|), from y = 1 / s rounded: the product q = v · y, its remainder v - s · q (one
+// FMA, exact) and q plus the remainder times y (another), three operations where the division
+// takes about eight and a branch. It gives the division's bits for every pair of bf16
+// significands of v and a, v up to 2^21 below a (tools/bf16_quotient_check.py, and the GPU
+// test of every pair); further below, both quotients get code 0. Within the range of s
+// everything scales by powers of two, and a power-of-two s (MXFP8's) leaves no remainder.
+// Zero keeps its sign.
+__device__ __forceinline__ float quotient_of_bf16(float v, float s, float y) {
+    const float q = v * y;
+    return v == 0.0f ? v : fmaf(fmaf(-s, q, v), y, q);
+}
+
 __device__ __forceinline__ void load16(const float* p, float* v) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {
@@ -116,8 +134,14 @@ __device__ void quantize_rows128(const T* x, long rows, int H, int kind, const i
         const float s = group_scale(a, kind);
         if (scales && lane == 0) scales[r * groups + g] = s;
         unsigned char q[16];
+        if (sizeof(T) == 2 && s >= QUOTIENT_FMA_LO && s <= QUOTIENT_FMA_HI) {
+            const float y = 1.0f / s;
 #pragma unroll
-        for (int j = 0; j < 16; j++) q[j] = s > 0.0f ? quantize_code(v[j] / s, kind) : 0;
+            for (int j = 0; j < 16; j++) q[j] = quantize_code(quotient_of_bf16(v[j], s, y), kind);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; j++) q[j] = s > 0.0f ? quantize_code(v[j] / s, kind) : 0;
+        }
         if (codes) {
             unsigned w[4];
 #pragma unroll
