@@ -94,7 +94,8 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
         }
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
-        const float sc = group_scale(a, 2);
+        const float sc = group_scale(a, 2), y = 1.0f / sc;
+        const bool products = sc >= QUOTIENT_FMA_LO && sc <= QUOTIENT_FMA_HI;
         const long r = r0 + 8 * h;
         const bool here = r < rows_end;
         if (here && q == 0) S[r * (width / 128) + col0 / 128] = sc;
@@ -109,8 +110,14 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
                 for (int u = 0; u < 4; u++) {
                     const unsigned v = (half ? hi : lo)[2 * (jb + u) + h];
                     const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
-                    const unsigned c0 = sc > 0.0f ? fp8_e4m3_encode(v0 / sc) : 0;
-                    const unsigned c1 = sc > 0.0f ? fp8_e4m3_encode(v1 / sc) : 0;
+                    unsigned c0 = 0, c1 = 0;
+                    if (products) {
+                        c0 = fp8_e4m3_encode(quotient_of_bf16(v0, sc, y));
+                        c1 = fp8_e4m3_encode(quotient_of_bf16(v1, sc, y));
+                    } else if (sc > 0.0f) {
+                        c0 = fp8_e4m3_encode(v0 / sc);
+                        c1 = fp8_e4m3_encode(v1 / sc);
+                    }
                     code[u] = c0 | (c1 << 8);
                 }
                 // Round t: lane s sends its pair of group jb + (s - t) % 4 and takes lane
