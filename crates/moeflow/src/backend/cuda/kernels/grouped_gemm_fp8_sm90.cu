@@ -95,7 +95,7 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 1));
         a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, 2));
         const float sc = group_scale(a, 2), y = 1.0f / sc;
-        const bool products = sc >= QUOTIENT_FMA_LO && sc <= QUOTIENT_FMA_HI;
+        const bool products = quotients_by_fma(sc);
         const long r = r0 + 8 * h;
         const bool here = r < rows_end;
         if (here && q == 0) S[r * (width / 128) + col0 / 128] = sc;

@@ -68,9 +68,11 @@ __device__ __forceinline__ float code_value(unsigned char q, int kind) {
     return kind == 1 ? (float)(signed char)q : fp8_e4m3_decode(q);
 }
 
-// Scales between these take quotient_of_bf16's path; others (tiny or huge groups) divide.
-#define QUOTIENT_FMA_LO 8.67361738e-19f  // 2^-60
-#define QUOTIENT_FMA_HI 1.15292150e18f   // 2^60
+// Whether a group's scale s lies where quotient_of_bf16 holds, [2^-60, 2^60]; groups of tiny
+// or huge values (and s = 0) divide instead.
+__device__ __forceinline__ bool quotients_by_fma(float s) {
+    return s >= 8.67361738e-19f && s <= 1.15292150e18f;  // 2^-60, 2^60
+}
 
 // v / s rounded to f32 as the division rounds it, for a bf16 value v and a group's scale s in
 // [2^-60, 2^60] (as group_scale gives it for a group of bf16 values whose largest magnitude a
@@ -134,7 +136,7 @@ __device__ void quantize_rows128(const T* x, long rows, int H, int kind, const i
         const float s = group_scale(a, kind);
         if (scales && lane == 0) scales[r * groups + g] = s;
         unsigned char q[16];
-        if (sizeof(T) == 2 && s >= QUOTIENT_FMA_LO && s <= QUOTIENT_FMA_HI) {
+        if (sizeof(T) == 2 && quotients_by_fma(s)) {  // bf16 rows
             const float y = 1.0f / s;
 #pragma unroll
             for (int j = 0; j < 16; j++) q[j] = quantize_code(quotient_of_bf16(v[j], s, y), kind);
