@@ -509,9 +509,10 @@ fn w8a8_layer(config: &MoeConfig, weights: &MoeWeights, opts: &moeflow::backend:
 /// the reference on the quantized weights within fp8 rows' bound, against the bf16 GEMMs on the
 /// same quantized values (the W8A8 rounding) within bf16 rounding, and the same bits run after
 /// run, and as the layer that quantizes the activation in the up projection's epilogue instead
-/// of a pass of its own (1000 tokens, and 3 replayed from a graph). Widths that the kernel's
-/// tiles do not divide (hidden 272: two 128-deep stages and a part). Skips on GPUs other than
-/// Hopper, saying so.
+/// of a pass of its own (1000 tokens, and 3 replayed from a graph). At 48 tokens (6 rows an
+/// expert) the 64-row tiles run two blocks an SM, with the bits of one block an SM, within fp8
+/// rows' bound of the reference. Widths that the kernel's tiles do not divide (hidden 272: two
+/// 128-deep stages and a part). Skips on GPUs other than Hopper, saying so.
 #[test]
 fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     use moeflow::backend::cuda::CudaOptions;
@@ -546,6 +547,12 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     let (_, three) = hidden(3, config.hidden, 23);
     let want = tensor_cores.forward(&three).unwrap().to_f32_vec();
     assert_eq!(epilogue.forward(&three).unwrap().to_f32_vec(), want, "3 tokens: quantized in the epilogue");
+    let one_block = w8a8_layer(&config, &weights, &CudaOptions { gemm_tile_blocks: Some(1), ..Default::default() });
+    let (x48, x48t) = hidden(48, config.hidden, 24);
+    let two = tensor_cores.forward(&x48t).unwrap().to_f32_vec();
+    assert_eq!(one_block.forward(&x48t).unwrap().to_f32_vec(), two, "48 tokens: two blocks an SM against one");
+    let err = rel(&two, &reference::forward(&config, &quantized, &x48).unwrap().out);
+    assert!(err <= FP8_ROWS_TOL, "48 tokens: relative error {err:e}");
 }
 
 /// A W8A8 layer's fp8 shared expert (`fp8_shared_expert`): its weights quantized like the

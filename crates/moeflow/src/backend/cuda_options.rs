@@ -160,6 +160,9 @@ pub struct CudaOptions {
     pub gemm_tile_rows: Option<u32>,
     /// Tile width of the Hopper GEMM's 64-row tiles (224 or 256); `None`: chosen per batch.
     pub gemm_tile_cols: Option<u32>,
+    /// Persistent blocks an SM of the fp8 Hopper GEMM's 64-row tiles (1 or 2); `None`: chosen
+    /// per batch.
+    pub gemm_tile_blocks: Option<u32>,
     /// Small batches on one GPU replay a CUDA graph per batch size.
     pub cuda_graphs: bool,
     /// Up to four tokens on one GPU route in one launch.
@@ -223,6 +226,7 @@ impl Default for CudaOptions {
             expert_gemm: ExpertGemm::Auto,
             gemm_tile_rows: None,
             gemm_tile_cols: None,
+            gemm_tile_blocks: None,
             cuda_graphs: true,
             fused_route: true,
             router_tf32: true,
@@ -243,10 +247,11 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 17] = [
+pub const CUDA_VARIABLES: [(&str, &str); 18] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
+    ("MOEFLOW_GEMM_TILE_BLOCKS", "1|2: blocks an SM of the fp8 Hopper GEMM's 64-row tiles (default: per batch)"),
     ("MOEFLOW_CUDA_GRAPHS", "0|1: small batches on one GPU replay CUDA graphs (default 1)"),
     ("MOEFLOW_FUSED_ROUTE", "0|1: up to four tokens on one GPU route in one launch (default 1)"),
     ("MOEFLOW_ROUTER_TF32", "0|1: the router GEMM on the tensor cores at f32 accuracy, else cuBLAS f32 (default 1)"),
@@ -292,6 +297,7 @@ impl CudaOptions {
                 "MOEFLOW_EXPERT_GEMM" => self.expert_gemm = value.parse()?,
                 "MOEFLOW_GEMM_TILE_ROWS" => self.gemm_tile_rows = Some(one_of(key, value, &[64, 128])?),
                 "MOEFLOW_GEMM_TILE_COLS" => self.gemm_tile_cols = Some(one_of(key, value, &[224, 256])?),
+                "MOEFLOW_GEMM_TILE_BLOCKS" => self.gemm_tile_blocks = Some(one_of(key, value, &[1, 2])?),
                 "MOEFLOW_CUDA_GRAPHS" => self.cuda_graphs = flag(key, value)?,
                 "MOEFLOW_FUSED_ROUTE" => self.fused_route = flag(key, value)?,
                 "MOEFLOW_ROUTER_TF32" => self.router_tf32 = flag(key, value)?,
@@ -354,6 +360,9 @@ impl CudaOptions {
         }
         if let Some(c) = self.gemm_tile_cols {
             parts.push(format!("tile cols {c}"));
+        }
+        if let Some(b) = self.gemm_tile_blocks {
+            parts.push(format!("{b} fp8 short-tile block(s) an SM"));
         }
         if !self.cuda_graphs {
             parts.push("no graphs".into());
@@ -435,6 +444,7 @@ mod tests {
             ("MOEFLOW_EXPERT_GEMM", "cublas"),
             ("MOEFLOW_GEMM_TILE_ROWS", "64"),
             ("MOEFLOW_GEMM_TILE_COLS", "224"),
+            ("MOEFLOW_GEMM_TILE_BLOCKS", "2"),
             ("MOEFLOW_CUDA_GRAPHS", "0"),
             ("MOEFLOW_FUSED_ROUTE", "0"),
             ("MOEFLOW_ROUTER_TF32", "0"),
@@ -456,6 +466,7 @@ mod tests {
             expert_gemm: ExpertGemm::Cublas,
             gemm_tile_rows: Some(64),
             gemm_tile_cols: Some(224),
+            gemm_tile_blocks: Some(2),
             cuda_graphs: false,
             fused_route: false,
             router_tf32: false,
@@ -499,6 +510,7 @@ mod tests {
             ("MOEFLOW_EXPERT_GEMM", "fastest"),
             ("MOEFLOW_GEMM_TILE_ROWS", "96"),
             ("MOEFLOW_GEMM_TILE_COLS", "128"),
+            ("MOEFLOW_GEMM_TILE_BLOCKS", "3"),
             ("MOEFLOW_CUDA_GRAPHS", "yes please"),
             ("MOEFLOW_GEMM_STREAMS", "0"),
             ("MOEFLOW_GEMM_SM_TARGET", "-3"),

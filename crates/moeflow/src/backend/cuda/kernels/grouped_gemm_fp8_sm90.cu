@@ -281,7 +281,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
 
 // The kernel for tiles of 64·WGS rows over a ring of STAGES stages, SETS sets of partial
 // sums, QUANT for an activation quantized in the epilogue; see the entry points below.
-template <int WGS, int STAGES, int SETS, bool QUANT>
+template <int WGS, int STAGES, int SETS, bool QUANT, int BLOCKS>
 __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
                                           int* next_tile, int act_kind, float alpha, float limit, const float* b13,
@@ -307,8 +307,10 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     // producer keeps 56 (P) beside two sets, the consumers 224 (at 40 the producer spilled,
     // and both projections ran slower; docs/tuning.md); beside the quantizing tiles, whose
     // consumers need fewer, it keeps 88.
-    constexpr bool SHIFT_REGISTERS = WGS == 2 && (SETS == 2 || QUANT);
-    constexpr int PRODUCER_REGS = QUANT ? 88 : 56, CONSUMER_REGS = (168 * 3 - PRODUCER_REGS) / 2 / 8 * 8;
+    constexpr bool SHIFT_REGISTERS = (WGS == 2 && (SETS == 2 || QUANT)) || BLOCKS == 2;
+    constexpr int BUDGET = 65536 / (128 * (WGS + 1) * BLOCKS) / 8 * 8;  // a thread's registers at launch
+    constexpr int PRODUCER_REGS = QUANT ? 88 : 56;
+    constexpr int CONSUMER_REGS = (BUDGET * (WGS + 1) - PRODUCER_REGS) / WGS / 8 * 8;
     if (threadIdx.x < 128) {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
@@ -337,33 +339,36 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 // codes Q [rows, N / 2] with one scale per 128 values in S [rows, N / 256] (the bf16 values' amax
 // / 448) and not C; the others ignore Q and S. next_tile: as in grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G8_BODY(WGS, STAGES, SETS, QUANT)                                                                  \
-    g8_kernel<WGS, STAGES, SETS, QUANT>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, \
+#define G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS)                                                          \
+    g8_kernel<WGS, STAGES, SETS, QUANT, BLOCKS>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, \
                                         alpha, limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k, \
                                         Q, S);
 #else
-#define G8_BODY(WGS, STAGES, SETS, QUANT)
+#define G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS)
 #endif
-#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT)                                                  \
-    extern "C" __global__ void __launch_bounds__(threads, 1)                                               \
+#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT, BLOCKS)                                          \
+    extern "C" __global__ void __launch_bounds__(threads, BLOCKS)                                          \
         name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,     \
              bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,  \
              int act_kind, float alpha, float limit, const float* b13, const float* a_scales,              \
              const float* w_scales, const unsigned char* gather_x, const int* slot_of_row, int gather_k,   \
              unsigned char* Q, float* S) {                                                                 \
-        G8_BODY(WGS, STAGES, SETS, QUANT)                                                                  \
+        G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS)                                                          \
     }
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.
-G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2, false)
+G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2, false, 1)
 
 // 64-row tiles, one consumer warpgroup and a 9-stage ring: for experts of few rows, whose
 // tiles mostly stream weights, more of them in flight. One set of partial sums: the products
 // of a few rows are short, and a second set only cost time (docs/tuning.md).
-G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 1, false)
+G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 1, false, 1)
+
+// 64-row tiles, two blocks an SM over 4-stage rings.
+G8_ENTRY(grouped_gemm_fp8_sm90_short_two, 256, 1, 4, 1, false, 2)
 
 // The up projection with its activation quantized in the epilogue (Q, S), in 128- and 64-row
 // tiles; one set of partial sums (the first sub-tile's activation takes the registers a second
 // set would).
-G8_ENTRY(grouped_gemm_fp8_sm90_act_fp8, 384, 2, 6, 1, true)
-G8_ENTRY(grouped_gemm_fp8_sm90_short_act_fp8, 256, 1, 9, 1, true)
+G8_ENTRY(grouped_gemm_fp8_sm90_act_fp8, 384, 2, 6, 1, true, 1)
+G8_ENTRY(grouped_gemm_fp8_sm90_short_act_fp8, 256, 1, 9, 1, true, 1)

@@ -14,29 +14,42 @@ use std::sync::Mutex;
 /// Weight rows of a tile.
 const TILE_COLS: u32 = 128;
 
-/// One of the kernel's entry points: its tile rows (64 a consumer warpgroup), ring stages and
-/// threads (a producer warpgroup and the consumers). [`TILES_128`] keeps two sets of partial
-/// sums, so a block's products run while the last block's are scaled in; the others one.
+/// One of the kernel's entry points: its tile rows (64 a consumer warpgroup), ring stages,
+/// threads (a producer warpgroup and the consumers) and blocks an SM. [`TILES_128`] keeps two
+/// sets of partial sums, so a block's products run while the last block's are scaled in; the
+/// others one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Variant {
     name: &'static str,
     rows: u32,
     stages: u32,
     threads: u32,
+    /// Blocks an SM of the persistent grid.
+    per_sm: u32,
 }
 
-const TILES_128: Variant = Variant { name: "grouped_gemm_fp8_sm90", rows: 128, stages: 6, threads: 384 };
-const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 64, stages: 9, threads: 256 };
+const TILES_128: Variant = Variant { name: "grouped_gemm_fp8_sm90", rows: 128, stages: 6, threads: 384, per_sm: 1 };
+const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 64, stages: 9, threads: 256, per_sm: 1 };
+
+/// 64-row tiles two blocks an SM, each over a 4-stage ring: one block's epilogue and tile
+/// changes run while the other multiplies, for batches that give most experts rows.
+const TILES_64_TWO: Variant =
+    Variant { name: "grouped_gemm_fp8_sm90_short_two", rows: 64, stages: 4, threads: 256, per_sm: 2 };
 
 /// 128- and 64-row tiles of one set with the activation quantized in the epilogue.
 const TILES_128_ACT_FP8: Variant =
-    Variant { name: "grouped_gemm_fp8_sm90_act_fp8", rows: 128, stages: 6, threads: 384 };
+    Variant { name: "grouped_gemm_fp8_sm90_act_fp8", rows: 128, stages: 6, threads: 384, per_sm: 1 };
 const TILES_64_ACT_FP8: Variant =
-    Variant { name: "grouped_gemm_fp8_sm90_short_act_fp8", rows: 64, stages: 9, threads: 256 };
+    Variant { name: "grouped_gemm_fp8_sm90_short_act_fp8", rows: 64, stages: 9, threads: 256, per_sm: 1 };
 
 /// Rows an expert on average up to which a product takes 64-row tiles, as the bf16 Hopper GEMM
 /// does (its `SHORT_TO_ROWS`): their deeper ring keeps more weight bytes in flight.
 const SHORT_TO_ROWS: usize = 32;
+
+/// Rows an expert on average above which 64-row tiles run two blocks an SM
+/// ([`TILES_64_TWO`]); at fewer, one block's deeper ring streams the weights faster
+/// (docs/tuning.md).
+const TWO_BLOCKS_ABOVE_ROWS: usize = 4;
 
 /// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
 /// tiles 128 codes deep, 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1` tile
@@ -74,18 +87,23 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_64`] and the two that quantize the
-/// activation), its persistent blocks (one an SM, every SM unless [`HopperFp8Gemm::leaving`]
-/// leaves some free), their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s) and
-/// the tile rows the options ask for.
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`] and the two that
+/// quantize the activation), its persistent blocks (one an SM, or two for [`TILES_64_TWO`];
+/// every SM unless [`HopperFp8Gemm::leaving`] leaves some free), their shared tile counter (as
+/// [`super::hopper_gemm::HopperGemm`]'s) and the tile rows and blocks an SM the options ask for.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
     short: CudaFunction,
     act_fp8: CudaFunction,
     short_act_fp8: CudaFunction,
+    short_two: CudaFunction,
     blocks: u32,
     next_tile: Mutex<CudaSlice<i32>>,
     rows_asked: Option<u32>,
+    blocks_asked: Option<u32>,
+    /// Whether [`HopperFp8Gemm::leaving`] left SMs free (then one block an SM, so that the
+    /// blocks stay off them).
+    leaves_sms: bool,
 }
 
 impl HopperFp8Gemm {
@@ -99,9 +117,21 @@ impl HopperFp8Gemm {
         let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
         let (f, short) = (load(TILES_128)?, load(TILES_64)?);
         let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
+        let short_two = load(TILES_64_TWO)?;
         let (blocks, next_tile) = persistent_blocks(gpu)?;
-        let rows_asked = opts.gemm_tile_rows;
-        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, blocks, next_tile, rows_asked }))
+        let (rows_asked, blocks_asked) = (opts.gemm_tile_rows, opts.gemm_tile_blocks);
+        Ok(Some(HopperFp8Gemm {
+            f,
+            short,
+            act_fp8,
+            short_act_fp8,
+            short_two,
+            blocks,
+            next_tile,
+            rows_asked,
+            blocks_asked,
+            leaves_sms: false,
+        }))
     }
 
     /// The same GEMM on all SMs but `sms` (at least one): for a GEMM that runs beside kernels
@@ -109,19 +139,27 @@ impl HopperFp8Gemm {
     /// dispatch, whose transport would otherwise wait for the GEMM's blocks to end.
     pub(super) fn leaving(mut self, sms: u32) -> Self {
         self.blocks = self.blocks.saturating_sub(sms).max(1);
+        self.leaves_sms = true;
         self
     }
 
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
     /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask), else 128-row
-    /// tiles; an activation quantized in the epilogue (`fp8_out`) takes the entry points that
-    /// do that.
+    /// tiles; 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert
+    /// (or as the options ask), unless the GEMM leaves SMs free; an activation quantized in
+    /// the epilogue (`fp8_out`) takes the entry points that do that.
     fn variant(&self, rows: usize, experts: usize, fp8_out: bool) -> Variant {
         let short = match self.rows_asked {
             Some(r) => r == TILES_64.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         };
+        let two = !self.leaves_sms
+            && match self.blocks_asked {
+                Some(b) => b == TILES_64_TWO.per_sm,
+                None => rows > TWO_BLOCKS_ABOVE_ROWS * experts.max(1),
+            };
         match (short, fp8_out) {
+            (true, false) if two => TILES_64_TWO,
             (true, false) => TILES_64,
             (true, true) => TILES_64_ACT_FP8,
             (false, true) => TILES_128_ACT_FP8,
@@ -187,7 +225,7 @@ impl HopperFp8Gemm {
         let counter = self.next_tile.lock().unwrap_or_else(|p| p.into_inner());
         let (next, _guard) = counter.device_ptr(stream);
         let cfg = LaunchConfig {
-            grid_dim: (self.blocks, 1, 1),
+            grid_dim: (self.blocks * v.per_sm, 1, 1),
             block_dim: (v.threads, 1, 1),
             shared_mem_bytes: smem_bytes(v, experts),
         };
@@ -207,6 +245,7 @@ impl HopperFp8Gemm {
         unsafe {
             let f = match v {
                 TILES_64 => &self.short,
+                TILES_64_TWO => &self.short_two,
                 TILES_128_ACT_FP8 => &self.act_fp8,
                 TILES_64_ACT_FP8 => &self.short_act_fp8,
                 _ => &self.f,
@@ -291,7 +330,8 @@ mod tests {
         }
     }
 
-    /// The fp8 grouped GEMM, in 128- and 64-row tiles, against an f64 product of the values
+    /// The fp8 grouped GEMM, in 128- and 64-row tiles (one and two blocks an SM, with the same
+    /// bits), against an f64 product of the values
     /// the codes and scales stand for, with poisoned outputs: experts with 0, 1, a partial
     /// tile, exactly one tile and several tiles of rows, grouped and padded layouts, widths that
     /// are not tile multiples and depths that are not multiples of the 128-deep stage; every
@@ -312,6 +352,8 @@ mod tests {
             return;
         };
         let gemm64 = HopperFp8Gemm::load(&gpu, &tiles(64)).unwrap().expect("a Hopper GPU");
+        let two = crate::backend::cuda::CudaOptions { gemm_tile_blocks: Some(2), ..tiles(64) };
+        let gemm64x2 = HopperFp8Gemm::load(&gpu, &two).unwrap().expect("a Hopper GPU");
         let s = &gpu.stream;
         let acts = [Activation::Silu, Activation::GeluErf, Activation::GeluTanh, Activation::GPT_OSS];
         // (n, k, activation and whether it has a bias)
@@ -323,8 +365,13 @@ mod tests {
             cases.push(([256, 384, 512, 256][x], 144 + 128 * x, Some((act, x < 2))));
         }
         let cases: Vec<_> = cases.into_iter().flat_map(|c| [(c, false), (c, true)]).collect();
-        // Every case in 128-row tiles, and every other one in 64-row tiles.
-        let cases = cases.iter().map(|&c| (c, &gemm128)).chain(cases.iter().step_by(2).map(|&c| (c, &gemm64)));
+        // Every case in 128-row tiles, and every other one in 64-row tiles, one block an SM and
+        // two (an activation quantized in the epilogue runs one block an SM either way).
+        let cases = cases
+            .iter()
+            .map(|&c| (c, &gemm128))
+            .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64)))
+            .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64x2)));
         for (((n, k, act), gathered), gemm) in cases {
             // Gathered rows in the grouped layout, the others in the padded one.
             let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 400];
@@ -381,8 +428,16 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            let tile_rows = gemm.variant(rows, e, false).rows;
-            let what = format!("{tile_rows}-row tiles, n {n} k {k} activation {act:?} gathered {gathered}");
+            if std::ptr::eq(gemm, &gemm64x2) {
+                // Two blocks an SM run each tile as one block does: the same bits.
+                s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
+                let out = GemmOut::Bf16(dptr(&cd, &gpu));
+                gemm64.run(s, wop, [n, k], aop, out, [rows, rows], ptrs, e, epilogue, gather).unwrap();
+                assert!(s.clone_dtoh(&cd).unwrap() == got, "n {n} k {k}: two blocks an SM against one");
+            }
+            let v = gemm.variant(rows, e, false);
+            let what =
+                format!("{}-row tiles {} a SM, n {n} k {k} activation {act:?} gathered {gathered}", v.rows, v.per_sm);
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
             // The values the codes and scales stand for, decoded once: A [rows, k], W [e n, k].
             let af: Vec<f64> =
