@@ -6,13 +6,20 @@ mod common;
 
 use common::*;
 use moeflow::backend::cuda::CudaMoeLayer;
-use moeflow::{preset, Activation, DType, MoeLayer, RouterConfig};
+use moeflow::{preset, Activation, DType, MoeLayer, RouterConfig, SharedConfig};
 
+/// With and without a shared expert (the count then runs on its side stream, beside the layer).
 #[test]
 fn the_device_counts_each_calls_routing_into_its_window() {
+    for shared in [None, Some(SharedConfig { inter: 64, gated: false })] {
+        counts_each_calls_routing_into_its_window(shared);
+    }
+}
+
+fn counts_each_calls_routing_into_its_window(shared: Option<SharedConfig>) {
     // Top-3, so that the batches' slot counts (3, 9, 192, 900) are and are not multiples of the
     // counting kernel's four-id loads.
-    let config = small_config(256, 128, 32, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, None);
+    let config = small_config(256, 128, 32, 3, RouterConfig::Softmax { renormalize: true }, Activation::Silu, shared);
     let weights = preset::random_weights(&config, DType::BF16, 3);
     let gpu = match CudaMoeLayer::new(&config, &weights, &Default::default()) {
         Ok(l) => l,
@@ -40,7 +47,7 @@ fn the_device_counts_each_calls_routing_into_its_window() {
         assert_eq!(got.iter().sum::<u64>(), (t * 3) as u64);
         // bf16 rows may flip a near-tie between the GPU's and the CPU's choice.
         let moved: u64 = got.iter().zip(want).map(|(a, b)| a.abs_diff(*b)).sum();
-        assert!(moved <= 2 + (t as u64) / 50, "{t} tokens: {got:?} vs {want:?}");
+        assert!(moved <= 2 + (t as u64) / 50, "shared {shared:?}, {t} tokens: {got:?} vs {want:?}");
     }
 }
 

@@ -41,11 +41,12 @@ impl DeviceLoadStats {
         })
     }
 
-    /// Enqueues the count of one call's `n` logical ids at device address `ids` on the layer's
-    /// stream (`n` may be 0: the call is counted with no tokens). With `live` (a device int,
-    /// the batch size of a low-latency layer, whose routing covers its whole capacity) only the
-    /// first `live · k` ids count.
-    pub fn record(&self, ids: u64, n: usize, live: Option<(u64, usize)>) -> Result<()> {
+    /// Enqueues the count of one call's `n` logical ids at device address `ids` on `stream`:
+    /// the layer's, or a side stream that the layer's joins within the call (the counts are
+    /// read on the layer's stream). `n` may be 0: the call is counted with no tokens. With
+    /// `live` (a device int, the batch size of a low-latency layer, whose routing covers its
+    /// whole capacity) only the first `live · k` ids count.
+    pub fn record(&self, stream: &CudaStream, ids: u64, n: usize, live: Option<(u64, usize)>) -> Result<()> {
         let (ni, ei, wi) = (n as i32, self.num_experts as i32, self.window as i32);
         let (live_ptr, ki) = live.map_or((0u64, 0i32), |(p, k)| (p, k as i32));
         let (rows, calls) = (dptr(&self.rows, &self.stream), dptr(&self.calls, &self.stream));
@@ -59,7 +60,7 @@ impl DeviceLoadStats {
         // the live batch size when given, writes one row of `rows` ([window, E]) and the
         // counter; E ≤ 4096 bins fit the shared memory asked for.
         unsafe {
-            self.stream
+            stream
                 .launch_builder(&self.count)
                 .arg(&ids)
                 .arg(&ni)

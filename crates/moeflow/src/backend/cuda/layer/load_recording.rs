@@ -23,12 +23,12 @@ impl CudaMoeLayer {
         let ids: Vec<i32> = (0..n.max(1)).map(|i| ((i as u64 * 2_654_435_761) % e as u64) as i32).collect();
         let ids = g.stream.clone_htod(&ids).map_err(|e| err("recording ids", e))?;
         let at = dptr(&ids, g);
-        scratch.record(at, n, None)?;
+        scratch.record(&g.stream, at, n, None)?;
         let event = || g.ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT));
         let (start, stop) = (event().map_err(|e| err("event", e))?, event().map_err(|e| err("event", e))?);
         start.record(&g.stream).map_err(|e| err("event", e))?;
         for _ in 0..RECORDING_RUNS {
-            scratch.record(at, n, None)?;
+            scratch.record(&g.stream, at, n, None)?;
         }
         stop.record(&g.stream).map_err(|e| err("event", e))?;
         g.stream.synchronize().map_err(|e| err("synchronize", e))?;
