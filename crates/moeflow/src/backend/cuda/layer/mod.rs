@@ -1025,22 +1025,23 @@ impl CudaMoeLayer {
         if t > 0 {
             self.route(b, t)?;
         }
+        if shares.is_some() {
+            self.join_batches()?;
+        }
         // A direct run before a graph's capture computes what the graph's first replay computes
         // again: that call's routing is counted once, by the replay.
         if self.opts.load_stats && !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
             // Beside the layer on the shared experts' side stream where the call has them (the
-            // layer's stream joins it for their output), so small batches do not wait for the
-            // count (docs/tuning.md); else on the layer's stream.
+            // layer's stream joins it for their output, and has joined the batch sizes' exchange
+            // on it already), so small batches do not wait for the count (docs/tuning.md); else
+            // on the layer's stream.
             let beside = t > 0 && self.w.shared.is_some();
             if beside {
                 self.side.fork(&g.stream, [self.side.shared()])?;
             }
             let s = if beside { &self.side.shared().stream } else { &g.stream };
             self.load.record(s, dptr(&b.ids, g), t * self.config.top_k, live)?;
-        }
-        if shares.is_some() {
-            self.join_batches()?;
         }
         mark(1)?;
         // The modular kernel: prepare → experts → finalize, with the shared experts on a side
