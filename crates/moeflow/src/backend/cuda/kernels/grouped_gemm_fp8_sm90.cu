@@ -12,10 +12,10 @@
 // longer than 128 products (DeepSeek-V3's "promotion"). In 128-row tiles two sets of partial
 // sums take turns, so the tensor cores multiply the next block while the last one is scaled
 // in. Tiles are 64·WGS rows (WGS consumer warpgroups: two, or one in the short entry
-// point) by 128 weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up
+// points) by 128 weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up
 // rows, which then give 64 output columns), so a thread holds 64 accumulators and one or two
-// sets of 64 partial sums; with two sets the producer warpgroup hands the consumers its
-// registers (setmaxnreg).
+// sets of 64 partial sums; with two sets, and where two blocks share an SM, the producer
+// warpgroup hands the consumers its registers (setmaxnreg).
 // (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
 
 #define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
@@ -306,7 +306,8 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     // registers. The block holds 168 a thread (384 threads), 128 · P + 256 · C of them: the
     // producer keeps 56 (P) beside two sets, the consumers 224 (at 40 the producer spilled,
     // and both projections ran slower; docs/tuning.md); beside the quantizing tiles, whose
-    // consumers need fewer, it keeps 88.
+    // consumers need fewer, it keeps 88. Two blocks an SM of 256 threads hold 128 a thread:
+    // the producer keeps 56 there too, the consumer 200.
     constexpr bool SHIFT_REGISTERS = (WGS == 2 && (SETS == 2 || QUANT)) || BLOCKS == 2;
     constexpr int BUDGET = 65536 / (128 * (WGS + 1) * BLOCKS) / 8 * 8;  // a thread's registers at launch
     constexpr int PRODUCER_REGS = QUANT ? 88 : 56;

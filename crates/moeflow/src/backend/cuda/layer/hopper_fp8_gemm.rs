@@ -331,10 +331,10 @@ mod tests {
     }
 
     /// The fp8 grouped GEMM, in 128- and 64-row tiles (one and two blocks an SM, with the same
-    /// bits), against an f64 product of the values
-    /// the codes and scales stand for, with poisoned outputs: experts with 0, 1, a partial
-    /// tile, exactly one tile and several tiles of rows, grouped and padded layouts, widths that
-    /// are not tile multiples and depths that are not multiples of the 128-deep stage; every
+    /// bits), against an f64 product of the values the codes and scales stand for, with
+    /// poisoned outputs: experts with 0, 1, a partial tile, exactly one tile and several tiles
+    /// of rows, grouped and padded layouts, widths that are not tile multiples and depths that
+    /// are not multiples of the 128-deep stage; every
     /// activation in the epilogue (with and without a bias); rows gathered by the GEMM from a
     /// shuffled copy of the tokens (three slots a token); every activation also quantized in the
     /// epilogue. The second of two launches is checked, and has the first's bits. Needs a
@@ -437,7 +437,7 @@ mod tests {
             }
             let v = gemm.variant(rows, e, false);
             let what =
-                format!("{}-row tiles {} a SM, n {n} k {k} activation {act:?} gathered {gathered}", v.rows, v.per_sm);
+                format!("{}-row tiles {} an SM, n {n} k {k} activation {act:?} gathered {gathered}", v.rows, v.per_sm);
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
             // The values the codes and scales stand for, decoded once: A [rows, k], W [e n, k].
             let af: Vec<f64> =
