@@ -28,6 +28,17 @@ fn layer(config: &MoeConfig, weights: &MoeWeights) -> Option<CudaMoeLayer> {
     }
 }
 
+/// The quantization kernels on GPU 0, or `None` (saying SKIPPED) without a GPU.
+fn quant_kernels() -> Option<moeflow::backend::cuda::CudaQuant> {
+    match moeflow::backend::cuda::CudaQuant::new() {
+        Ok(g) => Some(g),
+        Err(e) => {
+            eprintln!("SKIPPED (no GPU): {e}");
+            None
+        }
+    }
+}
+
 fn rel(got: &[f32], want: &[f64]) -> f64 {
     let scale = want.iter().fold(1e-30f64, |m, v| m.max(v.abs()));
     got.iter().zip(want).map(|(&g, &w)| (g as f64 - w).abs()).fold(0.0, f64::max) / scale
@@ -300,15 +311,8 @@ fn fp8_checkpoint_through_the_gpu_as_stored() {
 
 #[test]
 fn quantization_kernels_match_the_cpu_bit_for_bit() {
-    use moeflow::backend::cuda::CudaQuant;
     use moeflow::quant::{dequantize, quantize, QuantConfig};
-    let gpu = match CudaQuant::new() {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e}");
-            return;
-        }
-    };
+    let Some(gpu) = quant_kernels() else { return };
     for q in [QuantConfig::Int8, QuantConfig::Fp8, QuantConfig::Fp8Block, QuantConfig::Mxfp8] {
         for h in [1usize, 33, 300, 7168] {
             // Rows of very different magnitudes, an all-zero row, and values deep in e4m3's
@@ -339,15 +343,8 @@ fn quantization_kernels_match_the_cpu_bit_for_bit() {
 #[test]
 fn quantization_of_bf16_rows_matches_the_cpu_for_every_pair_of_significands() {
     use half::bf16;
-    use moeflow::backend::cuda::CudaQuant;
     use moeflow::quant::{quantize, QuantConfig};
-    let gpu = match CudaQuant::new() {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e}");
-            return;
-        }
-    };
+    let Some(gpu) = quant_kernels() else { return };
     let widen = |x: &[bf16]| x.iter().map(|v| v.to_f32()).collect::<Vec<f32>>();
     let same = |q: QuantConfig, x: &[bf16], h: usize, what: &str| {
         let (cpu, dev) = (quantize(q, &widen(x), h).unwrap(), gpu.quantize_bf16(q, x, h).unwrap());
@@ -392,15 +389,8 @@ fn quantization_of_bf16_rows_matches_the_cpu_for_every_pair_of_significands() {
 /// that a kernel that multiplied would fail it (docs/tuning.md).
 #[test]
 fn quantization_kernels_divide_where_the_code_changes() {
-    use moeflow::backend::cuda::CudaQuant;
     use moeflow::quant::{fp8_e4m3_encode, quantize, QuantConfig};
-    let gpu = match CudaQuant::new() {
-        Ok(g) => g,
-        Err(e) => {
-            eprintln!("SKIPPED (no GPU): {e}");
-            return;
-        }
-    };
+    let Some(gpu) = quant_kernels() else { return };
     let e4m3_midpoints: Vec<f32> = (-6..9)
         .flat_map(|e| (0..8).map(move |k| (1.0 + (2 * k + 1) as f32 / 16.0) * 2f32.powi(e)))
         .chain((0..8).map(|k| (2 * k + 1) as f32 * 2f32.powi(-10)))
