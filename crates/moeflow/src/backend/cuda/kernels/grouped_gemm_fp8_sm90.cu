@@ -143,12 +143,13 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
 // with SETS 1 each block's products are waited for, then scaled in. With QUANT (an activation
 // quantized in the epilogue, into Q and S) a tile is two sub-tiles of 64 output columns, one
 // after the other: the first's activation waits in registers, as bf16 pairs, for the second's.
-template <int WGS, int STAGES, int SETS, bool QUANT>
+template <int WGS, int STAGES, int SETS, bool QUANT, bool STAGED>
 __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
                                            int N, int K, int width, bool act, int col_blocks, int tile_cols,
                                            int act_kind, float alpha, float limit, const float* b13,
-                                           const float* a_scales, const float* w_scales, bool gather,
-                                           const int* slot_of_row, int gather_k, unsigned char* Q, float* S) {
+                                           const float* a_scales, const float* w_scales, const float2* w_slots,
+                                           bool gather, const int* slot_of_row, int gather_k, unsigned char* Q,
+                                           float* S) {
     constexpr int BM = 64 * WGS;             // rows of a tile
     constexpr int A_BYTES = BM * G8_BK;      // 8 KiB a warpgroup
     constexpr int B_BYTES = G8_BN * G8_BK;   // 16 KiB
@@ -202,25 +203,38 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
             const int wn0 = col0, wn1 = col0 + (act ? width : G8_BN / 2);
             const float* scale_w0 = w_scales + ((long)t.expert * n_blocks + wn0 / 128) * kblocks;
             const float* scale_w1 = w_scales + ((long)t.expert * n_blocks + min(wn1 / 128, n_blocks - 1)) * kblocks;
-            auto scales = [&](int kb) { return g8_scales{scale_a[kb], scale_b[kb], scale_w0[kb], scale_w1[kb]}; };
+            // Block kb's scales from global memory, a block ahead of their use; STAGED, the
+            // weights' come with the stage instead (w_slots, read as its products are issued).
+            auto scales = [&](int kb) {
+                if constexpr (STAGED) return g8_scales{scale_a[kb], scale_b[kb], 0.0f, 0.0f};
+                return g8_scales{scale_a[kb], scale_b[kb], scale_w0[kb], scale_w1[kb]};
+            };
 #pragma unroll
             for (int j = 0; j < 64; j++) d[j] = 0.0f;
             int held_stage = stage;  // the stage of the block in flight longest
+            float2 held_w;           // STAGED: its weight scales
+            auto weights_of = [&](g8_scales s) {
+                if constexpr (STAGED) s.f0 = held_w.x, s.f1 = held_w.y;
+                return s;
+            };
+            auto staged = [&]() { return STAGED ? w_slots[stage] : float2{}; };
             auto step = [&](float* into, float* done, g8_scales s) {
                 gg_bar_wait(&sh.full[stage], phase);
                 issue(into);
+                const float2 w = staged();
                 gg_wait<1>();
                 gg_pin<64>(done);
                 gg_bar_arrive(&sh.empty[held_stage]);
-                g8_promote(d, done, s);
+                g8_promote(d, done, weights_of(s));
                 held_stage = stage;
+                held_w = w;
                 next();
             };
             auto last = [&](float* done, g8_scales s) {
                 gg_wait<0>();
                 gg_pin<64>(done);
                 gg_bar_arrive(&sh.empty[held_stage]);
-                g8_promote(d, done, s);
+                g8_promote(d, done, weights_of(s));
             };
             if constexpr (SETS == 2) {
                 // Block 0 into p0; then each turn, with block kb in flight in p0, block kb + 1
@@ -228,6 +242,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
                 // last one or two blocks follow the loop, so every path leaves the same set in
                 // flight.
                 issue(p0);
+                held_w = staged();
                 next();
                 int kb = 0;
                 for (; kb + 2 < kblocks; kb += 2) {
@@ -247,6 +262,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
                 for (int kb = 0; kb < kblocks; kb++) {
                     if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
                     issue(p0);
+                    held_w = staged();
                     const g8_scales ahead = scales(min(kb + 1, kblocks - 1));
                     held_stage = stage;
                     last(p0, s);
@@ -292,6 +308,12 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     constexpr int RING_BYTES = STAGES * (BM + G8_BN) * G8_BK;
     extern __shared__ unsigned char g8_raw[];
     unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
+    // 64-row tiles take each block's weight scales with its stage (two floats a stage, past the
+    // ring), brought by the producer, so that the consumer does not wait for them: for few
+    // rows a tile, a global load a block ahead stalled the consumer (docs/tuning.md). 128-row
+    // tiles load them as they multiply.
+    constexpr bool STAGED = WGS == 1;
+    float2* w_slots = (float2*)(ring + RING_BYTES);
     const bool gather = gather_x != 0;
     const bool act = act_kind >= 0;
     // An activation quantized in the epilogue takes tiles of two sub-tiles: 128 output
@@ -300,7 +322,8 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     const int col_blocks = (width + tile_cols - 1) / tile_cols;
     gg_shared sh;
     const int tiles =
-        gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
+        gg_setup<BM, STAGES, WGS>(ring + RING_BYTES + STAGES * sizeof(float2), sh, gather, counts, offsets, experts,
+                                  col_blocks, STAGED);
     // Two consumer warpgroups hold 192 sums a thread (the accumulators and two sets of
     // partial sums), or 128 and a sub-tile's activation: the producer warpgroup gives them
     // registers. The block holds 168 a thread (384 threads), 128 · P + 256 · C of them: the
@@ -315,15 +338,16 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
     if (threadIdx.x < 128) {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
-        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
-                                                            col_blocks, tile_cols, next_tile, gather_x, (long)K,
-                                                            slot_of_row, gather_k, QUANT ? 2 : 1);
+        gg_produce<unsigned char, G8_BK, BM, G8_BN, STAGES, STAGED>(sh, ring, a_map, w_map, tiles, experts, N, K,
+                                                                    width, act, col_blocks, tile_cols, next_tile,
+                                                                    gather_x, (long)K, slot_of_row, gather_k,
+                                                                    QUANT ? 2 : 1, w_scales, w_slots);
     } else {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
-        g8_consume<WGS, STAGES, SETS, QUANT>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind,
-                                             alpha, limit, b13, a_scales, w_scales, gather, slot_of_row, gather_k, Q,
-                                             S);
+        g8_consume<WGS, STAGES, SETS, QUANT, STAGED>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols,
+                                                     act_kind, alpha, limit, b13, a_scales, w_scales, w_slots, gather,
+                                                     slot_of_row, gather_k, Q, S);
     }
 }
 #endif

@@ -73,6 +73,12 @@ __device__ __forceinline__ void gg_tma_load(void* dst, const gg_tensor_map* map,
 __device__ __forceinline__ void gg_copy16(void* dst, const void* src, unsigned bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(gg_smem(dst)), "l"(src), "r"(bytes) : "memory");
 }
+// A 4-byte copy, global to shared memory, by cp.async.
+__device__ __forceinline__ void gg_copy4(void* dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(gg_smem(dst)), "l"(src) : "memory");
+}
+// Arrives on `bar` once this thread's cp.async copies so far have landed (no arrival of its
+// own counted: the barrier's count includes this one).
 __device__ __forceinline__ void gg_copies_arrive(u64* bar) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(gg_smem(bar)) : "memory");
 }
@@ -268,12 +274,13 @@ struct gg_shared {
 };
 
 // Lays out `sh` from `at`, initialises the barriers (a full stage: the producer thread's
-// arrival and its TMA bytes, and gathering every producer thread's copies; an empty one: every
-// consumer thread), copies the counts and offsets and scans the experts' tiles (BM rows by
-// `col_blocks` column blocks each) with one warp. Returns the number of tiles, for every thread.
+// arrival and its TMA bytes, and gathering every producer thread's copies, or without
+// gathering and with `scale_copies` thread 0's; an empty one: every consumer thread), copies
+// the counts and offsets and scans the experts' tiles (BM rows by `col_blocks` column blocks
+// each) with one warp. Returns the number of tiles, for every thread.
 template <int BM, int STAGES, int WGS>
 __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool gather, const int* counts,
-                                        const int* offsets, int experts, int col_blocks) {
+                                        const int* offsets, int experts, int col_blocks, bool scale_copies = false) {
     sh.full = (u64*)at;
     sh.empty = sh.full + STAGES;
     sh.stage_tile = (int*)(sh.empty + STAGES);
@@ -283,7 +290,7 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
     sh.claimed = sh.start_of + experts;
     if (threadIdx.x == 0) {
         for (int s = 0; s < STAGES; s++) {
-            gg_bar_init(&sh.full[s], gather ? 1 + 128 : 1);
+            gg_bar_init(&sh.full[s], gather ? 1 + 128 : scale_copies ? 2 : 1);
             gg_bar_init(&sh.empty[s], WGS * 128);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -320,13 +327,16 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
 // warpgroup copies its share with cp.async) and BN weight rows in two boxes of BN / 2: the
 // next BN / 2 rows, or with an activation the up rows `width` further down. A tile of `subs`
 // sub-tiles (an activation quantized in the epilogue takes two) streams its depth once for
-// each, sub-tile s starting BN / 2 weight rows further.
-template <typename T, int DEPTH, int BM, int BN, int STAGES>
+// each, sub-tile s starting BN / 2 weight rows further. With W_SCALES (fp8 weights with one
+// scale per 128 × 128 block, w_scales [experts, ceil(N / 128), ceil(K / 128)]) a stage also
+// brings the scales of its two boxes' blocks into w_slots[stage] (thread 0, by cp.async, so
+// that the consumers never wait on a global load for them; gg_setup's `scale_copies`).
+template <typename T, int DEPTH, int BM, int BN, int STAGES, bool W_SCALES = false>
 __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* ring, const gg_tensor_map& a_map,
                                            const gg_tensor_map& w_map, int tiles, int experts, int N, int K,
                                            int width, bool act, int col_blocks, int tile_cols, int* next_tile,
                                            const T* gather_x, long gather_stride, const int* slot_of_row, int gather_k,
-                                           int subs) {
+                                           int subs, const float* w_scales = nullptr, float2* w_slots = nullptr) {
     constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;
     constexpr int ROWS_PER_THREAD = BM / 16;  // gathering: eight threads a row
     constexpr int CHUNK = 16 / sizeof(T);     // elements a 16-byte copy
@@ -357,8 +367,10 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
             }
             gg_bar_wait(&sh.empty[stage], phase ^ 1);
             if (me == 0) sh.stage_tile[stage] = -1;
-            gg_bar_arrive(&sh.full[stage]);  // gathering, every thread arrives (1 + 128 with thread 0's)
-            if (gather && me == 0) gg_bar_arrive(&sh.full[stage]);
+            // Gathering, every thread arrives (1 + 128 with thread 0's); with scale copies
+            // thread 0 twice.
+            gg_bar_arrive(&sh.full[stage]);
+            if ((gather || W_SCALES) && me == 0) gg_bar_arrive(&sh.full[stage]);
             return;
         }
         gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
@@ -393,6 +405,14 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
                     unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
                     gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow + sub * BN / 2);
                     gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2 + sub * BN / 2);
+                    if constexpr (W_SCALES) {
+                        const int n_blocks = (N + 127) / 128;
+                        const int w0 = wrow - t.expert * N + sub * BN / 2, w1 = wrow2 - t.expert * N + sub * BN / 2;
+                        const float* at = w_scales + (long)t.expert * n_blocks * kblocks + kb;
+                        gg_copy4(&w_slots[stage].x, at + (long)(w0 / 128) * kblocks);
+                        gg_copy4(&w_slots[stage].y, at + (long)min(w1 / 128, n_blocks - 1) * kblocks);
+                        if (!gather) gg_copies_arrive(&sh.full[stage]);
+                    }
                 }
                 if (gather) {
                     // Columns past K come as zeros (a copy of 0 bytes from the row's start).

@@ -6,7 +6,7 @@
 //! optionally gathered from the tokens by the kernel itself.
 
 use super::err;
-use super::hopper_gemm::{persistent_blocks, persistent_kernel, tensor_map, Epilogue, MAX_EXPERTS};
+use super::hopper_gemm::{persistent_blocks, persistent_kernel, tensor_map, Epilogue, MAX_EXPERTS, MAX_SMEM};
 use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use std::sync::Mutex;
@@ -52,10 +52,21 @@ const SHORT_TO_ROWS: usize = 32;
 const TWO_BLOCKS_ABOVE_ROWS: usize = 4;
 
 /// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
-/// tiles 128 codes deep, 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1` tile
-/// offsets, a copy of the counts and row offsets, and the tile a gathering producer works on.
+/// tiles 128 codes deep, 1 KiB to align it, two weight scales, two mbarriers and a tag a stage,
+/// `experts + 1` tile offsets, a copy of the counts and row offsets, and the tile a gathering
+/// producer works on.
 fn smem_bytes(v: Variant, experts: usize) -> u32 {
-    v.stages * ((v.rows + TILE_COLS) * 128 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+    v.stages * ((v.rows + TILE_COLS) * 128 + 8 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+}
+
+/// `v`, or where its shared memory for `experts` experts exceeds an SM's (the 64-row tiles'
+/// deep rings, beyond about 800 experts), the 128-row tiles of the same output.
+fn fitting(v: Variant, experts: usize) -> Variant {
+    match v {
+        _ if smem_bytes(v, experts) <= MAX_SMEM => v,
+        TILES_64_ACT_FP8 => TILES_128_ACT_FP8,
+        _ => TILES_128,
+    }
 }
 
 /// fp8 codes `[rows, k]` at `codes` with their f32 scales `[rows, ceil(k / 128)]` at `scales`
@@ -147,7 +158,8 @@ impl HopperFp8Gemm {
     /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask), else 128-row
     /// tiles; 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert
     /// (or as the options ask), unless the GEMM leaves SMs free; an activation quantized in
-    /// the epilogue (`fp8_out`) takes the entry points that do that.
+    /// the epilogue (`fp8_out`) takes the entry points that do that. Tiles whose shared memory
+    /// would not fit take 128 rows ([`fitting`]).
     fn variant(&self, rows: usize, experts: usize, fp8_out: bool) -> Variant {
         let short = match self.rows_asked {
             Some(r) => r == TILES_64.rows,
@@ -158,13 +170,14 @@ impl HopperFp8Gemm {
                 Some(b) => b == TILES_64_TWO.per_sm,
                 None => rows > TWO_BLOCKS_ABOVE_ROWS * experts.max(1),
             };
-        match (short, fp8_out) {
+        let v = match (short, fp8_out) {
             (true, false) if two => TILES_64_TWO,
             (true, false) => TILES_64,
             (true, true) => TILES_64_ACT_FP8,
             (false, true) => TILES_128_ACT_FP8,
             (false, false) => TILES_128,
-        }
+        };
+        fitting(v, experts)
     }
 
     /// Whether the up projection over `n` weight rows (gate and up halves) can write its
@@ -264,6 +277,25 @@ impl HopperFp8Gemm {
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
+    use super::{fitting, smem_bytes, Variant, MAX_EXPERTS, MAX_SMEM};
+    use super::{TILES_128, TILES_128_ACT_FP8, TILES_64, TILES_64_ACT_FP8, TILES_64_TWO};
+
+    /// Every entry point, up to the most experts the launcher takes, gets tiles whose shared
+    /// memory fits an SM, of the same output; the 64-row tiles fit DeepSeek-V3's 256 experts
+    /// as they are.
+    #[test]
+    fn every_choice_of_tiles_fits_in_shared_memory() {
+        let all = [TILES_128, TILES_64, TILES_64_TWO, TILES_128_ACT_FP8, TILES_64_ACT_FP8];
+        let quantizes = |v: Variant| v.name.ends_with("act_fp8");
+        for v in all {
+            for experts in [1, 64, 256, 512, 900, MAX_EXPERTS] {
+                let f = fitting(v, experts);
+                assert!(smem_bytes(f, experts) <= MAX_SMEM, "{} at {experts} experts", f.name);
+                assert_eq!(quantizes(f), quantizes(v), "{} became {}", v.name, f.name);
+            }
+            assert_eq!(fitting(v, 256), v, "{} at 256 experts", v.name);
+        }
+    }
     use super::{Epilogue, Fp8Gather, Fp8Operand, GemmOut, HopperFp8Gemm};
     use crate::backend::cuda::random_e4m3_codes as codes;
     use crate::experts::Activation;
