@@ -98,18 +98,10 @@ pub(super) struct Fp8Gather {
     pub k: usize,
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`] and the two that
-/// quantize the activation), its persistent blocks (one an SM, or two for [`TILES_64_TWO`];
-/// every SM unless [`HopperFp8Gemm::leaving`] leaves some free), their shared tile counter (as
-/// [`super::hopper_gemm::HopperGemm`]'s) and the tile rows and blocks an SM the options ask for.
-pub(super) struct HopperFp8Gemm {
-    f: CudaFunction,
-    short: CudaFunction,
-    act_fp8: CudaFunction,
-    short_act_fp8: CudaFunction,
-    short_two: CudaFunction,
-    blocks: u32,
-    next_tile: Mutex<CudaSlice<i32>>,
+/// How a GEMM picks its entry point per batch: the tile rows and blocks an SM the options ask
+/// for, and whether it leaves SMs free.
+#[derive(Clone, Copy, Debug, Default)]
+struct TileChoice {
     rows_asked: Option<u32>,
     blocks_asked: Option<u32>,
     /// Whether [`HopperFp8Gemm::leaving`] left SMs free (then one block an SM, so that the
@@ -117,43 +109,7 @@ pub(super) struct HopperFp8Gemm {
     leaves_sms: bool,
 }
 
-impl HopperFp8Gemm {
-    /// The kernel on a Hopper GPU (compute capability 9.0), when `opts` allow the Hopper GEMM;
-    /// `None` elsewhere.
-    pub(super) fn load(gpu: &super::Gpu, opts: &super::CudaOptions) -> Result<Option<Self>> {
-        let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
-        if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
-            return Ok(None);
-        }
-        let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
-        let (f, short) = (load(TILES_128)?, load(TILES_64)?);
-        let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
-        let short_two = load(TILES_64_TWO)?;
-        let (blocks, next_tile) = persistent_blocks(gpu)?;
-        let (rows_asked, blocks_asked) = (opts.gemm_tile_rows, opts.gemm_tile_blocks);
-        Ok(Some(HopperFp8Gemm {
-            f,
-            short,
-            act_fp8,
-            short_act_fp8,
-            short_two,
-            blocks,
-            next_tile,
-            rows_asked,
-            blocks_asked,
-            leaves_sms: false,
-        }))
-    }
-
-    /// The same GEMM on all SMs but `sms` (at least one): for a GEMM that runs beside kernels
-    /// that need SMs of their own, such as an expert-parallel layer's shared expert beside the
-    /// dispatch, whose transport would otherwise wait for the GEMM's blocks to end.
-    pub(super) fn leaving(mut self, sms: u32) -> Self {
-        self.blocks = self.blocks.saturating_sub(sms).max(1);
-        self.leaves_sms = true;
-        self
-    }
-
+impl TileChoice {
     /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
     /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask), else 128-row
     /// tiles; 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert
@@ -178,6 +134,49 @@ impl HopperFp8Gemm {
             (false, false) => TILES_128,
         };
         fitting(v, experts)
+    }
+}
+
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`] and the two that
+/// quantize the activation), its persistent blocks (one an SM, or two for [`TILES_64_TWO`];
+/// every SM unless [`HopperFp8Gemm::leaving`] leaves some free), their shared tile counter (as
+/// [`super::hopper_gemm::HopperGemm`]'s) and how it picks its tiles.
+pub(super) struct HopperFp8Gemm {
+    f: CudaFunction,
+    short: CudaFunction,
+    act_fp8: CudaFunction,
+    short_act_fp8: CudaFunction,
+    short_two: CudaFunction,
+    blocks: u32,
+    next_tile: Mutex<CudaSlice<i32>>,
+    choice: TileChoice,
+}
+
+impl HopperFp8Gemm {
+    /// The kernel on a Hopper GPU (compute capability 9.0), when `opts` allow the Hopper GEMM;
+    /// `None` elsewhere.
+    pub(super) fn load(gpu: &super::Gpu, opts: &super::CudaOptions) -> Result<Option<Self>> {
+        let cc = gpu.ctx.compute_capability().map_err(|e| err("compute capability", e))?;
+        if cc != (9, 0) || !opts.expert_gemm.allows_hopper() {
+            return Ok(None);
+        }
+        let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
+        let (f, short) = (load(TILES_128)?, load(TILES_64)?);
+        let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
+        let short_two = load(TILES_64_TWO)?;
+        let (blocks, next_tile) = persistent_blocks(gpu)?;
+        let choice =
+            TileChoice { rows_asked: opts.gemm_tile_rows, blocks_asked: opts.gemm_tile_blocks, leaves_sms: false };
+        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, short_two, blocks, next_tile, choice }))
+    }
+
+    /// The same GEMM on all SMs but `sms` (at least one): for a GEMM that runs beside kernels
+    /// that need SMs of their own, such as an expert-parallel layer's shared expert beside the
+    /// dispatch, whose transport would otherwise wait for the GEMM's blocks to end.
+    pub(super) fn leaving(mut self, sms: u32) -> Self {
+        self.blocks = self.blocks.saturating_sub(sms).max(1);
+        self.choice.leaves_sms = true;
+        self
     }
 
     /// Whether the up projection over `n` weight rows (gate and up halves) can write its
@@ -231,7 +230,7 @@ impl HopperFp8Gemm {
         if rows == 0 || experts == 0 {
             return Ok(());
         }
-        let v = self.variant(busy, experts, q.codes != 0);
+        let v = self.choice.variant(busy, experts, q.codes != 0);
         let a_map = tensor_map(a.codes, rows, kdim, v.rows, 1)?;
         let w_map = tensor_map(w.codes, experts * n, kdim, TILE_COLS / 2, 1)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
@@ -277,8 +276,35 @@ impl HopperFp8Gemm {
 #[cfg(test)]
 mod tests {
     use super::super::{dptr, Gpu};
-    use super::{fitting, smem_bytes, Variant, MAX_EXPERTS, MAX_SMEM};
+    use super::{fitting, smem_bytes, TileChoice, Variant, MAX_EXPERTS, MAX_SMEM};
     use super::{TILES_128, TILES_128_ACT_FP8, TILES_64, TILES_64_ACT_FP8, TILES_64_TWO};
+
+    /// The tiles each batch gets, by rows an expert on average (64 experts): 64-row tiles up to
+    /// 32, two blocks an SM above 4 unless the GEMM leaves SMs free (whatever the options
+    /// ask), 128-row tiles above 32; the options' rows and blocks; the quantizing entry points
+    /// for fp8 out; 128-row tiles where the 64-row rings do not fit.
+    #[test]
+    fn each_batch_gets_the_tiles_its_rows_call_for() {
+        let free = TileChoice::default();
+        let picks = |c: TileChoice, rows_an_expert: usize, fp8_out: bool| c.variant(64 * rows_an_expert, 64, fp8_out);
+        for (rows, want) in [(0, TILES_64), (1, TILES_64), (4, TILES_64), (5, TILES_64_TWO), (32, TILES_64_TWO)] {
+            assert_eq!(picks(free, rows, false), want, "{rows} rows an expert");
+        }
+        assert_eq!(picks(free, 33, false), TILES_128);
+        assert_eq!(picks(free, 512, false), TILES_128);
+        assert_eq!(picks(free, 16, true), TILES_64_ACT_FP8);
+        assert_eq!(picks(free, 64, true), TILES_128_ACT_FP8);
+        let leaving = TileChoice { leaves_sms: true, ..free };
+        let leaving_asked = TileChoice { blocks_asked: Some(2), ..leaving };
+        for c in [leaving, leaving_asked] {
+            assert_eq!(picks(c, 16, false), TILES_64, "a GEMM leaving SMs free runs one block an SM");
+        }
+        assert_eq!(picks(TileChoice { blocks_asked: Some(2), ..free }, 1, false), TILES_64_TWO);
+        assert_eq!(picks(TileChoice { blocks_asked: Some(1), ..free }, 16, false), TILES_64);
+        assert_eq!(picks(TileChoice { rows_asked: Some(128), ..free }, 1, false), TILES_128);
+        assert_eq!(picks(TileChoice { rows_asked: Some(64), ..free }, 512, false), TILES_64_TWO);
+        assert_eq!(free.variant(8, MAX_EXPERTS, false), TILES_128, "64-row rings past the SM's memory");
+    }
 
     /// Every entry point, up to the most experts the launcher takes, gets tiles whose shared
     /// memory fits an SM, of the same output; the 64-row tiles fit DeepSeek-V3's 256 experts
@@ -467,7 +493,7 @@ mod tests {
                 gemm64.run(s, wop, [n, k], aop, out, [rows, rows], ptrs, e, epilogue, gather).unwrap();
                 assert!(s.clone_dtoh(&cd).unwrap() == got, "n {n} k {k}: two blocks an SM against one");
             }
-            let v = gemm.variant(rows, e, false);
+            let v = gemm.choice.variant(rows, e, false);
             let what =
                 format!("{}-row tiles {} an SM, n {n} k {k} activation {act:?} gathered {gathered}", v.rows, v.per_sm);
             assert!(first.as_ref() == Some(&got), "{what}: a second launch gives other bits");
