@@ -88,6 +88,21 @@ __device__ __forceinline__ float quotient_of_bf16(float v, float s, float y) {
     return v == 0.0f ? v : fmaf(fmaf(-s, q, v), y, q);
 }
 
+// One group of 128 bf16 values quantized to fp8 e4m3 with the scale amax / 448 (kind 2), by a
+// warp: lane l holds values 4 l .. 4 l + 3 in v (zeros for a group cut short by its row's end)
+// and gets their codes in q; returns the group's scale, in every lane. The codes and scale
+// quantize_rows_of gives the same values.
+__device__ float fp8_group128_of_warp(const float* v, unsigned char* q) {
+    float a = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+    for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
+    const float s = group_scale(a, 2), y = 1.0f / s;
+    const bool products = quotients_by_fma(s);
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        q[j] = products ? quantize_code(quotient_of_bf16(v[j], s, y), 2) : s > 0.0f ? quantize_code(v[j] / s, 2) : 0;
+    return s;
+}
+
 __device__ __forceinline__ void load16(const float* p, float* v) {
 #pragma unroll
     for (int j = 0; j < 4; j++) {

@@ -210,14 +210,19 @@ __global__ void route_wide(const float* logits, const float* bias, int T, int E,
 // maps as scatter_chunks does with cap 0: the rows of an expert in slot order. A token's logits
 // are the same bits whatever the batch's size up to ROUTE_SMALL_TOKENS. E <= ROUTE_SMALL_EXPERTS
 // (FUSED_ROUTE_EXPERTS in route.rs): its choice holds four keys a lane, a short stretch of code
-// that its one routing block runs cold at every launch.
+// that its one routing block runs cold at every launch. With x_codes (else null), the bf16
+// copy's fp8 codes [T, H] and scales [T, ceil(H / 128)] too, one group of 128 a block, the bits
+// of quantize_rows_bf16 (fp8_group128_of_warp): a W8A8 layer's GEMMs gather the tokens' codes,
+// and no pass of its own quantizes them.
 #define ROUTE_SMALL_TOKENS 4
 #define ROUTE_SMALL_EXPERTS 128
 #define ROUTE_SMALL_COLS 128
+__device__ float fp8_group128_of_warp(const float* v, unsigned char* q);  // quant.cu
 __global__ void route_small(const float* x, const float* gate, const float* gate_bias, const float* corr_bias, int T,
                             int H, int E, int k, int kind, int n_group, int topk_group, int renorm, float scaling,
                             float* partials, int* done, bf16_t* x_bf, float* logits, int* ids, float* weights,
-                            int* counts, int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row) {
+                            int* counts, int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row,
+                            unsigned char* x_codes, float* x_scales) {
     __shared__ float xs[ROUTE_SMALL_TOKENS][ROUTE_SMALL_COLS];
     __shared__ float sc[ROUTE_SMALL_TOKENS][MAX_E];
     __shared__ float group_score[ROUTE_SMALL_TOKENS][64];
@@ -232,6 +237,21 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
         if (c < H) x_bf[(long)t * H + c] = f32_to_bf16(v);
     }
     __syncthreads();
+    if (x_codes) {
+        // Warp t quantizes token t's bf16 values of these columns (zeros past H leave the
+        // group's largest magnitude as it is), lane l columns 4 l .. 4 l + 3.
+        for (int t = warp; t < T; t += warps) {
+            float v[4];
+            unsigned char q[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) v[j] = bf16_to_f32(f32_to_bf16(xs[t][4 * lane + j]));
+            const float s = fp8_group128_of_warp(v, q);
+            if (lane == 0) x_scales[(long)t * ((H + ROUTE_SMALL_COLS - 1) / ROUTE_SMALL_COLS) + blockIdx.x] = s;
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                if (c0 + 4 * lane + j < H) x_codes[(long)t * H + c0 + 4 * lane + j] = q[j];
+        }
+    }
     // Warp w takes experts w, w + warps, ...: eight at a time, their gate values loaded first
     // so the loads wait on memory together.
     const int ca = c0 + 4 * lane;

@@ -117,11 +117,11 @@ impl CudaMoeLayer {
     }
 
     /// Quantizes the `t` tokens of `b.x_bf` into [`CudaMoeLayer::tokens_fp8`] on the layer's
-    /// stream, where the layer has them.
+    /// stream, where the layer has them and its fused router has not quantized them already.
     fn quantize_tokens_once(&self, b: &Buffers, t: usize) -> Result<()> {
         match self.tokens_fp8(b) {
-            Some(x) => self.quantize_tokens(&self.gpu.stream, b, t, x),
-            None => Ok(()),
+            Some(x) if !self.routes_fused(t) => self.quantize_tokens(&self.gpu.stream, b, t, x),
+            _ => Ok(()),
         }
     }
 

@@ -156,3 +156,61 @@ fn layers_with_and_without_the_fused_router_agree() {
     }
     eprintln!("layers with and without the fused router agree");
 }
+
+/// A W8A8 layer's fused router writes its tokens' fp8 codes and scales, bit for bit those of
+/// the quantization pass over its bf16 copy, for 1 to 4 tokens and widths that are and are not
+/// multiples of 128 (on poisoned buffers, each launched twice). Needs a Hopper GPU (where the
+/// fp8 GEMM gathers the codes); says loudly when it skips.
+#[test]
+fn fused_router_quantizes_the_tokens_as_the_pass_does() {
+    let name = "fused_router_quantizes_the_tokens_as_the_pass_does";
+    if crate::backend::cuda::skip_without_gpu(name) {
+        return;
+    }
+    let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    for h in [256usize, 336] {
+        let shared = Some(crate::config::SharedConfig { inter: 64, gated: false });
+        let config = preset::config(h, 64, 64, 8, router.clone(), Activation::Silu, shared);
+        let weights = preset::random_weights(&config, DType::BF16, 31);
+        let layer = CudaMoeLayer::new(&config, &weights, &Default::default()).unwrap();
+        let layer = layer.fp8_experts().unwrap().fp8_activations().unwrap().fp8_shared_expert().unwrap();
+        if !layer.routes_fused(1) {
+            eprintln!("SKIPPED {name}: W8A8 batches do not route in one launch here (not a Hopper GPU)");
+            return;
+        }
+        let s = layer.gpu.stream.clone();
+        let mut guard = layer.bufs.lock().unwrap();
+        let b = layer.buffers(&mut guard, super::route::FUSED_ROUTE_TOKENS).unwrap();
+        let groups = h.div_ceil(128);
+        let want = super::masked_gemm::Fp8Rows::new(&s, super::route::FUSED_ROUTE_TOKENS * h).unwrap();
+        for t in 1..=super::route::FUSED_ROUTE_TOKENS {
+            for launch in 0..2u64 {
+                let case = format!("H {h}, {t} tokens, launch {launch}");
+                // A value far above the rest of its group and one far below, and at the second
+                // launch a whole group so small that its scale lies outside the products' range
+                // (the kernels divide there).
+                let mut x = preset::uniform(t * h, 1.0, 40 * t as u64 + launch);
+                x[0] *= 3.0e4;
+                x[h - 1] *= 1.0e-30;
+                if launch == 1 {
+                    x[128..256].iter_mut().for_each(|v| *v *= 1.0e-30);
+                }
+                s.memcpy_htod(&x, &mut b.x.slice_mut(0..t * h)).unwrap();
+                let rows = b.shared_fp8.as_mut().expect("a W8A8 shared expert's rows");
+                s.memcpy_htod(&vec![0x7Fu8; t * h], &mut rows.codes.slice_mut(0..t * h)).unwrap();
+                s.memcpy_htod(&vec![f32::NAN; t * groups], &mut rows.scales.slice_mut(0..t * groups)).unwrap();
+                layer.route_fused(b, t).unwrap();
+                let x_bf = super::dptr(&b.x_bf, &layer.gpu);
+                let into = [super::dptr(&want.codes, &layer.gpu), super::dptr(&want.scales, &layer.gpu), 0];
+                layer.quantize_rows_on(&s, x_bf, [t, h], 1, 0, into).unwrap();
+                let rows = b.shared_fp8.as_ref().expect("a W8A8 shared expert's rows");
+                let got = s.clone_dtoh(&rows.codes.slice(0..t * h)).unwrap();
+                assert_eq!(got, s.clone_dtoh(&want.codes.slice(0..t * h)).unwrap(), "{case}: codes");
+                let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+                let (got, pass) = (&rows.scales.slice(0..t * groups), &want.scales.slice(0..t * groups));
+                assert_eq!(bits(s.clone_dtoh(got).unwrap()), bits(s.clone_dtoh(pass).unwrap()), "{case}: scales");
+            }
+        }
+    }
+    eprintln!("the fused router quantizes the tokens as the pass does");
+}

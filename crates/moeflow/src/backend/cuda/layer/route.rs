@@ -301,7 +301,8 @@ impl CudaMoeLayer {
     /// the permute is the counts and maps alone: bf16 experts, or W8A8 experts on the fp8
     /// Hopper GEMM, which quantizes the tokens it gathers from), at most
     /// [`FUSED_ROUTE_EXPERTS`] experts. It replaces six launches: the bf16 copy, cuBLAS's two
-    /// gemv kernels, route and the counting sort. Above [`FUSED_ROUTE_EXPERTS`]
+    /// gemv kernels, route and the counting sort (seven where a W8A8 layer quantizes its
+    /// tokens once: that pass too). Above [`FUSED_ROUTE_EXPERTS`]
     /// experts its 128-column blocks read the whole gate on few SMs and it is slower than the
     /// six launches (docs/tuning.md).
     pub(super) fn routes_fused(&self, t: usize) -> bool {
@@ -315,7 +316,8 @@ impl CudaMoeLayer {
 
     /// The fused router over the `t` tokens in `b.x`: `b.x_bf`, `b.logits`, `b.ids`,
     /// `b.weights`, `b.counts`, `b.offsets` and the slot/row maps, as the unfused stages and
-    /// the permute (grouped layout) write them.
+    /// the permute (grouped layout) write them, and the tokens' fp8 codes where the layer
+    /// quantizes them once ([`CudaMoeLayer::tokens_fp8`]), as that pass writes them.
     pub(super) fn route_fused(&self, b: &Buffers, t: usize) -> Result<()> {
         let c = &self.config;
         let (h, e, k) = (c.hidden, c.num_experts, c.top_k);
@@ -340,19 +342,22 @@ impl CudaMoeLayer {
         let (logits, ids, weights) = (pf(&b.logits), pi(&b.ids), pf(&b.weights));
         let (counts, offsets) = (pi(&b.counts), pi(&b.offsets));
         let maps = [pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row)];
+        // A W8A8 layer's tokens' fp8 codes, made here rather than by a pass of their own.
+        let (codes, scales) = self.tokens_fp8(b).map_or((0u64, 0u64), |q| (q.codes, q.scales));
         let (ti, hi, ei, ki) = (t as i32, h as i32, e as i32, k as i32);
         // SAFETY: route_small(float*, float*, float*, float*, int, int, int, int, int, int, int,
-        // int, float, float*, int*, bf16*, float*, int*, float*, int*, int*, int*, int*, int*)
-        // with t <= ROUTE_SMALL_TOKENS and one block per 128 columns of H: the buffers hold t
-        // tokens (x, x_bf, logits, ids, weights, maps), E experts (gate, biases, counts, E + 1
-        // offsets) and blocks · ROUTE_SMALL_TOKENS · E partials; `done` is zero at every launch
-        // (the last block sets it back).
+        // int, float, float*, int*, bf16*, float*, int*, float*, int*, int*, int*, int*, int*,
+        // u8*, float*) with t <= ROUTE_SMALL_TOKENS and one block per 128 columns of H: the
+        // buffers hold t tokens (x, x_bf, logits, ids, weights, maps, and the codes and scales
+        // when not null), E experts (gate, biases, counts, E + 1 offsets) and blocks ·
+        // ROUTE_SMALL_TOKENS · E partials; `done` is zero at every launch (the last block sets
+        // it back).
         unsafe {
             let mut l = g.stream.launch_builder(&self.k.route_small);
             l.arg(&xp).arg(&gate).arg(&gate_bias).arg(&corr).arg(&ti).arg(&hi).arg(&ei).arg(&ki);
             l.arg(&kind).arg(&n_group).arg(&topk_group).arg(&renorm).arg(&scaling);
             l.arg(&partials).arg(&done).arg(&x_bf).arg(&logits).arg(&ids).arg(&weights);
-            l.arg(&counts).arg(&offsets).arg(&maps[0]).arg(&maps[1]).arg(&maps[2]);
+            l.arg(&counts).arg(&offsets).arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&codes).arg(&scales);
             l.launch(LaunchConfig {
                 grid_dim: (h.div_ceil(ROUTE_COLS) as u32, 1, 1),
                 block_dim: (256, 1, 1),
