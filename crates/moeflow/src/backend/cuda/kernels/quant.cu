@@ -90,8 +90,8 @@ __device__ __forceinline__ float quotient_of_bf16(float v, float s, float y) {
 
 // One group of 128 bf16 values quantized to fp8 e4m3 with the scale amax / 448 (kind 2), by a
 // warp: lane l holds values 4 l .. 4 l + 3 in v (zeros for a group cut short by its row's end)
-// and gets their codes in q; returns the group's scale, in every lane. The codes and scale
-// quantize_rows_of gives the same values.
+// and gets their codes in q; returns the group's scale, in every lane. quantize_rows_of gives
+// the same values the same codes and scale.
 __device__ float fp8_group128_of_warp(const float* v, unsigned char* q) {
     float a = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
     for (int o = 16; o > 0; o >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, o));
