@@ -52,7 +52,7 @@ fn counts_each_calls_routing_into_its_window(shared: Option<SharedConfig>) {
 }
 
 /// `load_stats: false` leaves the window empty; `load_recording_ms` times the counting kernel
-/// alone without touching the layer's window.
+/// alone without touching the layer's window (or, where the fused router counts, says 0).
 #[test]
 fn recording_can_be_turned_off_and_its_cost_is_timed_aside() {
     use moeflow::backend::cuda::CudaOptions;
@@ -77,7 +77,8 @@ fn recording_can_be_turned_off_and_its_cost_is_timed_aside() {
     assert_eq!(gpu.load_stats().unwrap().calls_seen, 2);
     for t in [1, 128, 4096] {
         let ms = gpu.load_recording_ms(t).unwrap();
-        assert!(ms > 0.0 && ms < 1.0, "{t} tokens: {ms} ms");
+        // One token may route in the fused router's one launch, which counts it too (0 ms).
+        assert!((ms > 0.0 || t == 1 && ms == 0.0) && ms < 1.0, "{t} tokens: {ms} ms");
         eprintln!("load recording of {t} tokens: {:.2} µs", ms * 1e3);
     }
     assert_eq!(gpu.load_stats().unwrap().calls_seen, 2, "timing the recording counts no call");

@@ -76,6 +76,12 @@ impl DeviceLoadStats {
         .map_err(|e| err("count_expert_load", e))
     }
 
+    /// The ring as a kernel that counts a call itself writes it, as `count_expert_load` does:
+    /// the device addresses of its `[window, E]` rows and of its call counter, and the window.
+    pub fn ring(&self) -> (u64, u64, usize) {
+        (dptr(&self.rows, &self.stream), dptr(&self.calls, &self.stream), self.window)
+    }
+
     /// The window as [`LoadStats`] (waits for the stream's work so far).
     pub fn read(&self) -> Result<LoadStats> {
         let s = &self.stream;

@@ -213,7 +213,9 @@ __global__ void route_wide(const float* logits, const float* bias, int T, int E,
 // that its one routing block runs cold at every launch. With x_codes (else null), the bf16
 // copy's fp8 codes [T, H] and scales [T, ceil(H / 128)] too, one group of 128 a block, the bits
 // of quantize_rows_bf16 (fp8_group128_of_warp): a W8A8 layer's GEMMs gather the tokens' codes,
-// and no pass of its own quantizes them.
+// and no pass of its own quantizes them. With load_rows (else null), the counts also go into the
+// load statistics' ring as count_expert_load writes them (row *load_calls mod load_window of
+// load_rows [load_window, E], then *load_calls advanced), so that no launch of its own counts.
 #define ROUTE_SMALL_TOKENS 4
 #define ROUTE_SMALL_EXPERTS 128
 #define ROUTE_SMALL_COLS 128
@@ -222,7 +224,8 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
                             int H, int E, int k, int kind, int n_group, int topk_group, int renorm, float scaling,
                             float* partials, int* done, bf16_t* x_bf, float* logits, int* ids, float* weights,
                             int* counts, int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row,
-                            unsigned char* x_codes, float* x_scales) {
+                            unsigned char* x_codes, float* x_scales, unsigned* load_rows, int load_window,
+                            unsigned long long* load_calls) {
     __shared__ float xs[ROUTE_SMALL_TOKENS][ROUTE_SMALL_COLS];
     __shared__ float sc[ROUTE_SMALL_TOKENS][MAX_E];
     __shared__ float group_score[ROUTE_SMALL_TOKENS][64];
@@ -284,6 +287,9 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
     __syncthreads();
     if (!last) return;
     __threadfence();
+    // Read by every thread here; thread 0 advances it at the end, past several barriers.
+    const unsigned long long call = load_rows ? *load_calls : 0;
+    unsigned* load_row = load_rows ? load_rows + call % (unsigned long long)load_window * E : nullptr;
     // Each logit: four threads sum a quarter of the blocks' partials each, in block order, and
     // the quarters are added in order (a fixed order for a given H, whatever T). A thread takes
     // every 64th logit of a chunk of MAX_E, its loads issued sixteen at a time, and the
@@ -332,6 +338,7 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
         }
         offsets[e] = before;
         if (e < E) counts[e] = here;
+        if (e < E && load_row) load_row[e] = here;
     }
     for (int s = threadIdx.x; s < slots; s += blockDim.x) {
         const int e = sid[s];
@@ -342,6 +349,7 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
         expert_of_row[r] = e;
     }
     if (threadIdx.x == 0) *done = 0;
+    if (threadIdx.x == 0 && load_rows) *load_calls = call + 1;
 }
 
 }  // extern "C"

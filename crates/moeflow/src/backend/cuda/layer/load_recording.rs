@@ -13,8 +13,12 @@ impl CudaMoeLayer {
     /// counting kernel the layer enqueues after routing, timed with CUDA events over
     /// 200 launches on the layer's stream (after one untimed), counting ids
     /// spread over the experts into a scratch ring (the layer's statistics are untouched).
-    /// What recording adds to a forward call; call it between forward calls.
+    /// What recording adds to a forward call; call it between forward calls. 0 where the fused
+    /// router counts the call in its own launch ([`CudaMoeLayer::routes_fused`]).
     pub fn load_recording_ms(&self, tokens: usize) -> Result<f64> {
+        if tokens > 0 && self.routes_fused(tokens) {
+            return Ok(0.0);
+        }
         let (e, n) = (self.config.num_experts, tokens * self.config.top_k);
         let _idle = self.bufs.lock().unwrap_or_else(|p| p.into_inner());
         let g = &self.gpu;

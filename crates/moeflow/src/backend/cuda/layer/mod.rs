@@ -1028,9 +1028,8 @@ impl CudaMoeLayer {
         if shares.is_some() {
             self.join_batches()?;
         }
-        // A direct run before a graph's capture computes what the graph's first replay computes
-        // again: that call's routing is counted once, by the replay.
-        if self.opts.load_stats && !self.warming_up.load(std::sync::atomic::Ordering::Relaxed) {
+        // The fused router has counted its call already.
+        if self.records_load() && !(t > 0 && self.routes_fused(t)) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
             // Beside the layer on the shared experts' side stream where the call has them (the
             // layer's stream joins it for their output, and has joined the batch sizes' exchange
@@ -1072,6 +1071,15 @@ impl CudaMoeLayer {
         }
         mark(9)?;
         Ok(ran)
+    }
+
+    /// Whether this call counts its tokens per expert into the load statistics: where they are
+    /// on, except in the direct run before a graph's capture, which computes what the graph's
+    /// first replay computes again (that call's routing is counted once, by the replay). The
+    /// fused router counts them in its own launch; other calls launch `count_expert_load`
+    /// after the routing.
+    pub(super) fn records_load(&self) -> bool {
+        self.opts.load_stats && !self.warming_up.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Adds the shared experts' output, computed on the side stream (joined here), to the

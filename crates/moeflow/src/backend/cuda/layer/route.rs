@@ -344,20 +344,25 @@ impl CudaMoeLayer {
         let maps = [pi(&b.row_of_slot), pi(&b.slot_of_row), pi(&b.expert_of_row)];
         // A W8A8 layer's tokens' fp8 codes, made here rather than by a pass of their own.
         let (codes, scales) = self.tokens_fp8(b).map_or((0u64, 0u64), |q| (q.codes, q.scales));
+        // The call's load statistics, counted here rather than by a launch of their own.
+        let (load_rows, load_calls, window) = if self.records_load() { self.load.ring() } else { (0, 0, 0) };
+        let window = window as i32;
         let (ti, hi, ei, ki) = (t as i32, h as i32, e as i32, k as i32);
         // SAFETY: route_small(float*, float*, float*, float*, int, int, int, int, int, int, int,
         // int, float, float*, int*, bf16*, float*, int*, float*, int*, int*, int*, int*, int*,
-        // u8*, float*) with t <= ROUTE_SMALL_TOKENS and one block per 128 columns of H: the
-        // buffers hold t tokens (x, x_bf, logits, ids, weights, maps, and the codes and scales
-        // when not null), E experts (gate, biases, counts, E + 1 offsets) and blocks ·
-        // ROUTE_SMALL_TOKENS · E partials; `done` is zero at every launch (the last block sets
-        // it back).
+        // u8*, float*, unsigned*, int, unsigned long long*) with t <= ROUTE_SMALL_TOKENS and one
+        // block per 128 columns of H: the buffers hold t tokens (x, x_bf, logits, ids, weights,
+        // maps, and the codes and scales when not null), E experts (gate, biases, counts, E + 1
+        // offsets) and blocks · ROUTE_SMALL_TOKENS · E partials; `done` is zero at every launch
+        // (the last block sets it back); the load ring, when not null, holds `window` rows of E
+        // counts and its call counter.
         unsafe {
             let mut l = g.stream.launch_builder(&self.k.route_small);
             l.arg(&xp).arg(&gate).arg(&gate_bias).arg(&corr).arg(&ti).arg(&hi).arg(&ei).arg(&ki);
             l.arg(&kind).arg(&n_group).arg(&topk_group).arg(&renorm).arg(&scaling);
             l.arg(&partials).arg(&done).arg(&x_bf).arg(&logits).arg(&ids).arg(&weights);
             l.arg(&counts).arg(&offsets).arg(&maps[0]).arg(&maps[1]).arg(&maps[2]).arg(&codes).arg(&scales);
+            l.arg(&load_rows).arg(&window).arg(&load_calls);
             l.launch(LaunchConfig {
                 grid_dim: (h.div_ceil(ROUTE_COLS) as u32, 1, 1),
                 block_dim: (256, 1, 1),
