@@ -76,8 +76,9 @@ impl DeviceLoadStats {
         .map_err(|e| err("count_expert_load", e))
     }
 
-    /// The ring as a kernel that counts a call itself writes it, as `count_expert_load` does:
-    /// the device addresses of its `[window, E]` rows and of its call counter, and the window.
+    /// For a kernel that counts its call itself (the fused router), writing the ring as
+    /// `count_expert_load` does: the device addresses of the `[window, E]` rows and of the call
+    /// counter, and the window.
     pub fn ring(&self) -> (u64, u64, usize) {
         (dptr(&self.rows, &self.stream), dptr(&self.calls, &self.stream), self.window)
     }
