@@ -417,7 +417,14 @@ fn print_recording_cost(tokens: &[usize], layer_ms: &[f64], recording: Option<&[
     let each: Vec<String> = tokens
         .iter()
         .zip(layer_ms.iter().zip(recording))
-        .map(|(t, (ms, rec))| format!("T={t}: {:.1} µs, {:.2} %", rec * 1e3, 100.0 * rec / ms))
+        .map(|(t, (ms, rec))| {
+            if *rec == 0.0 {
+                // The fused router counts these batches in its own launch.
+                format!("T={t}: in the router's launch")
+            } else {
+                format!("T={t}: {:.1} µs, {:.2} %", rec * 1e3, 100.0 * rec / ms)
+            }
+        })
         .collect();
     println!(
         "load statistics: counting a call's tokens per expert on the device takes (share of the layer) {}",
