@@ -133,9 +133,7 @@ fn router(bencher: Bencher, kind: &str) {
     let config = match kind {
         "softmax" => RouterConfig::Softmax { renormalize: true },
         "topk-softmax" => RouterConfig::TopKSoftmax,
-        "sigmoid-grouped" => {
-            RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 }
-        }
+        "sigmoid-grouped" => RouterConfig::DEEPSEEK_V3,
         _ => RouterConfig::SoftmaxGrouped { n_group: 8, topk_group: 4, renormalize: false, scaling: 1.0 },
     };
     let (e, k, t) = (64, 8, 256);

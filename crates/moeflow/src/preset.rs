@@ -66,7 +66,7 @@ pub fn presets() -> Vec<Preset> {
                 2048,
                 256,
                 8,
-                RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 },
+                RouterConfig::DEEPSEEK_V3,
                 Activation::Silu,
                 Some(SharedConfig { inter: 2048, gated: false }),
             ),

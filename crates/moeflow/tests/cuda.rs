@@ -96,7 +96,7 @@ fn every_router_and_activation_matches_reference() {
 #[test]
 fn tensor_core_router_in_the_layer_matches_the_reference() {
     use moeflow::backend::cuda::CudaOptions;
-    let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    let router = RouterConfig::DEEPSEEK_V3;
     let shared = Some(SharedConfig { inter: 64, gated: false });
     // f32 gates, and gates of bf16 values as checkpoints store them (two products a product
     // on Hopper, which then also routes 64 experts on the tensor cores).

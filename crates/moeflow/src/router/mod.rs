@@ -130,6 +130,11 @@ pub enum RouterConfig {
 }
 
 impl RouterConfig {
+    /// DeepSeek-V3's router: sigmoid scores, 8 groups of which each token keeps 4, the top-k
+    /// weights renormalized and scaled by 2.5.
+    pub const DEEPSEEK_V3: RouterConfig =
+        RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+
     /// Builds the router for `num_experts` experts and `top_k`; `correction_bias [E]` is the
     /// DeepSeek-V3 selection bias (required by, and only accepted for, `SigmoidGrouped`).
     pub fn build(

@@ -110,15 +110,7 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
                 for (int u = 0; u < 4; u++) {
                     const unsigned v = (half ? hi : lo)[2 * (jb + u) + h];
                     const float v0 = __uint_as_float(v << 16), v1 = __uint_as_float(v & 0xffff0000u);
-                    unsigned c0 = 0, c1 = 0;
-                    if (products) {
-                        c0 = fp8_e4m3_encode(quotient_of_bf16(v0, sc, y));
-                        c1 = fp8_e4m3_encode(quotient_of_bf16(v1, sc, y));
-                    } else if (sc > 0.0f) {
-                        c0 = fp8_e4m3_encode(v0 / sc);
-                        c1 = fp8_e4m3_encode(v1 / sc);
-                    }
-                    code[u] = c0 | (c1 << 8);
+                    code[u] = group_code(v0, sc, y, products, 2) | (group_code(v1, sc, y, products, 2) << 8);
                 }
                 // Round t: lane s sends its pair of group jb + (s - t) % 4 and takes lane
                 // (q + t) % 4's pair of group jb + q, its bytes 2 ((q + t) % 4) of that group.

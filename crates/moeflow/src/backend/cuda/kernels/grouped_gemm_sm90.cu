@@ -407,7 +407,8 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
                     gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2 + sub * BN / 2);
                     if constexpr (W_SCALES) {
                         const int n_blocks = (N + 127) / 128;
-                        const int w0 = wrow - t.expert * N + sub * BN / 2, w1 = wrow2 - t.expert * N + sub * BN / 2;
+                        // The two boxes' first weight rows within the expert.
+                        const int w0 = t.col0 + sub * BN / 2, w1 = w0 + (wrow2 - wrow);
                         const float* at = w_scales + (long)t.expert * n_blocks * kblocks + kb;
                         gg_copy4(&w_slots[stage].x, at + (long)(w0 / 128) * kblocks);
                         gg_copy4(&w_slots[stage].y, at + (long)min(w1 / 128, n_blocks - 1) * kblocks);

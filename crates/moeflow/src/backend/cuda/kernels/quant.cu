@@ -88,6 +88,13 @@ __device__ __forceinline__ float quotient_of_bf16(float v, float s, float y) {
     return v == 0.0f ? v : fmaf(fmaf(-s, q, v), y, q);
 }
 
+// The `kind` code of v in a group of scale s: v / s as the division rounds it, by
+// quotient_of_bf16 (y = 1 / s) where `products` (a bf16 v and quotients_by_fma(s)), else by
+// the division; 0 in a group of zeros (s = 0).
+__device__ __forceinline__ unsigned char group_code(float v, float s, float y, bool products, int kind) {
+    return products ? quantize_code(quotient_of_bf16(v, s, y), kind) : s > 0.0f ? quantize_code(v / s, kind) : 0;
+}
+
 // One group of 128 bf16 values quantized to fp8 e4m3 with the scale amax / 448 (kind 2), by a
 // warp: lane l holds values 4 l .. 4 l + 3 in v (zeros for a group cut short by its row's end)
 // and gets their codes in q; returns the group's scale, in every lane. quantize_rows_of gives
@@ -98,8 +105,7 @@ __device__ float fp8_group128_of_warp(const float* v, unsigned char* q) {
     const float s = group_scale(a, 2), y = 1.0f / s;
     const bool products = quotients_by_fma(s);
 #pragma unroll
-    for (int j = 0; j < 4; j++)
-        q[j] = products ? quantize_code(quotient_of_bf16(v[j], s, y), 2) : s > 0.0f ? quantize_code(v[j] / s, 2) : 0;
+    for (int j = 0; j < 4; j++) q[j] = group_code(v[j], s, y, products, 2);
     return s;
 }
 
@@ -151,14 +157,10 @@ __device__ void quantize_rows128(const T* x, long rows, int H, int kind, const i
         const float s = group_scale(a, kind);
         if (scales && lane == 0) scales[r * groups + g] = s;
         unsigned char q[16];
-        if (sizeof(T) == 2 && quotients_by_fma(s)) {  // bf16 rows
-            const float y = 1.0f / s;
+        const bool products = sizeof(T) == 2 && quotients_by_fma(s);  // bf16 rows
+        const float y = 1.0f / s;
 #pragma unroll
-            for (int j = 0; j < 16; j++) q[j] = quantize_code(quotient_of_bf16(v[j], s, y), kind);
-        } else {
-#pragma unroll
-            for (int j = 0; j < 16; j++) q[j] = s > 0.0f ? quantize_code(v[j] / s, kind) : 0;
-        }
+        for (int j = 0; j < 16; j++) q[j] = group_code(v[j], s, y, products, kind);
         if (codes) {
             unsigned w[4];
 #pragma unroll

@@ -501,7 +501,7 @@ mod tests {
     /// and a shared expert without a gate of its own (a gated one reads the f32 rows), with
     /// `gemm`'s expert GEMMs.
     fn bf16_layer(gemm: ExpertGemm) -> CudaMoeLayer {
-        let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        let router = RouterConfig::DEEPSEEK_V3;
         let shared = Some(SharedConfig { inter: 64, gated: false });
         let config = preset::config(256, 64, 64, 8, router, Activation::Silu, shared);
         let opts = CudaOptions { expert_gemm: gemm, ..Default::default() };

@@ -14,7 +14,7 @@ use crate::{preset, DType};
 
 /// (router, experts, top-k, hidden) cases.
 fn cases() -> Vec<(RouterConfig, usize, usize, usize)> {
-    let sigmoid = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    let sigmoid = RouterConfig::DEEPSEEK_V3;
     vec![
         (RouterConfig::Softmax { renormalize: true }, 64, 8, 7168),
         (sigmoid.clone(), 256, 8, 200),
@@ -131,7 +131,7 @@ fn layers_with_and_without_the_fused_router_agree() {
     if crate::backend::cuda::skip_without_gpu(name) {
         return;
     }
-    let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    let router = RouterConfig::DEEPSEEK_V3;
     for shared in [None, Some(crate::config::SharedConfig { inter: 64, gated: false })] {
         let config = preset::config(512, 64, 64, 8, router.clone(), Activation::Silu, shared);
         let weights = preset::random_weights(&config, DType::BF16, 9);
@@ -167,7 +167,7 @@ fn fused_router_quantizes_the_tokens_as_the_pass_does() {
     if crate::backend::cuda::skip_without_gpu(name) {
         return;
     }
-    let router = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+    let router = RouterConfig::DEEPSEEK_V3;
     for h in [256usize, 336] {
         let shared = Some(crate::config::SharedConfig { inter: 64, gated: false });
         let config = preset::config(h, 64, 64, 8, router.clone(), Activation::Silu, shared);

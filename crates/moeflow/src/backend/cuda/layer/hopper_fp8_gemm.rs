@@ -395,8 +395,9 @@ mod tests {
     /// are not multiples of the 128-deep stage; every
     /// activation in the epilogue (with and without a bias); rows gathered by the GEMM from a
     /// shuffled copy of the tokens (three slots a token); every activation also quantized in the
-    /// epilogue. The second of two launches is checked, and has the first's bits. Needs a
-    /// Hopper GPU; says loudly when it skips.
+    /// epilogue; 900 experts, whose 64-row tiles do not fit and fall back to 128 rows. The
+    /// second of two launches is checked, and has the first's bits. Needs a Hopper GPU; says
+    /// loudly when it skips.
     #[test]
     fn fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone() {
         let name = "fp8_grouped_gemm_matches_f64_and_leaves_other_rows_alone";
@@ -423,17 +424,29 @@ mod tests {
             cases.push(([256, 384, 512, 256][x], 144 + 128 * x, Some((act, x < 2))));
         }
         let cases: Vec<_> = cases.into_iter().flat_map(|c| [(c, false), (c, true)]).collect();
+        let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 400];
+        // 900 experts, mostly empty, at most 4 rows an expert on average (so one block an SM):
+        // past what the 64-row rings' shared memory holds, so the GEMM asked for 64-row tiles
+        // takes the 128-row ones (`fitting`).
+        let many: Vec<i32> = (0..900).map(|x| [1, 40, 130][x % 54 / 18] * (x % 18 == 0) as i32).collect();
+        let many_rows = many.iter().sum::<i32>() as usize;
+        assert_eq!(gemm64.choice.variant(many_rows, many.len(), false), TILES_128);
+        assert_eq!(gemm64.choice.variant(many_rows, many.len(), true), TILES_128_ACT_FP8);
         // Every case in 128-row tiles, and every other one in 64-row tiles, one block an SM and
-        // two (an activation quantized in the epilogue runs one block an SM either way).
+        // two (an activation quantized in the epilogue runs one block an SM either way); a
+        // product and an activation over the 900 experts.
         let cases = cases
             .iter()
-            .map(|&c| (c, &gemm128))
-            .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64)))
-            .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64x2)));
-        for (((n, k, act), gathered), gemm) in cases {
+            .map(|&c| (c, &gemm128, &counts))
+            .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64, &counts)))
+            .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64x2, &counts)))
+            .chain(
+                [((128, 256, None), true), ((256, 128, Some((Activation::Silu, false))), true)]
+                    .map(|c| (c, &gemm64, &many)),
+            );
+        for (((n, k, act), gathered), gemm, counts) in cases {
             // Gathered rows in the grouped layout, the others in the padded one.
-            let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 400];
-            let (e, cap) = (counts.len(), 400);
+            let (e, cap) = (counts.len(), *counts.iter().max().unwrap());
             let offsets: Vec<i32> = match gathered {
                 true => counts.iter().scan(0, |acc, &c| Some(std::mem::replace(acc, *acc + c))).collect(),
                 false => (0..e as i32).map(|x| x * cap).collect(),
@@ -455,7 +468,7 @@ mod tests {
             let (wd, wsd, bd) = (up8(&w), up32(&ws), up32(&bias));
             let (ad, asd) = (up8(&a), up32(&as_));
             let mut cd = s.clone_htod(&vec![poison; rows * width]).unwrap();
-            let (countd, offd) = (s.clone_htod(&counts).unwrap(), s.clone_htod(&offsets).unwrap());
+            let (countd, offd) = (s.clone_htod(counts).unwrap(), s.clone_htod(&offsets).unwrap());
             let ptrs = [dptr(&countd, &gpu), dptr(&offd, &gpu)];
             // Row r of A is token (r · 7919) % rows of x, held by slot 3 · token + r % 3.
             let token = |r: usize| (r * 7919) % rows;
@@ -553,7 +566,7 @@ mod tests {
                     (wop, aop, gather),
                     [n, k],
                     ptrs,
-                    (&counts, &offsets),
+                    (counts, &offsets),
                     epilogue,
                     &got,
                 );

@@ -395,7 +395,7 @@ mod tests {
         if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }
-        let grouped = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        let grouped = RouterConfig::DEEPSEEK_V3;
         let softmax = RouterConfig::Softmax { renormalize: true };
         for (case_no, (router, e, h, batches)) in
             [(grouped, 256, 7168, vec![1usize, 129, 4096]), (softmax, 64, 2048, vec![5, 1000])].into_iter().enumerate()
@@ -465,7 +465,7 @@ mod tests {
             return;
         }
         let softmax = RouterConfig::Softmax { renormalize: true };
-        let grouped = RouterConfig::SigmoidGrouped { n_group: 8, topk_group: 4, renormalize: true, scaling: 2.5 };
+        let grouped = RouterConfig::DEEPSEEK_V3;
         for (router, e) in [(softmax.clone(), 64), (softmax, 256), (grouped, 256), (RouterConfig::TopKSoftmax, 128)] {
             let config = preset::config(512, 16, e, 8, router.clone(), Activation::Silu, None);
             let layer = CudaMoeLayer::random(&config, 5, &Default::default()).unwrap();
