@@ -42,6 +42,16 @@ __device__ __forceinline__ void g8_mma(float* d, unsigned a, unsigned b, int acc
         : "r"(a), "r"(b), "r"(accumulate), "n"(GG_DESC_HI));
 }
 
+// d[64 × 16 fragment] (+)= A[64 × 32] · B[16 × 32]ᵀ, as g8_mma over 16 columns.
+__device__ __forceinline__ void g8_mma16(float* d, unsigned a, unsigned b, int accumulate) {
+    asm volatile(
+        "{\n .reg .pred acc;\n .reg .b64 da, db;\n setp.ne.b32 acc, %10, 0;\n"
+        "mov.b64 da, {%8, %11};\n mov.b64 db, {%9, %11};\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, da, db, acc, 1, 1;\n}\n"
+        : G8_D8(0)
+        : "r"(a), "r"(b), "r"(accumulate), "n"(GG_DESC_HI));
+}
+
 // Four wgmma over the 128-deep block whose A and B tiles have descriptor low words a and b
 // (gg_desc_lo) into p (overwritten), one commit group.
 __device__ __forceinline__ void g8_issue(float* p, unsigned a, unsigned b, bool gather) {
@@ -287,16 +297,112 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
     }
 }
 
+// The consumer warpgroup of the decode tiles (g8_kernel with DECODE): a tile holds up to 16
+// rows of an expert and 128 weight rows, and its products run with the operands swapped, each
+// 64-row weight box as wgmma's rows and the tile's rows as its 16 columns (m64n16k32), so that
+// a thread holds 8 partial sums and 8 accumulators a box where the 64-row tiles hold 64 of
+// each: at a few rows an expert those tiles' products and their scaling in held the stages
+// back from the producer (docs/tuning.md). Each output is the same sum of the same products
+// in the same order as in the other tiles. Fragment: register x of a box is weight row
+// 16·warp + lane/4 + 8·((x >> 1) & 1) of the box and tile row 8·(x >> 2) + 2·(lane % 4) +
+// (x & 1). A tile's weight boxes are its next 64 weight rows each, or with an activation its
+// gate rows and their up rows.
+template <int STAGES>
+__device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
+                                                  int N, int K, int width, bool act, int col_blocks, int tile_cols,
+                                                  int act_kind, float alpha, float limit, const float* b13,
+                                                  const float* a_scales, const float2* w_slots, bool gather,
+                                                  const int* slot_of_row, int gather_k) {
+    constexpr int BM = 16, A_BYTES = BM * G8_BK, B_BYTES = G8_BN * G8_BK;
+    const int kblocks = (K + G8_BK - 1) / G8_BK;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, q = lane % 4;
+    // Descriptor low words of stage 0's tile rows and first weight box.
+    const unsigned rows_desc = gg_desc_lo(ring), w_desc = gg_desc_lo(ring + STAGES * A_BYTES);
+    float d0[8], d1[8], p0[8], p1[8];
+    int stage = 0;
+    unsigned phase = 0;
+    for (;;) {
+        gg_bar_wait(&sh.full[stage], phase);
+        const int tile = sh.stage_tile[stage];
+        if (tile < 0) return;
+        gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        // The scales of this thread's four tile rows, 2q, 2q + 1, 2q + 8 and 2q + 9 (rows
+        // past the expert's end read its last row's; their sums are dropped).
+        const float* sa[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            const int r = min(t.row0 + 8 * (i >> 1) + 2 * q + (i & 1), t.rows_end - 1);
+            sa[i] = a_scales + (slot_of_row ? (long)(slot_of_row[r] / gather_k) : (long)r) * kblocks;
+        }
+        float s[4], ahead[4];
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[i] = sa[i][0];
+#pragma unroll
+        for (int x = 0; x < 8; x++) d0[x] = d1[x] = 0.0f;
+        for (int kb = 0; kb < kblocks; kb++) {
+            if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
+            const int st = __shfl_sync(0xffffffffu, stage, 0);  // one value a warp
+            const unsigned rd = rows_desc + st * (A_BYTES / 16), wd = w_desc + st * (B_BYTES / 16);
+            if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            gg_fence();
+#pragma unroll
+            for (int kk = 0; kk < G8_BK / 32; kk++) {
+                g8_mma16(p0, wd + 2 * kk, rd + 2 * kk, kk > 0);
+                g8_mma16(p1, wd + (B_BYTES / 2) / 16 + 2 * kk, rd + 2 * kk, kk > 0);
+            }
+            gg_commit();
+            const float2 w = w_slots[stage];
+            const int kn = min(kb + 1, kblocks - 1);
+#pragma unroll
+            for (int i = 0; i < 4; i++) ahead[i] = sa[i][kn];
+            gg_wait<0>();
+            gg_pin<8>(p0);
+            gg_pin<8>(p1);
+            gg_bar_arrive(&sh.empty[stage]);
+#pragma unroll
+            for (int x = 0; x < 8; x++) {
+                const float f = s[2 * (x >> 2) + (x & 1)];
+                d0[x] += p0[x] * (f * w.x);
+                d1[x] += p1[x] * (f * w.y);
+            }
+#pragma unroll
+            for (int i = 0; i < 4; i++) s[i] = ahead[i];
+            if (++stage == STAGES) { stage = 0; phase ^= 1; }
+        }
+        const float* bias = b13 ? b13 + (long)t.expert * N : 0;
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const long row = t.row0 + 8 * (x >> 2) + 2 * q + (x & 1);
+            const int m = 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
+            if (row >= t.rows_end) continue;
+            if (act) {
+                const int col = t.col0 + m;
+                float g = d0[x], u = d1[x];
+                if (bias) {
+                    const int c = min(col, width - 1);
+                    g += bias[c];
+                    u += bias[width + c];
+                }
+                if (col < width) C[row * width + col] = (bf16_t)(gg_pack(act_mul(g, u, act_kind, alpha, limit), 0.0f) & 0xffffu);
+            } else {
+                const int col = t.col0 + m;
+                if (col < width) C[row * width + col] = (bf16_t)(gg_pack(d0[x], 0.0f) & 0xffffu);
+                if (col + 64 < width) C[row * width + col + 64] = (bf16_t)(gg_pack(d1[x], 0.0f) & 0xffffu);
+            }
+        }
+    }
+}
+
 // The kernel for tiles of 64·WGS rows over a ring of STAGES stages, SETS sets of partial
 // sums, QUANT for an activation quantized in the epilogue; see the entry points below.
-template <int WGS, int STAGES, int SETS, bool QUANT, int BLOCKS>
+template <int WGS, int STAGES, int SETS, bool QUANT, int BLOCKS, bool DECODE>
 __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
                                           int* next_tile, int act_kind, float alpha, float limit, const float* b13,
                                           const float* a_scales, const float* w_scales,
                                           const unsigned char* gather_x, const int* slot_of_row, int gather_k,
                                           unsigned char* Q, float* S) {
-    constexpr int BM = 64 * WGS;
+    constexpr int BM = DECODE ? 16 : 64 * WGS;
     constexpr int RING_BYTES = STAGES * (BM + G8_BN) * G8_BK;
     extern __shared__ unsigned char g8_raw[];
     unsigned char* ring = g8_raw + ((1024 - (gg_smem(g8_raw) & 1023)) & 1023);
@@ -334,6 +440,9 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
                                                                     width, act, col_blocks, tile_cols, next_tile,
                                                                     gather_x, (long)K, slot_of_row, gather_k,
                                                                     QUANT ? 2 : 1, w_scales, w_slots);
+    } else if constexpr (DECODE) {
+        g8_consume_decode<STAGES>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha, limit,
+                                  b13, a_scales, w_slots, gather, slot_of_row, gather_k);
     } else {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
@@ -356,36 +465,40 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
 // codes Q [rows, N / 2] with one scale per 128 values in S [rows, N / 256] (the bf16 values' amax
 // / 448) and not C; the others ignore Q and S. next_tile: as in grouped_gemm_sm90.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS)                                                          \
-    g8_kernel<WGS, STAGES, SETS, QUANT, BLOCKS>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, \
+#define G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS, DECODE)                                                  \
+    g8_kernel<WGS, STAGES, SETS, QUANT, BLOCKS, DECODE>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, \
                                         alpha, limit, b13, a_scales, w_scales, gather_x, slot_of_row, gather_k, \
                                         Q, S);
 #else
-#define G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS)
+#define G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS, DECODE)
 #endif
-#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT, BLOCKS)                                          \
+#define G8_ENTRY(name, threads, WGS, STAGES, SETS, QUANT, BLOCKS, DECODE)                                  \
     extern "C" __global__ void __launch_bounds__(threads, BLOCKS)                                          \
         name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,     \
              bf16_t* C, const int* counts, const int* offsets, int experts, int N, int K, int* next_tile,  \
              int act_kind, float alpha, float limit, const float* b13, const float* a_scales,              \
              const float* w_scales, const unsigned char* gather_x, const int* slot_of_row, int gather_k,   \
              unsigned char* Q, float* S) {                                                                 \
-        G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS)                                                          \
+        G8_BODY(WGS, STAGES, SETS, QUANT, BLOCKS, DECODE)                                                  \
     }
 
 // 128-row tiles, two consumer warpgroups, a 6-stage ring.
-G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2, false, 1)
+G8_ENTRY(grouped_gemm_fp8_sm90, 384, 2, 6, 2, false, 1, false)
 
 // 64-row tiles, one consumer warpgroup and a 9-stage ring: for experts of few rows, whose
 // tiles mostly stream weights, more of them in flight. One set of partial sums: the products
 // of a few rows are short, and a second set only cost time (docs/tuning.md).
-G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 1, false, 1)
+G8_ENTRY(grouped_gemm_fp8_sm90_short, 256, 1, 9, 1, false, 1, false)
 
 // 64-row tiles, two blocks an SM over 4-stage rings.
-G8_ENTRY(grouped_gemm_fp8_sm90_short_two, 256, 1, 4, 1, false, 2)
+G8_ENTRY(grouped_gemm_fp8_sm90_short_two, 256, 1, 4, 1, false, 2, false)
 
 // The up projection with its activation quantized in the epilogue (Q, S), in 128- and 64-row
 // tiles; one set of partial sums (the first sub-tile's activation takes the registers a second
 // set would).
-G8_ENTRY(grouped_gemm_fp8_sm90_act_fp8, 384, 2, 6, 1, true, 1)
-G8_ENTRY(grouped_gemm_fp8_sm90_short_act_fp8, 256, 1, 9, 1, true, 1)
+G8_ENTRY(grouped_gemm_fp8_sm90_act_fp8, 384, 2, 6, 1, true, 1, false)
+G8_ENTRY(grouped_gemm_fp8_sm90_short_act_fp8, 256, 1, 9, 1, true, 1, false)
+
+// Decode tiles: up to 16 rows of an expert by 128 weight rows, the operands swapped
+// (g8_consume_decode), one consumer warpgroup and a 12-stage ring.
+G8_ENTRY(grouped_gemm_fp8_sm90_decode, 256, 1, 12, 1, false, 1, true)

@@ -36,6 +36,12 @@ const TILES_64: Variant = Variant { name: "grouped_gemm_fp8_sm90_short", rows: 6
 const TILES_64_TWO: Variant =
     Variant { name: "grouped_gemm_fp8_sm90_short_two", rows: 64, stages: 4, threads: 256, per_sm: 2 };
 
+/// Decode tiles: up to 16 rows of an expert by 128 weight rows, the products run with the
+/// weights as `wgmma`'s rows and the tile's rows as its columns, over a 12-stage ring: at a few
+/// rows an expert a thread then scales 16 partial sums into its accumulators a stage, not 64.
+const TILES_16_DECODE: Variant =
+    Variant { name: "grouped_gemm_fp8_sm90_decode", rows: 16, stages: 12, threads: 256, per_sm: 1 };
+
 /// 128- and 64-row tiles of one set with the activation quantized in the epilogue.
 const TILES_128_ACT_FP8: Variant =
     Variant { name: "grouped_gemm_fp8_sm90_act_fp8", rows: 128, stages: 6, threads: 384, per_sm: 1 };
@@ -45,6 +51,10 @@ const TILES_64_ACT_FP8: Variant =
 /// Rows an expert on average up to which a product takes 64-row tiles, as the bf16 Hopper GEMM
 /// does (its `SHORT_TO_ROWS`): their deeper ring keeps more weight bytes in flight.
 const SHORT_TO_ROWS: usize = 32;
+
+/// Rows an expert on average up to which a product without fp8 out takes the decode tiles
+/// ([`TILES_16_DECODE`]).
+const DECODE_TO_ROWS: usize = 2;
 
 /// Rows an expert on average above which 64-row tiles run two blocks an SM
 /// ([`TILES_64_TWO`]); at fewer, one block's deeper ring streams the weights faster
@@ -59,12 +69,14 @@ fn smem_bytes(v: Variant, experts: usize) -> u32 {
     v.stages * ((v.rows + TILE_COLS) * 128 + 8 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
-/// `v`, or where its shared memory for `experts` experts exceeds an SM's (the 64-row tiles'
-/// deep rings, beyond about 800 experts), the 128-row tiles of the same output.
+/// `v`, or where its shared memory for `experts` experts exceeds an SM's (the deep rings of the
+/// decode and 64-row tiles, beyond about 820 and 830 experts), the next taller tiles of the
+/// same output that fit.
 fn fitting(v: Variant, experts: usize) -> Variant {
     match v {
         _ if smem_bytes(v, experts) <= MAX_SMEM => v,
         TILES_64_ACT_FP8 => TILES_128_ACT_FP8,
+        TILES_16_DECODE => fitting(TILES_64, experts),
         _ => TILES_128,
     }
 }
@@ -110,15 +122,23 @@ struct TileChoice {
 }
 
 impl TileChoice {
-    /// The entry point for `rows` rows over `experts` experts: 64-row tiles up to
-    /// [`SHORT_TO_ROWS`] rows an expert on average (or as the options ask), else 128-row
-    /// tiles; 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert
+    /// The entry point for `rows` rows over `experts` experts: decode tiles up to
+    /// [`DECODE_TO_ROWS`] rows an expert on average, 64-row tiles up to [`SHORT_TO_ROWS`], else
+    /// 128-row tiles (or as the options ask: 16, 64 or 128 rows); 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert
     /// (or as the options ask), unless the GEMM leaves SMs free; an activation quantized in
     /// the epilogue (`fp8_out`) takes the entry points that do that. Tiles whose shared memory
     /// would not fit take 128 rows ([`fitting`]).
     fn variant(&self, rows: usize, experts: usize, fp8_out: bool) -> Variant {
+        let decode = !fp8_out
+            && match self.rows_asked {
+                Some(r) => r == TILES_16_DECODE.rows,
+                None => rows <= DECODE_TO_ROWS * experts.max(1),
+            };
+        if decode {
+            return fitting(TILES_16_DECODE, experts);
+        }
         let short = match self.rows_asked {
-            Some(r) => r == TILES_64.rows,
+            Some(r) => r != TILES_128.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         };
         let two = !self.leaves_sms
@@ -137,7 +157,7 @@ impl TileChoice {
     }
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`] and the two that
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`], [`TILES_16_DECODE`] and the two that
 /// quantize the activation), its persistent blocks (one an SM, or two for [`TILES_64_TWO`];
 /// every SM unless [`HopperFp8Gemm::leaving`] leaves some free), their shared tile counter (as
 /// [`super::hopper_gemm::HopperGemm`]'s) and how it picks its tiles.
@@ -147,6 +167,7 @@ pub(super) struct HopperFp8Gemm {
     act_fp8: CudaFunction,
     short_act_fp8: CudaFunction,
     short_two: CudaFunction,
+    decode: CudaFunction,
     blocks: u32,
     next_tile: Mutex<CudaSlice<i32>>,
     choice: TileChoice,
@@ -163,11 +184,11 @@ impl HopperFp8Gemm {
         let load = |v: Variant| persistent_kernel(gpu, v.name, smem_bytes(v, MAX_EXPERTS));
         let (f, short) = (load(TILES_128)?, load(TILES_64)?);
         let (act_fp8, short_act_fp8) = (load(TILES_128_ACT_FP8)?, load(TILES_64_ACT_FP8)?);
-        let short_two = load(TILES_64_TWO)?;
+        let (short_two, decode) = (load(TILES_64_TWO)?, load(TILES_16_DECODE)?);
         let (blocks, next_tile) = persistent_blocks(gpu)?;
         let choice =
             TileChoice { rows_asked: opts.gemm_tile_rows, blocks_asked: opts.gemm_tile_blocks, leaves_sms: false };
-        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, short_two, blocks, next_tile, choice }))
+        Ok(Some(HopperFp8Gemm { f, short, act_fp8, short_act_fp8, short_two, decode, blocks, next_tile, choice }))
     }
 
     /// The same GEMM on all SMs but `sms` (at least one): for a GEMM that runs beside kernels
@@ -260,6 +281,7 @@ impl HopperFp8Gemm {
                 TILES_64_TWO => &self.short_two,
                 TILES_128_ACT_FP8 => &self.act_fp8,
                 TILES_64_ACT_FP8 => &self.short_act_fp8,
+                TILES_16_DECODE => &self.decode,
                 _ => &self.f,
             };
             let mut l = stream.launch_builder(f);
@@ -277,19 +299,33 @@ impl HopperFp8Gemm {
 mod tests {
     use super::super::{dptr, Gpu};
     use super::{fitting, smem_bytes, TileChoice, Variant, MAX_EXPERTS, MAX_SMEM};
-    use super::{TILES_128, TILES_128_ACT_FP8, TILES_64, TILES_64_ACT_FP8, TILES_64_TWO};
+    use super::{TILES_128, TILES_128_ACT_FP8, TILES_16_DECODE, TILES_64, TILES_64_ACT_FP8, TILES_64_TWO};
 
-    /// The tiles each batch gets, by rows an expert on average (64 experts): 64-row tiles up to
-    /// 32, two blocks an SM above 4 unless the GEMM leaves SMs free (whatever the options
-    /// ask), 128-row tiles above 32; the options' rows and blocks; the quantizing entry points
-    /// for fp8 out; 128-row tiles where the 64-row rings do not fit.
+    /// The tiles each batch gets, by rows an expert on average (64 experts): decode tiles up to
+    /// 2 without fp8 out, 64-row tiles up to 32, two blocks an SM above 4 unless the GEMM
+    /// leaves SMs free (whatever the options ask), 128-row tiles above 32; the options' rows
+    /// and blocks; the quantizing entry points for fp8 out; taller tiles where the deeper
+    /// rings do not fit.
     #[test]
     fn each_batch_gets_the_tiles_its_rows_call_for() {
         let free = TileChoice::default();
         let picks = |c: TileChoice, rows_an_expert: usize, fp8_out: bool| c.variant(64 * rows_an_expert, 64, fp8_out);
-        for (rows, want) in [(0, TILES_64), (1, TILES_64), (4, TILES_64), (5, TILES_64_TWO), (32, TILES_64_TWO)] {
+        for (rows, want) in [
+            (0, TILES_16_DECODE),
+            (2, TILES_16_DECODE),
+            (3, TILES_64),
+            (4, TILES_64),
+            (5, TILES_64_TWO),
+            (32, TILES_64_TWO),
+        ] {
             assert_eq!(picks(free, rows, false), want, "{rows} rows an expert");
         }
+        assert_eq!(picks(free, 1, true), TILES_64_ACT_FP8);
+        assert_eq!(picks(TileChoice { rows_asked: Some(16), ..free }, 512, false), TILES_16_DECODE);
+        assert_eq!(picks(TileChoice { rows_asked: Some(16), ..free }, 1, true), TILES_64_ACT_FP8);
+        // From 825 experts the decode ring no longer fits beside their counts; to 830 the
+        // 64-row one does.
+        assert_eq!(free.variant(64, 826, false), TILES_64, "decode rings past the SM's memory");
         assert_eq!(picks(free, 33, false), TILES_128);
         assert_eq!(picks(free, 512, false), TILES_128);
         assert_eq!(picks(free, 16, true), TILES_64_ACT_FP8);
@@ -299,7 +335,7 @@ mod tests {
         for c in [leaving, leaving_asked] {
             assert_eq!(picks(c, 16, false), TILES_64, "a GEMM leaving SMs free runs one block an SM");
         }
-        assert_eq!(picks(TileChoice { blocks_asked: Some(2), ..free }, 1, false), TILES_64_TWO);
+        assert_eq!(picks(TileChoice { blocks_asked: Some(2), ..free }, 3, false), TILES_64_TWO);
         assert_eq!(picks(TileChoice { blocks_asked: Some(1), ..free }, 16, false), TILES_64);
         assert_eq!(picks(TileChoice { rows_asked: Some(128), ..free }, 1, false), TILES_128);
         assert_eq!(picks(TileChoice { rows_asked: Some(64), ..free }, 512, false), TILES_64_TWO);
@@ -311,7 +347,7 @@ mod tests {
     /// as they are.
     #[test]
     fn every_choice_of_tiles_fits_in_shared_memory() {
-        let all = [TILES_128, TILES_64, TILES_64_TWO, TILES_128_ACT_FP8, TILES_64_ACT_FP8];
+        let all = [TILES_128, TILES_64, TILES_64_TWO, TILES_16_DECODE, TILES_128_ACT_FP8, TILES_64_ACT_FP8];
         let quantizes = |v: Variant| v.name.ends_with("act_fp8");
         for v in all {
             for experts in [1, 64, 256, 512, 900, MAX_EXPERTS] {
@@ -388,8 +424,8 @@ mod tests {
         }
     }
 
-    /// The fp8 grouped GEMM, in 128- and 64-row tiles (one and two blocks an SM, with the same
-    /// bits), against an f64 product of the values the codes and scales stand for, with
+    /// The fp8 grouped GEMM, in 128- and 64-row tiles (one and two blocks an SM) and decode
+    /// tiles (with the 64-row tiles' bits), against an f64 product of the values the codes and scales stand for, with
     /// poisoned outputs: experts with 0, 1, a partial tile, exactly one tile and several tiles
     /// of rows, grouped and padded layouts, widths that are not tile multiples and depths that
     /// are not multiples of the 128-deep stage; every
@@ -413,6 +449,7 @@ mod tests {
         let gemm64 = HopperFp8Gemm::load(&gpu, &tiles(64)).unwrap().expect("a Hopper GPU");
         let two = crate::backend::cuda::CudaOptions { gemm_tile_blocks: Some(2), ..tiles(64) };
         let gemm64x2 = HopperFp8Gemm::load(&gpu, &two).unwrap().expect("a Hopper GPU");
+        let gemm16 = HopperFp8Gemm::load(&gpu, &tiles(16)).unwrap().expect("a Hopper GPU");
         let s = &gpu.stream;
         let acts = [Activation::Silu, Activation::GeluErf, Activation::GeluTanh, Activation::GPT_OSS];
         // (n, k, activation and whether it has a bias)
@@ -432,14 +469,15 @@ mod tests {
         let many_rows = many.iter().sum::<i32>() as usize;
         assert_eq!(gemm64.choice.variant(many_rows, many.len(), false), TILES_128);
         assert_eq!(gemm64.choice.variant(many_rows, many.len(), true), TILES_128_ACT_FP8);
-        // Every case in 128-row tiles, and every other one in 64-row tiles, one block an SM and
-        // two (an activation quantized in the epilogue runs one block an SM either way); a
-        // product and an activation over the 900 experts.
+        // Every case in 128-row tiles and in decode tiles, and every other one in 64-row tiles,
+        // one block an SM and two (an activation quantized in the epilogue runs 64-row tiles
+        // one block an SM either way); a product and an activation over the 900 experts.
         let cases = cases
             .iter()
             .map(|&c| (c, &gemm128, &counts))
             .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64, &counts)))
             .chain(cases.iter().step_by(2).map(|&c| (c, &gemm64x2, &counts)))
+            .chain(cases.iter().map(|&c| (c, &gemm16, &counts)))
             .chain(
                 [((128, 256, None), true), ((256, 128, Some((Activation::Silu, false))), true)]
                     .map(|c| (c, &gemm64, &many)),
@@ -499,12 +537,14 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            if std::ptr::eq(gemm, &gemm64x2) {
-                // Two blocks an SM run each tile as one block does: the same bits.
+            if std::ptr::eq(gemm, &gemm64x2) || std::ptr::eq(gemm, &gemm16) {
+                // Two blocks an SM run each tile as one block does, and the decode tiles sum the
+                // same products in the same order: the same bits.
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
                 let out = GemmOut::Bf16(dptr(&cd, &gpu));
                 gemm64.run(s, wop, [n, k], aop, out, [rows, rows], ptrs, e, epilogue, gather).unwrap();
-                assert!(s.clone_dtoh(&cd).unwrap() == got, "n {n} k {k}: two blocks an SM against one");
+                let which = if std::ptr::eq(gemm, &gemm16) { "decode tiles" } else { "two blocks an SM" };
+                assert!(s.clone_dtoh(&cd).unwrap() == got, "n {n} k {k} act {act:?}: {which} against 64-row tiles");
             }
             let v = gemm.choice.variant(rows, e, false);
             let what =
@@ -560,7 +600,7 @@ mod tests {
                 assert!(got[r * width..(r + 1) * width].iter().all(|&x| x == poison), "{what}: row {r} written");
             }
             eprintln!("fp8 grouped GEMM matches f64: {what}");
-            if act.is_some() {
+            if act.is_some() && !std::ptr::eq(gemm, &gemm16) {
                 fp8_out_matches_a_separate_pass(
                     gemm,
                     (wop, aop, gather),
