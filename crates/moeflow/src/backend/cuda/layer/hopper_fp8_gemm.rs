@@ -600,6 +600,7 @@ mod tests {
                 assert!(got[r * width..(r + 1) * width].iter().all(|&x| x == poison), "{what}: row {r} written");
             }
             eprintln!("fp8 grouped GEMM matches f64: {what}");
+            // (fp8 out takes 64-row tiles where decode tiles are asked for.)
             if act.is_some() && !std::ptr::eq(gemm, &gemm16) {
                 fp8_out_matches_a_separate_pass(
                     gemm,
