@@ -15,7 +15,8 @@
 // points) by 128 weight rows (two boxes of 64: the next 64 rows, or the gate rows and their up
 // rows, which then give 64 output columns), so a thread holds 64 accumulators and one or two
 // sets of 64 partial sums; with two sets, and where two blocks share an SM, the producer
-// warpgroup hands the consumers its registers (setmaxnreg).
+// warpgroup hands the consumers its registers (setmaxnreg). The decode entry point takes
+// tiles of 16 rows and multiplies each stage with the operands swapped (g8_consume_decode).
 // (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
 
 #define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
