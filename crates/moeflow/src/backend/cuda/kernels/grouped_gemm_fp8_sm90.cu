@@ -384,7 +384,8 @@ __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned 
                     g += bias[c];
                     u += bias[width + c];
                 }
-                if (col < width) C[row * width + col] = (bf16_t)(gg_pack(act_mul(g, u, act_kind, alpha, limit), 0.0f) & 0xffffu);
+                const float v = act_mul(g, u, act_kind, alpha, limit);
+                if (col < width) C[row * width + col] = (bf16_t)(gg_pack(v, 0.0f) & 0xffffu);
             } else {
                 const int col = t.col0 + m;
                 if (col < width) C[row * width + col] = (bf16_t)(gg_pack(d0[x], 0.0f) & 0xffffu);

@@ -124,10 +124,11 @@ struct TileChoice {
 impl TileChoice {
     /// The entry point for `rows` rows over `experts` experts: decode tiles up to
     /// [`DECODE_TO_ROWS`] rows an expert on average, 64-row tiles up to [`SHORT_TO_ROWS`], else
-    /// 128-row tiles (or as the options ask: 16, 64 or 128 rows); 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert
-    /// (or as the options ask), unless the GEMM leaves SMs free; an activation quantized in
-    /// the epilogue (`fp8_out`) takes the entry points that do that. Tiles whose shared memory
-    /// would not fit take 128 rows ([`fitting`]).
+    /// 128-row tiles (or as the options ask: 16, 64 or 128 rows); 64-row tiles run two blocks
+    /// an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert (or as the options ask), unless the
+    /// GEMM leaves SMs free; an activation quantized in the epilogue (`fp8_out`) takes the
+    /// 64- or 128-row entry points that do that. Tiles whose shared memory would not fit take
+    /// taller ones ([`fitting`]).
     fn variant(&self, rows: usize, experts: usize, fp8_out: bool) -> Variant {
         let decode = !fp8_out
             && match self.rows_asked {
@@ -157,10 +158,11 @@ impl TileChoice {
     }
 }
 
-/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`], [`TILES_16_DECODE`] and the two that
-/// quantize the activation), its persistent blocks (one an SM, or two for [`TILES_64_TWO`];
-/// every SM unless [`HopperFp8Gemm::leaving`] leaves some free), their shared tile counter (as
-/// [`super::hopper_gemm::HopperGemm`]'s) and how it picks its tiles.
+/// The kernel's entry points ([`TILES_128`], [`TILES_64`], [`TILES_64_TWO`],
+/// [`TILES_16_DECODE`] and the two that quantize the activation), its persistent blocks (one an
+/// SM, or two for [`TILES_64_TWO`]; every SM unless [`HopperFp8Gemm::leaving`] leaves some
+/// free), their shared tile counter (as [`super::hopper_gemm::HopperGemm`]'s) and how it picks
+/// its tiles.
 pub(super) struct HopperFp8Gemm {
     f: CudaFunction,
     short: CudaFunction,
@@ -425,13 +427,13 @@ mod tests {
     }
 
     /// The fp8 grouped GEMM, in 128- and 64-row tiles (one and two blocks an SM) and decode
-    /// tiles (with the 64-row tiles' bits), against an f64 product of the values the codes and scales stand for, with
-    /// poisoned outputs: experts with 0, 1, a partial tile, exactly one tile and several tiles
-    /// of rows, grouped and padded layouts, widths that are not tile multiples and depths that
-    /// are not multiples of the 128-deep stage; every
-    /// activation in the epilogue (with and without a bias); rows gathered by the GEMM from a
-    /// shuffled copy of the tokens (three slots a token); every activation also quantized in the
-    /// epilogue; 900 experts, whose 64-row tiles do not fit and fall back to 128 rows. The
+    /// tiles (with the 64-row tiles' bits), against an f64 product of the values the codes and
+    /// scales stand for, with poisoned outputs: experts with 0, 1, a partial tile, exactly one
+    /// tile and several tiles of rows, grouped and padded layouts, widths that are not tile
+    /// multiples and depths that are not multiples of the 128-deep stage; every activation in
+    /// the epilogue (with and without a bias); rows gathered by the GEMM from a shuffled copy of
+    /// the tokens (three slots a token); every activation also quantized in the epilogue; 900
+    /// experts, whose 64-row tiles do not fit and fall back to 128 rows. The
     /// second of two launches is checked, and has the first's bits. Needs a Hopper GPU; says
     /// loudly when it skips.
     #[test]
