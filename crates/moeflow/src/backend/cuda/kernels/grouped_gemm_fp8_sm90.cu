@@ -48,7 +48,8 @@ __device__ __forceinline__ void g8_mma16(float* d, unsigned a, unsigned b, int a
     asm volatile(
         "{\n .reg .pred acc;\n .reg .b64 da, db;\n setp.ne.b32 acc, %10, 0;\n"
         "mov.b64 da, {%8, %11};\n mov.b64 db, {%9, %11};\n"
-        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 {%0, %1, %2, %3, %4, %5, %6, %7}, da, db, acc, 1, 1;\n}\n"
+        "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7}, da, db, acc, 1, 1;\n}\n"
         : G8_D8(0)
         : "r"(a), "r"(b), "r"(accumulate), "n"(GG_DESC_HI));
 }
@@ -374,10 +375,9 @@ __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned 
 #pragma unroll
         for (int x = 0; x < 8; x++) {
             const long row = t.row0 + 8 * (x >> 2) + 2 * q + (x & 1);
-            const int m = 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
+            const int col = t.col0 + 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
             if (row >= t.rows_end) continue;
             if (act) {
-                const int col = t.col0 + m;
                 float g = d0[x], u = d1[x];
                 if (bias) {
                     const int c = min(col, width - 1);
@@ -387,7 +387,6 @@ __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned 
                 const float v = act_mul(g, u, act_kind, alpha, limit);
                 if (col < width) C[row * width + col] = (bf16_t)(gg_pack(v, 0.0f) & 0xffffu);
             } else {
-                const int col = t.col0 + m;
                 if (col < width) C[row * width + col] = (bf16_t)(gg_pack(d0[x], 0.0f) & 0xffffu);
                 if (col + 64 < width) C[row * width + col + 64] = (bf16_t)(gg_pack(d1[x], 0.0f) & 0xffffu);
             }
@@ -395,8 +394,9 @@ __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned 
     }
 }
 
-// The kernel for tiles of 64·WGS rows over a ring of STAGES stages, SETS sets of partial
-// sums, QUANT for an activation quantized in the epilogue; see the entry points below.
+// The kernel for tiles of 64·WGS rows (16 with DECODE, g8_consume_decode's) over a ring of
+// STAGES stages, SETS sets of partial sums, QUANT for an activation quantized in the epilogue;
+// see the entry points below.
 template <int WGS, int STAGES, int SETS, bool QUANT, int BLOCKS, bool DECODE>
 __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
                                           const int* counts, const int* offsets, int experts, int N, int K,
