@@ -16,7 +16,7 @@ impl CudaMoeLayer {
     /// What recording adds to a forward call; call it between forward calls. 0 where the fused
     /// router counts the call in its own launch ([`CudaMoeLayer::routes_fused`]).
     pub fn load_recording_ms(&self, tokens: usize) -> Result<f64> {
-        if tokens > 0 && self.routes_fused(tokens) {
+        if self.routes_fused(tokens) {
             return Ok(0.0);
         }
         let (e, n) = (self.config.num_experts, tokens * self.config.top_k);

@@ -1029,7 +1029,7 @@ impl CudaMoeLayer {
             self.join_batches()?;
         }
         // The fused router has counted its call already.
-        if self.records_load() && !(t > 0 && self.routes_fused(t)) {
+        if self.records_load() && !self.routes_fused(t) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
             // Beside the layer on the shared experts' side stream where the call has them (the
             // layer's stream joins it for their output, and has joined the batch sizes' exchange
