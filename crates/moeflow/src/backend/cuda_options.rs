@@ -156,7 +156,8 @@ impl FromStr for Transport {
 pub struct CudaOptions {
     /// Kernels of the routed experts' GEMMs.
     pub expert_gemm: ExpertGemm,
-    /// Tile height of the Hopper GEMMs, bf16 and fp8 (64 or 128); `None`: chosen per batch.
+    /// Tile height of the Hopper GEMMs, bf16 and fp8 (16, 64 or 128; 16 is the fp8 GEMM's
+    /// decode tiles, for which the bf16 GEMM takes 64-row ones); `None`: chosen per batch.
     pub gemm_tile_rows: Option<u32>,
     /// Tile width of the Hopper GEMM's 64-row tiles (224 or 256); `None`: chosen per batch.
     pub gemm_tile_cols: Option<u32>,
@@ -249,7 +250,10 @@ impl Default for CudaOptions {
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
 pub const CUDA_VARIABLES: [(&str, &str); 18] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
-    ("MOEFLOW_GEMM_TILE_ROWS", "64|128: the Hopper GEMM's tile height (default: per batch)"),
+    (
+        "MOEFLOW_GEMM_TILE_ROWS",
+        "16|64|128: the Hopper GEMMs' tile height, 16 the fp8 decode tiles (default: per batch)",
+    ),
     ("MOEFLOW_GEMM_TILE_COLS", "224|256: the width of its 64-row tiles (default: per batch)"),
     ("MOEFLOW_GEMM_TILE_BLOCKS", "1|2: blocks an SM of the fp8 Hopper GEMM's 64-row tiles (default: per batch)"),
     ("MOEFLOW_CUDA_GRAPHS", "0|1: small batches on one GPU replay CUDA graphs (default 1)"),
@@ -295,7 +299,7 @@ impl CudaOptions {
             let (key, value) = (k.as_ref(), v.as_ref().trim());
             match key {
                 "MOEFLOW_EXPERT_GEMM" => self.expert_gemm = value.parse()?,
-                "MOEFLOW_GEMM_TILE_ROWS" => self.gemm_tile_rows = Some(one_of(key, value, &[64, 128])?),
+                "MOEFLOW_GEMM_TILE_ROWS" => self.gemm_tile_rows = Some(one_of(key, value, &[16, 64, 128])?),
                 "MOEFLOW_GEMM_TILE_COLS" => self.gemm_tile_cols = Some(one_of(key, value, &[224, 256])?),
                 "MOEFLOW_GEMM_TILE_BLOCKS" => self.gemm_tile_blocks = Some(one_of(key, value, &[1, 2])?),
                 "MOEFLOW_CUDA_GRAPHS" => self.cuda_graphs = flag(key, value)?,

@@ -54,7 +54,11 @@ const SHORT_TO_ROWS: usize = 32;
 
 /// Rows an expert on average up to which a product without fp8 out takes the decode tiles
 /// ([`TILES_16_DECODE`]).
-const DECODE_TO_ROWS: usize = 2;
+const DECODE_TO_ROWS: usize = 4;
+
+/// Rows in all up to which a product without fp8 out takes the decode tiles whatever its
+/// experts (two tiles a column block at most): a one-expert GEMM, such as the shared expert's.
+const DECODE_TO_ROWS_IN_ALL: usize = 32;
 
 /// Rows an expert on average above which 64-row tiles run two blocks an SM
 /// ([`TILES_64_TWO`]); at fewer, one block's deeper ring streams the weights faster
@@ -123,7 +127,8 @@ struct TileChoice {
 
 impl TileChoice {
     /// The entry point for `rows` rows over `experts` experts: decode tiles up to
-    /// [`DECODE_TO_ROWS`] rows an expert on average, 64-row tiles up to [`SHORT_TO_ROWS`], else
+    /// [`DECODE_TO_ROWS`] rows an expert on average (or [`DECODE_TO_ROWS_IN_ALL`] rows in all),
+    /// 64-row tiles up to [`SHORT_TO_ROWS`], else
     /// 128-row tiles (or as the options ask: 16, 64 or 128 rows); 64-row tiles run two blocks
     /// an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert (or as the options ask), unless the
     /// GEMM leaves SMs free; an activation quantized in the epilogue (`fp8_out`) takes the
@@ -133,7 +138,7 @@ impl TileChoice {
         let decode = !fp8_out
             && match self.rows_asked {
                 Some(r) => r == TILES_16_DECODE.rows,
-                None => rows <= DECODE_TO_ROWS * experts.max(1),
+                None => rows <= DECODE_TO_ROWS * experts.max(1) || rows <= DECODE_TO_ROWS_IN_ALL,
             };
         if decode {
             return fitting(TILES_16_DECODE, experts);
@@ -304,25 +309,24 @@ mod tests {
     use super::{TILES_128, TILES_128_ACT_FP8, TILES_16_DECODE, TILES_64, TILES_64_ACT_FP8, TILES_64_TWO};
 
     /// The tiles each batch gets, by rows an expert on average (64 experts): decode tiles up to
-    /// 2 without fp8 out, 64-row tiles up to 32, two blocks an SM above 4 unless the GEMM
-    /// leaves SMs free (whatever the options ask), 128-row tiles above 32; the options' rows
-    /// and blocks; the quantizing entry points for fp8 out; taller tiles where the deeper
-    /// rings do not fit.
+    /// 4 without fp8 out (and up to 32 rows in all, a one-expert GEMM's), 64-row tiles up to
+    /// 32, two blocks an SM above 4 unless the GEMM leaves SMs free (whatever the options ask),
+    /// 128-row tiles above 32; the options' rows and blocks; the quantizing entry points for
+    /// fp8 out; taller tiles where the deeper rings do not fit.
     #[test]
     fn each_batch_gets_the_tiles_its_rows_call_for() {
         let free = TileChoice::default();
         let picks = |c: TileChoice, rows_an_expert: usize, fp8_out: bool| c.variant(64 * rows_an_expert, 64, fp8_out);
-        for (rows, want) in [
-            (0, TILES_16_DECODE),
-            (2, TILES_16_DECODE),
-            (3, TILES_64),
-            (4, TILES_64),
-            (5, TILES_64_TWO),
-            (32, TILES_64_TWO),
-        ] {
+        for (rows, want) in
+            [(0, TILES_16_DECODE), (2, TILES_16_DECODE), (4, TILES_16_DECODE), (5, TILES_64_TWO), (32, TILES_64_TWO)]
+        {
             assert_eq!(picks(free, rows, false), want, "{rows} rows an expert");
         }
         assert_eq!(picks(free, 1, true), TILES_64_ACT_FP8);
+        assert_eq!(free.variant(32, 1, false), TILES_16_DECODE, "a one-expert GEMM of 32 rows");
+        assert_eq!(free.variant(33, 1, false), TILES_128, "a one-expert GEMM of 33 rows");
+        assert_eq!(free.variant(20, 1, true), TILES_64_ACT_FP8, "fp8 out of a one-expert GEMM of 20 rows");
+        assert_eq!(free.variant(32, 4, false), TILES_16_DECODE, "32 rows of 4 experts");
         assert_eq!(picks(TileChoice { rows_asked: Some(16), ..free }, 512, false), TILES_16_DECODE);
         assert_eq!(picks(TileChoice { rows_asked: Some(16), ..free }, 1, true), TILES_64_ACT_FP8);
         // From 825 experts the decode ring no longer fits beside their counts; to 830 the
@@ -337,7 +341,8 @@ mod tests {
         for c in [leaving, leaving_asked] {
             assert_eq!(picks(c, 16, false), TILES_64, "a GEMM leaving SMs free runs one block an SM");
         }
-        assert_eq!(picks(TileChoice { blocks_asked: Some(2), ..free }, 3, false), TILES_64_TWO);
+        assert_eq!(picks(TileChoice { blocks_asked: Some(2), ..free }, 5, false), TILES_64_TWO);
+        assert_eq!(picks(TileChoice { rows_asked: Some(64), blocks_asked: Some(2), ..free }, 3, false), TILES_64_TWO);
         assert_eq!(picks(TileChoice { blocks_asked: Some(1), ..free }, 16, false), TILES_64);
         assert_eq!(picks(TileChoice { rows_asked: Some(128), ..free }, 1, false), TILES_128);
         assert_eq!(picks(TileChoice { rows_asked: Some(64), ..free }, 512, false), TILES_64_TWO);

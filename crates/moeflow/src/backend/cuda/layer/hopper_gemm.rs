@@ -204,7 +204,8 @@ impl HopperGemm {
     /// short kernel's deeper ring keeps more of them in flight.
     fn short_for(&self, rows: usize, experts: usize) -> bool {
         match self.rows_asked {
-            Some(r) => r == TILES_64.rows,
+            // (The fp8 GEMM's decode height, 16, takes the 64-row tiles here.)
+            Some(r) => r <= TILES_64.rows,
             None => rows <= SHORT_TO_ROWS * experts.max(1),
         }
     }
