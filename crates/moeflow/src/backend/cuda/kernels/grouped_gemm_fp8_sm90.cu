@@ -16,7 +16,8 @@
 // rows, which then give 64 output columns), so a thread holds 64 accumulators and one or two
 // sets of 64 partial sums; with two sets, and where two blocks share an SM, the producer
 // warpgroup hands the consumers its registers (setmaxnreg). The decode entry point takes
-// tiles of 16 rows and multiplies each stage with the operands swapped (g8_consume_decode).
+// tiles of 16 rows and multiplies each stage with the operands swapped (g8_decode_tile); the
+// 128-row tiles run an expert's last tile that way too where it holds at most 32 rows.
 // (Compiled after grouped_gemm_sm90.cu, whose helpers it uses.)
 
 #define G8_BK 128  // codes a stage deep: 128 bytes, one swizzle row, one scale block
@@ -140,13 +141,101 @@ __device__ __forceinline__ void g8_store_fp8(const unsigned* lo, const unsigned*
     }
 }
 
+// One decode tile of up to 16 rows of an expert by 128 weight rows (tile t, its first stage
+// waited for), by one warpgroup, its products run with the operands swapped: each 64-row
+// weight box as wgmma's rows and the tile's rows as its 16 columns (m64n16k32), so that a
+// thread holds 8 partial sums and 8 accumulators a box where the 64-row tiles hold 64 of each.
+// Each output is the same sum of the same products in the same order as in the other tiles.
+// Fragment: register x of a box is weight row 16·warp + lane/4 + 8·((x >> 1) & 1) of the box
+// and tile row 8·(x >> 2) + 2·(lane % 4) + (x & 1). A tile's weight boxes are its next 64
+// weight rows each, or with an activation its gate rows and their up rows. The rows are the
+// first 16 of each stage's row tile (rows_desc, A_BYTES a stage), the weights the stage's
+// weight tile (w_desc); the weight scales come with the stage (STAGED, w_slots) or from
+// `scale_w0` and `scale_w1` (a block each). Hands each stage back and advances `stage`.
+template <int STAGES, int A_BYTES, bool STAGED>
+__device__ __forceinline__ void g8_decode_tile(const gg_shared& sh, const gg_tile& t, int& stage, unsigned& phase,
+                                               unsigned rows_desc, unsigned w_desc, bf16_t* C, int N, int kblocks,
+                                               int width, bool act, int act_kind, float alpha, float limit,
+                                               const float* b13, const float* a_scales, const float2* w_slots,
+                                               const float* scale_w0, const float* scale_w1, bool gather,
+                                               const int* slot_of_row, int gather_k) {
+    constexpr int B_BYTES = G8_BN * G8_BK;
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, q = lane % 4;
+    float d0[8], d1[8], p0[8], p1[8];
+    // The scales of this thread's four tile rows, 2q, 2q + 1, 2q + 8 and 2q + 9 (rows past the
+    // expert's end read its last row's; their sums are dropped).
+    const float* sa[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const int r = min(t.row0 + 8 * (i >> 1) + 2 * q + (i & 1), t.rows_end - 1);
+        sa[i] = a_scales + (slot_of_row ? (long)(slot_of_row[r] / gather_k) : (long)r) * kblocks;
+    }
+    float s[4], ahead[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) s[i] = sa[i][0];
+#pragma unroll
+    for (int x = 0; x < 8; x++) d0[x] = d1[x] = 0.0f;
+    for (int kb = 0; kb < kblocks; kb++) {
+        if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
+        const int st = __shfl_sync(0xffffffffu, stage, 0);  // one value a warp
+        const unsigned rd = rows_desc + st * (A_BYTES / 16), wd = w_desc + st * (B_BYTES / 16);
+        if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        gg_fence();
+#pragma unroll
+        for (int kk = 0; kk < G8_BK / 32; kk++) {
+            g8_mma16(p0, wd + 2 * kk, rd + 2 * kk, kk > 0);
+            g8_mma16(p1, wd + (B_BYTES / 2) / 16 + 2 * kk, rd + 2 * kk, kk > 0);
+        }
+        gg_commit();
+        const float2 w = STAGED ? w_slots[stage] : make_float2(scale_w0[kb], scale_w1[kb]);
+        const int kn = min(kb + 1, kblocks - 1);
+#pragma unroll
+        for (int i = 0; i < 4; i++) ahead[i] = sa[i][kn];
+        gg_wait<0>();
+        gg_pin<8>(p0);
+        gg_pin<8>(p1);
+        gg_bar_arrive(&sh.empty[stage]);
+#pragma unroll
+        for (int x = 0; x < 8; x++) {
+            const float f = s[2 * (x >> 2) + (x & 1)];
+            d0[x] += p0[x] * (f * w.x);
+            d1[x] += p1[x] * (f * w.y);
+        }
+#pragma unroll
+        for (int i = 0; i < 4; i++) s[i] = ahead[i];
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    }
+    const float* bias = b13 ? b13 + (long)t.expert * N : 0;
+#pragma unroll
+    for (int x = 0; x < 8; x++) {
+        const long row = t.row0 + 8 * (x >> 2) + 2 * q + (x & 1);
+        const int col = t.col0 + 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
+        if (row >= t.rows_end) continue;
+        if (act) {
+            float g = d0[x], u = d1[x];
+            if (bias) {
+                const int c = min(col, width - 1);
+                g += bias[c];
+                u += bias[width + c];
+            }
+            const float v = act_mul(g, u, act_kind, alpha, limit);
+            if (col < width) C[row * width + col] = (bf16_t)(gg_pack(v, 0.0f) & 0xffffu);
+        } else {
+            if (col < width) C[row * width + col] = (bf16_t)(gg_pack(d0[x], 0.0f) & 0xffffu);
+            if (col + 64 < width) C[row * width + col + 64] = (bf16_t)(gg_pack(d1[x], 0.0f) & 0xffffu);
+        }
+    }
+}
+
 // The consumer warpgroups of g8_kernel: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of
-// each tile, and hands each stage back to the producer. With SETS 2 two sets of partial sums
-// take turns: a block's products run on the tensor cores while the block before is scaled
-// into the accumulators (the loop goes two blocks a turn, so each set keeps its registers);
-// with SETS 1 each block's products are waited for, then scaled in. With QUANT (an activation
-// quantized in the epilogue, into Q and S) a tile is two sub-tiles of 64 output columns, one
-// after the other: the first's activation waits in registers, as bf16 pairs, for the second's.
+// each tile, and hands each stage back to the producer; in 128-row tiles without QUANT, a tile
+// of at most 32 rows goes as two decode tiles, rows 16·wg .. 16·wg + 15. With SETS 2 two sets
+// of partial sums take turns: a block's products run on the tensor cores while the block
+// before is scaled into the accumulators (the loop goes two blocks a turn, so each set keeps
+// its registers); with SETS 1 each block's products are waited for, then scaled in. With QUANT
+// (an activation quantized in the epilogue, into Q and S) a tile is two sub-tiles of 64 output
+// columns, one after the other: the first's activation waits in registers, as bf16 pairs, for
+// the second's.
 template <int WGS, int STAGES, int SETS, bool QUANT, bool STAGED>
 __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
                                            int N, int K, int width, bool act, int col_blocks, int tile_cols,
@@ -160,12 +249,14 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
     const int kblocks = (K + G8_BK - 1) / G8_BK;
     const int n_blocks = (N + 127) / 128;  // weight scale blocks down an expert
     constexpr int subs = QUANT ? 2 : 1;
+    constexpr bool DECODE_TAILS = WGS == 2 && !QUANT;
     // The warpgroup's index from lane 0, so that the compiler knows it is one value a warp and
     // keeps the descriptors below in uniform registers.
     const int wg = __shfl_sync(0xffffffffu, threadIdx.x / 128, 0) - 1;
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-    // Descriptor low words of stage 0's A rows (this warpgroup's 64) and weight rows.
-    const unsigned a_desc = gg_desc_lo(ring + wg * 64 * 128), b_desc = gg_desc_lo(ring + STAGES * A_BYTES);
+    // Descriptor low words of stage 0's rows (this warpgroup's 64 at a_desc) and weight rows.
+    const unsigned rows_desc = gg_desc_lo(ring), b_desc = gg_desc_lo(ring + STAGES * A_BYTES);
+    const unsigned a_desc = rows_desc + wg * (64 * G8_BK / 16);
     float d[64], p0[64], p1[64];
     unsigned held[16];
     int stage = 0;
@@ -182,14 +273,31 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
         const int tile = sh.stage_tile[stage];
         if (tile < 0) return;
         gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
-        // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
-        if (t.row0 + wg * 64 >= t.rows_end) {
+        // A tile of at most 32 rows (an expert's last) runs as two decode tiles, warpgroup wg
+        // taking rows 16·wg .. 16·wg + 15: a quarter or half of one warpgroup's 64-row
+        // products, and the same sums.
+        const bool tail = DECODE_TAILS && t.rows_end - t.row0 <= 32;
+        // A warpgroup whose rows all lie past the expert's end only hands the stages back.
+        if (t.row0 + wg * (tail ? 16 : 64) >= t.rows_end) {
             for (int kb = 0; kb < subs * kblocks; kb++) {
                 if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
                 gg_bar_arrive(&sh.empty[stage]);
                 next();
             }
             continue;
+        }
+        if constexpr (DECODE_TAILS) {
+            if (tail) {
+                gg_tile half = t;
+                half.row0 += 16 * wg;
+                const float* w_at = w_scales + (long)t.expert * n_blocks * kblocks;
+                const int wn1 = t.col0 + (act ? width : G8_BN / 2);
+                g8_decode_tile<STAGES, A_BYTES, false>(
+                    sh, half, stage, phase, rows_desc + wg * (16 * G8_BK / 16), b_desc, C, N, kblocks, width, act,
+                    act_kind, alpha, limit, b13, a_scales, w_slots, w_at + (long)(t.col0 / 128) * kblocks,
+                    w_at + (long)min(wn1 / 128, n_blocks - 1) * kblocks, gather, slot_of_row, gather_k);
+                continue;
+            }
         }
         // This thread's two rows' scales (rows past the expert's end read its last row's;
         // their sums are dropped).
@@ -299,28 +407,20 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
     }
 }
 
-// The consumer warpgroup of the decode tiles (g8_kernel with DECODE): a tile holds up to 16
-// rows of an expert and 128 weight rows, and its products run with the operands swapped, each
-// 64-row weight box as wgmma's rows and the tile's rows as its 16 columns (m64n16k32), so that
-// a thread holds 8 partial sums and 8 accumulators a box where the 64-row tiles hold 64 of
-// each: at a few rows an expert those tiles' products and their scaling in held the stages
-// back from the producer (docs/tuning.md). Each output is the same sum of the same products
-// in the same order as in the other tiles. Fragment: register x of a box is weight row
-// 16·warp + lane/4 + 8·((x >> 1) & 1) of the box and tile row 8·(x >> 2) + 2·(lane % 4) +
-// (x & 1). A tile's weight boxes are its next 64 weight rows each, or with an activation its
-// gate rows and their up rows.
+// The consumer warpgroup of the decode tiles (g8_kernel with DECODE): tiles of up to 16 rows
+// (g8_decode_tile), their weight scales staged with the ring. At a few rows an expert the
+// 64-row tiles' products and their scaling in held the stages back from the producer
+// (docs/tuning.md).
 template <int STAGES>
 __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
                                                   int N, int K, int width, bool act, int col_blocks, int tile_cols,
                                                   int act_kind, float alpha, float limit, const float* b13,
                                                   const float* a_scales, const float2* w_slots, bool gather,
                                                   const int* slot_of_row, int gather_k) {
-    constexpr int BM = 16, A_BYTES = BM * G8_BK, B_BYTES = G8_BN * G8_BK;
+    constexpr int BM = 16, A_BYTES = BM * G8_BK;
     const int kblocks = (K + G8_BK - 1) / G8_BK;
-    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, q = lane % 4;
     // Descriptor low words of stage 0's tile rows and first weight box.
     const unsigned rows_desc = gg_desc_lo(ring), w_desc = gg_desc_lo(ring + STAGES * A_BYTES);
-    float d0[8], d1[8], p0[8], p1[8];
     int stage = 0;
     unsigned phase = 0;
     for (;;) {
@@ -328,69 +428,9 @@ __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned 
         const int tile = sh.stage_tile[stage];
         if (tile < 0) return;
         gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
-        // The scales of this thread's four tile rows, 2q, 2q + 1, 2q + 8 and 2q + 9 (rows
-        // past the expert's end read its last row's; their sums are dropped).
-        const float* sa[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) {
-            const int r = min(t.row0 + 8 * (i >> 1) + 2 * q + (i & 1), t.rows_end - 1);
-            sa[i] = a_scales + (slot_of_row ? (long)(slot_of_row[r] / gather_k) : (long)r) * kblocks;
-        }
-        float s[4], ahead[4];
-#pragma unroll
-        for (int i = 0; i < 4; i++) s[i] = sa[i][0];
-#pragma unroll
-        for (int x = 0; x < 8; x++) d0[x] = d1[x] = 0.0f;
-        for (int kb = 0; kb < kblocks; kb++) {
-            if (kb > 0) gg_bar_wait(&sh.full[stage], phase);
-            const int st = __shfl_sync(0xffffffffu, stage, 0);  // one value a warp
-            const unsigned rd = rows_desc + st * (A_BYTES / 16), wd = w_desc + st * (B_BYTES / 16);
-            if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            gg_fence();
-#pragma unroll
-            for (int kk = 0; kk < G8_BK / 32; kk++) {
-                g8_mma16(p0, wd + 2 * kk, rd + 2 * kk, kk > 0);
-                g8_mma16(p1, wd + (B_BYTES / 2) / 16 + 2 * kk, rd + 2 * kk, kk > 0);
-            }
-            gg_commit();
-            const float2 w = w_slots[stage];
-            const int kn = min(kb + 1, kblocks - 1);
-#pragma unroll
-            for (int i = 0; i < 4; i++) ahead[i] = sa[i][kn];
-            gg_wait<0>();
-            gg_pin<8>(p0);
-            gg_pin<8>(p1);
-            gg_bar_arrive(&sh.empty[stage]);
-#pragma unroll
-            for (int x = 0; x < 8; x++) {
-                const float f = s[2 * (x >> 2) + (x & 1)];
-                d0[x] += p0[x] * (f * w.x);
-                d1[x] += p1[x] * (f * w.y);
-            }
-#pragma unroll
-            for (int i = 0; i < 4; i++) s[i] = ahead[i];
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
-        }
-        const float* bias = b13 ? b13 + (long)t.expert * N : 0;
-#pragma unroll
-        for (int x = 0; x < 8; x++) {
-            const long row = t.row0 + 8 * (x >> 2) + 2 * q + (x & 1);
-            const int col = t.col0 + 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
-            if (row >= t.rows_end) continue;
-            if (act) {
-                float g = d0[x], u = d1[x];
-                if (bias) {
-                    const int c = min(col, width - 1);
-                    g += bias[c];
-                    u += bias[width + c];
-                }
-                const float v = act_mul(g, u, act_kind, alpha, limit);
-                if (col < width) C[row * width + col] = (bf16_t)(gg_pack(v, 0.0f) & 0xffffu);
-            } else {
-                if (col < width) C[row * width + col] = (bf16_t)(gg_pack(d0[x], 0.0f) & 0xffffu);
-                if (col + 64 < width) C[row * width + col + 64] = (bf16_t)(gg_pack(d1[x], 0.0f) & 0xffffu);
-            }
-        }
+        g8_decode_tile<STAGES, A_BYTES, true>(sh, t, stage, phase, rows_desc, w_desc, C, N, kblocks, width, act,
+                                              act_kind, alpha, limit, b13, a_scales, w_slots, nullptr, nullptr,
+                                              gather, slot_of_row, gather_k);
     }
 }
 
