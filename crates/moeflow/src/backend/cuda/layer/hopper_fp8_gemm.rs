@@ -128,12 +128,11 @@ struct TileChoice {
 impl TileChoice {
     /// The entry point for `rows` rows over `experts` experts: decode tiles up to
     /// [`DECODE_TO_ROWS`] rows an expert on average (or [`DECODE_TO_ROWS_IN_ALL`] rows in all),
-    /// 64-row tiles up to [`SHORT_TO_ROWS`], else
-    /// 128-row tiles (or as the options ask: 16, 64 or 128 rows); 64-row tiles run two blocks
-    /// an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an expert (or as the options ask), unless the
-    /// GEMM leaves SMs free; an activation quantized in the epilogue (`fp8_out`) takes the
-    /// 64- or 128-row entry points that do that. Tiles whose shared memory would not fit take
-    /// taller ones ([`fitting`]).
+    /// 64-row tiles up to [`SHORT_TO_ROWS`], else 128-row tiles (or as the options ask: 16, 64
+    /// or 128 rows); 64-row tiles run two blocks an SM above [`TWO_BLOCKS_ABOVE_ROWS`] rows an
+    /// expert (or as the options ask), unless the GEMM leaves SMs free; an activation quantized
+    /// in the epilogue (`fp8_out`) takes the 64- or 128-row entry points that do that. Tiles
+    /// whose shared memory would not fit take taller ones ([`fitting`]).
     fn variant(&self, rows: usize, experts: usize, fp8_out: bool) -> Variant {
         let decode = !fp8_out
             && match self.rows_asked {
