@@ -268,6 +268,12 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
         const int s = __shfl_sync(0xffffffffu, stage, 0);  // one value a warp, as for wg
         g8_issue(into, a_desc + s * (A_BYTES / 16), b_desc + s * (B_BYTES / 16), gather);
     };
+    // The block scales (a float a block) of tile t's weight box `box` (0: the weight rows from
+    // output column col0; 1: the next 64 rows, or with an activation their up rows).
+    auto weight_scales = [&](const gg_tile& t, int col0, int box) {
+        const int wn = col0 + box * (act ? width : G8_BN / 2);
+        return w_scales + ((long)t.expert * n_blocks + min(wn / 128, n_blocks - 1)) * kblocks;
+    };
     for (;;) {
         gg_bar_wait(&sh.full[stage], phase);
         const int tile = sh.stage_tile[stage];
@@ -290,12 +296,10 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
             if (tail) {
                 gg_tile half = t;
                 half.row0 += 16 * wg;
-                const float* w_at = w_scales + (long)t.expert * n_blocks * kblocks;
-                const int wn1 = t.col0 + (act ? width : G8_BN / 2);
                 g8_decode_tile<STAGES, A_BYTES, false>(
                     sh, half, stage, phase, rows_desc + wg * (16 * G8_BK / 16), b_desc, C, N, kblocks, width, act,
-                    act_kind, alpha, limit, b13, a_scales, w_slots, w_at + (long)(t.col0 / 128) * kblocks,
-                    w_at + (long)min(wn1 / 128, n_blocks - 1) * kblocks, gather, slot_of_row, gather_k);
+                    act_kind, alpha, limit, b13, a_scales, w_slots, weight_scales(t, t.col0, 0),
+                    weight_scales(t, t.col0, 1), gather, slot_of_row, gather_k);
                 continue;
             }
         }
@@ -311,10 +315,7 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
         for (int sub = 0; sub < subs; sub++) {
             if (sub > 0) gg_bar_wait(&sh.full[stage], phase);
             const int col0 = t.col0 + 64 * sub;
-            // The two weight scale blocks of the sub-tile's halves.
-            const int wn0 = col0, wn1 = col0 + (act ? width : G8_BN / 2);
-            const float* scale_w0 = w_scales + ((long)t.expert * n_blocks + wn0 / 128) * kblocks;
-            const float* scale_w1 = w_scales + ((long)t.expert * n_blocks + min(wn1 / 128, n_blocks - 1)) * kblocks;
+            const float *scale_w0 = weight_scales(t, col0, 0), *scale_w1 = weight_scales(t, col0, 1);
             // Block kb's scales from global memory, a block ahead of their use; STAGED, the
             // weights' come with the stage instead (w_slots, read as its products are issued).
             auto scales = [&](int kb) {

@@ -431,7 +431,7 @@ mod tests {
     }
 
     /// The fp8 grouped GEMM, in 128- and 64-row tiles (one and two blocks an SM) and decode
-    /// tiles (with the 64-row tiles' bits), against an f64 product of the values the codes and
+    /// tiles (all with the 64-row tiles' bits), against an f64 product of the values the codes and
     /// scales stand for, with poisoned outputs: experts with 0, 1, a partial tile, exactly one
     /// tile and several tiles of rows (tails that the 128-row tiles run as decode tiles among
     /// them), grouped and padded layouts, widths that are not tile multiples and depths that
@@ -545,13 +545,19 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            if std::ptr::eq(gemm, &gemm64x2) || std::ptr::eq(gemm, &gemm16) {
-                // Two blocks an SM run each tile as one block does, and the decode tiles sum the
-                // same products in the same order: the same bits.
+            if [&gemm128, &gemm64x2, &gemm16].iter().any(|g| std::ptr::eq(gemm, *g)) {
+                // Each 64 rows of a 128-row tile take the products and the scaling of a 64-row
+                // tile, two blocks an SM run each tile as one block does, and the decode tiles
+                // (alone, or a 128-row tile's tail) sum the same products in the same order:
+                // the same bits.
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
                 let out = GemmOut::Bf16(dptr(&cd, &gpu));
                 gemm64.run(s, wop, [n, k], aop, out, [rows, rows], ptrs, e, epilogue, gather).unwrap();
-                let which = if std::ptr::eq(gemm, &gemm16) { "decode tiles" } else { "two blocks an SM" };
+                let which = match gemm {
+                    g if std::ptr::eq(g, &gemm16) => "decode tiles",
+                    g if std::ptr::eq(g, &gemm128) => "128-row tiles",
+                    _ => "two blocks an SM",
+                };
                 assert!(s.clone_dtoh(&cd).unwrap() == got, "n {n} k {k} act {act:?}: {which} against 64-row tiles");
             }
             let v = gemm.choice.variant(rows, e, false);
