@@ -237,10 +237,9 @@ __device__ __forceinline__ void g8_decode_tile(const gg_shared& sh, const gg_til
 // columns, one after the other: the first's activation waits in registers, as bf16 pairs, for
 // the second's.
 template <int WGS, int STAGES, int SETS, bool QUANT, bool STAGED>
-__device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
-                                           int N, int K, int width, bool act, int col_blocks, int tile_cols,
-                                           int act_kind, float alpha, float limit, const float* b13,
-                                           const float* a_scales, const float* w_scales, const float2* w_slots,
+__device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int N, int K,
+                                           int width, bool act, int act_kind, float alpha, float limit,
+                                           const float* b13, const float* a_scales, const float* w_scales, const float2* w_slots,
                                            bool gather, const int* slot_of_row, int gather_k, unsigned char* Q,
                                            float* S) {
     constexpr int BM = 64 * WGS;             // rows of a tile
@@ -276,9 +275,8 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
     };
     for (;;) {
         gg_bar_wait(&sh.full[stage], phase);
-        const int tile = sh.stage_tile[stage];
-        if (tile < 0) return;
-        gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        const gg_tile t = sh.stage_tile[stage];
+        if (t.expert < 0) return;
         // A tile of at most 32 rows (an expert's last) runs as two decode tiles, warpgroup wg
         // taking rows 16·wg .. 16·wg + 15: a quarter or half of one warpgroup's 64-row
         // products, and the same sums.
@@ -413,11 +411,10 @@ __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* r
 // 64-row tiles' products and their scaling in held the stages back from the producer
 // (docs/tuning.md).
 template <int STAGES>
-__device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned char* ring, bf16_t* C, int experts,
-                                                  int N, int K, int width, bool act, int col_blocks, int tile_cols,
-                                                  int act_kind, float alpha, float limit, const float* b13,
-                                                  const float* a_scales, const float2* w_slots, bool gather,
-                                                  const int* slot_of_row, int gather_k) {
+__device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned char* ring, bf16_t* C, int N,
+                                                  int K, int width, bool act, int act_kind, float alpha, float limit,
+                                                  const float* b13, const float* a_scales, const float2* w_slots,
+                                                  bool gather, const int* slot_of_row, int gather_k) {
     constexpr int BM = 16, A_BYTES = BM * G8_BK;
     const int kblocks = (K + G8_BK - 1) / G8_BK;
     // Descriptor low words of stage 0's tile rows and first weight box.
@@ -426,9 +423,8 @@ __device__ __forceinline__ void g8_consume_decode(const gg_shared& sh, unsigned 
     unsigned phase = 0;
     for (;;) {
         gg_bar_wait(&sh.full[stage], phase);
-        const int tile = sh.stage_tile[stage];
-        if (tile < 0) return;
-        gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        const gg_tile t = sh.stage_tile[stage];
+        if (t.expert < 0) return;
         g8_decode_tile<STAGES, A_BYTES, true>(sh, t, stage, phase, rows_desc, w_desc, C, N, kblocks, width, act,
                                               act_kind, alpha, limit, b13, a_scales, w_slots, nullptr, nullptr,
                                               gather, slot_of_row, gather_k);
@@ -484,14 +480,13 @@ __device__ __forceinline__ void g8_kernel(const gg_tensor_map& a_map, const gg_t
                                                                     gather_x, (long)K, slot_of_row, gather_k,
                                                                     QUANT ? 2 : 1, w_scales, w_slots);
     } else if constexpr (DECODE) {
-        g8_consume_decode<STAGES>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols, act_kind, alpha, limit,
-                                  b13, a_scales, w_slots, gather, slot_of_row, gather_k);
+        g8_consume_decode<STAGES>(sh, ring, C, N, K, width, act, act_kind, alpha, limit, b13, a_scales, w_slots,
+                                  gather, slot_of_row, gather_k);
     } else {
         if constexpr (SHIFT_REGISTERS)
             asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
-        g8_consume<WGS, STAGES, SETS, QUANT, STAGED>(sh, ring, C, experts, N, K, width, act, col_blocks, tile_cols,
-                                                     act_kind, alpha, limit, b13, a_scales, w_scales, w_slots, gather,
-                                                     slot_of_row, gather_k, Q, S);
+        g8_consume<WGS, STAGES, SETS, QUANT, STAGED>(sh, ring, C, N, K, width, act, act_kind, alpha, limit, b13,
+                                                     a_scales, w_scales, w_slots, gather, slot_of_row, gather_k, Q, S);
     }
 }
 #endif

@@ -266,11 +266,13 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 // A block's bookkeeping in shared memory, past its ring: each stage's full and empty barriers
-// and the tile it belongs to (-1: no more), every expert's first tile (experts + 1), a copy of
-// the counts and row offsets, and the tile a gathering producer warpgroup works on.
+// and the tile it belongs to, located (expert -1: no more), every expert's first tile
+// (experts + 1), a copy of the counts and row offsets, and the tile a gathering producer
+// warpgroup works on.
 struct gg_shared {
     u64 *full, *empty;
-    int *stage_tile, *first_tile, *rows_of, *start_of, *claimed;
+    gg_tile* stage_tile;
+    int *first_tile, *rows_of, *start_of, *claimed;
 };
 
 // Lays out `sh` from `at`, initialises the barriers (a full stage: the producer thread's
@@ -283,8 +285,8 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
                                         const int* offsets, int experts, int col_blocks, bool scale_copies = false) {
     sh.full = (u64*)at;
     sh.empty = sh.full + STAGES;
-    sh.stage_tile = (int*)(sh.empty + STAGES);
-    sh.first_tile = sh.stage_tile + STAGES;
+    sh.stage_tile = (gg_tile*)(sh.empty + STAGES);
+    sh.first_tile = (int*)(sh.stage_tile + STAGES);
     sh.rows_of = sh.first_tile + experts + 1;
     sh.start_of = sh.rows_of + experts;
     sh.claimed = sh.start_of + experts;
@@ -317,20 +319,20 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
     return sh.first_tile[experts];
 }
 
-// The producer warpgroup (threads 0 .. 127) of a kernel whose stages are 128 bytes deep
-// (DEPTH elements of type T): one thread claims tiles in order from the shared counter
-// (blocks that claim neighbouring tiles start them together, so they share weights and rows
-// in L2) and keeps the ring full; the stage that starts a tile carries its index, -1 once
-// there are none left. A tile is claimed only when its first stage is free: claiming one tile
-// ahead (to hide the atomic) left whole tiles waiting behind busy blocks at the end
-// (docs/tuning.md). A stage holds BM rows of A (by TMA, or gathered: every thread of the
-// warpgroup copies its share with cp.async) and BN weight rows in two boxes of BN / 2: the
-// next BN / 2 rows, or with an activation the up rows `width` further down. A tile of `subs`
-// sub-tiles (an activation quantized in the epilogue takes two) streams its depth once for
-// each, sub-tile s starting BN / 2 weight rows further. With W_SCALES (fp8 weights with one
-// scale per 128 × 128 block, w_scales [experts, ceil(N / 128), ceil(K / 128)]) a stage also
-// brings the scales of its two boxes' blocks into w_slots[stage] (thread 0, by cp.async, so
-// that the consumers never wait on a global load for them; gg_setup's `scale_copies`).
+// The producer warpgroup (threads 0 .. 127) of a kernel whose stages are 128 bytes deep (DEPTH
+// elements of type T): one thread claims tiles in order from the shared counter (blocks that claim
+// neighbouring tiles start them together, so they share weights and rows in L2) and keeps the ring
+// full; each stage carries its tile, located (gg_locate), so that the consumers need not search
+// for it (docs/tuning.md), and expert -1 once there are none left. A tile is claimed only when its
+// first stage is free: claiming one tile ahead (to hide the atomic) left whole tiles waiting
+// behind busy blocks at the end (docs/tuning.md). A stage holds BM rows of A (by TMA, or gathered:
+// every thread of the warpgroup copies its share with cp.async) and BN weight rows in two boxes of
+// BN / 2: the next BN / 2 rows, or with an activation the up rows `width` further down. A tile of
+// `subs` sub-tiles (an activation quantized in the epilogue takes two) streams its depth once for
+// each, sub-tile s starting BN / 2 weight rows further. With W_SCALES (fp8 weights with one scale
+// per 128 × 128 block, w_scales [experts, ceil(N / 128), ceil(K / 128)]) a stage also brings the
+// scales of its two boxes' blocks into w_slots[stage] (thread 0, by cp.async, so that the
+// consumers never wait on a global load for them; gg_setup's `scale_copies`).
 template <typename T, int DEPTH, int BM, int BN, int STAGES, bool W_SCALES = false>
 __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* ring, const gg_tensor_map& a_map,
                                            const gg_tensor_map& w_map, int tiles, int experts, int N, int K,
@@ -366,7 +368,7 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
                 }
             }
             gg_bar_wait(&sh.empty[stage], phase ^ 1);
-            if (me == 0) sh.stage_tile[stage] = -1;
+            if (me == 0) sh.stage_tile[stage].expert = -1;
             // Gathering, every thread arrives (1 + 128 with thread 0's); with scale copies
             // thread 0 twice.
             gg_bar_arrive(&sh.full[stage]);
@@ -399,7 +401,7 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
                 gg_bar_wait(&sh.empty[stage], phase ^ 1);
                 unsigned char* a = ring + stage * A_BYTES;
                 if (me == 0) {
-                    sh.stage_tile[stage] = tile;
+                    sh.stage_tile[stage] = t;
                     gg_bar_expect(&sh.full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
                     if (!gather) gg_tma_load(a, &a_map, &sh.full[stage], kb * DEPTH, t.row0);
                     unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
@@ -454,8 +456,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
     gg_shared sh;
     const int tiles = gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
     u64 *full = sh.full, *empty = sh.empty;
-    const int *stage_tile = sh.stage_tile, *first_tile = sh.first_tile, *rows_of = sh.rows_of,
-              *start_of = sh.start_of;
+    const gg_tile* stage_tile = sh.stage_tile;
     if (threadIdx.x < 128) {
         gg_produce<bf16_t, GG_BK, BM, BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act, col_blocks,
                                                   tile_cols, next_tile, gather_x, gather_stride, slot_of_row,
@@ -472,9 +473,8 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
     unsigned phase = 0;
     for (;;) {
         gg_bar_wait(&full[stage], phase);
-        const int tile = stage_tile[stage];
-        if (tile < 0) return;
-        gg_tile t = gg_locate<BM>(tile, first_tile, experts, rows_of, start_of, col_blocks, tile_cols);
+        const gg_tile t = stage_tile[stage];
+        if (t.expert < 0) return;
         // A warpgroup whose 64 rows all lie past the expert's end only hands the stages back.
         if (t.row0 + wg * 64 >= t.rows_end) {
             for (int kb = 0; kb < kblocks; kb++) {

@@ -66,15 +66,15 @@ const DECODE_TO_ROWS_IN_ALL: usize = 32;
 const TWO_BLOCKS_ABOVE_ROWS: usize = 4;
 
 /// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
-/// tiles 128 codes deep, 1 KiB to align it, two weight scales, two mbarriers and a tag a stage,
-/// `experts + 1` tile offsets, a copy of the counts and row offsets, and the tile a gathering
-/// producer works on.
+/// tiles 128 codes deep, 1 KiB to align it, two weight scales, two mbarriers and a located
+/// tile a stage, `experts + 1` tile offsets, a copy of the counts and row offsets, and the tile
+/// a gathering producer works on.
 fn smem_bytes(v: Variant, experts: usize) -> u32 {
-    v.stages * ((v.rows + TILE_COLS) * 128 + 8 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+    v.stages * ((v.rows + TILE_COLS) * 128 + 8 + 16 + 16) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
 /// `v`, or where its shared memory for `experts` experts exceeds an SM's (the deep rings of the
-/// decode and 64-row tiles, beyond about 820 and 830 experts), the next taller tiles of the
+/// decode and 64-row tiles, beyond about 810 and 820 experts), the next taller tiles of the
 /// same output that fit.
 fn fitting(v: Variant, experts: usize) -> Variant {
     match v {
@@ -328,9 +328,9 @@ mod tests {
         assert_eq!(free.variant(32, 4, false), TILES_16_DECODE, "32 rows of 4 experts");
         assert_eq!(picks(TileChoice { rows_asked: Some(16), ..free }, 512, false), TILES_16_DECODE);
         assert_eq!(picks(TileChoice { rows_asked: Some(16), ..free }, 1, true), TILES_64_ACT_FP8);
-        // From 825 experts the decode ring no longer fits beside their counts; to 830 the
+        // From 813 experts the decode ring no longer fits beside their counts; to 822 the
         // 64-row one does.
-        assert_eq!(free.variant(64, 826, false), TILES_64, "decode rings past the SM's memory");
+        assert_eq!(free.variant(64, 815, false), TILES_64, "decode rings past the SM's memory");
         assert_eq!(picks(free, 33, false), TILES_128);
         assert_eq!(picks(free, 512, false), TILES_128);
         assert_eq!(picks(free, 16, true), TILES_64_ACT_FP8);

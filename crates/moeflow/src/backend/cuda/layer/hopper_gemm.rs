@@ -85,11 +85,11 @@ pub(super) struct Gather {
 }
 
 /// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
-/// tiles 64 deep (bf16), 1 KiB to align it, two mbarriers and a tag a stage, `experts + 1`
-/// tile offsets, a copy of the counts and row offsets, and the tile a gathering producer
-/// works on.
+/// tiles 64 deep (bf16), 1 KiB to align it, two mbarriers and a located tile a stage,
+/// `experts + 1` tile offsets, a copy of the counts and row offsets, and the tile a gathering
+/// producer works on.
 fn smem_bytes(v: Variant, experts: usize) -> u32 {
-    v.stages * ((v.rows + v.cols) * 64 * 2 + 16 + 4) + 1024 + 4 * (3 * experts as u32 + 2)
+    v.stages * ((v.rows + v.cols) * 64 * 2 + 16 + 16) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
 /// A TMA descriptor, which the kernel takes by value.
