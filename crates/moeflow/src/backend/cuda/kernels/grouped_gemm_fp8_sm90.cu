@@ -239,9 +239,9 @@ __device__ __forceinline__ void g8_decode_tile(const gg_shared& sh, const gg_til
 template <int WGS, int STAGES, int SETS, bool QUANT, bool STAGED>
 __device__ __forceinline__ void g8_consume(const gg_shared& sh, unsigned char* ring, bf16_t* C, int N, int K,
                                            int width, bool act, int act_kind, float alpha, float limit,
-                                           const float* b13, const float* a_scales, const float* w_scales, const float2* w_slots,
-                                           bool gather, const int* slot_of_row, int gather_k, unsigned char* Q,
-                                           float* S) {
+                                           const float* b13, const float* a_scales, const float* w_scales,
+                                           const float2* w_slots, bool gather, const int* slot_of_row, int gather_k,
+                                           unsigned char* Q, float* S) {
     constexpr int BM = 64 * WGS;             // rows of a tile
     constexpr int A_BYTES = BM * G8_BK;      // 8 KiB a warpgroup
     constexpr int B_BYTES = G8_BN * G8_BK;   // 16 KiB
