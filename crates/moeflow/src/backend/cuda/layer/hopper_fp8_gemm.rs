@@ -545,19 +545,14 @@ mod tests {
                 first.get_or_insert_with(|| s.clone_dtoh(&cd).unwrap());
             }
             let got = s.clone_dtoh(&cd).unwrap();
-            if [&gemm128, &gemm64x2, &gemm16].iter().any(|g| std::ptr::eq(gemm, *g)) {
-                // Each 64 rows of a 128-row tile take the products and the scaling of a 64-row
-                // tile, two blocks an SM run each tile as one block does, and the decode tiles
-                // (alone, or a 128-row tile's tail) sum the same products in the same order:
-                // the same bits.
+            // Each 64 rows of a 128-row tile take the products and the scaling of a 64-row tile,
+            // two blocks an SM run each tile as one block does, and the decode tiles (alone, or a
+            // 128-row tile's tail) sum the same products in the same order: the same bits.
+            let same_bits = [(&gemm128, "128-row tiles"), (&gemm64x2, "two blocks an SM"), (&gemm16, "decode tiles")];
+            if let Some((_, which)) = same_bits.iter().find(|(g, _)| std::ptr::eq(gemm, *g)) {
                 s.memcpy_htod(&vec![poison; rows * width], &mut cd).unwrap();
                 let out = GemmOut::Bf16(dptr(&cd, &gpu));
                 gemm64.run(s, wop, [n, k], aop, out, [rows, rows], ptrs, e, epilogue, gather).unwrap();
-                let which = match gemm {
-                    g if std::ptr::eq(g, &gemm16) => "decode tiles",
-                    g if std::ptr::eq(g, &gemm128) => "128-row tiles",
-                    _ => "two blocks an SM",
-                };
                 assert!(s.clone_dtoh(&cd).unwrap() == got, "n {n} k {k} act {act:?}: {which} against 64-row tiles");
             }
             let v = gemm.choice.variant(rows, e, false);
