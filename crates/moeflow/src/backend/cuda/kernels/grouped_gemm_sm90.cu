@@ -194,42 +194,30 @@ __device__ __forceinline__ void gg_act_kind(float* d, int act_kind, const float*
 // Stores the first `cols` columns of a warpgroup's 64-row fragment d as bf16 rows of C
 // [·, width], from row `row0` and column `col0`, rows up to `rows_end` and columns up to
 // `width`. Fragment layout: d[4j + {0,1}] is row 16·warp + lane/4, columns 8j + 2·(lane%4) +
-// {0,1}; d[4j + {2,3}] the row 8 below. Stores move sixteen bytes a lane: the four lanes of a
-// quad hold the eight columns of each 8-column chunk of their row between them, and a 4 × 4
-// transpose across the quad (two exchanges) gives lane q chunk 4i + q whole (faster than
-// 4-byte stores; docs/tuning.md).
+// {0,1}; d[4j + {2,3}] the row 8 below. Stores move eight bytes a lane: lanes q and q ^ 1 of
+// a quad trade one pair of each two 8-column chunks, so that the even lane holds four
+// columns of the first chunk and the odd lane the same four of the second, and each store
+// fills whole 32-byte sectors (one exchange a store where sixteen bytes a lane took two and a
+// dozen selects; docs/tuning.md).
 template <int COLS>
 __device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, int rows_end, int col0, int width) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const long r = row0 + warp * 16 + lane / 4;
     const int q = lane % 4;
-    const bool hi = q & 2, odd = q & 1;
+    const bool odd = q & 1;
+    const int col = col0 + 8 * odd + 4 * (q >> 1);  // this lane's first column, chunk pair 0
+    bf16_t* at = C + r * width + col;
+    const bool row_in[2] = {r < rows_end, r + 8 < rows_end};
 #pragma unroll
-    for (int i = 0; i < COLS / 32; i++) {
+    for (int i = 0; i < COLS / 16; i++) {
 #pragma unroll
         for (int h = 0; h < 2; h++) {
-            unsigned p[4];
-#pragma unroll
-            for (int x = 0; x < 4; x++) p[x] = gg_pack(d[4 * (4 * i + x) + 2 * h], d[4 * (4 * i + x) + 2 * h + 1]);
-            // p[x] is this lane's pair of chunk 4i + x; keep the half of the chunks whose
-            // index has q's bit 1 and trade the other half with lane q ^ 2, then the same
-            // on bit 0 with lane q ^ 1.
-            const unsigned k0 = hi ? p[2] : p[0], k1 = hi ? p[3] : p[1];
-            const unsigned r0 = __shfl_xor_sync(0xffffffffu, hi ? p[0] : p[2], 2);
-            const unsigned r1 = __shfl_xor_sync(0xffffffffu, hi ? p[1] : p[3], 2);
-            const unsigned m0 = odd ? k1 : k0, m1 = odd ? r1 : r0;
-            const unsigned n0 = __shfl_xor_sync(0xffffffffu, odd ? k0 : k1, 1);
-            const unsigned n1 = __shfl_xor_sync(0xffffffffu, odd ? r0 : r1, 1);
-            // Now m0, n0, m1, n1 are the pairs of lanes q, q ^ 1, q ^ 2, q ^ 3 in chunk 4i + q.
-            unsigned o[4];
-#pragma unroll
-            for (int x = 0; x < 4; x++) {
-                const int y = x ^ q;
-                o[x] = y == 0 ? m0 : y == 1 ? n0 : y == 2 ? m1 : n1;
-            }
-            const long row = r + 8 * h;
-            const int col = col0 + 32 * i + 8 * q;
-            if (row < rows_end && col < width) *(uint4*)(C + row * width + col) = make_uint4(o[0], o[1], o[2], o[3]);
+            // This lane's pairs of chunks 2i (a) and 2i + 1 (b), row r + 8h.
+            const unsigned a = gg_pack(d[4 * (2 * i) + 2 * h], d[4 * (2 * i) + 2 * h + 1]);
+            const unsigned b = gg_pack(d[4 * (2 * i + 1) + 2 * h], d[4 * (2 * i + 1) + 2 * h + 1]);
+            const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
+            if (row_in[h] && col + 16 * i < width)
+                *(uint2*)(at + (h ? 8L * width : 0L) + 16 * i) = odd ? make_uint2(got, b) : make_uint2(a, got);
         }
     }
 }
