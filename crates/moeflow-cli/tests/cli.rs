@@ -202,6 +202,9 @@ fn demo_check_bench_inspect() {
         (&["demo", "--dtype", "f32", "--bf16-matmul", "dot"][..], "these weights are f32"),
         (&["bench", "--backend", "cuda", "--bf16-matmul", "widen"][..], "GPU layers always multiply in bf16"),
         (&["check", "--dtype", "f32", "--bf16-matmul", "widen"][..], "applies to bf16 weights"),
+        (&["bench", "--against-bf16"][..], "--against-bf16 times an fp8 layer"),
+        (&["bench", "--backend", "cuda", "--against-bf16"][..], "--against-bf16 times an fp8 layer"),
+        (&["bench", "--backend", "cuda", "--dtype", "f8e4m3", "--ep", "2", "--against-bf16"][..], "on one GPU"),
     ] {
         let res = moeflow(args);
         assert!(!res.status.success() && text(&res).contains(needle), "{args:?}: {}", text(&res));

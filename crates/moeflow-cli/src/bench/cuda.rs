@@ -1,8 +1,9 @@
 //! `bench --backend cuda`: the device-resident layer on one GPU or one GPU per rank, timed
 //! with CUDA events, against the GPU's measured GEMM rate and copy bandwidth.
 
+use super::records::add_field;
 use super::torch::{torch_baseline, torch_single_baseline};
-use super::{write_records, BenchArgs, Record};
+use super::{against_bf16, write_records, BenchArgs, Record};
 use crate::common::{median, spinner};
 use moeflow::comm::CommExt;
 use moeflow::parallel::{on_ranks, ParallelConfig, RankHost};
@@ -565,15 +566,50 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     let layer_ms: Vec<f64> = records.iter().map(|r| r.ms).collect();
     print_recording_cost(&args.tokens, &layer_ms, recording_ms(args, &gpu, None)?.as_deref());
+    let against_bf16 = if args.against_bf16 { Some(compare_with_bf16(args, &config, &gpu)?) } else { None };
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || sustained_gemm_rate(0, rows8))?;
+    if let Some(rows) = &against_bf16 {
+        against_bf16::print_steady_floors(rows, &records);
+    }
     if let Some(path) = &args.json {
         write_records(path, &records)?;
+        if let Some(rows) = &against_bf16 {
+            let field =
+                |f: fn(&against_bf16::Comparison) -> f64| rows.iter().map(|(t, c)| (*t, f(c))).collect::<Vec<_>>();
+            add_field(path, "steady_ms", &field(|c| c.fp8_ms))?;
+            add_field(path, "bf16_steady_ms", &field(|c| c.bf16_ms))?;
+            add_field(path, "ratio_to_bf16", &field(|c| c.ratio))?;
+        }
     }
     if args.torch_baseline {
         let ours: Vec<(usize, f64)> = records.iter().map(|r| (r.tokens, r.ms)).collect();
         torch_single_baseline(args, &config, true, &ours)?;
     }
     Ok(())
+}
+
+/// `--against-bf16`: builds the bf16 layer beside `fp8` (same shapes, seed and options, so the
+/// same routing), times the two in alternating rounds at each token count and prints the table.
+fn compare_with_bf16(
+    args: &BenchArgs,
+    config: &moeflow::MoeConfig,
+    fp8: &Timed,
+) -> Result<Vec<(usize, against_bf16::Comparison)>> {
+    let bar = spinner("generating the bf16 layer's weights on the GPU".into());
+    let spec = RankLayerSpec { cuda: crate::cuda_args::cuda_options(&args.parallel)?, ..device_weights(args, config) };
+    let bf16 = Timed(args.parallel.config(1)?.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
+    bar.finish_and_clear();
+    let rounds = args.min_runs.max(against_bf16::FEWEST_ROUNDS);
+    let rows = args
+        .tokens
+        .iter()
+        .map(|&t| {
+            let timed = against_bf16::time_rounds(fp8, &bf16, t, rounds, args.layer.seed)?;
+            Ok((t, against_bf16::Comparison::of(&timed)))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    against_bf16::print(&rows, rounds);
+    Ok(rows)
 }
 
 /// The experts an expert-parallel rank reads the weights of for `t` tokens a DP group: those

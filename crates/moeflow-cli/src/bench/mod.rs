@@ -2,8 +2,10 @@
 //! With `--ep N` the layer runs on N in-process ranks, `--tokens` counting tokens per DP group.
 //! This file holds the arguments and the CPU (and host-staged) runs; [`records`] the JSON
 //! records, [`cuda`] the device-resident GPU layers, [`torch`] the PyTorch baselines run beside
-//! them, [`plot`] the SVG plots drawn from the records.
+//! them, [`plot`] the SVG plots drawn from the records, [`against_bf16`] an fp8 GPU layer timed
+//! against the bf16 one.
 
+mod against_bf16;
 mod calibrate;
 mod calibrate_gpu;
 mod calibrate_strategies;
@@ -68,6 +70,14 @@ pub struct BenchArgs {
     /// per (token, slot), and per (token, rank serving it).
     #[arg(long)]
     torch_baseline: bool,
+    /// With --backend cuda on one GPU and --dtype f8e4m3: after the table, time the fp8 layer
+    /// against the bf16 layer of the same shapes, seed and routing, each at its steady clock
+    /// under the power cap, in alternating rounds (--min-runs rounds, at least 8; a round runs
+    /// a layer for a second, then times 10 runs), and print both medians, the median of the
+    /// rounds' ratios and the fp8 layer's share of the sustained floor (JSON: `steady_ms`,
+    /// `bf16_steady_ms`, `ratio_to_bf16`).
+    #[arg(long)]
+    against_bf16: bool,
     /// Write every rank's tokens per logical expert over its last 64 forward calls (the load
     /// statistics) as JSON to this file, the input of `moeflow eplb --load`.
     #[arg(long)]
@@ -172,6 +182,15 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             ));
         }
         return calibrate::calibrate(&args, path);
+    }
+    if args.against_bf16
+        && !(gpu && args.parallel.ep == 1 && args.layer.dtype == DType::F8E4M3 && args.calibrate.is_none())
+    {
+        return Err(MoeError::Config(
+            "--against-bf16 times an fp8 layer (--dtype f8e4m3) on one GPU (--backend cuda, no --ep, no --calibrate) \
+             against the bf16 one"
+                .into(),
+        ));
     }
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     if args.torch_baseline {
