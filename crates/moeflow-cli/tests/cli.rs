@@ -203,6 +203,7 @@ fn demo_check_bench_inspect() {
         (&["bench", "--backend", "cuda", "--bf16-matmul", "widen"][..], "GPU layers always multiply in bf16"),
         (&["check", "--dtype", "f32", "--bf16-matmul", "widen"][..], "applies to bf16 weights"),
         (&["bench", "--against-bf16"][..], "--against-bf16 times an fp8 layer"),
+        (&["bench", "--against-bf16", "--calibrate", "ceilings.json"][..], "--against-bf16 times an fp8 layer"),
         (&["bench", "--backend", "cuda", "--against-bf16"][..], "--against-bf16 times an fp8 layer"),
         (&["bench", "--backend", "cuda", "--dtype", "f8e4m3", "--ep", "2", "--against-bf16"][..], "on one GPU"),
     ] {

@@ -173,6 +173,15 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
     }
     let gpu = args.backend == Backend::Cuda;
     args.parallel.check_bf16_matmul(args.layer.dtype, gpu)?;
+    if args.against_bf16
+        && !(gpu && args.parallel.ep == 1 && args.layer.dtype == DType::F8E4M3 && args.calibrate.is_none())
+    {
+        return Err(MoeError::Config(
+            "--against-bf16 times an fp8 layer (--dtype f8e4m3) on one GPU (--backend cuda, no --ep, no --calibrate) \
+             against the bf16 one"
+                .into(),
+        ));
+    }
     if let (Some(path), false) = (&args.calibrate, gpu) {
         if args.parallel.ep != 1 {
             return Err(MoeError::Config(
@@ -182,15 +191,6 @@ pub fn run(mut args: BenchArgs) -> Result<()> {
             ));
         }
         return calibrate::calibrate(&args, path);
-    }
-    if args.against_bf16
-        && !(gpu && args.parallel.ep == 1 && args.layer.dtype == DType::F8E4M3 && args.calibrate.is_none())
-    {
-        return Err(MoeError::Config(
-            "--against-bf16 times an fp8 layer (--dtype f8e4m3) on one GPU (--backend cuda, no --ep, no --calibrate) \
-             against the bf16 one"
-                .into(),
-        ));
     }
     let host = RankHost::detect(gpu, crate::common::launch_env()?);
     if args.torch_baseline {
