@@ -8,7 +8,8 @@ extern "C" {
 // one block of SORT_THREADS threads a chunk and SORT_CHUNK / SORT_WARPS slots a warp of it, in
 // two kernels: count_chunks counts each chunk's slots per expert, then scatter_chunks gives each
 // slot its row, an expert's rows in slot order (chunks in order, a chunk's warps in order, a
-// warp's lanes in order). Each reads the ids once.
+// warp's lanes in order). Each reads the ids once. A single chunk goes in one launch of
+// scatter_chunks, which counts it too.
 #define SORT_CHUNK 1024
 #define SORT_THREADS 256
 #define SORT_WARPS (SORT_THREADS / 32)
@@ -26,11 +27,15 @@ __device__ __forceinline__ int sort_load(const int* ids, int slots, int chunk, i
     return base;
 }
 
-// hist[c E + e] = the slots of chunk c naming expert e, and counts[e] += it (counts zeroed by the
-// caller, so that it ends as the slots naming e); ids outside 0 .. E (no expert of these) are
-// not counted. One block per chunk; dynamic shared memory: E ints.
-__global__ void __launch_bounds__(SORT_THREADS) count_chunks(const int* ids, int slots, int E, int* hist, int* counts) {
+// hist[c E + e] = the slots of chunk c naming expert e, and counts[e] = the slots naming e over
+// every chunk; ids outside 0 .. E (no expert of these) are not counted. One block per chunk;
+// the last block to finish (a counter in `ticket`, zero between launches: it sets it back)
+// adds the chunks' counts in chunk order, so no memset of counts comes before. Dynamic shared
+// memory: E ints.
+__global__ void __launch_bounds__(SORT_THREADS)
+    count_chunks(const int* ids, int slots, int E, int* hist, int* counts, int* ticket) {
     extern __shared__ int sort_smem[];
+    __shared__ bool last;
     for (int e = threadIdx.x; e < E; e += blockDim.x) sort_smem[e] = 0;
     __syncthreads();
     int v[SORT_STEPS];
@@ -42,23 +47,37 @@ __global__ void __launch_bounds__(SORT_THREADS) count_chunks(const int* ids, int
         if (v[u] >= 0 && v[u] < E && threadIdx.x % 32 == __ffs(peers) - 1) atomicAdd(&sort_smem[v[u]], __popc(peers));
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-        const int c = sort_smem[e];
-        hist[(long)blockIdx.x * E + e] = c;
-        if (c > 0) atomicAdd(&counts[e], c);
+    if (gridDim.x == 1) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) hist[e] = counts[e] = sort_smem[e];
+        return;
     }
+    for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(long)blockIdx.x * E + e] = sort_smem[e];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int sum = 0;
+#pragma unroll 8
+        for (int c = 0; c < (int)gridDim.x; c++) sum += __ldcg(&hist[(long)c * E + e]);
+        counts[e] = sum;
+    }
+    if (threadIdx.x == 0) *ticket = 0;
 }
 
-// The rows of chunk blockIdx.x's slots (hist and counts from count_chunks over the same ids):
-// expert e's rows start at offsets[e] = the slots naming experts before e (cap = 0), or e · cap
-// (padded: every expert owns cap rows), and offsets[E] = the total, written by block 0; within
-// them, its slots in slot order. row_of_slot[s] = the row, slot_of_row[row] = s and
-// expert_of_row[row] = e; slots of expert `skip` (an expert-parallel rank's "held elsewhere"
-// bucket) get row -1 and no row; slots naming no expert of these are left alone. Dynamic shared
-// memory: (SORT_WARPS + 1) E ints.
+// The rows of chunk blockIdx.x's slots (hist and counts from count_chunks over the same ids;
+// with hist null, one block over at most SORT_CHUNK slots and no count pass: it counts them
+// itself and writes counts): expert e's rows start at offsets[e] = the slots naming experts
+// before e (cap = 0), or e · cap (padded: every expert owns cap rows), and offsets[E] = the
+// total, written by block 0; within them, its slots in slot order. row_of_slot[s] = the row,
+// slot_of_row[row] = s and expert_of_row[row] = e; slots of expert `skip` (an expert-parallel
+// rank's "held elsewhere" bucket) get row -1 and no row; slots naming no expert of these are
+// left alone. Dynamic shared memory: (SORT_WARPS + 1) E ints.
 __global__ void __launch_bounds__(SORT_THREADS)
-    scatter_chunks(const int* ids, int slots, int E, const int* hist, const int* counts, int cap, int skip,
-                   int* offsets, int* row_of_slot, int* slot_of_row, int* expert_of_row) {
+    scatter_chunks(const int* ids, int slots, int E, const int* hist, int* counts, int cap, int skip, int* offsets,
+                   int* row_of_slot, int* slot_of_row, int* expert_of_row) {
     extern __shared__ int sort_smem[];
     __shared__ int warp_sums[SORT_WARPS];
     int* next = sort_smem + E;  // [SORT_WARPS][E]: each warp's next row of each expert
@@ -66,6 +85,25 @@ __global__ void __launch_bounds__(SORT_THREADS)
     int v[SORT_STEPS];
     const int base = sort_load(ids, slots, chunk, v);
     for (int i = threadIdx.x; i < SORT_WARPS * E; i += blockDim.x) next[i] = 0;
+    __syncthreads();
+    // Each warp counts its slots per expert (the lowest lane of those naming one adds).
+    int* mine_next = next + w * E;
+#pragma unroll
+    for (int u = 0; u < SORT_STEPS; u++) {
+        const unsigned peers = __match_any_sync(0xffffffffu, v[u]);
+        if (v[u] >= 0 && v[u] < E && lane == __ffs(peers) - 1) mine_next[v[u]] += __popc(peers);
+        __syncwarp();
+    }
+    __syncthreads();
+    // Without a count pass the warps' counts add up to the experts' counts.
+    if (hist == nullptr) {
+        for (int e = threadIdx.x; e < E; e += blockDim.x) {
+            int c = 0;
+            for (int j = 0; j < SORT_WARPS; j++) c += next[j * E + e];
+            counts[e] = c;
+        }
+        __syncthreads();
+    }
     // Each thread takes `per` experts in a row: their counts' exclusive sum over the block gives
     // the experts' offsets, and hist's earlier chunks where this chunk's rows of each start.
     const int per = (E + SORT_THREADS - 1) / SORT_THREADS;
@@ -92,17 +130,9 @@ __global__ void __launch_bounds__(SORT_THREADS)
     }
     // The last thread's range ends at E: `before` is the total.
     if (chunk == 0 && threadIdx.x == blockDim.x - 1) offsets[E] = cap > 0 ? E * cap : before;
-    // Each warp counts its slots per expert (the lowest lane of those naming one adds)...
-    int* mine_next = next + w * E;
-#pragma unroll
-    for (int u = 0; u < SORT_STEPS; u++) {
-        const unsigned peers = __match_any_sync(0xffffffffu, v[u]);
-        if (v[u] >= 0 && v[u] < E && lane == __ffs(peers) - 1) mine_next[v[u]] += __popc(peers);
-        __syncwarp();
-    }
     __syncthreads();
-    // ...which become each warp's first row of each expert: the chunk's start, then the warps
-    // before it...
+    // The warps' counts become each warp's first row of each expert: the chunk's start, then
+    // the warps before it...
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int run = sort_smem[e];
         for (int j = 0; j < SORT_WARPS; j++) {

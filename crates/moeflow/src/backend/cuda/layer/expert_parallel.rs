@@ -386,7 +386,11 @@ impl CudaMoeLayer {
         }
         // The el local experts and the bucket of slots served elsewhere.
         let chunk_counts = pi(&ep.chunk_counts);
-        self.count_slots(local_ids, received * k, el + 1, chunk_counts, ecounts)?;
+        // A single chunk of slots is counted by the grouping's one launch.
+        let counted = !super::permute::sorts_in_one_launch(received * k);
+        if counted {
+            self.count_slots(local_ids, received * k, el + 1, chunk_counts, ecounts)?;
+        }
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
         let gather = plan.imp.gathers_rows(self, cap).then_some(Gather {
             x: recv_rows,
@@ -402,6 +406,7 @@ impl CudaMoeLayer {
             slots: received * k,
             experts: el + 1,
             chunk_counts,
+            counted,
             cap,
             skip: el as i32,
             copy_rows,

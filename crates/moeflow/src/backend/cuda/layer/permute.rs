@@ -3,7 +3,7 @@
 //! Hopper GEMM to gather).
 
 use super::{dptr, err, rows, Buffers, CudaMoeLayer};
-use crate::error::Result;
+use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Slots a block of the counting sort takes (`SORT_CHUNK` in permute.cu).
@@ -21,19 +21,37 @@ fn sort_chunks(slots: usize) -> usize {
     slots.div_ceil(SORT_CHUNK).max(1)
 }
 
-/// Ints of the counting sort's per-chunk counts of `slots` slots over `experts` experts.
+/// Ints of the counting sort's scratch for `slots` slots over `experts` experts: a ticket
+/// (`count_chunks`' last block finds itself by it; zero between launches, so the buffer starts
+/// zeroed) and then the per-chunk counts.
 pub(super) fn sort_counts_len(slots: usize, experts: usize) -> usize {
-    sort_chunks(slots) * experts
+    1 + sort_chunks(slots) * experts
+}
+
+/// Whether the counting sort of `slots` slots is one chunk, which
+/// [`CudaMoeLayer::group_rows`] counts in its own launch, with no
+/// [`CudaMoeLayer::count_slots`] before it.
+pub(super) fn sorts_in_one_launch(slots: usize) -> bool {
+    slots <= SORT_CHUNK
+}
+
+/// The per-chunk counts in the counting sort's scratch at `chunk_counts`, after its ticket.
+fn chunk_hist(chunk_counts: u64) -> u64 {
+    chunk_counts + 4
 }
 
 /// Which slots [`CudaMoeLayer::group_rows`] groups: `slots` expert ids at `ids` over
 /// `experts` experts (padded to `cap` rows each when `cap > 0`), leaving out expert `skip`,
-/// with their per-chunk counts from [`CudaMoeLayer::count_slots`].
+/// with their per-chunk counts from [`CudaMoeLayer::count_slots`] in the scratch at
+/// `chunk_counts` where `counted`.
 pub(super) struct Grouping {
     pub(super) ids: u64,
     pub(super) slots: usize,
     pub(super) experts: usize,
     pub(super) chunk_counts: u64,
+    /// [`CudaMoeLayer::count_slots`] has counted the slots; else (one chunk at most, see
+    /// [`sorts_in_one_launch`]) the grouping counts them and writes the counts itself.
+    pub(super) counted: bool,
     pub(super) cap: usize,
     pub(super) skip: i32,
     /// Copy the rows into place (false: the Hopper GEMM gathers them itself).
@@ -43,8 +61,8 @@ pub(super) struct Grouping {
 impl CudaMoeLayer {
     /// Rows of `b.x_bf` into `b.a` grouped by expert (expert `x` from row `offsets[x]`, or
     /// `x · cap` when `cap > 0`), with the slot/row maps; without `copy_rows` only the maps
-    /// (the Hopper GEMM then gathers the rows itself).
-    pub(super) fn permute(&self, b: &Buffers, t: usize, cap: usize, copy_rows: bool) -> Result<()> {
+    /// (the Hopper GEMM then gathers the rows itself); `counted`: as [`Grouping::counted`].
+    pub(super) fn permute(&self, b: &Buffers, t: usize, cap: usize, copy_rows: bool, counted: bool) -> Result<()> {
         let (e, k) = (self.config.num_experts, self.config.top_k);
         let g = &self.gpu;
         let pi = |x: &CudaSlice<i32>| dptr(x, g);
@@ -54,6 +72,7 @@ impl CudaMoeLayer {
             slots: t * k,
             experts: e,
             chunk_counts: pi(&b.chunk_counts),
+            counted,
             cap,
             skip: -1,
             copy_rows,
@@ -63,7 +82,8 @@ impl CudaMoeLayer {
 
     /// The counting sort's first pass: `counts [experts]` = the slots of `ids [slots]` naming
     /// each expert (ids outside `0..experts` name none), and the same per chunk of slots into
-    /// `chunk_counts` ([`sort_counts_len`] ints), which [`CudaMoeLayer::group_rows`] reads.
+    /// the scratch at `chunk_counts` ([`sort_counts_len`] ints, zeroed when allocated), which
+    /// [`CudaMoeLayer::group_rows`] reads.
     pub(super) fn count_slots(
         &self,
         ids: u64,
@@ -79,19 +99,20 @@ impl CudaMoeLayer {
             block_dim: (SORT_THREADS, 1, 1),
             shared_mem_bytes: 4 * experts as u32,
         };
-        // SAFETY: zeroes the `experts` ints of `counts`; count_chunks(int*, int, int, int*, int*)
-        // reads `slots` ids and writes sort_counts_len(slots, experts) ints of `chunk_counts`
-        // (sized so by the caller) and adds into `counts`; its shared memory holds `experts`
+        let hist = chunk_hist(chunk_counts);
+        // SAFETY: count_chunks(int*, int, int, int*, int*, int*) reads `slots` ids, writes the
+        // per-chunk counts after the ticket in the sort_counts_len(slots, experts) ints of
+        // `chunk_counts` (sized so, and zeroed when allocated, by the caller) and the `experts`
+        // ints of `counts`, and leaves the ticket at zero; its shared memory holds `experts`
         // ints (at most 1025: 4 KiB).
         unsafe {
-            cudarc::driver::result::memset_d8_async(counts, 0, 4 * experts, s.cu_stream())
-                .map_err(|e| err("zeroing expert counts", e))?;
             s.launch_builder(&self.k.count)
                 .arg(&ids)
                 .arg(&si)
                 .arg(&ei)
-                .arg(&chunk_counts)
+                .arg(&hist)
                 .arg(&counts)
+                .arg(&chunk_counts)
                 .launch(cfg)
                 .map_err(|e| err("count_chunks", e))?;
         }
@@ -114,6 +135,13 @@ impl CudaMoeLayer {
         a: u64,
     ) -> Result<()> {
         let s = &self.gpu.stream;
+        if !p.counted && !sorts_in_one_launch(p.slots) {
+            return Err(MoeError::Unsupported(format!(
+                "grouping {} slots uncounted: one launch counts {SORT_CHUNK} at most",
+                p.slots
+            )));
+        }
+        let hist = if p.counted { chunk_hist(p.chunk_counts) } else { 0 };
         let (slots, ei, capi, skip) = (p.slots as i32, p.experts as i32, p.cap as i32, p.skip);
         let [rs, sr, er] = maps;
         let chunks = LaunchConfig {
@@ -124,15 +152,15 @@ impl CudaMoeLayer {
         let (hi, ki) = (self.config.hidden as i32, k as i32);
         // SAFETY: scatter_chunks(int*, int, int, int*, int*, int, int, int*, int*, int*, int*) and
         // gather_rows(bf16*, int, int*, int, int, bf16*) over buffers the caller sized for `slots`
-        // slots, their chunk counts, `experts` counts, `experts + 1` offsets and the rows the
-        // counts give (e · cap <= 2 slots when padded); the shared memory holds (8 + 1) ·
-        // `experts` ints (at most 1025: 36 KiB).
+        // slots, their chunk counts (null: one chunk, counted here into `counts`), `experts`
+        // counts, `experts + 1` offsets and the rows the counts give (e · cap <= 2 slots when
+        // padded); the shared memory holds (8 + 1) · `experts` ints (at most 1025: 36 KiB).
         unsafe {
             s.launch_builder(&self.k.scatter)
                 .arg(&p.ids)
                 .arg(&slots)
                 .arg(&ei)
-                .arg(&p.chunk_counts)
+                .arg(&hist)
                 .arg(&counts)
                 .arg(&capi)
                 .arg(&skip)
@@ -160,7 +188,7 @@ impl CudaMoeLayer {
 
 #[cfg(test)]
 pub(super) mod tests {
-    use super::{sort_counts_len, Grouping};
+    use super::{sort_counts_len, sorts_in_one_launch, Grouping};
     use crate::backend::cuda::kernel_define;
     use crate::backend::cuda::layer::{dptr, CudaMoeLayer};
     use crate::experts::Activation;
@@ -208,8 +236,9 @@ pub(super) mod tests {
     /// order, rows no slot takes left alone. No slots, one, a chunk's worth and one either side,
     /// many chunks; one expert, a hot expert taking every slot, 129 buckets with the last left
     /// out (an expert-parallel rank's), 1025; ids naming no expert; packed and padded rows;
-    /// each sorted twice (the counts start from zero every time). Needs a GPU; says loudly
-    /// when it skips.
+    /// each sorted twice with every output poisoned before (the counts do not carry over, nor
+    /// does the last block's ticket), and a single chunk a third time by the grouping's launch
+    /// alone. Needs a GPU; says loudly when it skips.
     #[test]
     fn counting_sort_matches_the_cpu() {
         let name = "counting_sort_matches_the_cpu";
@@ -256,20 +285,33 @@ pub(super) mod tests {
                 let extent = if padded { e * cap } else { slots }.max(1);
                 let d_ids = s.clone_htod(if slots == 0 { &[0i32][..] } else { &ids[..] }).unwrap();
                 let chunk_counts = s.alloc_zeros::<i32>(sort_counts_len(slots, e)).unwrap();
-                let d_counts = s.clone_htod(&vec![poison; e]).unwrap();
-                let d_offsets = s.clone_htod(&vec![poison; e + 1]).unwrap();
-                let d_row_of_slot = s.clone_htod(&vec![poison; slots.max(1)]).unwrap();
-                let d_slot_of_row = s.clone_htod(&vec![poison; extent]).unwrap();
-                let d_expert_of_row = s.clone_htod(&vec![poison; extent]).unwrap();
+                let mut d_counts = s.clone_htod(&vec![poison; e]).unwrap();
+                let mut d_offsets = s.clone_htod(&vec![poison; e + 1]).unwrap();
+                let mut d_row_of_slot = s.clone_htod(&vec![poison; slots.max(1)]).unwrap();
+                let mut d_slot_of_row = s.clone_htod(&vec![poison; extent]).unwrap();
+                let mut d_expert_of_row = s.clone_htod(&vec![poison; extent]).unwrap();
                 let p = |x: &cudarc::driver::CudaSlice<i32>| dptr(x, g);
-                for launch in 0..2 {
-                    let case = format!("{slots} slots, {e} experts, {kind}, skip {skip}, cap {cap}, launch {launch}");
-                    layer.count_slots(p(&d_ids), slots, e, p(&chunk_counts), p(&d_counts)).unwrap();
+                // Twice through both passes, then (one chunk) the grouping's launch alone.
+                let launches = if sorts_in_one_launch(slots) { 3 } else { 2 };
+                for launch in 0..launches {
+                    let counted = launch < 2;
+                    let case = format!(
+                        "{slots} slots, {e} experts, {kind}, skip {skip}, cap {cap}, launch {launch}, counted {counted}"
+                    );
+                    s.memcpy_htod(&vec![poison; e], &mut d_counts).unwrap();
+                    s.memcpy_htod(&vec![poison; e + 1], &mut d_offsets).unwrap();
+                    s.memcpy_htod(&vec![poison; slots.max(1)], &mut d_row_of_slot).unwrap();
+                    s.memcpy_htod(&vec![poison; extent], &mut d_slot_of_row).unwrap();
+                    s.memcpy_htod(&vec![poison; extent], &mut d_expert_of_row).unwrap();
+                    if counted {
+                        layer.count_slots(p(&d_ids), slots, e, p(&chunk_counts), p(&d_counts)).unwrap();
+                    }
                     let grouping = Grouping {
                         ids: p(&d_ids),
                         slots,
                         experts: e,
                         chunk_counts: p(&chunk_counts),
+                        counted,
                         cap,
                         skip,
                         copy_rows: false,
@@ -294,9 +336,25 @@ pub(super) mod tests {
                     assert_eq!(slot_of_row, want_slot, "slot_of_row, {case}");
                     assert_eq!(expert_of_row, want_expert, "expert_of_row, {case}");
                 }
+                // More than a chunk cannot be grouped uncounted.
+                if !sorts_in_one_launch(slots) {
+                    let grouping = Grouping {
+                        ids: p(&d_ids),
+                        slots,
+                        experts: e,
+                        chunk_counts: p(&chunk_counts),
+                        counted: false,
+                        cap,
+                        skip,
+                        copy_rows: false,
+                    };
+                    let maps = [p(&d_row_of_slot), p(&d_slot_of_row), p(&d_expert_of_row)];
+                    let refused = layer.group_rows(&grouping, p(&d_counts), p(&d_offsets), maps, 0, 1, 0);
+                    assert!(refused.is_err(), "{slots} slots grouped uncounted");
+                }
             }
         }
-        eprintln!("{name}: 10 cases × packed and padded, each twice, matched");
+        eprintln!("{name}: 10 cases × packed and padded, each twice (one chunk three times), matched");
     }
 
     /// The counting sort's block constants mirrored from permute.cu hold its values.

@@ -5,6 +5,7 @@
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::experts::{ExpertRows, Form};
 use crate::backend::cuda::layer::hopper_gemm::Gather;
+use crate::backend::cuda::layer::permute::sorts_in_one_launch;
 use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
 use crate::error::Result;
 
@@ -24,12 +25,15 @@ impl DevicePrepareFinalize for Local {
         let (ip, cp) = (dptr(&b.ids, g), dptr(&b.counts, g));
         // The fused router has written the counts, offsets and maps already.
         let fused = l.routes_fused(t);
-        if !fused {
+        // Expert sizes on the host decide cuBLAS's GEMM shapes; the masked and Hopper GEMMs
+        // read them on the device, so the host does not wait for them, and a single chunk of
+        // slots is counted by the grouping's one launch.
+        let device = l.device_counted(t * k, e, Form::OneGpu);
+        let counted = !(device.is_some() && sorts_in_one_launch(t * k));
+        if !fused && counted {
             l.count_slots(ip, t * k, e, dptr(&b.chunk_counts, g), cp)?;
         }
-        // Expert sizes on the host decide cuBLAS's GEMM shapes; the masked and Hopper GEMMs
-        // read them on the device, so the host does not wait for them.
-        let (imp, cap, counts) = match l.device_counted(t * k, e, Form::OneGpu) {
+        let (imp, cap, counts) = match device {
             Some(imp) => (imp, 0, Vec::new()),
             None => {
                 let mut counts = vec![0i32; e];
@@ -50,7 +54,7 @@ impl DevicePrepareFinalize for Local {
             stride: l.config.hidden,
         });
         if !fused {
-            l.permute(b, t, cap, gather.is_none())?;
+            l.permute(b, t, cap, gather.is_none(), counted)?;
         }
         mark(2)?;
         let extent = if cap > 0 { e * cap } else { t * k };
