@@ -1,6 +1,6 @@
 // moeflow's CUDA kernels, the pieces the other files use: the bf16 type and its conversions,
 // the shared expert's gate, fills of generated weights, the clock stamp of graph stages, ints
-// written from a launch's parameters, a bias added to rows. The kernel files are compiled as one
+// written from a launch's parameters, a bias added to rows, the last block of a grid. The kernel files are compiled as one
 // source, in the order of KERNELS in mod.rs, this one first.
 // bf16 values are handled as raw 16-bit patterns (no header needed under NVRTC).
 typedef unsigned short bf16_t;
@@ -106,6 +106,19 @@ __global__ void add_row_bias(float* x, const float* bias, int rows, int cols) {
 }  // extern "C"
 
 extern "C" {
+
+// Whether this block is the last of its grid to get here, by a counter at `ticket` (zero before
+// the launch; the last block sets it back once done with it). Every thread of the block calls
+// it; each block's writes before the call are visible to the last block after it.
+__device__ __forceinline__ bool last_block_here(int* ticket) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
+    __syncthreads();
+    if (last) __threadfence();
+    return last;
+}
 
 // Eight bf16 values of a 16-byte word as floats.
 __device__ __forceinline__ void unpack8(uint4 v, float* f) {

@@ -35,7 +35,6 @@ __device__ __forceinline__ int sort_load(const int* ids, int slots, int chunk, i
 __global__ void __launch_bounds__(SORT_THREADS)
     count_chunks(const int* ids, int slots, int E, int* hist, int* counts, int* ticket) {
     extern __shared__ int sort_smem[];
-    __shared__ bool last;
     for (int e = threadIdx.x; e < E; e += blockDim.x) sort_smem[e] = 0;
     __syncthreads();
     int v[SORT_STEPS];
@@ -52,12 +51,7 @@ __global__ void __launch_bounds__(SORT_THREADS)
         return;
     }
     for (int e = threadIdx.x; e < E; e += blockDim.x) hist[(long)blockIdx.x * E + e] = sort_smem[e];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(ticket, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_here(ticket)) return;
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
         int sum = 0;
 #pragma unroll 8

@@ -230,7 +230,6 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
     __shared__ float sc[ROUTE_SMALL_TOKENS][MAX_E];
     __shared__ float group_score[ROUTE_SMALL_TOKENS][64];
     __shared__ int sid[ROUTE_SMALL_TOKENS * MAX_K];
-    __shared__ bool last;
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, warps = blockDim.x / 32;
     const int c0 = blockIdx.x * ROUTE_SMALL_COLS;
     for (int i = threadIdx.x; i < T * ROUTE_SMALL_COLS; i += blockDim.x) {
@@ -281,12 +280,7 @@ __global__ void route_small(const float* x, const float* gate, const float* gate
             }
         }
     }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(done, 1) == (int)gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
+    if (!last_block_here(done)) return;
     // Read by every thread here; thread 0 advances it at the end, past several barriers.
     const unsigned long long call = load_rows ? *load_calls : 0;
     unsigned* load_row = load_rows ? load_rows + call % (unsigned long long)load_window * E : nullptr;
