@@ -1,7 +1,7 @@
 // moeflow's CUDA kernels, the pieces the other files use: the bf16 type and its conversions,
 // the shared expert's gate, fills of generated weights, the clock stamp of graph stages, ints
-// written from a launch's parameters, a bias added to rows, the last block of a grid. The kernel files are compiled as one
-// source, in the order of KERNELS in mod.rs, this one first.
+// written from a launch's parameters, a bias added to rows, the last block of a grid. The
+// kernel files are compiled as one source, in the order of KERNELS in mod.rs, this one first.
 // bf16 values are handled as raw 16-bit patterns (no header needed under NVRTC).
 typedef unsigned short bf16_t;
 typedef unsigned long long u64;
