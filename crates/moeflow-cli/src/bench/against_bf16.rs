@@ -92,14 +92,13 @@ pub(super) fn print(rows: &[(usize, Comparison)], rounds: usize) {
 }
 
 /// Prints the fp8 layer's steady times against the records' floors at the sustained GEMM rate
-/// (the rate after a second of load, as the steady times are).
+/// (the rate after a second of load, as the steady times are); `rows` and `records` are both
+/// in `--tokens` order.
 pub(super) fn print_steady_floors(rows: &[(usize, Comparison)], records: &[super::Record]) {
     let each: Vec<String> = rows
         .iter()
-        .filter_map(|(t, c)| {
-            let floor = records.iter().find(|r| r.tokens == *t)?.floor_sustained_ms?;
-            Some(format!("T {t} {:.0}%", 100.0 * floor / c.fp8_ms))
-        })
+        .zip(records)
+        .filter_map(|((t, c), r)| Some(format!("T {t} {:.0}%", 100.0 * r.floor_sustained_ms? / c.fp8_ms)))
         .collect();
     println!("the fp8 layer at its steady clock reaches, of the sustained floor: {}", each.join(", "));
 }

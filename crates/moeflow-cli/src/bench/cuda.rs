@@ -566,7 +566,7 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     }
     let layer_ms: Vec<f64> = records.iter().map(|r| r.ms).collect();
     print_recording_cost(&args.tokens, &layer_ms, recording_ms(args, &gpu, None)?.as_deref());
-    let against_bf16 = if args.against_bf16 { Some(compare_with_bf16(args, &config, &gpu)?) } else { None };
+    let against_bf16 = if args.against_bf16 { Some(compare_with_bf16(args, &par, &spec, &gpu)?) } else { None };
     sustained_floors(&mut records, &floor_inputs, copy_gbps, || sustained_gemm_rate(0, rows8))?;
     if let Some(rows) = &against_bf16 {
         against_bf16::print_steady_floors(rows, &records);
@@ -588,16 +588,18 @@ pub(super) fn run_cuda(args: &BenchArgs) -> Result<()> {
     Ok(())
 }
 
-/// `--against-bf16`: builds the bf16 layer beside `fp8` (same shapes, seed and options, so the
-/// same routing), times the two in alternating rounds at each token count and prints the table.
+/// `--against-bf16`: builds the bf16 layer beside `fp8` (built by `par` from `fp8_spec`, whose
+/// shapes, seed and options it keeps, so the same routing), times the two in alternating rounds
+/// at each token count and prints the table.
 fn compare_with_bf16(
     args: &BenchArgs,
-    config: &moeflow::MoeConfig,
+    par: &ParallelConfig,
+    fp8_spec: &RankLayerSpec<'_>,
     fp8: &Timed,
 ) -> Result<Vec<(usize, against_bf16::Comparison)>> {
     let bar = spinner("generating the bf16 layer's weights on the GPU".into());
-    let spec = RankLayerSpec { cuda: crate::cuda_args::cuda_options(&args.parallel)?, ..device_weights(args, config) };
-    let bf16 = Timed(args.parallel.config(1)?.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
+    let spec = RankLayerSpec { fp8_experts: false, fp8_rows: false, fp8_shared_expert: false, ..fp8_spec.clone() };
+    let bf16 = Timed(par.rank_layer(None, moeflow::ExpertsKind::Cuda { device: 0 }, &spec)?);
     bar.finish_and_clear();
     let rounds = args.min_runs.max(against_bf16::FEWEST_ROUNDS);
     let rows = args
