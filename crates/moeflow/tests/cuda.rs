@@ -498,8 +498,9 @@ fn w8a8_layer(config: &MoeConfig, weights: &MoeWeights, opts: &moeflow::backend:
 /// W8A8 experts on the fp8 tensor cores (the fp8 Hopper GEMM, 125 rows an expert): against
 /// the reference on the quantized weights within fp8 rows' bound, against the bf16 GEMMs on the
 /// same quantized values (the W8A8 rounding) within bf16 rounding, and the same bits run after
-/// run, and as the layer that quantizes the activation in the up projection's epilogue instead
-/// of a pass of its own (1000 tokens, and 3 replayed from a graph). At 48 tokens (6 rows an
+/// run, as the layer that quantizes the activation in the up projection's epilogue instead of
+/// a pass of its own, and as the layer that copies the up projection's rows in expert order
+/// where the GEMM gathers them (1000 tokens, and 3 replayed from a graph). At 48 tokens (6 rows an
 /// expert) the 64-row tiles run two blocks an SM, with the bits of one block an SM, within fp8
 /// rows' bound of the reference. Widths that the kernel's tiles do not divide (hidden 272: two
 /// 128-deep stages and a part). Skips on GPUs other than Hopper, saying so.
@@ -537,6 +538,9 @@ fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     let (_, three) = hidden(3, config.hidden, 23);
     let want = tensor_cores.forward(&three).unwrap().to_f32_vec();
     assert_eq!(epilogue.forward(&three).unwrap().to_f32_vec(), want, "3 tokens: quantized in the epilogue");
+    let copied = w8a8_layer(&config, &weights, &CudaOptions { fp8_row_copy: Some(true), ..Default::default() });
+    assert_eq!(copied.forward(&xt).unwrap().to_f32_vec(), got, "rows copied in expert order");
+    assert_eq!(copied.forward(&three).unwrap().to_f32_vec(), want, "3 tokens: rows copied in expert order");
     let one_block = w8a8_layer(&config, &weights, &CudaOptions { gemm_tile_blocks: Some(1), ..Default::default() });
     let (x48, x48t) = hidden(48, config.hidden, 24);
     let two = tensor_cores.forward(&x48t).unwrap().to_f32_vec();

@@ -200,6 +200,12 @@ pub struct CudaOptions {
     /// is the default, since the epilogue's 128-column tiles make the up projection slower
     /// than the pass it saves (docs/tuning.md).
     pub fp8_act_epilogue: bool,
+    /// Where the fp8 Hopper GEMM's up projection takes its rows from the tokens (one GPU, or
+    /// the rows an expert-parallel rank received): `Some(true)` copies them in expert order
+    /// first, a pass of their own, so that TMA loads them; `Some(false)` has the GEMM gather
+    /// them itself; `None` copies them from [`FP8_ROW_COPY_FROM`] rows an expert on average.
+    /// The sums are the same bits either way.
+    pub fp8_row_copy: Option<bool>,
     /// Thread blocks (one per SM) the NVLink transport's copy kernel takes.
     pub transport_sms: u32,
     /// All-to-all-v over the NVLink transport plans its dispatch on the device (counts, row
@@ -221,6 +227,11 @@ pub struct CudaOptions {
 /// GEMM's FLOPs take as long as its weights' read on H100 and H200 (see `docs/tuning.md`).
 pub const REPLICA_MIN_ROWS: usize = 128;
 
+/// Rows an expert on average from which the fp8 up projection's rows are copied in expert order
+/// before it ([`CudaOptions::fp8_row_copy`]): below, the GEMM gathers them itself (see
+/// `docs/tuning.md`).
+pub const FP8_ROW_COPY_FROM: usize = 128;
+
 impl Default for CudaOptions {
     fn default() -> Self {
         CudaOptions {
@@ -239,6 +250,7 @@ impl Default for CudaOptions {
             transport: Transport::Auto,
             fp8_gemm: true,
             fp8_act_epilogue: false,
+            fp8_row_copy: None,
             transport_sms: 64,
             device_plan: true,
             load_stats: true,
@@ -248,7 +260,7 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 18] = [
+pub const CUDA_VARIABLES: [(&str, &str); 19] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     (
         "MOEFLOW_GEMM_TILE_ROWS",
@@ -266,6 +278,10 @@ pub const CUDA_VARIABLES: [(&str, &str); 18] = [
     ("MOEFLOW_DETERMINISTIC", "0|1: bit-identical outputs whatever the layout and batch (default 0)"),
     ("MOEFLOW_FP8_GEMM", "0|1: W8A8 experts multiply on the fp8 tensor cores on Hopper (default 1)"),
     ("MOEFLOW_FP8_ACT_EPILOGUE", "0|1: the fp8 up projection quantizes its activation in its epilogue (default 0)"),
+    (
+        "MOEFLOW_FP8_ROW_COPY",
+        "0|1: the fp8 up projection's rows copied in expert order first (default: by rows an expert)",
+    ),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 64)"),
     ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
@@ -334,6 +350,7 @@ impl CudaOptions {
                 "MOEFLOW_DEVICE_PLAN" => self.device_plan = flag(key, value)?,
                 "MOEFLOW_FP8_GEMM" => self.fp8_gemm = flag(key, value)?,
                 "MOEFLOW_FP8_ACT_EPILOGUE" => self.fp8_act_epilogue = flag(key, value)?,
+                "MOEFLOW_FP8_ROW_COPY" => self.fp8_row_copy = Some(flag(key, value)?),
                 "MOEFLOW_LOAD_STATS" => self.load_stats = flag(key, value)?,
                 "MOEFLOW_REPLICA_MIN_ROWS" => {
                     self.replica_min_rows = value.parse().map_err(|_| bad(key, value, "a count of rows"))?
@@ -394,6 +411,9 @@ impl CudaOptions {
         }
         if self.fp8_act_epilogue {
             parts.push("fp8 activation quantized in the up projection's epilogue".into());
+        }
+        if let Some(copy) = self.fp8_row_copy {
+            parts.push(format!("fp8 rows {} in expert order", if copy { "copied" } else { "never copied" }));
         }
         if self.transport_sms != d.transport_sms {
             parts.push(format!("{} transport SMs", self.transport_sms));
@@ -463,6 +483,7 @@ mod tests {
             ("MOEFLOW_DEVICE_PLAN", "0"),
             ("MOEFLOW_FP8_GEMM", "0"),
             ("MOEFLOW_FP8_ACT_EPILOGUE", "1"),
+            ("MOEFLOW_FP8_ROW_COPY", "1"),
             ("PATH", "/usr/bin"),
         ])
         .unwrap();
@@ -482,6 +503,7 @@ mod tests {
             transport: Transport::Auto,
             fp8_gemm: false,
             fp8_act_epilogue: true,
+            fp8_row_copy: Some(true),
             transport_sms: 16,
             device_plan: false,
             load_stats: false,
@@ -493,6 +515,7 @@ mod tests {
         assert!(o.describe().contains("dispatch planned on the host"), "{}", o.describe());
         assert!(o.describe().contains("W8A8 on bf16 GEMMs"), "{}", o.describe());
         assert!(o.describe().contains("quantized in the up projection's epilogue"), "{}", o.describe());
+        assert!(o.describe().contains("fp8 rows copied in expert order"), "{}", o.describe());
         for (name, _) in CUDA_VARIABLES {
             assert!(
                 CudaOptions::from_vars([(name, "surely-not-a-value")]).is_err() || name == "MOEFLOW_NVRTC_OPTIONS",

@@ -177,6 +177,22 @@ __global__ void gather_rows(const bf16_t* x, int H, const int* row_of_slot, int 
     copy_row(x + (long)(s / k) * H, a + (long)row_of_slot[s] * H, H);
 }
 
+// The rows of a gathered fp8 operand laid out in expert order: for each row r of the experts'
+// (r below offsets[experts - 1] + counts[experts - 1]; the rest of the `rows` blocks return),
+// codes[r, :] = x[t, :] (H codes, H % 16 == 0) and scales[r, :] = xs[t, :] (G floats), t =
+// slot_of_row[r] / k. One block per row.
+__global__ void gather_fp8_rows(const unsigned char* x, const float* xs, int H, int G, const int* slot_of_row, int k,
+                                const int* counts, const int* offsets, int experts, int rows, unsigned char* codes,
+                                float* scales) {
+    const int r = blockIdx.x;
+    if (r >= rows || r >= offsets[experts - 1] + counts[experts - 1]) return;
+    const long t = slot_of_row[r] / k;
+    const uint4* from = (const uint4*)(x + t * H);
+    uint4* to = (uint4*)(codes + (long)r * H);
+    for (int h = threadIdx.x; h < H / 16; h += blockDim.x) to[h] = from[h];
+    for (int g = threadIdx.x; g < G; g += blockDim.x) scales[(long)r * G + g] = xs[t * G + g];
+}
+
 // dst[j, :] = src[idx[j], :] for j < n (bf16 rows); one block per row.
 __global__ void take_rows(const bf16_t* src, const int* idx, int n, int H, bf16_t* dst) {
     int j = blockIdx.x;

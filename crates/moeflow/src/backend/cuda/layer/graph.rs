@@ -93,7 +93,7 @@ pub(super) struct LocalGraphs {
     workspaces: Vec<CudaSlice<u8>>,
     /// Where the layer's fp8 row buffers were when the graphs were captured: the graphs of a
     /// W8A8 layer point into them, so they go when the buffers move.
-    fp8_rows_at: [u64; 4],
+    fp8_rows_at: [[u64; 2]; 3],
     /// Captures still to spoil on purpose (tests of the fallback).
     #[cfg(test)]
     spoil: usize,

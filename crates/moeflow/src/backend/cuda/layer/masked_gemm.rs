@@ -17,10 +17,12 @@ pub(super) struct Fp8Rows {
 }
 
 /// The fp8 rows of a layer's W8A8 GEMMs: the up projection's input (its rows, or the tokens
-/// it gathers them from) and the activation the down projection reads.
+/// it gathers them from), those tokens' rows copied in expert order where the GEMM does not
+/// gather them itself, and the activation the down projection reads.
 #[derive(Default)]
 pub(super) struct Fp8RowBuffers {
     pub(super) input: Option<Fp8Rows>,
+    pub(super) gathered: Option<Fp8Rows>,
     pub(super) act: Option<Fp8Rows>,
 }
 
@@ -166,16 +168,15 @@ impl CudaMoeLayer {
         .map_err(|e| err("masked_gemm", e))
     }
 
-    /// The device addresses of the fp8 rows' codes and scales, the input's then the
-    /// activation's (0 before the first use): [`CudaMoeLayer::quantize_rows_fp8`] and
-    /// [`Fp8Rows::at_least`] move them when they grow the buffers.
-    pub(super) fn fp8_rows_at(&self) -> [u64; 4] {
+    /// The device addresses of the fp8 rows' codes and scales: the input's, the gathered
+    /// rows', then the activation's (0 before the first use). [`CudaMoeLayer::quantize_rows_fp8`]
+    /// and [`Fp8Rows::at_least`] move them when they grow the buffers.
+    pub(super) fn fp8_rows_at(&self) -> [[u64; 2]; 3] {
         let rows = self.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
         let at = |q: &Option<Fp8Rows>| {
             q.as_ref().map_or([0, 0], |q| [dptr(&q.codes, &self.gpu), dptr(&q.scales, &self.gpu)])
         };
-        let ([a, b], [c, d]) = (at(&rows.input), at(&rows.act));
-        [a, b, c, d]
+        [at(&rows.input), at(&rows.gathered), at(&rows.act)]
     }
 
     /// The `rows` bf16 rows of `kdim` values at `a` as fp8 codes with one scale per 128 values,

@@ -2,6 +2,7 @@
 //! offsets and the slot/row maps), and the token rows copied into expert order (or left for the
 //! Hopper GEMM to gather).
 
+use super::hopper_fp8_gemm::Fp8Operand;
 use super::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
 use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
@@ -183,6 +184,45 @@ impl CudaMoeLayer {
             }
         }
         Ok(())
+    }
+}
+
+impl CudaMoeLayer {
+    /// The fp8 rows a gather names, copied in expert order: for each row r of the `experts`'
+    /// (`counts`, `offsets`, read on the device; at most `extent`), `to`'s codes and scales of
+    /// row r are `from`'s of token `slot_of_row[r] / k` (rows of `hidden` codes and
+    /// ceil(hidden / 128) scales).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn gather_fp8_rows(
+        &self,
+        from: Fp8Operand,
+        slot_of_row: u64,
+        k: usize,
+        [counts, offsets]: [u64; 2],
+        experts: usize,
+        extent: usize,
+        to: Fp8Operand,
+    ) -> Result<()> {
+        let h = self.config.hidden;
+        if h % 16 != 0 {
+            return Err(MoeError::Unsupported(format!("fp8 rows copied 16 bytes at a time (got hidden {h})")));
+        }
+        if extent == 0 || experts == 0 {
+            return Ok(());
+        }
+        let (hi, gi, ki, ei, ri) = (h as i32, h.div_ceil(128) as i32, k as i32, experts as i32, extent as i32);
+        // SAFETY: gather_fp8_rows(u8*, float*, int, int, int*, int, int*, int*, int, int, u8*,
+        // float*): `from` holds the tokens' codes and scales that the slots name (hidden % 16 ==
+        // 0, so its rows start 16-byte aligned), counts and offsets `experts` ints placing at
+        // most `extent` rows, slot_of_row an int a row, and `to` `extent` rows.
+        unsafe {
+            let mut l = self.gpu.stream.launch_builder(&self.k.gather_fp8);
+            l.arg(&from.codes).arg(&from.scales).arg(&hi).arg(&gi).arg(&slot_of_row).arg(&ki);
+            l.arg(&counts).arg(&offsets).arg(&ei).arg(&ri).arg(&to.codes).arg(&to.scales);
+            l.launch(rows(extent, 128))
+        }
+        .map(|_| ())
+        .map_err(|e| err("gather_fp8_rows", e))
     }
 }
 
