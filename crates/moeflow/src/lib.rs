@@ -31,6 +31,8 @@
 //! # Ok::<(), moeflow::MoeError>(())
 //! ```
 
+#![warn(missing_docs)]
+
 /// The README's examples, run as doctests (`cargo test --doc`).
 #[doc = include_str!("../../../README.md")]
 #[cfg(doctest)]

@@ -33,9 +33,10 @@ pub struct GpuStageTimes {
     /// The experts that received rows (on an expert-parallel rank, of its own), whose weights
     /// the layer read (0: not counted).
     pub experts_used: usize,
-    /// The prepare/finalize strategy and the experts' implementation that ran (empty for a
-    /// graph replay, which times only the whole).
+    /// The prepare/finalize strategy that ran (empty for a graph replay, which times only the
+    /// whole).
     pub strategy: &'static str,
+    /// The experts' implementation that ran (empty for a graph replay).
     pub experts: &'static str,
     /// Expert-parallel: how rows moved between the GPUs ("nvlink" or "nccl").
     pub transport: &'static str,

@@ -3,7 +3,8 @@
 // one per 128 × 128 block), C bf16, over all the experts in one persistent launch that reads
 // the expert counts and row offsets on the device, as the bf16 kernel in grouped_gemm_sm90.cu
 // does (same tile order, counter, producer and store; an activation in the up projection's
-// epilogue; rows gathered by the producer from the tokens' codes).
+// epilogue; rows gathered by the producer from the tokens' codes, which the layer does below
+// 128 rows an expert: above, it copies them in expert order first, gather_fp8_rows).
 //
 // A stage is 128 codes deep: one 128-byte swizzle row, and exactly one scale block of both
 // operands. The consumer warpgroups multiply it with four wgmma.m64n128k32 e4m3 into partial

@@ -204,7 +204,7 @@ impl CudaMoeLayer {
         to: Fp8Operand,
     ) -> Result<()> {
         let h = self.config.hidden;
-        if h % 16 != 0 {
+        if !h.is_multiple_of(16) {
             return Err(MoeError::Unsupported(format!("fp8 rows copied 16 bytes at a time (got hidden {h})")));
         }
         if extent == 0 || experts == 0 {

@@ -1,5 +1,6 @@
 //! W8A8 experts on the fp8 tensor cores ([`super::super::hopper_fp8_gemm`]): the rows (or, on
-//! the grouped layout, the tokens the GEMM gathers them from) and the activation quantized to
+//! the grouped layout, the tokens the GEMM gathers them from, or from 128 rows an expert the
+//! tokens' rows copied in expert order first) and the activation quantized to
 //! fp8 e4m3 with one scale per 128 values, times the fp8 expert weights with their 128 × 128
 //! block scales; expert sizes read on the device, the activation in the up projection's
 //! epilogue, and quantized for the down projection by a separate pass or (an option, where the
