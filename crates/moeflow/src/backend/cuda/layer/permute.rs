@@ -185,9 +185,7 @@ impl CudaMoeLayer {
         }
         Ok(())
     }
-}
 
-impl CudaMoeLayer {
     /// The fp8 rows a gather names, copied in expert order: for each row r of the `experts`'
     /// (`counts`, `offsets`, read on the device; at most `extent`), `to`'s codes and scales of
     /// row r are `from`'s of token `slot_of_row[r] / k` (rows of `hidden` codes and
