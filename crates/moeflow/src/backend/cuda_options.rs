@@ -308,6 +308,12 @@ fn one_of(key: &str, value: &str, allowed: &[u32]) -> Result<u32> {
 }
 
 impl CudaOptions {
+    /// Whether the fp8 up projection over `rows` rows of `experts` experts, named by a gather,
+    /// takes them copied in expert order ([`CudaOptions::fp8_row_copy`]).
+    pub fn copies_fp8_rows(&self, rows: usize, experts: usize) -> bool {
+        self.fp8_row_copy.unwrap_or(rows >= FP8_ROW_COPY_FROM * experts.max(1))
+    }
+
     /// The options the `MOEFLOW_*` pairs among `vars` set over `self` (other keys are
     /// ignored); a clear error naming the variable when a value is not one it takes.
     pub fn with_vars<K: AsRef<str>, V: AsRef<str>>(mut self, vars: impl IntoIterator<Item = (K, V)>) -> Result<Self> {
@@ -561,6 +567,17 @@ mod tests {
             assert_eq!(g.name().parse::<ExpertGemm>().unwrap(), g);
         }
         assert!(ExpertGemm::Auto.allows_hopper() && !ExpertGemm::Cublas.allows_hopper());
+    }
+
+    #[test]
+    fn fp8_rows_are_copied_from_the_threshold_unless_pinned() {
+        let auto = CudaOptions::default();
+        assert!(!auto.copies_fp8_rows(FP8_ROW_COPY_FROM * 64 - 1, 64));
+        assert!(auto.copies_fp8_rows(FP8_ROW_COPY_FROM * 64, 64));
+        assert!(!auto.copies_fp8_rows(0, 0) && auto.copies_fp8_rows(FP8_ROW_COPY_FROM, 0));
+        let pinned = |copy| CudaOptions { fp8_row_copy: Some(copy), ..CudaOptions::default() };
+        assert!(pinned(true).copies_fp8_rows(1, 64));
+        assert!(!pinned(false).copies_fp8_rows(1 << 20, 64));
     }
 
     #[test]

@@ -13,14 +13,7 @@ use crate::backend::cuda::layer::hopper_gemm::Epilogue;
 use crate::backend::cuda::layer::masked_gemm::Fp8Rows;
 use crate::backend::cuda::layer::strategy::Mark;
 use crate::backend::cuda::layer::{dptr, Buffers, CudaMoeLayer};
-use crate::backend::cuda_options::FP8_ROW_COPY_FROM;
 use crate::error::{MoeError, Result};
-
-/// Whether the up projection over `rows` gathered rows of `experts` experts takes them copied
-/// in expert order ([`crate::backend::cuda::CudaOptions::fp8_row_copy`]).
-fn copies_rows(layer: &CudaMoeLayer, rows: usize, experts: usize) -> bool {
-    layer.opts.fp8_row_copy.unwrap_or(rows >= FP8_ROW_COPY_FROM * experts.max(1))
-}
 
 /// The fp8 Hopper grouped GEMM (compute capability 9.0, fp8 experts, fp8 activations).
 pub(in crate::backend::cuda::layer) struct HopperFp8;
@@ -64,7 +57,7 @@ impl DeviceExperts for HopperFp8 {
                         Fp8Operand { codes: dptr(&q.codes, g), scales: dptr(&q.scales, g) }
                     }
                 };
-                if copies_rows(layer, r.rows, r.experts) {
+                if layer.opts.copies_fp8_rows(r.rows, r.experts) {
                     // Copied in expert order, the rows come by TMA: faster than the GEMM's own
                     // gather once the products, not the weights' read, bound it (docs/tuning.md).
                     let q = Fp8Rows::at_least(&mut rows.gathered, s, r.rows * h)?;
