@@ -502,8 +502,8 @@ fn w8a8_layer(config: &MoeConfig, weights: &MoeWeights, opts: &moeflow::backend:
 /// a pass of its own, and as the layer that copies the up projection's rows in expert order
 /// where the GEMM gathers them (1000 tokens, and 3 replayed from a graph). At 48 tokens (6
 /// rows an expert) the 64-row tiles run two blocks an SM, with the bits of one block an SM,
-/// within fp8 rows' bound of the reference. Widths that the kernel's tiles do not divide (hidden 272: two
-/// 128-deep stages and a part). Skips on GPUs other than Hopper, saying so.
+/// within fp8 rows' bound of the reference. Widths that the kernel's tiles do not divide
+/// (hidden 272: two 128-deep stages and a part). Skips on GPUs other than Hopper, saying so.
 #[test]
 fn w8a8_experts_on_the_fp8_tensor_cores_match_the_reference() {
     use moeflow::backend::cuda::CudaOptions;

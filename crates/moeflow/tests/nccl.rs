@@ -459,8 +459,8 @@ fn low_latency_graph_matches_the_reference_and_replays() {
 
 /// W8A8 experts on expert-parallel ranks (all-to-all-v) multiply on the fp8 tensor cores over
 /// the received rows' codes (at EP 2 about 150 rows an expert, which the experts copy in
-/// expert order before the up projection): against the reference on the quantized weights within
-/// fp8 rows' bound, uneven and empty ranks, a hidden size that is not a multiple of the
+/// expert order before the up projection): against the reference on the quantized weights
+/// within fp8 rows' bound, uneven and empty ranks, a hidden size that is not a multiple of the
 /// 128-deep scale blocks (so a row's scales are not a whole number of 16-byte words). Over
 /// NVLink the dispatch is planned on the device and the rows cross as fp8 codes: NCCL's bits,
 /// run after run. Then with the shared expert in fp8 too, whose fp8 GEMM runs on the SMs the
