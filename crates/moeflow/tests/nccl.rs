@@ -940,16 +940,27 @@ fn nvlink_transport_reports_a_stalled_peer() {
 }
 
 /// The link's ceilings that `bench` prints: a plain copy and the NVLink transport's push kernel
-/// (64 SMs) from GPU 0 into GPU 1 each measure a rate, and the push's stays within what the
-/// copy shows the link carries.
+/// (64 SMs) from GPU 0 into GPU 1, one way and with GPU 1 sending into GPU 0 at the same time,
+/// each measure a rate, and every rate stays within what the one-way copy shows the link
+/// carries.
 #[test]
 fn peer_copy_and_push_measure_the_link() {
+    use moeflow::backend::cuda::{measure_peer_both_ways, measure_peer_copy, measure_peer_push};
     let Some(Gpus { _serial, .. }) = gpus("peer_copy_and_push_measure_the_link") else { return };
-    let copy = moeflow::backend::cuda::measure_peer_copy(0, 1).expect("the peer copy");
-    let push = moeflow::backend::cuda::measure_peer_push(0, 1, 64).expect("the push kernel");
+    let copy = measure_peer_copy(0, 1).expect("the peer copy");
+    let push = measure_peer_push(0, 1, 64).expect("the push kernel");
+    let copy_both = measure_peer_both_ways(0, 1, None).expect("the peer copy both ways");
+    let push_both = measure_peer_both_ways(0, 1, Some(64)).expect("the push kernel both ways");
     assert!(copy.is_finite() && copy > 0.0, "peer copy: {copy} GB/s");
-    assert!(push.is_finite() && push > 0.0 && push < 1.5 * copy, "push kernel: {push} GB/s, peer copy {copy}");
-    eprintln!("peer copy {copy:.0} GB/s, push kernel on 64 SMs {push:.0} GB/s");
+    for (what, rate) in
+        [("push kernel", push), ("peer copy both ways", copy_both), ("push kernel both ways", push_both)]
+    {
+        assert!(rate.is_finite() && rate > 0.0 && rate < 1.5 * copy, "{what}: {rate} GB/s, peer copy {copy}");
+    }
+    eprintln!(
+        "peer copy {copy:.0} GB/s, push kernel on 64 SMs {push:.0} GB/s; both ways at once, each way: copy \
+         {copy_both:.0} GB/s, push {push_both:.0} GB/s"
+    );
 }
 
 /// The timed forward counts the experts a rank served (the weight-read floor of `bench` under

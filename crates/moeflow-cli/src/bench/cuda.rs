@@ -165,13 +165,18 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let copy_gbps = ceilings.copy_gbps;
     // The link's ceiling: a plain copy from this GPU into the next one's memory.
     let gpus = moeflow::backend::cuda::device_count();
-    let (peer_gbps, push_gbps) = match (rank0, gpus > 1) {
+    let (peer_gbps, push_gbps, both_ways) = match (rank0, gpus > 1) {
         (true, true) => {
-            let next = (device + 1) % gpus;
-            let push = moeflow::backend::cuda::measure_peer_push(device, next, cuda.transport_sms);
-            (moeflow::backend::cuda::measure_peer_copy(device, next).ok(), push.ok())
+            use moeflow::backend::cuda::{measure_peer_both_ways, measure_peer_copy, measure_peer_push};
+            let (next, sms) = ((device + 1) % gpus, cuda.transport_sms);
+            let push = measure_peer_push(device, next, sms).ok();
+            // Both GPUs sending at once, as every rank of an exchange does.
+            let both = measure_peer_both_ways(device, next, None)
+                .ok()
+                .zip(measure_peer_both_ways(device, next, Some(sms)).ok());
+            (measure_peer_copy(device, next).ok(), push, both)
         }
-        _ => (None, None),
+        _ => (None, None, None),
     };
     bar0.finish_and_clear();
     if rank0 {
@@ -194,6 +199,9 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
                 cuda.transport_sms,
                 100.0 * push / copy
             );
+        }
+        if let Some((copy, push)) = both_ways {
+            println!("  both GPUs sending at once: the peer copy {copy:.0} GB/s each way, the push kernel {push:.0} GB/s each way");
         }
     }
     if rank0 {
@@ -229,8 +237,18 @@ pub(super) fn run_cuda_ep(args: &BenchArgs, host: &RankHost) -> Result<()> {
     let layer_ms: Vec<f64> = measured.iter().map(|(slowest, _)| median(slowest)).collect();
     println!("  layer: {path}");
     print_ep_header();
-    let ctx =
-        EpTable { name: p.name, config: &config, par: &par, capacity, fp8, rows8, gemm_tflops, copy_gbps, peer_gbps };
+    let ctx = EpTable {
+        name: p.name,
+        config: &config,
+        par: &par,
+        capacity,
+        fp8,
+        rows8,
+        gemm_tflops,
+        copy_gbps,
+        peer_gbps,
+        push_both_gbps: both_ways.map(|(_, push)| push),
+    };
     let (mut records, (floor_inputs, ours, staged)) = ctx.rows(&args.tokens, measured);
     if capacity.is_some() {
         println!(
@@ -266,6 +284,8 @@ struct EpTable<'a> {
     copy_gbps: f64,
     /// The peer copy between two of the GPUs, GB/s one way (where measured).
     peer_gbps: Option<f64>,
+    /// The push kernel between them with both sending at once, GB/s each way (where measured).
+    push_both_gbps: Option<f64>,
 }
 
 /// Per token count: the slowest rank's layer ms of each run and rank 0's stage times.
@@ -332,7 +352,14 @@ impl EpTable<'_> {
             });
             // Dispatch and combine against the link's ceiling.
             let link = self.peer_gbps.map_or(String::new(), |p| {
-                format!(" ({:.0}% / {:.0}% of peer copy)", 100.0 * gbps(dispatch) / p, 100.0 * gbps(collect) / p)
+                let both = self.push_both_gbps.map_or(String::new(), |b| {
+                    format!(
+                        ", {:.0}% / {:.0}% of the push both ways",
+                        100.0 * gbps(dispatch) / b,
+                        100.0 * gbps(collect) / b
+                    )
+                });
+                format!(" ({:.0}% / {:.0}% of peer copy{both})", 100.0 * gbps(dispatch) / p, 100.0 * gbps(collect) / p)
             });
             ours.push((t, ms, dispatch, collect));
             staged.push(format!("T={t}: {:.3}", med(|s| s.total)));

@@ -103,6 +103,11 @@ pub mod cuda {
     }
 
     /// Always an error without the feature.
+    pub fn measure_peer_both_ways(_a: usize, _b: usize, _push_sms: Option<u32>) -> Result<f64> {
+        Err(missing())
+    }
+
+    /// Always an error without the feature.
     pub fn experts(
         _weights: &crate::experts::ExpertWeights,
         _activation: crate::experts::Activation,

@@ -182,66 +182,144 @@ impl Drop for Raw {
     }
 }
 
-/// GB/s of a 256 MiB copy from GPU `from` into GPU `to`'s memory over their link, one way,
+/// GB/s of a 224 MiB copy from GPU `from` into GPU `to`'s memory over their link, one way,
 /// median of 5 after a warm-up: the ceiling of what expert parallelism moves between them.
 pub fn measure_peer_copy(from: usize, to: usize) -> Result<f64> {
-    let g = Gpu::new(from)?;
-    let peer = super::nccl::context(to)?;
-    let bytes = 256usize << 20;
-    peer.bind_to_thread().map_err(|e| err("binding context", e))?;
-    let dst = Raw::new(bytes)?;
-    g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
-    // SAFETY: the source context is bound; enabling twice reports "already enabled".
-    let r = unsafe { drv::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
-    if !matches!(r, drv::cudaError_enum::CUDA_SUCCESS | drv::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
-        return Err(err("enabling peer access", r));
-    }
-    let src = Raw::new(bytes)?;
-    let ms = median_ms(&g, &mut || {
-        // SAFETY: both allocations hold `bytes` bytes; the copy is ordered on the stream.
-        unsafe { cudarc::driver::result::memcpy_dtod_async(dst.0, src.0, bytes, g.stream.cu_stream()) }
-            .map_err(|e| err("peer copy", e))
-    })?;
-    Ok(bytes as f64 / ms / 1e6)
+    peer_rate(&[(from, to)], None)
 }
 
 /// GB/s of the NVLink transport's push kernel on `sms` SMs copying 16384 rows of 14336 bytes
 /// (DeepSeek-V3's bf16 rows) from GPU `from` into GPU `to`'s memory, median of 5 after a
 /// warm-up: what the transport's copy reaches against [`measure_peer_copy`].
 pub fn measure_peer_push(from: usize, to: usize, sms: u32) -> Result<f64> {
-    let (rows, row_bytes) = (16_384usize, 14_336usize);
-    let bytes = rows * row_bytes;
-    let g = Gpu::new(from)?;
-    let peer = super::nccl::context(to)?;
-    peer.bind_to_thread().map_err(|e| err("binding context", e))?;
-    let dst = Raw::new(bytes + 8)?;
-    g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
-    // SAFETY: the source context is bound; enabling twice reports "already enabled".
-    let r = unsafe { drv::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
-    if !matches!(r, drv::cudaError_enum::CUDA_SUCCESS | drv::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
-        return Err(err("enabling peer access", r));
-    }
-    let src = Raw::new(bytes)?;
-    let s = &g.stream;
-    let lane = super::layer::lane_record(src.0, 0, dst.0, 0, rows, row_bytes);
-    let table = s.clone_htod(&lane).map_err(|e| err("upload", e))?;
-    let flags = s.clone_htod(&[dst.0 + bytes as u64]).map_err(|e| err("upload", e))?;
-    let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("alloc", e))?;
-    let push = g.function("nvl_push")?;
-    let (tp, fp, cp) = (table.device_ptr(s).0, flags.device_ptr(s).0, counters.device_ptr(s).0);
-    // The counters as an exchange's (sent, received, done); no rank answers this push, so its
-    // kernel waits for no sender.
-    let (one, done, wait) = (1i32, cp + 16, super::layer::NvlWait::on_no_sender(cp + 8));
-    let cfg = LaunchConfig { grid_dim: (sms.max(1), 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
-    let ms = median_ms(&g, &mut || {
-        // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*, NvlWait) over one lane
-        // of `rows` rows inside `src` and `dst`; one flag word after the rows in `dst`; the
-        // counters are zeroed, and the wait on no sender only writes the count at `cp + 8`.
-        unsafe {
-            s.launch_builder(&push).arg(&tp).arg(&one).arg(&fp).arg(&one).arg(&cp).arg(&done).arg(&wait).launch(cfg)
+    peer_rate(&[(from, to)], Some(sms))
+}
+
+/// GB/s each way (the slower way's) while GPUs `a` and `b` send into each other's memory at
+/// once, as both ranks of an all-to-all do: the plain copy with `push_sms` `None`, else the
+/// push kernel on that many SMs of each GPU; as the one-way measures, median of 5.
+pub fn measure_peer_both_ways(a: usize, b: usize, push_sms: Option<u32>) -> Result<f64> {
+    peer_rate(&[(a, b), (b, a)], push_sms)
+}
+
+/// Rows and bytes of a row of every peer measure (DeepSeek-V3's bf16 rows; 224 MiB).
+const PEER_ROWS: usize = 16_384;
+const PEER_ROW_BYTES: usize = 14_336;
+
+/// The rate of the slower of `legs` (from, to) run at the same time, GB/s (see
+/// [`measure_peer_both_ways`]).
+fn peer_rate(legs: &[(usize, usize)], push_sms: Option<u32>) -> Result<f64> {
+    let bytes = PEER_ROWS * PEER_ROW_BYTES;
+    let mut legs =
+        legs.iter().map(|&(from, to)| PeerLeg::new(from, to, bytes, push_sms)).collect::<Result<Vec<_>>>()?;
+    let mut round = || -> Result<f64> {
+        let mut spans = Vec::with_capacity(legs.len());
+        for leg in legs.iter_mut() {
+            spans.push(leg.start()?);
         }
-        .map(|_| ())
-        .map_err(|e| err("nvl_push", e))
-    })?;
-    Ok(bytes as f64 / ms / 1e6)
+        let mut slowest = 0.0f64;
+        for (e0, e1) in spans {
+            e1.synchronize().map_err(|e| err("event", e))?;
+            slowest = slowest.max(e0.elapsed_ms(&e1).map_err(|e| err("event", e))? as f64);
+        }
+        Ok(slowest)
+    };
+    round()?;
+    let mut v = (0..5).map(|_| round()).collect::<Result<Vec<_>>>()?;
+    v.sort_by(f64::total_cmp);
+    Ok(bytes as f64 / v[v.len() / 2] / 1e6)
+}
+
+/// One way of a peer measure: `bytes` from a buffer on GPU `from` into one on `to`, by the
+/// copy engines or by the push kernel. The fields drop in order: the buffers before the
+/// contexts, whose last holder's drop releases the GPU's primary context and all its memory.
+struct PeerLeg {
+    push: Option<PushLeg>,
+    src: Raw,
+    dst: Raw,
+    bytes: usize,
+    g: Gpu,
+    _peer: std::sync::Arc<cudarc::driver::CudaContext>,
+}
+
+/// The push kernel's launch state for one leg: its lane table, the flag it raises (a word after
+/// the rows in `dst`), its counters, and its grid.
+struct PushLeg {
+    kernel: cudarc::driver::CudaFunction,
+    table: CudaSlice<u8>,
+    flags: CudaSlice<u64>,
+    counters: CudaSlice<u64>,
+    sms: u32,
+}
+
+impl PeerLeg {
+    fn new(from: usize, to: usize, bytes: usize, push_sms: Option<u32>) -> Result<PeerLeg> {
+        let g = Gpu::new(from)?;
+        let peer = super::nccl::context(to)?;
+        peer.bind_to_thread().map_err(|e| err("binding context", e))?;
+        let dst = Raw::new(bytes + 8)?;
+        g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
+        // SAFETY: the source context is bound; enabling twice reports "already enabled".
+        let r = unsafe { drv::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
+        if !matches!(r, drv::cudaError_enum::CUDA_SUCCESS | drv::cudaError_enum::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED)
+        {
+            return Err(err("enabling peer access", r));
+        }
+        let src = Raw::new(bytes)?;
+        let push = match push_sms {
+            None => None,
+            Some(sms) => {
+                let s = &g.stream;
+                let lane = super::layer::lane_record(src.0, 0, dst.0, 0, bytes / PEER_ROW_BYTES, PEER_ROW_BYTES);
+                Some(PushLeg {
+                    kernel: g.function("nvl_push")?,
+                    table: s.clone_htod(&lane).map_err(|e| err("upload", e))?,
+                    flags: s.clone_htod(&[dst.0 + bytes as u64]).map_err(|e| err("upload", e))?,
+                    counters: s.alloc_zeros::<u64>(3).map_err(|e| err("alloc", e))?,
+                    sms: sms.max(1),
+                })
+            }
+        };
+        Ok(PeerLeg { push, src, dst, bytes, g, _peer: peer })
+    }
+
+    /// Enqueues one copy between two events, and returns them.
+    fn start(&mut self) -> Result<(cudarc::driver::CudaEvent, cudarc::driver::CudaEvent)> {
+        let (g, s) = (&self.g, &self.g.stream);
+        let new = || g.ctx.new_event(Some(drv::CUevent_flags::CU_EVENT_DEFAULT)).map_err(|e| err("event", e));
+        let (e0, e1) = (new()?, new()?);
+        e0.record(s).map_err(|e| err("event", e))?;
+        match &self.push {
+            // SAFETY: both allocations hold `bytes` bytes; the copy is ordered on the stream.
+            None => {
+                unsafe { cudarc::driver::result::memcpy_dtod_async(self.dst.0, self.src.0, self.bytes, s.cu_stream()) }
+                    .map_err(|e| err("peer copy", e))?
+            }
+            Some(p) => {
+                let (tp, fp, cp) = (p.table.device_ptr(s).0, p.flags.device_ptr(s).0, p.counters.device_ptr(s).0);
+                // The counters as an exchange's (sent, received, done); no rank answers this
+                // push, so its kernel waits for no sender.
+                let (one, done, wait) = (1i32, cp + 16, super::layer::NvlWait::on_no_sender(cp + 8));
+                let cfg = LaunchConfig { grid_dim: (p.sms, 1, 1), block_dim: (512, 1, 1), shared_mem_bytes: 0 };
+                // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*, NvlWait) over one
+                // lane of whole rows inside `src` and `dst`; one flag word after the rows in
+                // `dst`; the counters start zeroed, and the wait on no sender only writes the
+                // count at `cp + 8`.
+                unsafe {
+                    s.launch_builder(&p.kernel)
+                        .arg(&tp)
+                        .arg(&one)
+                        .arg(&fp)
+                        .arg(&one)
+                        .arg(&cp)
+                        .arg(&done)
+                        .arg(&wait)
+                        .launch(cfg)
+                }
+                .map_err(|e| err("nvl_push", e))?;
+            }
+        }
+        e1.record(s).map_err(|e| err("event", e))?;
+        Ok((e0, e1))
+    }
 }

@@ -16,7 +16,10 @@ mod watchdog;
 
 pub use super::cuda_options::{CudaOptions, ExpertGemm, LowLatencyGemm, Transport};
 pub use super::{GpuCeilings, GpuStageTimes};
-pub use ceiling::{measure_ceilings, measure_fp8_gemm, measure_peer_copy, measure_peer_push, measure_sustained_gemm};
+pub use ceiling::{
+    measure_ceilings, measure_fp8_gemm, measure_peer_both_ways, measure_peer_copy, measure_peer_push,
+    measure_sustained_gemm,
+};
 pub use experts::CudaExperts;
 pub use layer::{CudaDualBatch, CudaMoeLayer};
 
