@@ -202,8 +202,9 @@ pub fn measure_peer_both_ways(a: usize, b: usize, push_sms: Option<u32>) -> Resu
     peer_rate(&[(a, b), (b, a)], push_sms)
 }
 
-/// Rows and bytes of a row of every peer measure (DeepSeek-V3's bf16 rows; 224 MiB).
+/// Rows every peer measure copies (224 MiB in all)...
 const PEER_ROWS: usize = 16_384;
+/// ...of DeepSeek-V3's bf16 hidden size.
 const PEER_ROW_BYTES: usize = 14_336;
 
 /// The rate of the slower of `legs` (from, to) run at the same time, GB/s (see
@@ -290,8 +291,8 @@ impl PeerLeg {
         let (e0, e1) = (new()?, new()?);
         e0.record(s).map_err(|e| err("event", e))?;
         match &self.push {
-            // SAFETY: both allocations hold `bytes` bytes; the copy is ordered on the stream.
             None => {
+                // SAFETY: both allocations hold `bytes` bytes; the copy is ordered on the stream.
                 unsafe { cudarc::driver::result::memcpy_dtod_async(self.dst.0, self.src.0, self.bytes, s.cu_stream()) }
                     .map_err(|e| err("peer copy", e))?
             }
