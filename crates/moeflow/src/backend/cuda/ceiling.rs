@@ -75,8 +75,13 @@ fn span(g: &Gpu, reps: usize, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> 
 
 /// Median milliseconds of 5 single runs of `f` after a warm-up.
 fn median_ms(g: &Gpu, f: &mut dyn FnMut() -> Result<()>) -> Result<f64> {
-    span(g, 1, f)?;
-    let mut v = (0..5).map(|_| span(g, 1, f)).collect::<Result<Vec<_>>>()?;
+    median_of_runs(&mut || span(g, 1, f))
+}
+
+/// The median of 5 of `timed`'s milliseconds, after one run as a warm-up.
+fn median_of_runs(timed: &mut dyn FnMut() -> Result<f64>) -> Result<f64> {
+    timed()?;
+    let mut v = (0..5).map(|_| timed()).collect::<Result<Vec<_>>>()?;
     v.sort_by(f64::total_cmp);
     Ok(v[v.len() / 2])
 }
@@ -202,17 +207,17 @@ pub fn measure_peer_both_ways(a: usize, b: usize, push_sms: Option<u32>) -> Resu
     peer_rate(&[(a, b), (b, a)], push_sms)
 }
 
-/// Rows every peer measure copies (224 MiB in all)...
+/// Rows every peer measure copies...
 const PEER_ROWS: usize = 16_384;
-/// ...of DeepSeek-V3's bf16 hidden size.
+/// ...of DeepSeek-V3's bf16 hidden size...
 const PEER_ROW_BYTES: usize = 14_336;
+/// ...224 MiB in all.
+const PEER_BYTES: usize = PEER_ROWS * PEER_ROW_BYTES;
 
 /// The rate of the slower of `legs` (from, to) run at the same time, GB/s (see
 /// [`measure_peer_both_ways`]).
 fn peer_rate(legs: &[(usize, usize)], push_sms: Option<u32>) -> Result<f64> {
-    let bytes = PEER_ROWS * PEER_ROW_BYTES;
-    let mut legs =
-        legs.iter().map(|&(from, to)| PeerLeg::new(from, to, bytes, push_sms)).collect::<Result<Vec<_>>>()?;
+    let mut legs = legs.iter().map(|&(from, to)| PeerLeg::new(from, to, push_sms)).collect::<Result<Vec<_>>>()?;
     let mut round = || -> Result<f64> {
         let mut spans = Vec::with_capacity(legs.len());
         for leg in legs.iter_mut() {
@@ -225,20 +230,16 @@ fn peer_rate(legs: &[(usize, usize)], push_sms: Option<u32>) -> Result<f64> {
         }
         Ok(slowest)
     };
-    round()?;
-    let mut v = (0..5).map(|_| round()).collect::<Result<Vec<_>>>()?;
-    v.sort_by(f64::total_cmp);
-    Ok(bytes as f64 / v[v.len() / 2] / 1e6)
+    Ok(PEER_BYTES as f64 / median_of_runs(&mut round)? / 1e6)
 }
 
-/// One way of a peer measure: `bytes` from a buffer on GPU `from` into one on `to`, by the
-/// copy engines or by the push kernel. The fields drop in order: the buffers before the
+/// One way of a peer measure: [`PEER_BYTES`] from a buffer on GPU `from` into one on `to`, by
+/// the copy engines or by the push kernel. The fields drop in order: the buffers before the
 /// contexts, whose last holder's drop releases the GPU's primary context and all its memory.
 struct PeerLeg {
     push: Option<PushLeg>,
     src: Raw,
     dst: Raw,
-    bytes: usize,
     g: Gpu,
     _peer: std::sync::Arc<cudarc::driver::CudaContext>,
 }
@@ -254,11 +255,11 @@ struct PushLeg {
 }
 
 impl PeerLeg {
-    fn new(from: usize, to: usize, bytes: usize, push_sms: Option<u32>) -> Result<PeerLeg> {
+    fn new(from: usize, to: usize, push_sms: Option<u32>) -> Result<PeerLeg> {
         let g = Gpu::new(from)?;
         let peer = super::nccl::context(to)?;
         peer.bind_to_thread().map_err(|e| err("binding context", e))?;
-        let dst = Raw::new(bytes + 8)?;
+        let dst = Raw::new(PEER_BYTES + 8)?;
         g.ctx.bind_to_thread().map_err(|e| err("binding context", e))?;
         // SAFETY: the source context is bound; enabling twice reports "already enabled".
         let r = unsafe { drv::cuCtxEnablePeerAccess(peer.cu_ctx(), 0) };
@@ -266,22 +267,22 @@ impl PeerLeg {
         {
             return Err(err("enabling peer access", r));
         }
-        let src = Raw::new(bytes)?;
+        let src = Raw::new(PEER_BYTES)?;
         let push = match push_sms {
             None => None,
             Some(sms) => {
                 let s = &g.stream;
-                let lane = super::layer::lane_record(src.0, 0, dst.0, 0, bytes / PEER_ROW_BYTES, PEER_ROW_BYTES);
+                let lane = super::layer::lane_record(src.0, 0, dst.0, 0, PEER_ROWS, PEER_ROW_BYTES);
                 Some(PushLeg {
                     kernel: g.function("nvl_push")?,
                     table: s.clone_htod(&lane).map_err(|e| err("upload", e))?,
-                    flags: s.clone_htod(&[dst.0 + bytes as u64]).map_err(|e| err("upload", e))?,
+                    flags: s.clone_htod(&[dst.0 + PEER_BYTES as u64]).map_err(|e| err("upload", e))?,
                     counters: s.alloc_zeros::<u64>(3).map_err(|e| err("alloc", e))?,
                     sms: sms.max(1),
                 })
             }
         };
-        Ok(PeerLeg { push, src, dst, bytes, g, _peer: peer })
+        Ok(PeerLeg { push, src, dst, g, _peer: peer })
     }
 
     /// Enqueues one copy between two events, and returns them.
@@ -292,8 +293,8 @@ impl PeerLeg {
         e0.record(s).map_err(|e| err("event", e))?;
         match &self.push {
             None => {
-                // SAFETY: both allocations hold `bytes` bytes; the copy is ordered on the stream.
-                unsafe { cudarc::driver::result::memcpy_dtod_async(self.dst.0, self.src.0, self.bytes, s.cu_stream()) }
+                // SAFETY: both allocations hold PEER_BYTES bytes; the copy is ordered on the stream.
+                unsafe { cudarc::driver::result::memcpy_dtod_async(self.dst.0, self.src.0, PEER_BYTES, s.cu_stream()) }
                     .map_err(|e| err("peer copy", e))?
             }
             Some(p) => {
