@@ -13,7 +13,7 @@ use crate::backend::host_route::RouteTable;
 use crate::config::MoeConfig;
 use crate::error::{MoeError, Result};
 use crate::placement::ExpertPlacement;
-use cudarc::driver::{CudaSlice, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
 use std::sync::Arc;
 
 /// Expert-parallel buffers. At home: the token rows sent (one per token and destination
@@ -322,9 +322,10 @@ impl CudaMoeLayer {
     }
 
     /// Where the experts are: the slots of the `received` tokens (rows and ids `at`) that this
-    /// rank serves, grouped by local expert as `plan` says, for the experts.
+    /// rank serves, grouped by local expert as `plan` says, for the experts; enqueued on `s`.
     pub(super) fn group_received(
         &self,
+        s: &CudaStream,
         b: &mut Buffers,
         received: usize,
         plan: LocalPlan,
@@ -335,7 +336,6 @@ impl CudaMoeLayer {
         let link = self.ep.as_ref().expect("an expert-parallel layer");
         let (k, el) = (self.config.top_k, link.local);
         let (g, cap) = (&self.gpu, plan.cap);
-        let s = &g.stream;
         let ep = b.ep.as_ref().expect("allocated by the caller");
         let (pi, pb) = (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
         let (recv_rows, recv_ids, local_ids) = (at.rows, at.ids, pi(&ep.local_ids));
@@ -389,7 +389,7 @@ impl CudaMoeLayer {
         // A single chunk of slots is counted by the grouping's one launch.
         let counted = !super::permute::sorts_in_one_launch(received * k);
         if counted {
-            self.count_slots(local_ids, received * k, el + 1, chunk_counts, ecounts)?;
+            self.count_slots(s, local_ids, received * k, el + 1, chunk_counts, ecounts)?;
         }
         // As on one GPU, the Hopper GEMM gathers the received rows of its up projection itself.
         let gather = plan.imp.gathers_rows(self, cap).then_some(Gather {
@@ -412,7 +412,7 @@ impl CudaMoeLayer {
             copy_rows,
         };
         let a = pb(&ep.a);
-        self.group_rows(&grouping, ecounts, eoffsets, maps, recv_rows, k, a)?;
+        self.group_rows(s, &grouping, ecounts, eoffsets, maps, recv_rows, k, a)?;
         Ok(ExpertRows {
             imp: plan.imp,
             a,

@@ -46,14 +46,39 @@ pub(super) struct NvLink {
     /// Where each region starts in each rank's window, `[rank, region]`, as this rank's kernels
     /// address them (for kernels that write rows into the peers' windows themselves).
     peer_regions: CudaSlice<u64>,
-    /// Lane tables, one per exchange slot (dispatch, combine), and what they hold.
-    tables: [CudaSlice<u8>; 2],
-    held: [Vec<u8>; 2],
+    /// Lane tables, one per [`Exchange`], and what they hold.
+    tables: [CudaSlice<u8>; EXCHANGES],
+    held: [Vec<u8>; EXCHANGES],
     /// The smaller windows this one replaced, freed only with the link: freeing device memory
     /// waits for the whole device, which may be running a sibling layer's exchange (the other
     /// half of a dual batch, on a stream of its own) that spins until the peers' rows arrive,
     /// while those peers wait for this rank in the collective that opens the next window.
     retired: Vec<PeerWindow>,
+}
+
+/// Which exchange a push is. Each has a lane table of its own, uploaded only when its lanes
+/// change (a captured graph replays the same ones).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Exchange {
+    /// The dispatch's ids and counts, sent ahead of its rows.
+    DispatchHead,
+    /// The dispatch's rows.
+    Dispatch,
+    /// The experts' outputs going home.
+    Combine,
+}
+
+/// The kinds of [`Exchange`].
+const EXCHANGES: usize = 3;
+
+impl Exchange {
+    /// The stage a timed-out wait of this exchange reports (0 dispatch, 1 combine).
+    fn stage(self) -> i32 {
+        match self {
+            Exchange::DispatchHead | Exchange::Dispatch => 0,
+            Exchange::Combine => 1,
+        }
+    }
 }
 
 /// One kind of rows of a push: `row_bytes` each, at `src` grouped by destination rank (in
@@ -219,9 +244,9 @@ impl CudaMoeLayer {
 
     /// One exchange over the link's NVLink window (opened by [`CudaMoeLayer::nvlink`]):
     /// pushes `lanes` to every rank and waits on the device until every rank's push has landed
-    /// here. `slot` 0 is the dispatch, 1 the combine.
-    pub(super) fn exchange_nvlink(&self, link: &EpLink, slot: usize, lanes: &[Lane]) -> Result<()> {
-        with_window(link, |nv| self.push(nv, link, slot, lanes))
+    /// here.
+    pub(super) fn exchange_nvlink(&self, link: &EpLink, exchange: Exchange, lanes: &[Lane]) -> Result<()> {
+        with_window(link, |nv| self.push(nv, link, exchange, lanes))
     }
 
     /// An exchange over the link's NVLink window whose rows `write` enqueues itself: a kernel
@@ -256,7 +281,7 @@ impl CudaMoeLayer {
     pub(super) fn device_barrier(&self, link: &EpLink) -> Result<bool> {
         let mut guard = link.transport.lock().unwrap_or_else(|p| p.into_inner());
         let LinkTransport::NvLink(nv) = &mut *guard else { return Ok(false) };
-        self.push(nv, link, 0, &[])?;
+        self.push(nv, link, Exchange::Dispatch, &[])?;
         Ok(true)
     }
 
@@ -280,14 +305,14 @@ impl CudaMoeLayer {
         let peer_regions = s.clone_htod(&region_addrs).map_err(|e| err("upload", e))?;
         let counters = s.alloc_zeros::<u64>(3).map_err(|e| err("allocating workspace", e))?;
         let table = || s.alloc_zeros::<u8>(8 * n * LANE).map_err(|e| err("allocating workspace", e));
-        let (tables, held) = ([table()?, table()?], [Vec::new(), Vec::new()]);
+        let (tables, held) = ([table()?, table()?, table()?], [Vec::new(), Vec::new(), Vec::new()]);
         Ok(NvLink { win, regions, counters, flags, peer_regions, tables, held, retired: Vec::new() })
     }
 
-    /// Pushes `lanes` to every rank (see [`Lane`]). `slot` picks the lane table (0 dispatch, 1
-    /// combine): a table that holds these lanes already is not uploaded again (a captured
-    /// graph replays the same one).
-    fn push(&self, nv: &mut NvLink, link: &EpLink, slot: usize, lanes: &[Lane]) -> Result<()> {
+    /// Pushes `lanes` to every rank (see [`Lane`]) through `exchange`'s lane table, which is
+    /// not uploaded again when it holds these lanes already.
+    fn push(&self, nv: &mut NvLink, link: &EpLink, exchange: Exchange, lanes: &[Lane]) -> Result<()> {
+        let slot = exchange as usize;
         let (n, rank) = (link.comm.size(), link.comm.rank());
         let g = &self.gpu;
         let s = &g.stream;
@@ -334,7 +359,7 @@ impl CudaMoeLayer {
         let (lanes_p, flags, counters) = (dptr(&nv.tables[slot], g), dptr(&nv.flags, g), dptr(&nv.counters, g));
         let (nl, nf, done) = (records as i32, n as i32, counters + 16);
         let blocks = self.opts.transport_sms.max(1);
-        let wait = self.wait_of(nv, link, slot as i32);
+        let wait = self.wait_of(nv, link, exchange.stage());
         // SAFETY: nvl_push(PushLane*, int, u64**, int, u64*, unsigned*, NvlWait): `records` lanes
         // whose sources lie in this rank's buffers and destinations inside peers' windows
         // (checked above); `flags` holds n peer addresses; the counters live as long as the

@@ -5,7 +5,7 @@
 use super::hopper_fp8_gemm::Fp8Operand;
 use super::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 /// Slots a block of the counting sort takes (`SORT_CHUNK` in permute.cu).
 const SORT_CHUNK: usize = 1024;
@@ -78,7 +78,7 @@ impl CudaMoeLayer {
             skip: -1,
             copy_rows,
         };
-        self.group_rows(&plan, pi(&b.counts), pi(&b.offsets), maps, dptr(&b.x_bf, g), k, dptr(&b.a, g))
+        self.group_rows(&g.stream, &plan, pi(&b.counts), pi(&b.offsets), maps, dptr(&b.x_bf, g), k, dptr(&b.a, g))
     }
 
     /// The counting sort's first pass: `counts [experts]` = the slots of `ids [slots]` naming
@@ -87,13 +87,13 @@ impl CudaMoeLayer {
     /// [`CudaMoeLayer::group_rows`] reads.
     pub(super) fn count_slots(
         &self,
+        s: &CudaStream,
         ids: u64,
         slots: usize,
         experts: usize,
         chunk_counts: u64,
         counts: u64,
     ) -> Result<()> {
-        let s = &self.gpu.stream;
         let (si, ei) = (slots as i32, experts as i32);
         let cfg = LaunchConfig {
             grid_dim: (sort_chunks(slots) as u32, 1, 1),
@@ -127,6 +127,7 @@ impl CudaMoeLayer {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn group_rows(
         &self,
+        s: &CudaStream,
         p: &Grouping,
         counts: u64,
         offsets: u64,
@@ -135,7 +136,6 @@ impl CudaMoeLayer {
         k: usize,
         a: u64,
     ) -> Result<()> {
-        let s = &self.gpu.stream;
         if !p.counted && !sorts_in_one_launch(p.slots) {
             return Err(MoeError::Unsupported(format!(
                 "grouping {} slots uncounted: one launch counts {SORT_CHUNK} at most",
@@ -342,7 +342,7 @@ pub(super) mod tests {
                     s.memcpy_htod(&vec![poison; extent], &mut d_slot_of_row).unwrap();
                     s.memcpy_htod(&vec![poison; extent], &mut d_expert_of_row).unwrap();
                     if counted {
-                        layer.count_slots(p(&d_ids), slots, e, p(&chunk_counts), p(&d_counts)).unwrap();
+                        layer.count_slots(&s, p(&d_ids), slots, e, p(&chunk_counts), p(&d_counts)).unwrap();
                     }
                     let grouping = Grouping {
                         ids: p(&d_ids),
@@ -355,7 +355,7 @@ pub(super) mod tests {
                         copy_rows: false,
                     };
                     let maps = [p(&d_row_of_slot), p(&d_slot_of_row), p(&d_expert_of_row)];
-                    layer.group_rows(&grouping, p(&d_counts), p(&d_offsets), maps, 0, 1, 0).unwrap();
+                    layer.group_rows(&s, &grouping, p(&d_counts), p(&d_offsets), maps, 0, 1, 0).unwrap();
                     assert_eq!(s.clone_dtoh(&d_counts).unwrap(), counts, "counts, {case}");
                     assert_eq!(s.clone_dtoh(&d_offsets).unwrap(), offsets, "offsets, {case}");
                     assert_eq!(
@@ -387,7 +387,7 @@ pub(super) mod tests {
                         copy_rows: false,
                     };
                     let maps = [p(&d_row_of_slot), p(&d_slot_of_row), p(&d_expert_of_row)];
-                    let refused = layer.group_rows(&grouping, p(&d_counts), p(&d_offsets), maps, 0, 1, 0);
+                    let refused = layer.group_rows(&s, &grouping, p(&d_counts), p(&d_offsets), maps, 0, 1, 0);
                     assert!(refused.is_err(), "{slots} slots grouped uncounted");
                 }
             }

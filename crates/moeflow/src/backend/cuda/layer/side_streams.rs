@@ -19,7 +19,8 @@ pub(super) struct SideStream {
 }
 
 /// The side streams of a layer: the first runs the shared expert (and the router's bf16 copy),
-/// the others per-expert GEMMs (each too small to fill the GPU) concurrently.
+/// the others per-expert GEMMs (each too small to fill the GPU) concurrently; the second also
+/// groups a device-planned dispatch's slots while its rows cross the link.
 pub(super) struct SideStreams {
     streams: Vec<SideStream>,
     /// Recorded on the main stream where side streams fork from it.
@@ -58,6 +59,13 @@ impl SideStreams {
     /// The streams of the concurrent per-expert GEMMs (at least one).
     pub(super) fn gemm(&self) -> &[SideStream] {
         &self.streams[1..]
+    }
+
+    /// The stream that groups a device-planned NVLink dispatch's received slots by local
+    /// expert while the rows are pushed (the Hopper GEMMs that dispatch feeds run on the
+    /// layer's stream, so the per-expert GEMM streams are free then).
+    pub(super) fn grouping(&self) -> &SideStream {
+        &self.streams[1]
     }
 
     /// All of them.

@@ -12,7 +12,7 @@
 use super::all2allv_nvlink::{self, DevicePlan};
 use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, Localize};
-use crate::backend::cuda::layer::nvlink::Lane;
+use crate::backend::cuda::layer::nvlink::{Exchange, Lane};
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
 use crate::backend::host_route::HostRoute;
 use crate::comm::Communicator;
@@ -132,7 +132,7 @@ impl DevicePrepareFinalize for All2AllV {
                     live: None,
                 },
             ];
-            l.exchange_nvlink(link, 0, &lanes)?;
+            l.exchange_nvlink(link, Exchange::Dispatch, &lanes)?;
             state.landed = Landed { rows: at[ROWS], fp8_scales: None, ids: at[IDS], w: at[WEIGHTS] };
             state.nvlink = Some(Returns { back: at[BACK], slots: at[SLOTS], counts });
             return Ok(Box::new(state));
@@ -179,7 +179,7 @@ impl DevicePrepareFinalize for All2AllV {
         };
         let mut p = state_of::<Plan>(pending, self.name())?;
         let plan = p.plan.take().expect("planned in prepare_begin");
-        let rows = l.group_received(b, p.received, plan, Localize::Resolved, p.landed)?;
+        let rows = l.group_received(&l.gpu.stream, b, p.received, plan, Localize::Resolved, p.landed)?;
         mark(3)?;
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, k, rank) = (l.config.hidden, l.config.top_k, link.comm.rank());
@@ -206,7 +206,7 @@ impl DevicePrepareFinalize for All2AllV {
             let n = link.comm.size();
             let back_counts: Vec<usize> = (0..n * n).map(|i| r.counts[(i % n) * n + i / n]).collect();
             let lane = Lane { src: part, idx: None, row_bytes: 2 * h, region: BACK, counts: &back_counts, live: None };
-            return l.exchange_nvlink(link, 1, &[lane]);
+            return l.exchange_nvlink(link, Exchange::Combine, &[lane]);
         }
         l.exchange_rows(link, "moe combine", &[(part, 2 * h)], &p.recv_tok, &[(back, 2 * h)], &p.send_tok)
     }
@@ -276,7 +276,7 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
         // rank s the slots of s on r's experts.
         let counts: Vec<usize> = (0..n * n).map(|i| served_by(link, &p.all, i / n, i % n)).collect();
         let lane = Lane { src: y, idx: Some(ret_idx), row_bytes: 2 * h, region: SLOTS, counts: &counts, live: None };
-        return l.exchange_nvlink(link, 1, &[lane]);
+        return l.exchange_nvlink(link, Exchange::Combine, &[lane]);
     }
     // SAFETY: take_rows copies the `served` rows of y (h wide) named by ret_idx into `ret`,
     // which holds the plan's rows ≥ served rows.

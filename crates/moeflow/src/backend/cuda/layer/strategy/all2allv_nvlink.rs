@@ -8,12 +8,13 @@
 //! the device: a thread per token finds where its slots are served, then another plans its
 //! dispatch (`nvl_plan` in nvlink.cu: the token's position among those sent to each rank, in
 //! token order, with its ids local there);
-//! the push copies each token's row (fp8 codes and their scales for W8A8 experts on the fp8
-//! GEMM, quantized once at home), ids and weights once to each such rank, and this rank's
-//! counts to every rank, with only as many rows as the plan counted; the receiver marks the
-//! rows no rank sent as served elsewhere, groups the slots by local expert and runs the Hopper
-//! GEMM, which reads the experts' sizes on the device and gathers the rows from the window
-//! itself (the permute fused into its loads). The kernel that sums each token's slots served
+//! a first push (the head) copies each token's ids once to each such rank, and this rank's
+//! counts to every rank; a second copies the rows (fp8 codes and their scales for W8A8
+//! experts on the fp8 GEMM, quantized once at home) and weights the same way, with only as
+//! many rows as the plan counted. While the rows cross the link, the receiver marks the rows
+//! no rank sent as served elsewhere and groups the slots by local expert on a side stream;
+//! then it runs the Hopper GEMM, which reads the experts' sizes on the device and gathers the
+//! rows from the window itself (the permute fused into its loads). The kernel that sums each token's slots served
 //! here writes the sum straight into its home's window, in the room its home left for this
 //! rank (no staging rows, no push); home sums them in rank order, as the host-planned
 //! all-to-all-v does.
@@ -22,7 +23,8 @@ use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, WEIGHTS};
 use super::{Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
-use crate::backend::cuda::layer::nvlink::Lane;
+use crate::backend::cuda::layer::experts::ExpertRows;
+use crate::backend::cuda::layer::nvlink::{Exchange, Lane};
 use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -40,14 +42,14 @@ const PLAN_THREADS: usize = 256;
 
 /// What the halves share.
 pub(super) struct DevicePlan {
-    /// The rows received (room for every rank's batch).
-    received: usize,
     /// The largest rank's batch.
     most: usize,
     landed: Landed,
     /// The window's regions of the returned sums and of the counts every rank sent here.
     back: u64,
     counts: u64,
+    /// The slots served here grouped by local expert, taken by `prepare_finish`.
+    rows: Option<ExpertRows>,
 }
 
 /// Whether `l` dispatches this way: not deterministic (its per-slot return is planned on the
@@ -91,7 +93,8 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     l.grow_ep_buffers(b, [n * t, received, received * k.min(el), t], n)?;
     let ep = b.ep.as_mut().expect("allocated");
     let plan = dptr(&ep.plan, g);
-    let sent = plan + 4 * (n as u64 + 1);
+    // The plan's device array: where each rank's rows start, then the rows this rank sent.
+    let (plan_starts, sent) = (plan, plan + 4 * (n as u64 + 1));
     let mut head: Vec<i32> = starts.iter().map(|&x| x as i32).collect();
     head.extend(std::iter::repeat_n(0, n));
     head.push(t as i32);
@@ -131,11 +134,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let room: Vec<usize> = (0..n * n).map(|i| tokens[i / n]).collect();
     let one = vec![1usize; n * n];
     let counted = |src, idx, row_bytes, region| Lane { src, idx, row_bytes, region, counts: &room, live: Some(sent) };
-    let mut lanes = vec![
-        counted(send_ids, None, 4 * k, IDS),
-        counted(weights, Some(send_idx), 4 * k, WEIGHTS),
-        Lane { src: sent, idx: None, row_bytes: 4, region: COUNTS, counts: &one, live: None },
-    ];
+    let mut lanes = vec![counted(weights, Some(send_idx), 4 * k, WEIGHTS)];
     if fp8 {
         // The push runs on the layer's stream, so it reads the codes before anything
         // requantizes into these buffers.
@@ -146,23 +145,43 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     } else {
         lanes.push(counted(x, Some(send_idx), 2 * h, ROWS));
     }
-    l.exchange_nvlink(link, 0, &lanes)?;
+    // The head goes first, the ids and counts alone: each receiver groups its slots by local
+    // expert on a side stream while the rows cross the link, off the dispatch's critical path.
+    let head = [
+        counted(send_ids, None, 4 * k, IDS),
+        Lane { src: sent, idx: None, row_bytes: 4, region: COUNTS, counts: &one, live: None },
+    ];
+    l.exchange_nvlink(link, Exchange::DispatchHead, &head)?;
+    let side = l.side.grouping();
+    l.side.fork(s, [side])?;
+    // The rows' push is enqueued before the grouping's launches, so that it follows the head
+    // on the device without waiting for the host.
+    l.exchange_nvlink(link, Exchange::Dispatch, &lanes)?;
     let fp8_scales = fp8.then_some(at[ROW_SCALES]);
     let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
-    Ok(Some(Box::new(DevicePlan { received, most, landed, back: at[BACK], counts: at[COUNTS] })))
+    let imp = l.device_planned_experts().expect("checked by `applies`");
+    let plan = LocalPlan { imp, cap: 0, rows: received * k.min(el), groups: Vec::new() };
+    let localize = Localize::Landed { counts: at[COUNTS], starts: plan_starts };
+    let rows = l.group_received(&side.stream, b, received, plan, localize, landed)?;
+    let state = DevicePlan { most, landed, back: at[BACK], counts: at[COUNTS], rows: Some(rows) };
+    Ok(Some(Box::new(state)))
 }
 
-/// Groups the slots served here by local expert, from the counts in the window (marks 3).
-pub(super) fn prepare_finish(l: &CudaMoeLayer, b: &mut Buffers, p: Box<DevicePlan>, mark: Mark) -> Result<Dispatched> {
+/// Waits for the grouping of the slots served here (begun by `prepare_begin` beside the
+/// rows' push) and hands the grouped rows to the experts (marks 3).
+pub(super) fn prepare_finish(
+    l: &CudaMoeLayer,
+    b: &mut Buffers,
+    mut p: Box<DevicePlan>,
+    mark: Mark,
+) -> Result<Dispatched> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     let (h, k) = (l.config.hidden, l.config.top_k);
-    let imp = l.device_planned_experts().expect("checked by `applies`");
-    let bound = p.received * k.min(link.local);
-    let plan = LocalPlan { imp, cap: 0, rows: bound, groups: Vec::new() };
+    l.side.join(&l.gpu.stream, [l.side.grouping()])?;
+    let rows = p.rows.take().expect("grouped by prepare_begin");
+    mark(3)?;
     // The plan's device array: where each rank's rows start, then the rows this rank sent.
     let starts = dptr(&b.ep.as_ref().expect("allocated").plan, &l.gpu);
-    let rows = l.group_received(b, p.received, plan, Localize::Landed { counts: p.counts, starts }, p.landed)?;
-    mark(3)?;
     let row_bytes = match p.landed.fp8_scales {
         Some(_) => h + 4 * h.div_ceil(128) + 8 * k,
         None => 2 * h + 8 * k,

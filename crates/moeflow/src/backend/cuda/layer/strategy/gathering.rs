@@ -214,7 +214,14 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         }
         let plan = p.plan.take().expect("planned in prepare_begin");
         let at = b.ep.as_ref().expect("allocated").landed(&l.gpu);
-        let rows = l.group_received(b, received, plan, Localize::Placed { period: t_max, shared: p.shares }, at)?;
+        let rows = l.group_received(
+            &l.gpu.stream,
+            b,
+            received,
+            plan,
+            Localize::Placed { period: t_max, shared: p.shares },
+            at,
+        )?;
         mark(3)?;
         let row = if G::LOGITS { 2 * h + 4 * e } else { 2 * h + 8 * k };
         Ok(Dispatched { rows, sent: Sent::Bytes((n - 1) * t_max * row), state: p })

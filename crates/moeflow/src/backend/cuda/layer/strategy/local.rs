@@ -31,7 +31,7 @@ impl DevicePrepareFinalize for Local {
         let device = l.device_counted(t * k, e, Form::OneGpu);
         let counted = !(device.is_some() && sorts_in_one_launch(t * k));
         if !fused && counted {
-            l.count_slots(ip, t * k, e, dptr(&b.chunk_counts, g), cp)?;
+            l.count_slots(&g.stream, ip, t * k, e, dptr(&b.chunk_counts, g), cp)?;
         }
         let (imp, cap, counts) = match device {
             Some(imp) => (imp, 0, Vec::new()),
