@@ -490,9 +490,10 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 2 * seed + r as u64)).collect();
         // Over NCCL the host plans the dispatch and the bf16 rows are quantized where they land;
-        // over NVLink the device plans it and the rows cross as fp8 codes with their scales.
-        let run = |transport: Transport| {
-            let opts = CudaOptions { transport, ..Default::default() };
+        // over NVLink the device plans it and the rows cross as fp8 codes with their scales,
+        // pushed for the tokens each rank serves or copied whole by the copy engines.
+        let run = |transport: Transport, copy_engine_dispatch: Option<bool>| {
+            let opts = CudaOptions { transport, copy_engine_dispatch, ..Default::default() };
             run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
                 let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?
                     .fp8_experts()?
@@ -510,17 +511,22 @@ fn expert_parallel_w8a8_on_the_fp8_tensor_cores_matches_the_reference() {
             })
         };
         let shared_gemm = if fp8_shared { "hopper-fp8" } else { "cublas" };
-        let (nccl, nvlink) = (run(Transport::Nccl), run(Transport::NvLink));
-        for (rank, (a, b)) in nccl.into_iter().zip(nvlink).enumerate() {
-            let Some((want, _, _, _, _)) = a.unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
+        let nccl = run(Transport::Nccl, None);
+        let nvlink = [false, true].map(|whole| run(Transport::NvLink, Some(whole)));
+        let pairs = nvlink
+            .into_iter()
+            .zip(["rows served", "whole batches"])
+            .flat_map(|(runs, how)| nccl.iter().zip(runs).enumerate().map(move |(rank, (a, b))| (rank, a, b, how)));
+        for (rank, a, b, how) in pairs {
+            let Some((want, _, _, _, _)) = a.as_ref().unwrap_or_else(|e| panic!("rank {rank}: NCCL: {e}")) else {
                 eprintln!("SKIPPED {name}: not a Hopper GPU");
                 return;
             };
             let (got, again, gemms, transport, planned) =
                 b.unwrap_or_else(|e| panic!("rank {rank}: NVLink: {e}")).expect("the same GPUs");
-            let what = format!("rank {rank}, fp8 shared expert {fp8_shared}");
+            let what = format!("rank {rank}, fp8 shared expert {fp8_shared}, {how}");
             assert_eq!((gemms, transport, planned), (("hopper-fp8", Some(shared_gemm)), "nvlink", true), "{what}");
-            assert!(bits(&got) == bits(&want), "{what}: fp8 rows over NVLink differ from NCCL's");
+            assert!(bits(&got) == bits(want), "{what}: fp8 rows over NVLink differ from NCCL's");
             assert!(bits(&got) == bits(&again), "{what}: differs run to run");
             let err = relative_error(&config, &quantized, &inputs[rank], &got);
             assert!(err <= 8e-2, "{what}: relative error {err:e}");
@@ -833,7 +839,8 @@ fn auto_picks_the_tables_strategy_per_batch() {
 /// The NVLink transport moves exactly what NCCL moves: every case and placement, uneven and
 /// empty ranks, all-to-all-v planned on the device and on the host, deterministic mode and the
 /// low-latency graph give NCCL's bits, run after run, and the layer says it took NVLink and
-/// which plan. The device plan's bounds differ from the host's counts, so its mode pins the
+/// which plan; the device plan with the rows each rank serves pushed, and with whole batches
+/// copied by the copy engines. The device plan's bounds differ from the host's counts, so its mode pins the
 /// Hopper GEMM's tiles on both sides (the tile shape may change a sum's order).
 #[test]
 fn nvlink_transport_gives_nccls_bits() {
@@ -849,16 +856,24 @@ fn nvlink_transport_gives_nccls_bits() {
         let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, M][r % 4]).collect();
         let inputs: Vec<Vec<f32>> =
             sizes.iter().enumerate().map(|(r, &t)| preset::uniform(t * h, 1.0, 90 + r as u64)).collect();
+        // (mode, deterministic, low latency, device plan, whole batches by the copy engines)
         let modes = [
-            ("device plan", false, false, true),
-            ("host plan", false, false, false),
-            ("deterministic", true, false, false),
-            ("low-latency graph", false, true, false),
+            ("device plan, rows served", false, false, true, Some(false)),
+            ("device plan, whole batches", false, false, true, Some(true)),
+            ("host plan", false, false, false, None),
+            ("deterministic", true, false, false, None),
+            ("low-latency graph", false, true, false, None),
         ];
-        for (mode, deterministic, low_latency, device_plan) in modes {
+        for (mode, deterministic, low_latency, device_plan, copy_engine_dispatch) in modes {
             let run = |transport: Transport| {
-                let mut opts =
-                    CudaOptions { deterministic, transport, replica_min_rows, device_plan, ..Default::default() };
+                let mut opts = CudaOptions {
+                    deterministic,
+                    transport,
+                    replica_min_rows,
+                    device_plan,
+                    copy_engine_dispatch,
+                    ..Default::default()
+                };
                 if device_plan {
                     opts = CudaOptions { expert_gemm: ExpertGemm::Hopper, ..pinned_tiles(opts) };
                 }

@@ -212,6 +212,13 @@ pub struct CudaOptions {
     /// positions and the expert grouping, with no read back to the host) where the Hopper
     /// GEMM runs the experts and the mode is not deterministic; off, the host plans it.
     pub device_plan: bool,
+    /// All-to-all-v's device-planned NVLink dispatch sends the whole batch to every rank, each
+    /// rank's rows in one copy-engine transfer (no SMs; the peer copy's rate), in place of the
+    /// push kernel's rows for just the tokens a rank serves: `Some(true)` always, `Some(false)`
+    /// never, `None` where uniform routing leaves a rank at most one token in ten
+    /// ([`CudaOptions::copies_whole_batches`]). Rows a rank does not serve then cross the link
+    /// for nothing.
+    pub copy_engine_dispatch: Option<bool>,
     /// Count each call's tokens per expert on the device ([`crate::load_stats`]; one small
     /// kernel a call). Off, the load statistics stay empty (to measure what counting costs).
     pub load_stats: bool,
@@ -253,6 +260,7 @@ impl Default for CudaOptions {
             fp8_row_copy: None,
             transport_sms: 64,
             device_plan: true,
+            copy_engine_dispatch: None,
             load_stats: true,
             replica_min_rows: REPLICA_MIN_ROWS,
         }
@@ -260,7 +268,7 @@ impl Default for CudaOptions {
 }
 
 /// The variables [`CudaOptions::from_vars`] reads, with what each sets (for `--help`).
-pub const CUDA_VARIABLES: [(&str, &str); 19] = [
+pub const CUDA_VARIABLES: [(&str, &str); 20] = [
     ("MOEFLOW_EXPERT_GEMM", "auto|cublas|padded|loop|grouped|hopper: the routed experts' GEMMs"),
     (
         "MOEFLOW_GEMM_TILE_ROWS",
@@ -284,6 +292,10 @@ pub const CUDA_VARIABLES: [(&str, &str); 19] = [
     ),
     ("MOEFLOW_TRANSPORT_SMS", "1 to 132: SMs of the NVLink transport's copy kernel (default 64)"),
     ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
+    (
+        "MOEFLOW_COPY_ENGINE_DISPATCH",
+        "0|1: that dispatch copies whole batches by the copy engines (default: where nearly every token reaches every rank)",
+    ),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
     ("MOEFLOW_REPLICA_MIN_ROWS", "N: rows a replicated expert needs before its replicas share a batch (default 128)"),
 ];
@@ -312,6 +324,16 @@ impl CudaOptions {
     /// takes them copied in expert order ([`CudaOptions::fp8_row_copy`]).
     pub fn copies_fp8_rows(&self, rows: usize, experts: usize) -> bool {
         self.fp8_row_copy.unwrap_or(rows >= FP8_ROW_COPY_FROM * experts.max(1))
+    }
+
+    /// Whether all-to-all-v's device-planned NVLink dispatch over `ranks` ranks at top-`k` sends
+    /// whole batches by the copy engines ([`CudaOptions::copy_engine_dispatch`]); by default
+    /// where a token misses a given rank with probability (1 - 1/ranks)^k <= 0.1 under uniform
+    /// routing (2 ranks at top-4 and more, 4 ranks at top-9), so that the rows sent for
+    /// nothing cost less than the copy engines gain over the push kernel (docs/tuning.md).
+    pub fn copies_whole_batches(&self, ranks: usize, k: usize) -> bool {
+        let miss = (1.0 - 1.0 / ranks.max(1) as f64).powi(k.min(64) as i32);
+        self.copy_engine_dispatch.unwrap_or(ranks > 1 && miss <= 0.1)
     }
 
     /// The options the `MOEFLOW_*` pairs among `vars` set over `self` (other keys are
@@ -354,6 +376,7 @@ impl CudaOptions {
                         .ok_or_else(|| bad(key, value, "1 to 132"))?
                 }
                 "MOEFLOW_DEVICE_PLAN" => self.device_plan = flag(key, value)?,
+                "MOEFLOW_COPY_ENGINE_DISPATCH" => self.copy_engine_dispatch = Some(flag(key, value)?),
                 "MOEFLOW_FP8_GEMM" => self.fp8_gemm = flag(key, value)?,
                 "MOEFLOW_FP8_ACT_EPILOGUE" => self.fp8_act_epilogue = flag(key, value)?,
                 "MOEFLOW_FP8_ROW_COPY" => self.fp8_row_copy = Some(flag(key, value)?),
@@ -427,6 +450,9 @@ impl CudaOptions {
         if !self.device_plan {
             parts.push("dispatch planned on the host".into());
         }
+        if let Some(copy) = self.copy_engine_dispatch {
+            parts.push(format!("whole batches {} by the copy engines", if copy { "copied" } else { "never copied" }));
+        }
         if !self.load_stats {
             parts.push("no load statistics".into());
         }
@@ -487,6 +513,7 @@ mod tests {
             ("MOEFLOW_LOAD_STATS", "0"),
             ("MOEFLOW_REPLICA_MIN_ROWS", "0"),
             ("MOEFLOW_DEVICE_PLAN", "0"),
+            ("MOEFLOW_COPY_ENGINE_DISPATCH", "1"),
             ("MOEFLOW_FP8_GEMM", "0"),
             ("MOEFLOW_FP8_ACT_EPILOGUE", "1"),
             ("MOEFLOW_FP8_ROW_COPY", "1"),
@@ -512,6 +539,7 @@ mod tests {
             fp8_row_copy: Some(true),
             transport_sms: 16,
             device_plan: false,
+            copy_engine_dispatch: Some(true),
             load_stats: false,
             replica_min_rows: 0,
         };
@@ -519,6 +547,7 @@ mod tests {
         assert!(o.describe().contains("no load statistics"), "{}", o.describe());
         assert!(o.describe().contains("replicas shared from 0 rows"), "{}", o.describe());
         assert!(o.describe().contains("dispatch planned on the host"), "{}", o.describe());
+        assert!(o.describe().contains("whole batches copied by the copy engines"), "{}", o.describe());
         assert!(o.describe().contains("W8A8 on bf16 GEMMs"), "{}", o.describe());
         assert!(o.describe().contains("quantized in the up projection's epilogue"), "{}", o.describe());
         assert!(o.describe().contains("fp8 rows copied in expert order"), "{}", o.describe());
@@ -578,6 +607,20 @@ mod tests {
         let pinned = |copy| CudaOptions { fp8_row_copy: Some(copy), ..CudaOptions::default() };
         assert!(pinned(true).copies_fp8_rows(1, 64));
         assert!(!pinned(false).copies_fp8_rows(1 << 20, 64));
+    }
+
+    #[test]
+    fn whole_batches_go_by_copy_engines_where_few_tokens_miss_a_rank_unless_pinned() {
+        let auto = CudaOptions::default();
+        // (1 - 1/ranks)^k: 2 ranks at top-8 0.004, top-4 0.06, top-3 0.125; 4 ranks at top-8
+        // 0.100 (just above), top-9 0.075; 8 ranks at top-8 0.34.
+        let picks: Vec<bool> = [(2, 8), (2, 4), (2, 3), (4, 8), (4, 9), (8, 8), (1, 8), (0, 8)]
+            .map(|(ranks, k)| auto.copies_whole_batches(ranks, k))
+            .into();
+        assert_eq!(picks, [true, true, false, false, true, false, false, false]);
+        let pinned = |copy| CudaOptions { copy_engine_dispatch: Some(copy), ..CudaOptions::default() };
+        assert!(pinned(true).copies_whole_batches(8, 1));
+        assert!(!pinned(false).copies_whole_batches(2, 8));
     }
 
     #[test]

@@ -279,11 +279,14 @@ __global__ void nvl_plan_slots(const int* ids, int T, int k, const int* rep_firs
 // send_ids[(d T + p) k + j] = slot j's local expert on d (-1 where another rank serves it),
 // home_rows[token n + d] = d T + p (-1 for the ranks it skips); sent[d] = the tokens sent to
 // d. Each block first counts the tokens before its own that go to each rank (no separate scan
-// runs), then places its own by a block-wide scan of ballots. Ranks n <= 32.
+// runs), then places its own by a block-wide scan of ballots. With `dense`, every token goes
+// to every rank as its own position (p = the token; the ids of a rank it skips all -1), so the
+// batch's rows cross as they lie; home_rows still names only the ranks in its mask. Ranks
+// n <= 32.
 #define NVL_PLAN_THREADS 256
 __global__ void __launch_bounds__(NVL_PLAN_THREADS)
     nvl_plan(const int* __restrict__ dest, const unsigned int* __restrict__ ranks, int T, int k, int n,
-             int* __restrict__ send_idx, int* __restrict__ send_ids, int* __restrict__ home_rows,
+             int dense, int* __restrict__ send_idx, int* __restrict__ send_ids, int* __restrict__ home_rows,
              int* __restrict__ sent) {
     constexpr int PLAN_WARPS = NVL_PLAN_THREADS / 32;
     __shared__ int before[32];
@@ -321,13 +324,15 @@ __global__ void __launch_bounds__(NVL_PLAN_THREADS)
         int p = before[d] + __popc(b & below);
         for (int v = 0; v < w; v++) p += in_warp[v][d];
         if (t >= T) continue;
-        if (!((m >> d) & 1u)) {
+        const bool goes = (m >> d) & 1u;
+        if (dense) p = t;
+        else if (!goes) {
             home_rows[(long)t * n + d] = -1;
             continue;
         }
         const long row = (long)d * T + p;
         send_idx[row] = t;
-        home_rows[(long)t * n + d] = (int)row;
+        home_rows[(long)t * n + d] = goes ? (int)row : -1;
         for (int j = 0; j < k; j++) {
             const int x = dest[(long)t * k + j];
             send_ids[row * k + j] = x >= 0 && (x >> 20) == d ? (x & 0xfffff) : -1;
@@ -337,7 +342,7 @@ __global__ void __launch_bounds__(NVL_PLAN_THREADS)
     if (blockIdx.x == gridDim.x - 1 && threadIdx.x < n) {
         int total = before[threadIdx.x];
         for (int v = 0; v < PLAN_WARPS; v++) total += in_warp[v][threadIdx.x];
-        sent[threadIdx.x] = total;
+        sent[threadIdx.x] = dense ? T : total;
     }
 }
 

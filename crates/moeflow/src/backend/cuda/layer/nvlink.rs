@@ -9,7 +9,9 @@
 //! each receiver's flags; then its last block waits until every sender's number arrived here,
 //! or a clock deadline passed ([`NvlWait`]). It reads nothing back to the host, so it is
 //! captured in CUDA graphs. A strategy's own kernel may take the push's place: one that writes
-//! its rows into the peers' windows, raises the flags and waits itself ([`WindowWrite`]).
+//! its rows into the peers' windows, raises the flags and waits itself ([`WindowWrite`]); or
+//! the copy engines may move whole batches, after which a push of no rows raises and waits
+//! ([`CopyLane`]).
 //!
 //! A window region is written by the previous exchange's senders only after the receiver has
 //! sent its own next rows, which it does after reading the region: dispatch and combine
@@ -21,7 +23,7 @@ use super::{dptr, err, CudaMoeLayer};
 use crate::backend::cuda_options::Transport;
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
-use cudarc::driver::{CudaSlice, LaunchConfig, PushKernelArg};
+use cudarc::driver::{sys as drv, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 
 /// How a link moves rows: decided at its first exchange (`Auto` falls back to NCCL when a
 /// pair of ranks lacks peer access; every rank decides alike).
@@ -54,6 +56,18 @@ pub(super) struct NvLink {
     /// half of a dual batch, on a stream of its own) that spins until the peers' rows arrive,
     /// while those peers wait for this rank in the collective that opens the next window.
     retired: Vec<PeerWindow>,
+}
+
+/// Rows the copy engines move ([`CudaMoeLayer::copy_nvlink`]): rows of `row_bytes` bytes at
+/// `src`, the same ones to every rank, landing in window region `region` of each receiver after
+/// the rows of lower source ranks; `counts[s · n + d]` rows from rank `s` to rank `d`, alike
+/// for every `d`.
+#[derive(Clone, Copy)]
+pub(super) struct CopyLane<'a> {
+    pub(super) src: u64,
+    pub(super) row_bytes: usize,
+    pub(super) region: usize,
+    pub(super) counts: &'a [usize],
 }
 
 /// Which exchange a push is. Each has a lane table of its own, uploaded only when its lanes
@@ -247,6 +261,45 @@ impl CudaMoeLayer {
     /// here.
     pub(super) fn exchange_nvlink(&self, link: &EpLink, exchange: Exchange, lanes: &[Lane]) -> Result<()> {
         with_window(link, |nv| self.push(nv, link, exchange, lanes))
+    }
+
+    /// The dispatch's rows moved by the copy engines: each lane's rows copied whole to every
+    /// peer's window on the layer's stream, and to this rank's own on `own` (which runs beside
+    /// it; the caller orders it after the window's last reader and joins it before its rows'
+    /// use), then a push of no rows raises the flags and waits for every rank's, so that a
+    /// receiver that sees the flag sees the rows (the stream starts the push after the copies
+    /// have completed, and its fence at system scope orders them before the flag).
+    pub(super) fn copy_nvlink(&self, link: &EpLink, lanes: &[CopyLane], own: &CudaStream) -> Result<()> {
+        let (n, rank) = (link.comm.size(), link.comm.rank());
+        with_window(link, |nv| {
+            let main = &self.gpu.stream;
+            for lane in lanes {
+                let (at, bytes) = nv.regions[lane.region];
+                let rows = lane.counts[rank * n];
+                for peer in 0..n {
+                    let landed: usize = (0..rank).map(|src| lane.counts[src * n + peer]).sum();
+                    if (landed + rows) * lane.row_bytes > bytes {
+                        return Err(MoeError::Unsupported(format!(
+                            "rank {rank}: {} rows of {} bytes for rank {peer} overflow its NVLink window region of {bytes} bytes",
+                            landed + rows,
+                            lane.row_bytes
+                        )));
+                    }
+                    if rows == 0 {
+                        continue;
+                    }
+                    let dst = nv.win.peer(peer) + (at + landed * lane.row_bytes) as u64;
+                    let stream = if peer == rank { own } else { main.as_ref() };
+                    // SAFETY: copies `rows` rows from the caller's buffer at `src` into peer's
+                    // window region, which holds them (checked above); the window outlives the
+                    // copy (retired windows are freed with the link).
+                    let r =
+                        unsafe { drv::cuMemcpyDtoDAsync_v2(dst, lane.src, rows * lane.row_bytes, stream.cu_stream()) };
+                    r.result().map_err(|e| err("copying rows to a peer", e))?;
+                }
+            }
+            self.push(nv, link, Exchange::Dispatch, &[])
+        })
     }
 
     /// An exchange over the link's NVLink window whose rows `write` enqueues itself: a kernel

@@ -24,7 +24,7 @@ use super::{Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
 use crate::backend::cuda::layer::experts::ExpertRows;
-use crate::backend::cuda::layer::nvlink::{Exchange, Lane};
+use crate::backend::cuda::layer::nvlink::{CopyLane, Exchange, Lane};
 use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
 use crate::error::Result;
@@ -83,6 +83,8 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     // fp8 experts on the fp8 GEMM take the tokens as fp8 codes with their scales: quantized
     // once here, they cross the link at their byte size.
     let fp8 = l.hopper_fp8_runs();
+    // Whole batches by the copy engines, or the rows each rank serves by the push kernel.
+    let whole = l.opts.copies_whole_batches(n, k);
     let scale_rows = if fp8 { received } else { 0 };
     // Room in every receiver's window for every rank's whole batch, and at home for a sum from
     // every rank for each token.
@@ -104,22 +106,22 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     if t > 0 {
         let tables = link.tables.as_ref().expect("uploaded when the layer was assembled");
         let tp = tables.ptrs(g);
-        let (ti, ki, ni) = (t as i32, k as i32, n as i32);
+        let (ti, ki, ni, whole_i) = (t as i32, k as i32, n as i32, whole as i32);
         // `sent + 4 n` holds this batch's size for the count.
         let shared = l.replica_shares(tables, ids, sent + 4 * n as u64, n)?;
         let (dest, ranks) = (dptr(&ep.dest, g), dptr(&ep.ranks, g));
         // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*) over the t · k ids
         // into dest (t · k ints) and ranks (t); the tables cover every expert, and `shared`
-        // (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int*, int*, int*, int*)
-        // from them, a thread per token: send_idx and send_ids hold n · t rows (of 1 and k
-        // ints), home_rows t · n ints, `sent` n ints; n <= MAX_RANKS = 32.
+        // (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int, int*, int*, int*,
+        // int*) from them, a thread per token: send_idx and send_ids hold n · t rows (of 1 and
+        // k ints), home_rows t · n ints, `sent` n ints; n <= MAX_RANKS = 32.
         unsafe {
             let mut p = s.launch_builder(&l.k.nvl_plan_slots);
             p.arg(&ids).arg(&ti).arg(&ki);
             p.arg(&tp[0]).arg(&tp[1]).arg(&tp[2]).arg(&tp[3]).arg(&shared).arg(&dest).arg(&ranks);
             p.launch(grid(t)).map_err(|e| err("nvl_plan_slots", e))?;
             let mut p = s.launch_builder(&l.k.nvl_plan);
-            p.arg(&dest).arg(&ranks).arg(&ti).arg(&ki).arg(&ni);
+            p.arg(&dest).arg(&ranks).arg(&ti).arg(&ki).arg(&ni).arg(&whole_i);
             p.arg(&send_idx).arg(&send_ids).arg(&home_rows).arg(&sent);
             p.launch(LaunchConfig {
                 grid_dim: (t.div_ceil(PLAN_THREADS) as u32, 1, 1),
@@ -134,29 +136,45 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let room: Vec<usize> = (0..n * n).map(|i| tokens[i / n]).collect();
     let one = vec![1usize; n * n];
     let counted = |src, idx, row_bytes, region| Lane { src, idx, row_bytes, region, counts: &room, live: Some(sent) };
-    let mut lanes = vec![counted(weights, Some(send_idx), 4 * k, WEIGHTS)];
-    if fp8 {
-        // The push runs on the layer's stream, so it reads the codes before anything
+    // The token rows: (source, bytes a row, region).
+    let token_rows = if fp8 {
+        // Their transfer runs on the layer's stream, so it reads the codes before anything
         // requantizes into these buffers.
         let mut rows = l.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
         let q = l.quantize_rows_fp8(&mut rows.input, x, t, h, 0, 0)?;
-        lanes.push(counted(dptr(&q.codes, g), Some(send_idx), h, ROWS));
-        lanes.push(counted(dptr(&q.scales, g), Some(send_idx), 4 * h.div_ceil(128), ROW_SCALES));
+        vec![(dptr(&q.codes, g), h, ROWS), (dptr(&q.scales, g), 4 * h.div_ceil(128), ROW_SCALES)]
     } else {
-        lanes.push(counted(x, Some(send_idx), 2 * h, ROWS));
-    }
-    // The head goes first, the ids and counts alone: each receiver groups its slots by local
-    // expert on a side stream while the rows cross the link, off the dispatch's critical path.
-    let head = [
+        vec![(x, 2 * h, ROWS)]
+    };
+    // The head goes first, the ids and counts (and, with whole batches, the weights): each
+    // receiver groups its slots by local expert on a side stream while the rows cross the
+    // link, off the dispatch's critical path.
+    let mut head = vec![
         counted(send_ids, None, 4 * k, IDS),
         Lane { src: sent, idx: None, row_bytes: 4, region: COUNTS, counts: &one, live: None },
     ];
+    let weights = counted(weights, Some(send_idx), 4 * k, WEIGHTS);
+    if whole {
+        head.push(weights);
+    }
     l.exchange_nvlink(link, Exchange::DispatchHead, &head)?;
     let side = l.side.grouping();
     l.side.fork(s, [side])?;
-    // The rows' push is enqueued before the grouping's launches, so that it follows the head
-    // on the device without waiting for the host.
-    l.exchange_nvlink(link, Exchange::Dispatch, &lanes)?;
+    // The rows are enqueued before the grouping's launches, so that they follow the head on
+    // the device without waiting for the host; whole batches as they lie (this rank's own
+    // copy on the grouping's stream, beside the peers'), else the rows each rank serves.
+    if whole {
+        let copies: Vec<CopyLane> = token_rows
+            .iter()
+            .map(|&(src, row_bytes, region)| CopyLane { src, row_bytes, region, counts: &room })
+            .collect();
+        l.copy_nvlink(link, &copies, &side.stream)?;
+    } else {
+        let mut lanes = vec![weights];
+        lanes
+            .extend(token_rows.iter().map(|&(src, row_bytes, region)| counted(src, Some(send_idx), row_bytes, region)));
+        l.exchange_nvlink(link, Exchange::Dispatch, &lanes)?;
+    }
     let fp8_scales = fp8.then_some(at[ROW_SCALES]);
     let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
     let imp = l.device_planned_experts().expect("checked by `applies`");
