@@ -1112,6 +1112,72 @@ fn through_device(
     through_device_as(layer, moeflow::backend::cuda::CudaMoeLayer::forward_device, x, t, device)
 }
 
+/// All-to-all-v planned on the device, sending whole batches by the copy engines: the rows of
+/// bf16 hidden states leave beside the routing (the layer says so), those of f32 ones after
+/// it, and the bf16 call gives the f32 call's output on the same values rounded to bf16, bit
+/// for bit, call after call, with uneven and empty batches. The gate holds bf16 values, so the
+/// router reads the bf16 rows as they are (and they are in place before it runs).
+#[test]
+fn whole_batches_beside_the_routing_give_the_bits_after_it() {
+    use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};
+    let name = "whole_batches_beside_the_routing_give_the_bits_after_it";
+    let Some(Gpus { n, _serial }) = gpus(name) else { return };
+    let devices: Vec<usize> = (0..n).collect();
+    // DeepSeek's grouped router and ungated shared expert, with experts enough (64) for the
+    // router's tensor-core kernel, which reads bf16 tokens as they are.
+    let grouped = RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 };
+    let shared = Some(SharedConfig { inter: 48, gated: false });
+    let config = small_config(136, 80, 64, 6, grouped, Activation::Silu, shared);
+    let mut weights = preset::random_weights(&config, DType::BF16, 35);
+    let gate: Vec<f32> = weights.gate.to_f32_vec().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+    weights.gate = Tensor::from_f32(weights.gate.shape(), gate).unwrap();
+    let (case, h) = ("64 experts, top-6", config.hidden);
+    let whole = CudaOptions {
+        expert_gemm: ExpertGemm::Hopper,
+        transport: Transport::NvLink,
+        copy_engine_dispatch: Some(true),
+        ..Default::default()
+    };
+    let opts = pinned_tiles(whole);
+    for shift in [0, 3] {
+        let sizes: Vec<usize> = (0..n).map(|r| [37, 0, 5, 64][(r + shift) % 4]).collect();
+        let inputs: Vec<Vec<f32>> = sizes
+            .iter()
+            .enumerate()
+            .map(|(r, &t)| {
+                preset::uniform(t * h, 1.0, 70 + r as u64).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect()
+            })
+            .collect();
+        let runs = run_ranks_nccl(&devices, Duration::from_secs(60), |c| {
+            let layer = CudaMoeLayer::new_ep(&config, &weights, c.duplicate()?, even(&config, n), &opts)?;
+            let (rank, t) = (c.rank(), sizes[c.rank()]);
+            let paths = |l: &CudaMoeLayer| (l.dispatch_planned_on_device(), l.dispatch_rows_beside_routing());
+            let after = through_device(&layer, &inputs[rank], t, devices[rank])?;
+            let after_paths = paths(&layer);
+            let bf16: Vec<u16> = inputs[rank].iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let call = CudaMoeLayer::forward_device_bf16;
+            let beside = through_device_as(&layer, call, &bf16, t, devices[rank])?;
+            let beside_paths = paths(&layer);
+            let again = through_device_as(&layer, call, &bf16, t, devices[rank])?;
+            Ok((after, after_paths, beside, beside_paths, again))
+        });
+        for (rank, r) in runs.into_iter().enumerate() {
+            let what = format!("{case}, {sizes:?}: rank {rank}");
+            let (after, after_paths, beside, beside_paths, again) = r.unwrap_or_else(|e| panic!("{what}: {e}"));
+            let t = sizes[rank];
+            assert_eq!(after_paths, (true, false), "{what}: f32 rows (device plan, beside the routing)");
+            assert_eq!(beside_paths, (true, t > 0), "{what}: bf16 rows (device plan, beside the routing)");
+            let want: Vec<u16> = after.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            assert!(t == 0 || want.iter().any(|&v| v != 0), "{what}: wrote its output");
+            if let Some(i) = (0..t * h).find(|&i| beside[i] != want[i]) {
+                panic!("{what}: output {i} is {:#06x} beside the routing, {:#06x} after it", beside[i], want[i]);
+            }
+            assert!(again == beside, "{what}: differs call to call");
+        }
+        eprintln!("{name}: {sizes:?}: rows beside the routing give the bits of rows after it on every rank");
+    }
+}
+
 /// bf16 hidden states on expert-parallel ranks (all-to-all-v over the default transport, and
 /// the low-latency layer), whose calls on device memory wait for the GPU: each rank's
 /// `forward_device_bf16` gives its f32 call's output on the same values rounded to bf16, bit

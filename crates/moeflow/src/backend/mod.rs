@@ -42,6 +42,9 @@ pub struct GpuStageTimes {
     pub transport: &'static str,
     /// Expert-parallel all-to-all-v: the dispatch was planned on the device, not the host.
     pub device_plan: bool,
+    /// Expert-parallel all-to-all-v: the token rows crossed beside the routing (whole batches
+    /// by the copy engines), so the dispatch stage holds their ids and flags, not the rows.
+    pub rows_beside_routing: bool,
 }
 
 /// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds

@@ -47,6 +47,9 @@ pub(super) struct Buffers {
     pub(super) shared_fp8: Option<super::masked_gemm::Fp8Rows>,
     /// Expert-parallel buffers, grown to the rows this rank sends and receives.
     pub(super) ep: Option<EpBuffers>,
+    /// This call's dispatch sent its token rows beside the routing (see
+    /// `DevicePrepareFinalize::send_beside_routing`).
+    pub(super) rows_sent_early: bool,
     /// Expert-parallel count exchange: this rank's `[E + ranks]`, then every rank's.
     pub(super) exchange: Option<CudaSlice<i32>>,
     /// Expert-parallel: every rank's batch size, exchanged before the routing (see
@@ -138,6 +141,7 @@ impl CudaMoeLayer {
                     _ => None,
                 },
                 ep: None,
+                rows_sent_early: false,
                 exchange: None,
                 batches: None,
                 shared_rows: z!(i32, 2),

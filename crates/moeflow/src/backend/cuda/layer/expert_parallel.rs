@@ -80,6 +80,8 @@ pub(super) struct EpLink {
     pub(super) transport: std::sync::Mutex<super::nvlink::LinkTransport>,
     /// Whether the last all-to-all-v dispatch was planned on the device.
     pub(super) device_planned: std::sync::atomic::AtomicBool,
+    /// Whether the last all-to-all-v dispatch sent its rows beside the routing.
+    pub(super) rows_beside_routing: std::sync::atomic::AtomicBool,
 }
 
 /// Where the rows a rank received lie, with their ids and weights: its buffers (NCCL), or its
@@ -166,7 +168,7 @@ impl CudaMoeLayer {
         let local = placement.local_experts(rank).len();
         let route_table = RouteTable::new(&placement);
         let transport = std::sync::Mutex::new(super::nvlink::LinkTransport::Pending(Default::default()));
-        let device_planned = Default::default();
+        let (device_planned, rows_beside_routing) = Default::default();
         Ok(EpLink {
             placement,
             local,
@@ -177,6 +179,7 @@ impl CudaMoeLayer {
             capacity: None,
             transport,
             device_planned,
+            rows_beside_routing,
         })
     }
 
@@ -270,6 +273,8 @@ impl CudaMoeLayer {
         self.write_ints(s, exp, &[t as i32])?;
         let side = self.side.shared();
         self.side.fork(s, [side])?;
+        // For rows that leave beside the routing (`DevicePrepareFinalize::send_beside_routing`).
+        self.side.tokens_in(s)?;
         link.comm.enqueue("moe batch sizes", &side.stream, |comm, cs| {
             // SAFETY: all-gather of one int per rank into the n ints after this rank's own.
             unsafe { nc::ncclAllGather(exp as _, (exp + 4) as _, 1, nc::ncclDataType_t::ncclInt32, comm, cs) }

@@ -958,6 +958,7 @@ impl CudaMoeLayer {
             experts: ran.experts,
             transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
             device_plan: self.dispatch_planned_on_device(),
+            rows_beside_routing: self.dispatch_rows_beside_routing(),
             ..stages_between(ms)?
         };
         let mut marks = marks;
@@ -1030,6 +1031,10 @@ impl CudaMoeLayer {
         if shares.is_some() {
             self.join_batches()?;
         }
+        // What the dispatch sends that does not depend on the routing leaves beside it.
+        b.rows_sent_early = false;
+        let pf = self.strategy_for(b, t)?;
+        pf.send_beside_routing(self, b, t)?;
         // The fused router has counted its call already.
         if self.records_load() && !self.routes_fused(t) {
             let live = b.ll.as_ref().map(|ll| (dptr(&ll.tokens, g), self.config.top_k));
@@ -1047,7 +1052,6 @@ impl CudaMoeLayer {
         mark(1)?;
         // The modular kernel: prepare → experts → finalize, with the shared experts on a side
         // stream from the end of the routing or of the send (see `shared_after_begin`).
-        let pf = self.strategy_for(b, t)?;
         let shared_late = pf.shared_after_begin(self);
         if t > 0 && !shared_late {
             self.shared_on_side_stream(b, t)?;

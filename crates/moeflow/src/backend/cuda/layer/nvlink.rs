@@ -10,8 +10,7 @@
 //! or a clock deadline passed ([`NvlWait`]). It reads nothing back to the host, so it is
 //! captured in CUDA graphs. A strategy's own kernel may take the push's place: one that writes
 //! its rows into the peers' windows, raises the flags and waits itself ([`WindowWrite`]); or
-//! the copy engines may move whole batches, after which a push of no rows raises and waits
-//! ([`CopyLane`]).
+//! the copy engines may move whole batches, whose flags a later push raises ([`CopyLane`]).
 //!
 //! A window region is written by the previous exchange's senders only after the receiver has
 //! sent its own next rows, which it does after reading the region: dispatch and combine
@@ -58,7 +57,7 @@ pub(super) struct NvLink {
     retired: Vec<PeerWindow>,
 }
 
-/// Rows the copy engines move ([`CudaMoeLayer::copy_nvlink`]): rows of `row_bytes` bytes at
+/// Rows the copy engines move ([`CudaMoeLayer::copy_to_windows`]): rows of `row_bytes` bytes at
 /// `src`, the same ones to every rank, landing in window region `region` of each receiver after
 /// the rows of lower source ranks; `counts[s · n + d]` rows from rank `s` to rank `d`, alike
 /// for every `d`.
@@ -201,6 +200,13 @@ impl CudaMoeLayer {
         self.ep.as_ref().is_some_and(|l| l.device_planned.load(std::sync::atomic::Ordering::Relaxed))
     }
 
+    /// Whether this expert-parallel layer's last device-planned dispatch sent its token rows
+    /// beside the routing: whole batches by the copy engines (see
+    /// `CudaOptions::copy_engine_dispatch`) of tokens that came in as bf16.
+    pub fn dispatch_rows_beside_routing(&self) -> bool {
+        self.ep.as_ref().is_some_and(|l| l.rows_beside_routing.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Where this rank's window regions start, each of at least `regions` bytes (the same on
     /// every rank: sized from every rank's counts), the window opened or reopened larger where
     /// needed; `None` when the link moves rows over NCCL. Collective where it opens a window.
@@ -263,16 +269,20 @@ impl CudaMoeLayer {
         with_window(link, |nv| self.push(nv, link, exchange, lanes))
     }
 
-    /// The dispatch's rows moved by the copy engines: each lane's rows copied whole to every
-    /// peer's window on the layer's stream, and to this rank's own on `own` (which runs beside
-    /// it; the caller orders it after the window's last reader and joins it before its rows'
-    /// use), then a push of no rows raises the flags and waits for every rank's, so that a
-    /// receiver that sees the flag sees the rows (the stream starts the push after the copies
-    /// have completed, and its fence at system scope orders them before the flag).
-    pub(super) fn copy_nvlink(&self, link: &EpLink, lanes: &[CopyLane], own: &CudaStream) -> Result<()> {
+    /// Rows moved by the copy engines: each lane's rows copied whole into every peer's window
+    /// on `peers`, and into this rank's own on `own`. The caller orders the streams after the
+    /// window's last reader, and has an exchange's push start after the copies (on the same
+    /// stream, or one that waits for them): the flags it raises then carry the rows, since the
+    /// push starts once the copies have completed and fences at system scope before them.
+    pub(super) fn copy_to_windows(
+        &self,
+        link: &EpLink,
+        lanes: &[CopyLane],
+        peers: &CudaStream,
+        own: &CudaStream,
+    ) -> Result<()> {
         let (n, rank) = (link.comm.size(), link.comm.rank());
         with_window(link, |nv| {
-            let main = &self.gpu.stream;
             for lane in lanes {
                 let (at, bytes) = nv.regions[lane.region];
                 let rows = lane.counts[rank * n];
@@ -289,7 +299,7 @@ impl CudaMoeLayer {
                         continue;
                     }
                     let dst = nv.win.peer(peer) + (at + landed * lane.row_bytes) as u64;
-                    let stream = if peer == rank { own } else { main.as_ref() };
+                    let stream = if peer == rank { own } else { peers };
                     // SAFETY: copies `rows` rows from the caller's buffer at `src` into peer's
                     // window region, which holds them (checked above); the window outlives the
                     // copy (retired windows are freed with the link).
@@ -298,7 +308,7 @@ impl CudaMoeLayer {
                     r.result().map_err(|e| err("copying rows to a peer", e))?;
                 }
             }
-            self.push(nv, link, Exchange::Dispatch, &[])
+            Ok(())
         })
     }
 

@@ -25,6 +25,8 @@ pub(super) struct SideStreams {
     streams: Vec<SideStream>,
     /// Recorded on the main stream where side streams fork from it.
     forked: CudaEvent,
+    /// Recorded on the main stream before the routing, where the tokens are in place.
+    tokens_in: CudaEvent,
 }
 
 impl SideStreams {
@@ -48,7 +50,7 @@ impl SideStreams {
                 Ok(SideStream { stream, blas, done: event()? })
             })
             .collect::<Result<_>>()?;
-        Ok(SideStreams { streams, forked: event()? })
+        Ok(SideStreams { streams, forked: event()?, tokens_in: event()? })
     }
 
     /// The stream of the shared expert and the router's bf16 copy.
@@ -80,6 +82,18 @@ impl SideStreams {
             side.stream.wait(&self.forked).map_err(|e| err("stream fork", e))?;
         }
         Ok(())
+    }
+
+    /// Marks where `main` has its tokens in place, before the routing, for
+    /// [`SideStreams::after_tokens_in`].
+    pub(super) fn tokens_in(&self, main: &CudaStream) -> Result<()> {
+        self.tokens_in.record(main).map_err(|e| err("stream fork", e))
+    }
+
+    /// `side` waits, on the device, for the main stream's work up to the last
+    /// [`SideStreams::tokens_in`] (a fork from that point, made later).
+    pub(super) fn after_tokens_in(&self, side: &SideStream) -> Result<()> {
+        side.stream.wait(&self.tokens_in).map_err(|e| err("stream fork", e))
     }
 
     /// `main` waits, on the device, for the work enqueued on `sides` so far.

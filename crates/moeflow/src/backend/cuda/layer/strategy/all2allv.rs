@@ -64,11 +64,22 @@ impl DevicePrepareFinalize for All2AllV {
         l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link))
     }
 
+    /// Whole batches over NVLink leave by the copy engines while the routing runs.
+    fn send_beside_routing(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
+        match l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link)) {
+            true => all2allv_nvlink::send_beside_routing(l, b, t),
+            false => Ok(()),
+        }
+    }
+
     fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State> {
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let planned =
             if all2allv_nvlink::applies(l, link) { all2allv_nvlink::prepare_begin(l, b, t, mark)? } else { None };
         link.device_planned.store(planned.is_some(), std::sync::atomic::Ordering::Relaxed);
+        if planned.is_none() {
+            link.rows_beside_routing.store(false, std::sync::atomic::Ordering::Relaxed);
+        }
         if let Some(state) = planned {
             return Ok(state);
         }

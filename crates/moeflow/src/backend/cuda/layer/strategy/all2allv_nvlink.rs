@@ -64,6 +64,69 @@ pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
         && link.transport_name() != "nccl"
 }
 
+/// Every rank's batch this call and the window's regions, which hold them all.
+struct Window {
+    /// Every rank's batch.
+    tokens: Vec<usize>,
+    /// Where each rank's rows start in a receiver's regions (n + 1).
+    starts: Vec<usize>,
+    /// Where each region starts in this rank's window.
+    at: Vec<u64>,
+}
+
+/// Every rank's batch and the window (opened or grown as they need); `None` when the link
+/// turned out to move rows over NCCL. Collective where it opens a window.
+fn window(l: &CudaMoeLayer, b: &mut Buffers, link: &EpLink, t: usize) -> Result<Option<Window>> {
+    let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
+    let tokens = l.batches(b, link, t)?;
+    let mut starts = vec![0usize; n + 1];
+    for (r, &x) in tokens.iter().enumerate() {
+        starts[r + 1] = starts[r] + x;
+    }
+    let received = starts[n];
+    let most = tokens.iter().copied().max().unwrap_or(0);
+    // fp8 experts on the fp8 GEMM take the tokens as fp8 codes with their scales: quantized
+    // once at home, they cross the link at their byte size.
+    let scale_rows = if l.hopper_fp8_runs() { received } else { 0 };
+    // Room in every receiver's window for every rank's whole batch, and at home for a sum from
+    // every rank for each token.
+    let regions = regions_of(h, k, n, [received, received, received, n * most, 0, scale_rows]);
+    Ok(l.nvlink(link, &regions)?.map(|at| Window { tokens, starts, at }))
+}
+
+/// Whether this call sends whole batches by the copy engines (the same on every rank).
+fn sends_whole(l: &CudaMoeLayer, link: &EpLink) -> bool {
+    l.opts.copies_whole_batches(link.comm.size(), l.config.top_k)
+}
+
+/// Whole batches of bf16 tokens that are in place before the routing (they came in as bf16)
+/// leave beside it: the copy engines move them into every rank's window on the grouping's
+/// side stream (this rank's own share on the shared experts' stream), both taken up from the
+/// layer's stream before the routing ([`CudaMoeLayer::share_batches`]); the layer's stream
+/// waits for the own share at once (it ends long before the routing does) and for the peers'
+/// before the dispatch raises its flags. Every rank that sends whole batches opens the window here, even
+/// where its own rows wait for the dispatch, so that the collective opening stays in step.
+/// Collective where it opens a window.
+pub(super) fn send_beside_routing(l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
+    let link = l.ep.as_ref().expect("an expert-parallel layer");
+    if l.hopper_fp8_runs() || !sends_whole(l, link) {
+        return Ok(());
+    }
+    let Some(w) = window(l, b, link, t)? else { return Ok(()) };
+    if !b.tokens_bf16 || t == 0 {
+        return Ok(());
+    }
+    let n = link.comm.size();
+    let room: Vec<usize> = (0..n * n).map(|i| w.tokens[i / n]).collect();
+    let rows = [CopyLane { src: dptr(&b.x_bf, &l.gpu), row_bytes: 2 * l.config.hidden, region: ROWS, counts: &room }];
+    let (peers, own) = (l.side.grouping(), l.side.shared());
+    l.side.after_tokens_in(peers)?;
+    l.copy_to_windows(link, &rows, &peers.stream, &own.stream)?;
+    l.side.join(&l.gpu.stream, [own])?;
+    b.rows_sent_early = true;
+    Ok(())
+}
+
 /// Plans the dispatch on the device and pushes the rows (marks 2); `None` when the link turned
 /// out to move rows over NCCL (no window opened), so the host plans it instead. Collective.
 pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<Option<State>> {
@@ -73,25 +136,12 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let (n, el) = (link.comm.size(), link.local);
     let g = &l.gpu;
     let s = &g.stream;
-    let tokens = l.batches(b, link, t)?;
-    let mut starts = vec![0usize; n + 1];
-    for (r, &x) in tokens.iter().enumerate() {
-        starts[r + 1] = starts[r] + x;
-    }
+    let Some(Window { tokens, starts, at }) = window(l, b, link, t)? else { return Ok(None) };
     let received = starts[n];
     let most = tokens.iter().copied().max().unwrap_or(0);
-    // fp8 experts on the fp8 GEMM take the tokens as fp8 codes with their scales: quantized
-    // once here, they cross the link at their byte size.
     let fp8 = l.hopper_fp8_runs();
     // Whole batches by the copy engines, or the rows each rank serves by the push kernel.
-    let whole = l.opts.copies_whole_batches(n, k);
-    let scale_rows = if fp8 { received } else { 0 };
-    // Room in every receiver's window for every rank's whole batch, and at home for a sum from
-    // every rank for each token.
-    let at = match l.nvlink(link, &regions_of(h, k, n, [received, received, received, n * most, 0, scale_rows]))? {
-        Some(at) => at,
-        None => return Ok(None),
-    };
+    let whole = sends_whole(l, link);
     l.grow_ep_buffers(b, [n * t, received, received * k.min(el), t], n)?;
     let ep = b.ep.as_mut().expect("allocated");
     let plan = dptr(&ep.plan, g);
@@ -157,18 +207,29 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     if whole {
         head.push(weights);
     }
-    l.exchange_nvlink(link, Exchange::DispatchHead, &head)?;
     let side = l.side.grouping();
+    let early = std::mem::take(&mut b.rows_sent_early);
+    link.rows_beside_routing.store(early, std::sync::atomic::Ordering::Relaxed);
+    if early {
+        // The rows sent beside the routing land before this rank raises its flags.
+        l.side.join(s, [side])?;
+    }
+    l.exchange_nvlink(link, Exchange::DispatchHead, &head)?;
     l.side.fork(s, [side])?;
     // The rows are enqueued before the grouping's launches, so that they follow the head on
-    // the device without waiting for the host; whole batches as they lie (this rank's own
-    // copy on the grouping's stream, beside the peers'), else the rows each rank serves.
+    // the device without waiting for the host: whole batches as they lie (this rank's own
+    // copy on the grouping's stream, beside the peers'), unless they left beside the routing,
+    // then a push of no rows that raises the flags their receivers wait for; else the rows
+    // each rank serves. Every rank runs the same two exchanges either way.
     if whole {
-        let copies: Vec<CopyLane> = token_rows
-            .iter()
-            .map(|&(src, row_bytes, region)| CopyLane { src, row_bytes, region, counts: &room })
-            .collect();
-        l.copy_nvlink(link, &copies, &side.stream)?;
+        if !early {
+            let copies: Vec<CopyLane> = token_rows
+                .iter()
+                .map(|&(src, row_bytes, region)| CopyLane { src, row_bytes, region, counts: &room })
+                .collect();
+            l.copy_to_windows(link, &copies, s, &side.stream)?;
+        }
+        l.exchange_nvlink(link, Exchange::Dispatch, &[])?;
     } else {
         let mut lanes = vec![weights];
         lanes

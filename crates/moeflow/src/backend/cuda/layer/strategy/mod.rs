@@ -114,6 +114,11 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     fn wait(&self, layer: &CudaMoeLayer) -> Result<()> {
         layer.wait_run()
     }
+    /// Enqueues, beside the routing (enqueued but not yet run), what the dispatch sends that
+    /// does not depend on it; nothing by default. Collective where it opens a window.
+    fn send_beside_routing(&self, _layer: &CudaMoeLayer, _b: &mut Buffers, _t: usize) -> Result<()> {
+        Ok(())
+    }
     /// Plans the dispatch, stages the rows and enqueues their transfer (marks 2).
     fn prepare_begin(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State>;
     /// Groups the arrived rows by local expert for the experts (marks 3).
