@@ -57,6 +57,24 @@ pub(super) struct NvLink {
     retired: Vec<PeerWindow>,
 }
 
+impl NvLink {
+    /// Where rank `rank`'s rows of `row_bytes` bytes land in region `region` of rank `peer`'s
+    /// window (of `n`), as this rank addresses it: after the rows of lower source ranks
+    /// (`counts` as a [`Lane`]'s); an error naming both ranks where they overflow the region.
+    fn landing(&self, region: usize, counts: &[usize], row_bytes: usize, [rank, peer, n]: [usize; 3]) -> Result<u64> {
+        let (at, bytes) = self.regions[region];
+        let landed: usize = (0..rank).map(|src| counts[src * n + peer]).sum();
+        let rows = counts[rank * n + peer];
+        if (landed + rows) * row_bytes > bytes {
+            return Err(MoeError::Unsupported(format!(
+                "rank {rank}: {} rows of {row_bytes} bytes for rank {peer} overflow its NVLink window region of {bytes} bytes",
+                landed + rows
+            )));
+        }
+        Ok(self.win.peer(peer) + (at + landed * row_bytes) as u64)
+    }
+}
+
 /// Rows the copy engines move ([`CudaMoeLayer::copy_to_windows`]): rows of `row_bytes` bytes at
 /// `src`, the same ones to every rank, landing in window region `region` of each receiver after
 /// the rows of lower source ranks; `counts[s · n + d]` rows from rank `s` to rank `d`, alike
@@ -284,25 +302,16 @@ impl CudaMoeLayer {
         let (n, rank) = (link.comm.size(), link.comm.rank());
         with_window(link, |nv| {
             for lane in lanes {
-                let (at, bytes) = nv.regions[lane.region];
                 let rows = lane.counts[rank * n];
                 for peer in 0..n {
-                    let landed: usize = (0..rank).map(|src| lane.counts[src * n + peer]).sum();
-                    if (landed + rows) * lane.row_bytes > bytes {
-                        return Err(MoeError::Unsupported(format!(
-                            "rank {rank}: {} rows of {} bytes for rank {peer} overflow its NVLink window region of {bytes} bytes",
-                            landed + rows,
-                            lane.row_bytes
-                        )));
-                    }
+                    let dst = nv.landing(lane.region, lane.counts, lane.row_bytes, [rank, peer, n])?;
                     if rows == 0 {
                         continue;
                     }
-                    let dst = nv.win.peer(peer) + (at + landed * lane.row_bytes) as u64;
                     let stream = if peer == rank { own } else { peers };
                     // SAFETY: copies `rows` rows from the caller's buffer at `src` into peer's
-                    // window region, which holds them (checked above); the window outlives the
-                    // copy (retired windows are freed with the link).
+                    // window region, which holds them (checked by `landing`); the window
+                    // outlives the copy (retired windows are freed with the link).
                     let r =
                         unsafe { drv::cuMemcpyDtoDAsync_v2(dst, lane.src, rows * lane.row_bytes, stream.cu_stream()) };
                     r.result().map_err(|e| err("copying rows to a peer", e))?;
@@ -382,25 +391,15 @@ impl CudaMoeLayer {
         let mut table = Vec::with_capacity(lanes.len() * n * LANE);
         let mut records = 0usize;
         for lane in lanes {
-            let counts = lane.counts;
-            let (at, bytes) = nv.regions[lane.region];
             let mut sent = 0usize;
             for peer in 0..n {
-                let rows = counts[rank * n + peer];
-                let landed: usize = (0..rank).map(|src| counts[src * n + peer]).sum();
-                if (landed + rows) * lane.row_bytes > bytes {
-                    return Err(MoeError::Unsupported(format!(
-                        "rank {rank}: {} rows of {} bytes for rank {peer} overflow its NVLink window region of {bytes} bytes",
-                        landed + rows,
-                        lane.row_bytes
-                    )));
-                }
+                let rows = lane.counts[rank * n + peer];
+                let dst = nv.landing(lane.region, lane.counts, lane.row_bytes, [rank, peer, n])?;
                 if rows > 0 {
                     let (src, idx) = match lane.idx {
                         Some(idx) => (lane.src, idx + 4 * sent as u64),
                         None => (lane.src + (sent * lane.row_bytes) as u64, 0),
                     };
-                    let dst = nv.win.peer(peer) + (at + landed * lane.row_bytes) as u64;
                     let live = lane.live.map_or(0, |c| c + 4 * peer as u64);
                     table.extend_from_slice(&lane_record(src, idx, dst, live, rows, lane.row_bytes));
                     records += 1;

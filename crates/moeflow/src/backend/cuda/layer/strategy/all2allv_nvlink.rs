@@ -7,17 +7,25 @@
 //! `starts[s]` = the batches of the ranks before `s`, room for all of `s`'s tokens. Then, on
 //! the device: a thread per token finds where its slots are served, then another plans its
 //! dispatch (`nvl_plan` in nvlink.cu: the token's position among those sent to each rank, in
-//! token order, with its ids local there);
-//! a first push (the head) copies each token's ids once to each such rank, and this rank's
-//! counts to every rank; a second copies the rows (fp8 codes and their scales for W8A8
-//! experts on the fp8 GEMM, quantized once at home) and weights the same way, with only as
-//! many rows as the plan counted. While the rows cross the link, the receiver marks the rows
-//! no rank sent as served elsewhere and groups the slots by local expert on a side stream;
-//! then it runs the Hopper GEMM, which reads the experts' sizes on the device and gathers the
-//! rows from the window itself (the permute fused into its loads). The kernel that sums each token's slots served
-//! here writes the sum straight into its home's window, in the room its home left for this
-//! rank (no staging rows, no push); home sums them in rank order, as the host-planned
-//! all-to-all-v does.
+//! token order, with its ids local there). A first push (the head) copies each token's ids
+//! once to each such rank, and this rank's counts to every rank; a second copies the rows
+//! (fp8 codes and their scales for W8A8 experts on the fp8 GEMM, quantized once at home) and
+//! weights the same way, with only as many rows as the plan counted. While the rows cross the
+//! link, the receiver marks the rows no rank sent as served elsewhere and groups the slots by
+//! local expert on a side stream; then it runs the Hopper GEMM, which reads the experts' sizes
+//! on the device and gathers the rows from the window itself (the permute fused into its
+//! loads).
+//!
+//! Where nearly every token reaches every rank ([`CudaOptions::copies_whole_batches`]), the
+//! plan gives every token its own position on every rank and the copy engines move the whole
+//! batch as it lies, with no SMs; the weights then go in the head, and a push of no rows raises
+//! the flags. Whole batches of bf16 tokens leave beside the routing ([`send_beside_routing`]).
+//!
+//! The kernel that sums each token's slots served here writes the sum straight into its
+//! home's window, in the room its home left for this rank (no staging rows, no push); home
+//! sums them in rank order, as the host-planned all-to-all-v does.
+//!
+//! [`CudaOptions::copies_whole_batches`]: crate::backend::cuda_options::CudaOptions::copies_whole_batches
 
 use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, WEIGHTS};
 use super::{Dispatched, Mark, Sent, State};
@@ -104,9 +112,9 @@ fn sends_whole(l: &CudaMoeLayer, link: &EpLink) -> bool {
 /// side stream (this rank's own share on the shared experts' stream), both taken up from the
 /// layer's stream before the routing ([`CudaMoeLayer::share_batches`]); the layer's stream
 /// waits for the own share at once (it ends long before the routing does) and for the peers'
-/// before the dispatch raises its flags. Every rank that sends whole batches opens the window here, even
-/// where its own rows wait for the dispatch, so that the collective opening stays in step.
-/// Collective where it opens a window.
+/// before the dispatch raises its flags. Every rank that sends whole batches opens the window
+/// here, even where its own rows wait for the dispatch, so that the collective opening stays
+/// in step. Collective where it opens a window.
 pub(super) fn send_beside_routing(l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     if l.hopper_fp8_runs() || !sends_whole(l, link) {
