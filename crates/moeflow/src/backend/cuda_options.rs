@@ -294,7 +294,7 @@ pub const CUDA_VARIABLES: [(&str, &str); 20] = [
     ("MOEFLOW_DEVICE_PLAN", "0|1: all-to-all-v over NVLink plans its dispatch on the device (default 1)"),
     (
         "MOEFLOW_COPY_ENGINE_DISPATCH",
-        "0|1: that dispatch copies whole batches by the copy engines (default: where nearly every token reaches every rank)",
+        "0|1: that dispatch copies whole batches by the copy engines (default: where few tokens miss a rank)",
     ),
     ("MOEFLOW_LOAD_STATS", "0|1: count tokens per expert on the device each call (default 1)"),
     ("MOEFLOW_REPLICA_MIN_ROWS", "N: rows a replicated expert needs before its replicas share a batch (default 128)"),
@@ -329,7 +329,7 @@ impl CudaOptions {
     /// Whether all-to-all-v's device-planned NVLink dispatch over `ranks` ranks at top-`k` sends
     /// whole batches by the copy engines ([`CudaOptions::copy_engine_dispatch`]); by default
     /// where a token misses a given rank with probability (1 - 1/ranks)^k <= 0.1 under uniform
-    /// routing (2 ranks at top-4 and more, 4 ranks at top-9), so that the rows sent for
+    /// routing (2 ranks at top-4 and more, 4 ranks at top-9 and more), so that the rows sent for
     /// nothing cost less than the copy engines gain over the push kernel (docs/tuning.md).
     pub fn copies_whole_batches(&self, ranks: usize, k: usize) -> bool {
         let miss = (1.0 - 1.0 / ranks.max(1) as f64).powi(k.min(64) as i32);
