@@ -196,8 +196,9 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let counted = |src, idx, row_bytes, region| Lane { src, idx, row_bytes, region, counts: &room, live: Some(sent) };
     // The token rows: (source, bytes a row, region).
     let token_rows = if fp8 {
-        // Their transfer runs on the layer's stream, so it reads the codes before anything
-        // requantizes into these buffers.
+        // Their transfer ends before the layer's stream reaches the experts (which join the
+        // grouping's stream, where a copy takes this rank's own share), so it reads the codes
+        // before anything requantizes into these buffers.
         let mut rows = l.fp8_rows.lock().unwrap_or_else(|p| p.into_inner());
         let q = l.quantize_rows_fp8(&mut rows.input, x, t, h, 0, 0)?;
         vec![(dptr(&q.codes, g), h, ROWS), (dptr(&q.scales, g), 4 * h.div_ceil(128), ROW_SCALES)]
