@@ -14,13 +14,22 @@ use cudarc::cublas::{sys as cb, CudaBlas};
 use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
 
 impl CudaMoeLayer {
-    /// Starts the shared experts of the `t` tokens in `b.x_bf` on side stream 0, writing `b.sy`;
-    /// they overlap the routed experts until the main stream joins the side stream. Where the
-    /// layer quantizes its tokens once ([`CudaMoeLayer::tokens_fp8`]), their fp8 codes are
-    /// made on the main stream first.
-    pub(super) fn shared_on_side_stream(&self, b: &Buffers, t: usize) -> Result<()> {
-        let Some(sh) = &self.w.shared else { return Ok(()) };
+    /// Forks side stream 0 from the layer's stream for the shared experts of the `t` tokens,
+    /// after the layer's stream has quantized them where the layer does so once for all its
+    /// experts ([`CudaMoeLayer::tokens_fp8`]); nothing without shared experts.
+    pub(super) fn fork_shared(&self, b: &Buffers, t: usize) -> Result<()> {
+        if self.w.shared.is_none() {
+            return Ok(());
+        }
         self.quantize_tokens_once(b, t)?;
+        self.side.fork(&self.gpu.stream, [self.side.shared()])
+    }
+
+    /// Enqueues the shared experts of the `t` tokens in `b.x_bf` on side stream 0 (forked by
+    /// [`CudaMoeLayer::fork_shared`]), writing `b.sy`; they overlap the routed experts until the
+    /// main stream joins the side stream.
+    pub(super) fn enqueue_shared(&self, b: &Buffers, t: usize) -> Result<()> {
+        let Some(sh) = &self.w.shared else { return Ok(()) };
         if let (Some(on_fp8), Some(rows)) = (self.shared_fp8_gemm(), &b.shared_fp8) {
             return self.shared_fp8(b, t, on_fp8, rows);
         }
@@ -29,7 +38,6 @@ impl CudaMoeLayer {
         }
         let (h, si) = (self.config.hidden, sh.inter);
         let (stream, blas) = (&self.side.shared().stream, &self.side.shared().blas);
-        self.side.fork(&self.gpu.stream, [self.side.shared()])?;
         let g = &self.gpu;
         let x = self.shared_input(stream, b, t)?;
         gemm_bf16(blas, dptr(&sh.w13, g), 2 * si, h, x, dptr(&b.sh13, g), t)?;
@@ -152,9 +160,7 @@ impl CudaMoeLayer {
     ) -> Result<()> {
         let (h, si) = (self.config.hidden, self.w.shared.as_ref().map_or(0, |sh| sh.inter));
         let g = &self.gpu;
-        let side = self.side.shared();
-        self.side.fork(&g.stream, [side])?;
-        let s = &side.stream;
+        let s = &self.side.shared().stream;
         let co = self.set_shared_rows(s, b, t)?;
         let a = Fp8Operand { codes: dptr(&rows.codes, g), scales: dptr(&rows.scales, g) };
         if self.tokens_fp8(b).is_none() {
@@ -194,9 +200,7 @@ impl CudaMoeLayer {
         let hopper = self.k.hopper_shared.as_ref().expect("deterministic layers have the Hopper GEMM");
         let (h, si) = (self.config.hidden, sh.inter);
         let g = &self.gpu;
-        let side = self.side.shared();
-        self.side.fork(&g.stream, [side])?;
-        let s = &side.stream;
+        let s = &self.side.shared().stream;
         let co = self.set_shared_rows(s, b, t)?;
         let x = self.shared_input(s, b, t)?;
         let act = Epilogue::Activation { activation: self.config.activation, bias: 0 };

@@ -1051,14 +1051,22 @@ impl CudaMoeLayer {
         }
         mark(1)?;
         // The modular kernel: prepare → experts → finalize, with the shared experts on a side
-        // stream from the end of the routing or of the send (see `shared_after_begin`).
+        // stream from the end of the routing or of the send (see `shared_after_begin`), their
+        // launches enqueued before or after the send's (`shared_launched_after_begin`).
         let shared_late = pf.shared_after_begin(self);
+        let launch_late = shared_late || pf.shared_launched_after_begin(self);
         if t > 0 && !shared_late {
-            self.shared_on_side_stream(b, t)?;
+            self.fork_shared(b, t)?;
+        }
+        if t > 0 && !launch_late {
+            self.enqueue_shared(b, t)?;
         }
         let pending = pf.prepare_begin(self, b, t, mark)?;
         if t > 0 && shared_late {
-            self.shared_on_side_stream(b, t)?;
+            self.fork_shared(b, t)?;
+        }
+        if t > 0 && launch_late {
+            self.enqueue_shared(b, t)?;
         }
         let mut d = pf.prepare_finish(self, b, t, pending, mark)?;
         if d.rows.rows > 0 {

@@ -20,7 +20,8 @@ pub(super) struct SideStream {
 
 /// The side streams of a layer: the first runs the shared expert (and the router's bf16 copy),
 /// the others per-expert GEMMs (each too small to fill the GPU) concurrently; the second also
-/// groups a device-planned dispatch's slots while its rows cross the link.
+/// groups a device-planned dispatch's slots while its rows cross the link, and the third
+/// carries the whole batches that dispatch copies beside the routing.
 pub(super) struct SideStreams {
     streams: Vec<SideStream>,
     /// Recorded on the main stream where side streams fork from it.
@@ -68,6 +69,13 @@ impl SideStreams {
     /// layer's stream, so the per-expert GEMM streams are free then).
     pub(super) fn grouping(&self) -> &SideStream {
         &self.streams[1]
+    }
+
+    /// The stream of the whole batches a device-planned dispatch copies beside the routing:
+    /// the second per-expert GEMM stream, so that the grouping does not queue behind the
+    /// copies (the grouping's own where the layer has one per-expert stream only).
+    pub(super) fn copies(&self) -> &SideStream {
+        self.streams.get(2).unwrap_or(&self.streams[1])
     }
 
     /// All of them.

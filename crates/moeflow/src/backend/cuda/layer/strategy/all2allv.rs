@@ -64,6 +64,12 @@ impl DevicePrepareFinalize for All2AllV {
         l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link))
     }
 
+    /// The device-planned dispatch over NVLink: its plan and head go out before the host
+    /// spends its time on the shared experts' cuBLAS launches.
+    fn shared_launched_after_begin(&self, l: &CudaMoeLayer) -> bool {
+        l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link))
+    }
+
     /// Whole batches over NVLink leave by the copy engines while the routing runs.
     fn send_beside_routing(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
         match l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link)) {

@@ -108,13 +108,13 @@ fn sends_whole(l: &CudaMoeLayer, link: &EpLink) -> bool {
 }
 
 /// Whole batches of bf16 tokens that are in place before the routing (they came in as bf16)
-/// leave beside it: the copy engines move them into every rank's window on the grouping's
-/// side stream (this rank's own share on the shared experts' stream), both taken up from the
+/// leave beside it: the copy engines move them into every rank's window on the copies' side
+/// stream (this rank's own share on the shared experts' stream), both taken up from the
 /// layer's stream before the routing ([`CudaMoeLayer::share_batches`]); the layer's stream
 /// waits for the own share at once (it ends long before the routing does) and for the peers'
-/// before the dispatch raises its flags. Every rank that sends whole batches opens the window
-/// here, even where its own rows wait for the dispatch, so that the collective opening stays
-/// in step. Collective where it opens a window.
+/// before the rows' exchange raises its flags (the head goes ahead of them). Every rank that
+/// sends whole batches opens the window here, even where its own rows wait for the dispatch,
+/// so that the collective opening stays in step. Collective where it opens a window.
 pub(super) fn send_beside_routing(l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     if l.hopper_fp8_runs() || !sends_whole(l, link) {
@@ -127,7 +127,7 @@ pub(super) fn send_beside_routing(l: &CudaMoeLayer, b: &mut Buffers, t: usize) -
     let n = link.comm.size();
     let room: Vec<usize> = (0..n * n).map(|i| w.tokens[i / n]).collect();
     let rows = [CopyLane { src: dptr(&b.x_bf, &l.gpu), row_bytes: 2 * l.config.hidden, region: ROWS, counts: &room }];
-    let (peers, own) = (l.side.grouping(), l.side.shared());
+    let (peers, own) = (l.side.copies(), l.side.shared());
     l.side.after_tokens_in(peers)?;
     l.copy_to_windows(link, &rows, &peers.stream, &own.stream)?;
     l.side.join(&l.gpu.stream, [own])?;
@@ -217,11 +217,13 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         head.push(weights);
     }
     let side = l.side.grouping();
+    let imp = l.device_planned_experts().expect("checked by `applies`");
     let early = std::mem::take(&mut b.rows_sent_early);
     link.rows_beside_routing.store(early, std::sync::atomic::Ordering::Relaxed);
-    if early {
-        // The rows sent beside the routing land before this rank raises its flags.
-        l.side.join(s, [side])?;
+    // The rows sent beside the routing land before the flags of the rows' exchange; where the
+    // grouping copies rows (experts that do not gather them), before the head's.
+    if early && !imp.gathers_rows(l, 0) {
+        l.side.join(s, [l.side.copies()])?;
     }
     l.exchange_nvlink(link, Exchange::DispatchHead, &head)?;
     l.side.fork(s, [side])?;
@@ -231,7 +233,9 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     // then a push of no rows that raises the flags their receivers wait for; else the rows
     // each rank serves. Every rank runs the same two exchanges either way.
     if whole {
-        if !early {
+        if early {
+            l.side.join(s, [l.side.copies()])?;
+        } else {
             let copies: Vec<CopyLane> = token_rows
                 .iter()
                 .map(|&(src, row_bytes, region)| CopyLane { src, row_bytes, region, counts: &room })
@@ -247,7 +251,6 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     }
     let fp8_scales = fp8.then_some(at[ROW_SCALES]);
     let landed = Landed { rows: at[ROWS], fp8_scales, ids: at[IDS], w: at[WEIGHTS] };
-    let imp = l.device_planned_experts().expect("checked by `applies`");
     let plan = LocalPlan { imp, cap: 0, rows: received * k.min(el), groups: Vec::new() };
     let localize = Localize::Landed { counts: at[COUNTS], starts: plan_starts };
     let rows = l.group_received(&side.stream, b, received, plan, localize, landed)?;

@@ -142,6 +142,14 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     fn shared_after_begin(&self, _layer: &CudaMoeLayer) -> bool {
         false
     }
+    /// Whether the shared experts' launches are enqueued after those of
+    /// [`DevicePrepareFinalize::prepare_begin`], their stream still forked before it: the
+    /// host then reaches the transfer's launches first, where the shared experts' cuBLAS
+    /// launches would have held it past the routing's end, and the shared experts still wait
+    /// on the device only for the routing.
+    fn shared_launched_after_begin(&self, _layer: &CudaMoeLayer) -> bool {
+        false
+    }
     /// Whether finalize adds the shared experts' output (one GPU's combine, deterministic
     /// mode's combine at home, and the sum at home of an ungated shared expert's:
     /// [`CudaMoeLayer::shared_summed_at_home`]); otherwise the layer adds it after finalize.
