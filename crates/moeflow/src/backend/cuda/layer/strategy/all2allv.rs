@@ -61,21 +61,21 @@ impl DevicePrepareFinalize for All2AllV {
     }
 
     fn needs_batches(&self, l: &CudaMoeLayer) -> bool {
-        l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link))
+        all2allv_nvlink::applies_to(l)
     }
 
     /// The device-planned dispatch over NVLink: its plan and head go out before the host
     /// spends its time on the shared experts' cuBLAS launches.
     fn shared_launched_after_begin(&self, l: &CudaMoeLayer) -> bool {
-        l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link))
+        all2allv_nvlink::applies_to(l)
     }
 
     /// Whole batches over NVLink leave by the copy engines while the routing runs.
     fn send_beside_routing(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
-        match l.ep.as_ref().is_some_and(|link| all2allv_nvlink::applies(l, link)) {
-            true => all2allv_nvlink::send_beside_routing(l, b, t),
-            false => Ok(()),
+        if all2allv_nvlink::applies_to(l) {
+            all2allv_nvlink::send_beside_routing(l, b, t)?;
         }
+        Ok(())
     }
 
     fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State> {

@@ -72,6 +72,11 @@ pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
         && link.transport_name() != "nccl"
 }
 
+/// [`applies`] to `l`'s link, where `l` is expert-parallel.
+pub(super) fn applies_to(l: &CudaMoeLayer) -> bool {
+    l.ep.as_ref().is_some_and(|link| applies(l, link))
+}
+
 /// Every rank's batch this call and the window's regions, which hold them all.
 struct Window {
     /// Every rank's batch.
