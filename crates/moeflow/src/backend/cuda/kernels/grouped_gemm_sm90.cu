@@ -19,7 +19,12 @@
 // tile's rows and weights (two boxes of 128 weight rows) into a 4-stage shared-memory ring
 // with TMA (128-byte swizzle, zero fill past the tensor's edges); two consumer warpgroups
 // multiply them with wgmma.m64n256k16 (64 rows each) straight from shared memory, and hand
-// each stage back through an mbarrier once the tensor cores are done with it. The epilogue
+// each stage back through an mbarrier once the tensor cores are done with it. An expert's last
+// tile also takes the up to 32 rows past its 128 that end the expert (its tail), which would
+// otherwise make a tile of their own that streams the same weights again for a few rows: the
+// stage brings them beside the 128, and each consumer warpgroup multiplies them against two
+// 64-row boxes of the weights with the operands swapped (wgmma.m64n32k16), giving each output
+// the bits the 64-row fragments give it (docs/tuning.md). The epilogue
 // rounds to bf16 and stores only the expert's own rows, so rows read past its end (the next
 // expert's, or zeros) are computed and dropped. A second entry point takes tiles of 64 rows
 // with one consumer warpgroup and a 5-stage ring, for batches of a few rows an expert, and a
@@ -147,6 +152,18 @@ __device__ __forceinline__ void gg_mma224(float* d, u64 a, u64 b, int accumulate
         : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// d[64 × 32 fragment] (+)= A[64 × 16] · B[32 × 16]ᵀ: a tail's products with the operands
+// swapped, 64 weight rows as A and the tail's 32 rows as B.
+__device__ __forceinline__ void gg_mma32(float* d, u64 a, u64 b, int accumulate) {
+    asm volatile(
+        "{\n .reg .pred acc;\n setp.ne.b32 acc, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+        "}, %16, %17, acc, 1, 1, 0, 0;\n}\n"
+        : GG_D8(0), GG_D8(8)
+        : "l"(a), "l"(b), "r"(accumulate));
+}
+
 // Two f32 rounded to nearest-even bf16, `lo` in the low half.
 __device__ __forceinline__ unsigned gg_pack(float lo, float hi) {
     unsigned r;
@@ -222,6 +239,40 @@ __device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, i
     }
 }
 
+// Stores a tail's outputs: e holds warpgroup wg's sums over the `tail` rows from `row0` of
+// two boxes of 64 weight rows (e[16 j + x], box j: the tile's weight rows 64·wg + 128·j ..,
+// m64n32 fragments, x as wgmma's: weight row 16·warp + lane/4 + 8·((x >> 1) & 1) of the box,
+// tail row 8·(x >> 2) + 2·(lane % 4) + (x & 1)). Without an activation box j gives output
+// columns col0 + 128·j + 64·wg ..; with one, the boxes are the gate and up rows of output
+// columns col0 + 64·wg .., biased and combined as gg_act does, so each output gets the bits the
+// 64-row fragments give it.
+__device__ __forceinline__ void gg_store_tail(const float* e, bf16_t* C, long row0, int tail, int col0, int width,
+                                              int wg, int act_kind, const float* bias, float alpha, float limit) {
+    const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, q = lane % 4;
+#pragma unroll
+    for (int x = 0; x < 16; x++) {
+        const int r = 8 * (x >> 2) + 2 * q + (x & 1), w = 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
+        if (r >= tail) continue;
+        bf16_t* out = C + (row0 + r) * width;
+        if (act_kind >= 0) {
+            const int col = col0 + 64 * wg + w;
+            float g = e[x], u = e[16 + x];
+            if (bias) {
+                const int c = min(col, width - 1);
+                g += bias[c];
+                u += bias[width + c];
+            }
+            if (col < width) out[col] = (bf16_t)(gg_pack(act_mul(g, u, act_kind, alpha, limit), 0.0f) & 0xffffu);
+        } else {
+#pragma unroll
+            for (int j = 0; j < 2; j++) {
+                const int col = col0 + 128 * j + 64 * wg + w;
+                if (col < width) out[col] = (bf16_t)(gg_pack(e[16 * j + x], 0.0f) & 0xffffu);
+            }
+        }
+    }
+}
+
 // The tiles of every expert laid end to end. Within an expert, row blocks go in groups of
 // GG_GROUP: a group's tiles run column block by column block, row blocks fastest, so the
 // blocks running at once share weight columns and rows in L2 (an expert of at most GG_GROUP
@@ -230,7 +281,24 @@ __device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, i
 struct gg_tile {
     int expert, row0, rows_end, col0;
 };
-template <int BM>
+
+// Row blocks of BM rows over an expert of `rows` rows, where the last one also takes up to
+// TAIL rows past its BM (they end the expert) instead of a block of their own.
+template <int BM, int TAIL>
+__device__ __forceinline__ int gg_row_blocks(int rows) {
+    if (TAIL == 0 || rows <= BM) return (rows + BM - 1) / BM;
+    return (rows - TAIL - 1) / BM + 1;
+}
+
+// The rows past BM that tile t takes (0 < tail <= TAIL: they end its expert), or 0. Every
+// block but an expert's last has more than BM + TAIL rows from its first to the expert's end.
+template <int BM, int TAIL>
+__device__ __forceinline__ int gg_tail_of(const gg_tile& t) {
+    const int past = t.rows_end - t.row0 - BM;
+    return past > 0 && past <= TAIL ? past : 0;
+}
+
+template <int BM, int TAIL = 0>
 __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, int experts, const int* counts,
                                              const int* offsets, int col_blocks, int tile_cols) {
     int lo = 0, hi = experts - 1;  // the last expert whose first tile is at or before `tile`
@@ -239,7 +307,7 @@ __device__ __forceinline__ gg_tile gg_locate(int tile, const int* first_tile, in
         if (first_tile[mid] <= tile) lo = mid; else hi = mid - 1;
     }
     int local = tile - first_tile[lo];
-    int blocks = (counts[lo] + BM - 1) / BM;
+    int blocks = gg_row_blocks<BM, TAIL>(counts[lo]);
     int group = local / (GG_GROUP * col_blocks), in_group = local % (GG_GROUP * col_blocks);
     int rows = min(GG_GROUP, blocks - group * GG_GROUP);  // row blocks in this group
     gg_tile t;
@@ -266,9 +334,9 @@ struct gg_shared {
 // Lays out `sh` from `at`, initialises the barriers (a full stage: the producer thread's
 // arrival and its TMA bytes, and gathering every producer thread's copies, or without
 // gathering and with `scale_copies` thread 0's; an empty one: every consumer thread), copies
-// the counts and offsets and scans the experts' tiles (BM rows by `col_blocks` column blocks
-// each) with one warp. Returns the number of tiles, for every thread.
-template <int BM, int STAGES, int WGS>
+// the counts and offsets and scans the experts' tiles (BM rows, with TAIL more in an expert's
+// last, by `col_blocks` column blocks each) with one warp. Returns the number of tiles, for every thread.
+template <int BM, int STAGES, int WGS, int TAIL = 0>
 __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool gather, const int* counts,
                                         const int* offsets, int experts, int col_blocks, bool scale_copies = false) {
     sh.full = (u64*)at;
@@ -293,7 +361,7 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
         int acc = 0;
         for (int base = 0; base < experts; base += 32) {
             int e = base + threadIdx.x;
-            int n = e < experts ? (counts[e] + BM - 1) / BM * col_blocks : 0;
+            int n = e < experts ? gg_row_blocks<BM, TAIL>(counts[e]) * col_blocks : 0;
             for (int o = 1; o < 32; o <<= 1) {
                 int v = __shfl_up_sync(0xffffffffu, n, o);
                 if ((int)threadIdx.x >= o) n += v;
@@ -321,14 +389,17 @@ __device__ __forceinline__ int gg_setup(unsigned char* at, gg_shared& sh, bool g
 // per 128 × 128 block, w_scales [experts, ceil(N / 128), ceil(K / 128)]) a stage also brings the
 // scales of its two boxes' blocks into w_slots[stage] (thread 0, by cp.async, so that the
 // consumers never wait on a global load for them; gg_setup's `scale_copies`).
-template <typename T, int DEPTH, int BM, int BN, int STAGES, bool W_SCALES = false>
+template <typename T, int DEPTH, int BM, int BN, int STAGES, bool W_SCALES = false, int TAIL = 0>
 __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* ring, const gg_tensor_map& a_map,
                                            const gg_tensor_map& w_map, int tiles, int experts, int N, int K,
                                            int width, bool act, int col_blocks, int tile_cols, int* next_tile,
                                            const T* gather_x, long gather_stride, const int* slot_of_row, int gather_k,
-                                           int subs, const float* w_scales = nullptr, float2* w_slots = nullptr) {
-    constexpr int A_BYTES = BM * 128, B_BYTES = BN * 128;
-    constexpr int ROWS_PER_THREAD = BM / 16;  // gathering: eight threads a row
+                                           int subs, const float* w_scales = nullptr, float2* w_slots = nullptr,
+                                           const gg_tensor_map* tail_map = nullptr) {
+    // A stage's rows: BM, then room for TAIL more (an expert's last rows, see gg_row_blocks),
+    // which TMA brings through tail_map's boxes of TAIL rows.
+    constexpr int A_BYTES = (BM + TAIL) * 128, B_BYTES = BN * 128;
+    constexpr int ROWS_PER_THREAD = (BM + TAIL) / 16;  // gathering: eight threads a row
     constexpr int CHUNK = 16 / sizeof(T);     // elements a 16-byte copy
     const bool gather = gather_x != 0;
     if (threadIdx.x != 0 && !gather) return;
@@ -363,7 +434,9 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
             if ((gather || W_SCALES) && me == 0) gg_bar_arrive(&sh.full[stage]);
             return;
         }
-        gg_tile t = gg_locate<BM>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        gg_tile t = gg_locate<BM, TAIL>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
+        // Rows past BM only where they end the expert (else the next tile's).
+        const int tail = gg_tail_of<BM, TAIL>(t), rows_end = t.row0 + BM + tail;
         const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : BN / 2);
         // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
         // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from the
@@ -379,7 +452,7 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
         for (int j = 0; j < ROWS_PER_THREAD; j++) {
             const int row = t.row0 + me / 8 + 16 * j;
             src[j] = gather_x;
-            if (gather && row < t.rows_end) {
+            if (gather && row < t.rows_end && row < rows_end) {
                 src[j] += (slot_of_row[row] / gather_k) * gather_stride + CHUNK * chunk;
                 live |= 1u << j;
             }
@@ -390,8 +463,9 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
                 unsigned char* a = ring + stage * A_BYTES;
                 if (me == 0) {
                     sh.stage_tile[stage] = t;
-                    gg_bar_expect(&sh.full[stage], (gather ? 0 : A_BYTES) + B_BYTES);
+                    gg_bar_expect(&sh.full[stage], (gather ? 0 : (BM + (tail ? TAIL : 0)) * 128) + B_BYTES);
                     if (!gather) gg_tma_load(a, &a_map, &sh.full[stage], kb * DEPTH, t.row0);
+                    if (!gather && tail) gg_tma_load(a + BM * 128, tail_map, &sh.full[stage], kb * DEPTH, t.row0 + BM);
                     unsigned char* b = ring + STAGES * A_BYTES + stage * B_BYTES;
                     gg_tma_load(b, &w_map, &sh.full[stage], kb * DEPTH, wrow + sub * BN / 2);
                     gg_tma_load(b + B_BYTES / 2, &w_map, &sh.full[stage], kb * DEPTH, wrow2 + sub * BN / 2);
@@ -421,16 +495,84 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
     }
 }
 
+// One tile of gg_kernel's consumer warpgroup wg, its stages from `stage` (phase `phase`; both
+// advanced, `last` the stage handed back last), and its epilogue; with TAILED also the `tail`
+// rows past BM (gg_tail_of): their products, with the operands swapped, go to the tensor
+// cores in the same commit groups, and gg_store_tail writes them. A copy of its own for each
+// of TAILED's values, each with sums of its own, so that no wgmma is issued under a condition
+// and no sums move between the copies (either makes ptxas serialize every wgmma).
+template <int WGS, int STAGES, int BN, int TAIL, bool TAILED>
+__device__ __forceinline__ void gg_consume_tile(const gg_tile& t, int tail, int wg, unsigned char* ring, u64* full,
+                                                u64* empty, int& stage, unsigned& phase, int& last, int kblocks,
+                                                bool gather, bf16_t* C, int N, int width, int act_kind,
+                                                const float* b13, float alpha, float limit) {
+    constexpr int BM = 64 * WGS;
+    constexpr int A_BYTES = (BM + TAIL) * GG_BK * 2, B_BYTES = BN * GG_BK * 2;
+    const bool act = act_kind >= 0;
+    float d[BN / 2];
+    float e[TAILED ? 32 : 1];  // the tail's sums: two m64n32 fragments
+    for (int kb = 0; kb < kblocks; kb++) {
+        if (kb > 0) gg_bar_wait(&full[stage], phase);
+        // Rows gathered by cp.async were written through the generic proxy; wgmma
+        // reads through the async one.
+        if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+        u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
+        u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
+        gg_fence();
+#pragma unroll
+        for (int kk = 0; kk < GG_BK / 16; kk++) {
+            if constexpr (BN == 256) gg_mma(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+            else gg_mma224(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
+        }
+        if constexpr (TAILED) {
+            // The tail's rows as B (32 of them from BM), this warpgroup's two weight
+            // boxes as A (64 rows of 128 bytes each: 512 descriptor units).
+            const u64 dt = gg_desc(ring + stage * A_BYTES + BM * 128);
+#pragma unroll
+            for (int kk = 0; kk < GG_BK / 16; kk++) {
+                gg_mma32(e, db + 512 * wg + 2 * kk, dt + 2 * kk, kb > 0 || kk > 0);
+                gg_mma32(e + 16, db + 512 * (wg + 2) + 2 * kk, dt + 2 * kk, kb > 0 || kk > 0);
+            }
+        }
+        gg_commit();
+        // The previous stage's products are done once at most this one is in flight.
+        if (kb > 0) {
+            gg_wait<1>();
+            gg_bar_arrive(&empty[last]);
+        }
+        last = stage;
+        if (++stage == STAGES) { stage = 0; phase ^= 1; }
+    }
+    gg_wait<0>();
+    gg_pin<BN / 2>(d);
+    if constexpr (TAILED) gg_pin<32>(e);
+    gg_bar_arrive(&empty[last]);
+    if constexpr (TAILED)
+        gg_store_tail(e, C, t.row0 + BM, tail, t.col0, width, wg, act_kind,
+                      act && b13 ? b13 + (long)t.expert * N : 0, alpha, limit);
+    // Activations run in 256-column tiles only (the host sees to it); their 128 output
+    // columns are d[0 .. 63].
+    const long row0 = t.row0 + wg * 64;
+    if constexpr (BN == 256) {
+        if (act) {
+            gg_act_kind<16>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, t.col0, width, alpha, limit);
+            gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
+            return;
+        }
+    }
+    gg_store<BN>(d, C, row0, t.rows_end, t.col0, width);
+}
+
 // The kernel for tiles of 64·WGS rows (WGS consumer warpgroups after the producer one) over a
 // ring of STAGES stages; see the entry points below for the arguments.
-template <int WGS, int STAGES, int BN>
-__device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map, bf16_t* C,
-                                          const int* counts, const int* offsets, int experts, int N, int K,
-                                          int* next_tile, int act_kind, float alpha, float limit, const float* b13,
-                                          const bf16_t* gather_x, const int* slot_of_row, int gather_k,
-                                          long gather_stride) {
+template <int WGS, int STAGES, int BN, int TAIL>
+__device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map,
+                                          const gg_tensor_map& tail_map, bf16_t* C, const int* counts,
+                                          const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,
+                                          float alpha, float limit, const float* b13, const bf16_t* gather_x,
+                                          const int* slot_of_row, int gather_k, long gather_stride) {
     constexpr int BM = 64 * WGS;                  // rows of a tile
-    constexpr int A_BYTES = BM * GG_BK * 2;       // 8 KiB a warpgroup
+    constexpr int A_BYTES = (BM + TAIL) * GG_BK * 2;  // 8 KiB a warpgroup, and room for a tail
     constexpr int B_BYTES = BN * GG_BK * 2;       // 32 KiB at 256 columns
     constexpr int RING_BYTES = STAGES * (A_BYTES + B_BYTES);
     extern __shared__ unsigned char gg_raw[];
@@ -442,21 +584,28 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
     const int width = act ? N / 2 : N, tile_cols = act ? BN / 2 : BN;
     const int col_blocks = (width + tile_cols - 1) / tile_cols, kblocks = (K + GG_BK - 1) / GG_BK;
     gg_shared sh;
-    const int tiles = gg_setup<BM, STAGES, WGS>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
+    const int tiles =
+        gg_setup<BM, STAGES, WGS, TAIL>(ring + RING_BYTES, sh, gather, counts, offsets, experts, col_blocks);
     u64 *full = sh.full, *empty = sh.empty;
     const gg_tile* stage_tile = sh.stage_tile;
+    // With tails, each consumer thread holds 32 tail sums beside its 128 accumulators: the
+    // producer warpgroup hands them registers (at 64 it gathers its ten rows a thread without
+    // spilling).
+    constexpr int PRODUCER_REGS = 64;
+    constexpr int CONSUMER_REGS = (65536 / (128 * (WGS + 1)) / 8 * 8 * (WGS + 1) - PRODUCER_REGS) / WGS / 8 * 8;
     if (threadIdx.x < 128) {
-        gg_produce<bf16_t, GG_BK, BM, BN, STAGES>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act, col_blocks,
-                                                  tile_cols, next_tile, gather_x, gather_stride, slot_of_row,
-                                                  gather_k, 1);
+        if constexpr (TAIL > 0) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS) : "memory");
+        gg_produce<bf16_t, GG_BK, BM, BN, STAGES, false, TAIL>(sh, ring, a_map, w_map, tiles, experts, N, K, width, act,
+                                                               col_blocks, tile_cols, next_tile, gather_x,
+                                                               gather_stride, slot_of_row, gather_k, 1, nullptr,
+                                                               nullptr, &tail_map);
         return;
     }
+    if constexpr (TAIL > 0) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS) : "memory");
 
-    // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile.
+    // Consumers: warpgroup wg multiplies rows 64·wg .. 64·wg + 63 of each tile, and with a
+    // tail its rows against weight rows 64·wg .. and 128 + 64·wg .. (gg_store_tail).
     const int wg = threadIdx.x / 128 - 1;
-    float d[BN / 2];
-#pragma unroll
-    for (int j = 0; j < BN / 2; j++) d[j] = 0.0f;
     int stage = 0, last = 0;
     unsigned phase = 0;
     for (;;) {
@@ -472,42 +621,15 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
             }
             continue;
         }
-        for (int kb = 0; kb < kblocks; kb++) {
-            if (kb > 0) gg_bar_wait(&full[stage], phase);
-            // Rows gathered by cp.async were written through the generic proxy; wgmma reads
-            // through the async one.
-            if (gather) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-            u64 da = gg_desc(ring + stage * A_BYTES + wg * 64 * 128);
-            u64 db = gg_desc(ring + STAGES * A_BYTES + stage * B_BYTES);
-            gg_fence();
-#pragma unroll
-            for (int kk = 0; kk < GG_BK / 16; kk++) {
-                if constexpr (BN == 256) gg_mma(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
-                else gg_mma224(d, da + 2 * kk, db + 2 * kk, kb > 0 || kk > 0);
-            }
-            gg_commit();
-            // The previous stage's products are done once at most this one is in flight.
-            if (kb > 0) {
-                gg_wait<1>();
-                gg_bar_arrive(&empty[last]);
-            }
-            last = stage;
-            if (++stage == STAGES) { stage = 0; phase ^= 1; }
-        }
-        gg_wait<0>();
-        gg_pin<BN / 2>(d);
-        gg_bar_arrive(&empty[last]);
-        // Activations run in 256-column tiles only (the host sees to it); their 128 output
-        // columns are d[0 .. 63].
-        const long row0 = t.row0 + wg * 64;
-        if constexpr (BN == 256) {
-            if (act) {
-                gg_act_kind<16>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, t.col0, width, alpha, limit);
-                gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
-                continue;
-            }
-        }
-        gg_store<BN>(d, C, row0, t.rows_end, t.col0, width);
+        const int tail = TAIL > 0 ? gg_tail_of<BM, TAIL>(t) : 0;
+        // The tile, with or without a tail's products: two copies of it (gg_consume_tile).
+        if (tail)
+            gg_consume_tile<WGS, STAGES, BN, TAIL, (TAIL > 0)>(t, tail, wg, ring, full, empty, stage, phase, last,
+                                                              kblocks, gather, C, N, width, act_kind, b13, alpha,
+                                                              limit);
+        else
+            gg_consume_tile<WGS, STAGES, BN, TAIL, false>(t, 0, wg, ring, full, empty, stage, phase, last, kblocks,
+                                                         gather, C, N, width, act_kind, b13, alpha, limit);
     }
 }
 #endif
@@ -522,29 +644,31 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
 // gather_stride values apart (the permute's gather done by the producer warpgroup's cp.async
 // copies), and a_map is not read.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(WGS, STAGES, BN)                                                                                   \
-    gg_kernel<WGS, STAGES, BN>(a_map, w_map, C, counts, offsets, experts, N, K, next_tile, act_kind, alpha, limit, \
-                               b13, gather_x, slot_of_row, gather_k, gather_stride);
+#define GG_BODY(WGS, STAGES, BN, TAIL)                                                                       \
+    gg_kernel<WGS, STAGES, BN, TAIL>(a_map, w_map, tail_map, C, counts, offsets, experts, N, K, next_tile,      \
+                                     act_kind, alpha, limit, b13, gather_x, slot_of_row, gather_k, gather_stride);
 #else
-#define GG_BODY(WGS, STAGES, BN)
+#define GG_BODY(WGS, STAGES, BN, TAIL)
 #endif
-#define GG_ENTRY(name, threads, WGS, STAGES, BN)                                                                   \
+#define GG_ENTRY(name, threads, WGS, STAGES, BN, TAIL)                                                             \
     extern "C" __global__ void __launch_bounds__(threads, 1)                                                       \
-        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map, bf16_t* C,  \
-             const int* counts, const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,      \
-             float alpha, float limit, const float* b13, const bf16_t* gather_x, const int* slot_of_row,          \
-             int gather_k, long gather_stride) {                                                                  \
-        GG_BODY(WGS, STAGES, BN)                                                                                   \
+        name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,             \
+             const __grid_constant__ gg_tensor_map tail_map, bf16_t* C, const int* counts, const int* offsets,    \
+             int experts, int N, int K, int* next_tile, int act_kind, float alpha, float limit, const float* b13, \
+             const bf16_t* gather_x, const int* slot_of_row, int gather_k, long gather_stride) {                  \
+        GG_BODY(WGS, STAGES, BN, TAIL)                                                                             \
     }
 
-// 128 × 256 tiles over a 4-stage ring, two consumer warpgroups.
-GG_ENTRY(grouped_gemm_sm90, 384, 2, 4, 256)
+// 128 × 256 tiles over a 4-stage ring, two consumer warpgroups; an expert's last tile takes up
+// to 32 rows past its 128 (GG_TAIL) rather than a tile of their own.
+#define GG_TAIL 32
+GG_ENTRY(grouped_gemm_sm90, 384, 2, 4, 256, GG_TAIL)
 
 // 64 × 256 tiles, one consumer warpgroup and a 5-stage ring: for batches of a few rows an
 // expert, whose tiles only stream weights, more of them in flight.
-GG_ENTRY(grouped_gemm_sm90_short, 256, 1, 5, 256)
+GG_ENTRY(grouped_gemm_sm90_short, 256, 1, 5, 256, 0)
 
 // 64 × 224 tiles, products only: a projection 7168 wide over the 8 experts of one token makes
 // 256 such tiles, two for nearly every one of 132 SMs, where 256-column tiles make 224 (1.7 a
 // SM).
-GG_ENTRY(grouped_gemm_sm90_short224, 256, 1, 5, 224)
+GG_ENTRY(grouped_gemm_sm90_short224, 256, 1, 5, 224, 0)

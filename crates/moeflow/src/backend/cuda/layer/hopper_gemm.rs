@@ -25,23 +25,26 @@ pub(super) const MAX_SMEM: u32 = 227 * 1024;
 /// flight; above it experts past 64 rows stream their weights twice (docs/tuning.md).
 const SHORT_TO_ROWS: usize = 32;
 
-/// One of the kernel's entry points: its tile rows (the boxes TMA reads from `A`), tile
-/// columns (two boxes of half as many rows read from `W`), ring stages and threads.
+/// One of the kernel's entry points: its tile rows (the boxes TMA reads from `A`), the rows
+/// past them that an expert's last tile takes where they end the expert (`GG_TAIL`, in boxes of
+/// their own), tile columns (two boxes of half as many rows read from `W`), ring stages and
+/// threads.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Variant {
     rows: u32,
+    tail: u32,
     cols: u32,
     stages: u32,
     threads: u32,
 }
 
-/// `grouped_gemm_sm90`: 128 × 256 tiles, two consumer warpgroups.
-const TILES_128: Variant = Variant { rows: 128, cols: 256, stages: 4, threads: 384 };
+/// `grouped_gemm_sm90`: 128 × 256 tiles, two consumer warpgroups, tails of up to 32 rows.
+const TILES_128: Variant = Variant { rows: 128, tail: 32, cols: 256, stages: 4, threads: 384 };
 /// `grouped_gemm_sm90_short`: 64 × 256 tiles, one consumer warpgroup, a deeper ring.
-const TILES_64: Variant = Variant { rows: 64, cols: 256, stages: 5, threads: 256 };
+const TILES_64: Variant = Variant { rows: 64, tail: 0, cols: 256, stages: 5, threads: 256 };
 /// `grouped_gemm_sm90_short224`: 64 × 224 tiles, products only (see
 /// [`HopperGemm::narrow_for`]).
-const TILES_64_NARROW: Variant = Variant { rows: 64, cols: 224, stages: 5, threads: 256 };
+const TILES_64_NARROW: Variant = Variant { rows: 64, tail: 0, cols: 224, stages: 5, threads: 256 };
 
 /// What the Hopper GEMM writes.
 #[derive(Clone, Copy, Debug)]
@@ -84,12 +87,12 @@ pub(super) struct Gather {
     pub stride: usize,
 }
 
-/// Dynamic shared memory of variant `v` for `experts` experts: the ring of row and weight
-/// tiles 64 deep (bf16), 1 KiB to align it, two mbarriers and a located tile a stage,
-/// `experts + 1` tile offsets, a copy of the counts and row offsets, and the tile a gathering
-/// producer works on.
+/// Dynamic shared memory of variant `v` for `experts` experts: the ring of row (with a tail's)
+/// and weight tiles 64 deep (bf16), 1 KiB to align it, two mbarriers and a located tile a
+/// stage, `experts + 1` tile offsets, a copy of the counts and row offsets, and the tile a
+/// gathering producer works on.
 fn smem_bytes(v: Variant, experts: usize) -> u32 {
-    v.stages * ((v.rows + v.cols) * 64 * 2 + 16 + 16) + 1024 + 4 * (3 * experts as u32 + 2)
+    v.stages * ((v.rows + v.tail + v.cols) * 64 * 2 + 16 + 16) + 1024 + 4 * (3 * experts as u32 + 2)
 }
 
 /// A TMA descriptor, which the kernel takes by value.
@@ -290,6 +293,8 @@ impl HopperGemm {
             return Ok(());
         }
         let a_map = tensor_map(a, rows, kdim, v.rows, 2)?;
+        // (Variants without tails take the same descriptor there and never read it.)
+        let tail_map = tensor_map(a, rows, kdim, if v.tail > 0 { v.tail } else { v.rows }, 2)?;
         if v.cols != 256 && !matches!(epilogue, Epilogue::Product) {
             return Err(MoeError::Unsupported(
                 "the Hopper grouped GEMM's activation in tiles other than 256 wide".into(),
@@ -305,10 +310,10 @@ impl HopperGemm {
             block_dim: (v.threads, 1, 1),
             shared_mem_bytes: smem_bytes(v, experts),
         };
-        // SAFETY: grouped_gemm_sm90, _short and _short224(map, map, bf16*, int*, int*, int,
-        // int, int, int*, int, float, float, float*, bf16*, int*, int, long), launched with their
-        // threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
-        // variant's tile rows) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
+        // SAFETY: grouped_gemm_sm90, _short and _short224(map, map, map, bf16*, int*, int*,
+        // int, int, int, int*, int, float, float, float*, bf16*, int*, int, long), launched with
+        // their threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
+        // variant's tile rows, and of its tail's) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
         // with an activation); counts and offsets hold `experts` ints that place rows inside
         // A's `rows`; the counter is two ints, zero at every launch (see `HopperGemm`); the bias, when
         // given, holds `experts · n` floats; a gather's map holds `rows` slots whose tokens are
@@ -320,7 +325,16 @@ impl HopperGemm {
                 _ => &self.f,
             };
             let mut l = stream.launch_builder(f);
-            l.arg(&a_map).arg(&w_map).arg(&c).arg(&counts).arg(&offsets).arg(&ei).arg(&ni).arg(&ki).arg(&next);
+            l.arg(&a_map)
+                .arg(&w_map)
+                .arg(&tail_map)
+                .arg(&c)
+                .arg(&counts)
+                .arg(&offsets)
+                .arg(&ei)
+                .arg(&ni)
+                .arg(&ki)
+                .arg(&next);
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             let (gx, gs, gk, gst) =
                 gather.map_or((0u64, 0u64, 1i32, kdim as i64), |g| (g.x, g.slot_of_row, g.k as i32, g.stride as i64));
@@ -390,7 +404,9 @@ mod tests {
     /// and padded layouts, experts spanning more than one group of row blocks; then the same
     /// with every activation in the epilogue (gate and up halves of `n`, with and without a
     /// bias), with the rows gathered by the GEMM from a shuffled copy (three slots a token),
-    /// all in 128-row and in 64-row tiles (products also 224 columns wide, bit for bit as 256).
+    /// all in 128-row tiles (experts ending in tails they take, and in tiles of their own) and
+    /// in 64-row tiles (products also 224 columns wide), the first and last bit for bit as
+    /// 64 × 256 tiles.
     /// The second of two launches is checked. The f64 reference is computed once a case, for
     /// every tiling and gathering. Needs a Hopper GPU; says loudly when it skips.
     #[test]
@@ -417,8 +433,10 @@ mod tests {
             cases.push((512, 64, false, Some((act, x >= 2))));
         }
         for (n, k, padded, act) in cases {
-            // 2100 rows: 17 row blocks of 128 (33 of 64), more than one group of 16.
-            let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 2100];
+            // 2100 rows: 17 row blocks of 128 (33 of 64), more than one group of 16. Tails
+            // that 128-row tiles take in an expert's last tile: 1 (129), 32 (160) and 17 rows
+            // (273, the third tile); 161 and 300 end in a tile of their own.
+            let counts: Vec<i32> = vec![0, 1, 127, 128, 300, 0, 5, 2100, 129, 160, 161, 273];
             let e = counts.len();
             let cap = 2100;
             let offsets: Vec<i32> = if padded {
@@ -497,8 +515,9 @@ mod tests {
                     "n {n} k {k} padded {padded} activation {act:?} gathered {gathered} tiles {} × {}",
                     variant.rows, variant.cols
                 );
-                if variant == super::TILES_64_NARROW {
-                    // Narrower tiles add each output's products in the same order: the same bits.
+                if variant != super::TILES_64 {
+                    // Narrower tiles add each output's products in the same order, and so do the
+                    // 128-row tiles' tails with their operands swapped: the same bits.
                     let ac = [dptr(&ad, &gpu), dptr(&cd, &gpu)];
                     let wide = super::TILES_64;
                     gemm.launch(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue, gather, wide).unwrap();
