@@ -571,6 +571,7 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
                                           const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,
                                           float alpha, float limit, const float* b13, const bf16_t* gather_x,
                                           const int* slot_of_row, int gather_k, long gather_stride) {
+    static_assert(TAIL == 0 || (TAIL == 32 && WGS == 2 && BN == 256), "a tail is one m64n32 fragment a weight box");
     constexpr int BM = 64 * WGS;                  // rows of a tile
     constexpr int A_BYTES = (BM + TAIL) * GG_BK * 2;  // 8 KiB a warpgroup, and room for a tail
     constexpr int B_BYTES = BN * GG_BK * 2;       // 32 KiB at 256 columns
@@ -635,14 +636,14 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
 #endif
 
 // The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
-// gg_kernel<WGS, STAGES, BN>. Each computes C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind < 0),
-// or its activation, C [rows, N / 2], with the kinds, alpha and limit of act_mul and the f32
-// bias b13 [experts, N] (null: none); A is read in boxes of the tile's rows, W in boxes of
-// half its columns; next_tile is two ints, zero at the launch (the tile counter and the blocks
-// done claiming), which the kernel leaves zero. With gather_x, row r of A is row
-// slot_of_row[r] / gather_k of gather_x, whose rows of K values (16-byte aligned) start
-// gather_stride values apart (the permute's gather done by the producer warpgroup's cp.async
-// copies), and a_map is not read.
+// gg_kernel<WGS, STAGES, BN, TAIL>. Each computes C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind <
+// 0), or its activation, C [rows, N / 2], with the kinds, alpha and limit of act_mul and the
+// f32 bias b13 [experts, N] (null: none); A is read in boxes of the tile's rows (a_map) and of
+// TAIL rows (tail_map, read only where TAIL > 0), W in boxes of half its columns; next_tile is
+// two ints, zero at the launch (the tile counter and the blocks done claiming), which the
+// kernel leaves zero. With gather_x, row r of A is row slot_of_row[r] / gather_k of gather_x,
+// whose rows of K values (16-byte aligned) start gather_stride values apart (the permute's
+// gather done by the producer warpgroup's cp.async copies), and neither A map is read.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define GG_BODY(WGS, STAGES, BN, TAIL)                                                                       \
     gg_kernel<WGS, STAGES, BN, TAIL>(a_map, w_map, tail_map, C, counts, offsets, experts, N, K, next_tile,      \
