@@ -435,12 +435,13 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
             return;
         }
         gg_tile t = gg_locate<BM, TAIL>(tile, sh.first_tile, experts, sh.rows_of, sh.start_of, col_blocks, tile_cols);
-        // Rows past BM only where they end the expert (else the next tile's).
-        const int tail = gg_tail_of<BM, TAIL>(t), rows_end = t.row0 + BM + tail;
+        // The tile's rows end at BM, or past it where they end the expert (gg_tail_of); the
+        // expert's end bounds them too.
+        const int tail = gg_tail_of<BM, TAIL>(t), tile_end = min(t.rows_end, t.row0 + BM + tail);
         const int wrow = t.expert * N + t.col0, wrow2 = wrow + (act ? width : BN / 2);
         // Gathering: this thread copies 16-byte chunk me % 8 of rows me / 8 + 16 j of the tile
         // (eight threads a row, so a warp reads four whole 128-byte lines at a time), from the
-        // rows' tokens; rows past the expert's end (bit j of `live` clear) are left as they
+        // rows' tokens; rows past the tile's end (bit j of `live` clear) are left as they
         // are and dropped. Every row r = me / 8 + 16 j has the same r % 8, so the 128-byte
         // swizzle TMA would apply (chunk c of row r at c ^ (r % 8)) puts this thread's chunk
         // at the same place in each of its rows, 2048 bytes apart.
@@ -452,7 +453,7 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
         for (int j = 0; j < ROWS_PER_THREAD; j++) {
             const int row = t.row0 + me / 8 + 16 * j;
             src[j] = gather_x;
-            if (gather && row < t.rows_end && row < rows_end) {
+            if (gather && row < tile_end) {
                 src[j] += (slot_of_row[row] / gather_k) * gather_stride + CHUNK * chunk;
                 live |= 1u << j;
             }

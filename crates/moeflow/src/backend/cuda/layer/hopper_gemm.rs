@@ -293,8 +293,9 @@ impl HopperGemm {
             return Ok(());
         }
         let a_map = tensor_map(a, rows, kdim, v.rows, 2)?;
-        // (Variants without tails take the same descriptor there and never read it.)
-        let tail_map = tensor_map(a, rows, kdim, if v.tail > 0 { v.tail } else { v.rows }, 2)?;
+        // Variants without tails never read the tail's descriptor: they take A's again, with no
+        // second encoding on the launch path.
+        let tail_map = if v.tail > 0 { Some(tensor_map(a, rows, kdim, v.tail, 2)?) } else { None };
         if v.cols != 256 && !matches!(epilogue, Epilogue::Product) {
             return Err(MoeError::Unsupported(
                 "the Hopper grouped GEMM's activation in tiles other than 256 wide".into(),
@@ -327,7 +328,7 @@ impl HopperGemm {
             let mut l = stream.launch_builder(f);
             l.arg(&a_map)
                 .arg(&w_map)
-                .arg(&tail_map)
+                .arg(tail_map.as_ref().unwrap_or(&a_map))
                 .arg(&c)
                 .arg(&counts)
                 .arg(&offsets)
