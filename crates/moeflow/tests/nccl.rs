@@ -201,6 +201,17 @@ fn device_cases() -> Vec<(&'static str, moeflow::MoeConfig, moeflow::MoeWeights)
     out
 }
 
+/// A layer whose router runs on the tensor cores (128 experts), top-8 with an ungated shared
+/// expert; its width of 264 leaves deterministic mode's last fixed block of router columns
+/// partly filled.
+fn tensor_core_router_case() -> (&'static str, moeflow::MoeConfig, moeflow::MoeWeights) {
+    let grouped = RouterConfig::SigmoidGrouped { n_group: 4, topk_group: 2, renormalize: true, scaling: 2.5 };
+    let config =
+        small_config(264, 80, 128, 8, grouped, Activation::Silu, Some(SharedConfig { inter: 48, gated: false }));
+    let weights = preset::random_weights(&config, DType::BF16, 34);
+    ("128 experts, tensor-core router", config, weights)
+}
+
 /// The bit patterns of `v`, to compare outputs exactly.
 fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
@@ -747,7 +758,7 @@ fn deterministic_mode_gives_one_gpus_bits_whatever_the_layout() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions};
     let Some(Gpus { n, _serial }) = gpus("deterministic_mode_gives_one_gpus_bits_whatever_the_layout") else { return };
     let det = CudaOptions { deterministic: true, ..Default::default() };
-    for (name, config, weights) in device_cases() {
+    for (name, config, weights) in device_cases().into_iter().chain([tensor_core_router_case()]) {
         let h = config.hidden;
         let total = 342;
         let x = preset::uniform(total * h, 1.0, 78);
@@ -837,7 +848,7 @@ fn auto_picks_the_tables_strategy_per_batch() {
 }
 
 /// The NVLink transport moves exactly what NCCL moves: every case and placement, uneven and
-/// empty ranks, all-to-all-v planned on the device and on the host, deterministic mode and the
+/// empty ranks, all-to-all-v planned on the device and on the host, deterministic mode (both plans) and the
 /// low-latency graph give NCCL's bits, run after run, and the layer says it took NVLink and
 /// which plan; the device plan with the rows each rank serves pushed, and with whole batches
 /// copied by the copy engines. The device plan's bounds differ from the host's counts, so its mode pins the
@@ -862,6 +873,8 @@ fn nvlink_transport_gives_nccls_bits() {
             ("device plan, whole batches", false, false, true, Some(true)),
             ("host plan", false, false, false, None),
             ("deterministic", true, false, false, None),
+            ("deterministic, device plan, rows served", true, false, true, Some(false)),
+            ("deterministic, device plan, whole batches", true, false, true, Some(true)),
             ("low-latency graph", false, true, false, None),
         ];
         for (mode, deterministic, low_latency, device_plan, copy_engine_dispatch) in modes {
@@ -1182,46 +1195,62 @@ fn whole_batches_beside_the_routing_give_the_bits_after_it() {
 /// the low-latency layer), whose calls on device memory wait for the GPU: each rank's
 /// `forward_device_bf16` gives its f32 call's output on the same values rounded to bf16, bit
 /// for bit, with uneven and empty batches. The gate holds bf16 values, as checkpoints do, so on
-/// Hopper the all-to-all-v router reads the bf16 rows as they are.
+/// Hopper the all-to-all-v router of a layer with enough experts to route on the tensor cores
+/// reads the bf16 rows as they are, also in deterministic mode (its fixed blocks of columns).
 #[test]
 fn expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
+    use moeflow::backend::cuda::CudaOptions;
     let name = "expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones";
     let Some(Gpus { n, _serial }) = gpus(name) else { return };
-    let (case, config, mut weights) = device_cases().remove(2);
-    let gate: Vec<f32> = weights.gate.to_f32_vec().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-    weights.gate = Tensor::from_f32(weights.gate.shape(), gate).unwrap();
-    let (h, total) = (config.hidden, 600);
-    let x: Vec<f32> = preset::uniform(total * h, 1.0, 83).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
-    let spec = moeflow::RankLayerSpec::new(&config, &weights);
-    for s in [StrategyKind::All2AllV, StrategyKind::LowLatency] {
-        let par = ParallelConfig { max_tokens_per_rank: total, ..ParallelConfig::new(n, 1, s) };
-        for sizes in splits(total, n) {
-            let starts: Vec<usize> = sizes.iter().scan(0, |a, &s| Some(std::mem::replace(a, *a + s))).collect();
-            let runs = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
-                let layer = par.rank_layer(Some(comm), kind, &spec)?;
-                let device = match kind {
-                    moeflow::ExpertsKind::Cuda { device } => device,
-                    _ => unreachable!("GPU ranks"),
-                };
-                let cuda = layer.device_layer().expect("an expert-parallel rank runs whole on the device");
-                let (a, t) = (starts[comm.rank()], sizes[comm.rank()]);
-                let rows = &x[a * h..(a + t) * h];
-                let bf16: Vec<u16> = rows.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-                let call = moeflow::backend::cuda::CudaMoeLayer::forward_device_bf16;
-                Ok((t, through_device(cuda, rows, t, device)?, through_device_as(cuda, call, &bf16, t, device)?))
-            });
-            for (rank, r) in runs {
-                let (t, f32_out, bf16_out) = r.unwrap_or_else(|e| panic!("{case}, {s}, {sizes:?}: rank {rank}: {e}"));
-                let want: Vec<u16> = f32_out.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
-                assert!(t == 0 || want.iter().any(|&v| v != 0), "{s}, {sizes:?}: rank {rank} wrote its output");
-                if let Some(i) = (0..t * h).find(|&i| bf16_out[i] != want[i]) {
-                    panic!(
+    let det = CudaOptions { deterministic: true, ..Default::default() };
+    let (wide, wide_config, wide_weights) = tensor_core_router_case();
+    let (case, config, weights) = device_cases().remove(2);
+    let cases = [
+        (case, config, weights, CudaOptions::default(), vec![StrategyKind::All2AllV, StrategyKind::LowLatency]),
+        (wide, wide_config.clone(), wide_weights.clone(), CudaOptions::default(), vec![StrategyKind::All2AllV]),
+        (wide, wide_config, wide_weights, det, vec![StrategyKind::All2AllV]),
+    ];
+    for (case, config, mut weights, cuda, strategies) in cases {
+        let gate: Vec<f32> = weights.gate.to_f32_vec().iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        weights.gate = Tensor::from_f32(weights.gate.shape(), gate).unwrap();
+        let (h, total) = (config.hidden, 600);
+        let x: Vec<f32> =
+            preset::uniform(total * h, 1.0, 83).iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+        let spec = moeflow::RankLayerSpec { cuda: cuda.clone(), ..moeflow::RankLayerSpec::new(&config, &weights) };
+        for s in strategies {
+            let par = ParallelConfig { max_tokens_per_rank: total, ..ParallelConfig::new(n, 1, s) };
+            for sizes in splits(total, n) {
+                let starts: Vec<usize> = sizes.iter().scan(0, |a, &s| Some(std::mem::replace(a, *a + s))).collect();
+                let runs = on_ranks(&RankHost::Gpus, n, Duration::from_secs(60), |comm, kind| {
+                    let layer = par.rank_layer(Some(comm), kind, &spec)?;
+                    let device = match kind {
+                        moeflow::ExpertsKind::Cuda { device } => device,
+                        _ => unreachable!("GPU ranks"),
+                    };
+                    let cuda = layer.device_layer().expect("an expert-parallel rank runs whole on the device");
+                    let (a, t) = (starts[comm.rank()], sizes[comm.rank()]);
+                    let rows = &x[a * h..(a + t) * h];
+                    let bf16: Vec<u16> = rows.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    let call = moeflow::backend::cuda::CudaMoeLayer::forward_device_bf16;
+                    Ok((t, through_device(cuda, rows, t, device)?, through_device_as(cuda, call, &bf16, t, device)?))
+                });
+                for (rank, r) in runs {
+                    let (t, f32_out, bf16_out) =
+                        r.unwrap_or_else(|e| panic!("{case}, {s}, {sizes:?}: rank {rank}: {e}"));
+                    let want: Vec<u16> = f32_out.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    assert!(t == 0 || want.iter().any(|&v| v != 0), "{s}, {sizes:?}: rank {rank} wrote its output");
+                    if let Some(i) = (0..t * h).find(|&i| bf16_out[i] != want[i]) {
+                        panic!(
                         "{s}, {sizes:?}: rank {rank}: output {i} is {:#06x} from bf16 hidden states, {:#06x} rounded",
                         bf16_out[i], want[i]
                     );
+                    }
                 }
+                eprintln!(
+                    "{name}: {case}, {}, {s}, {sizes:?}: every rank's bf16 call gives its f32 call's bits, rounded",
+                    cuda.describe()
+                );
             }
-            eprintln!("{name}: {s}, {sizes:?}: every rank's bf16 call gives its f32 call's bits, rounded");
         }
     }
 }

@@ -170,8 +170,9 @@ pub struct CudaOptions {
     pub fused_route: bool,
     /// The router GEMM runs on the tensor cores at f32 accuracy (three TF32 products a
     /// product, two for a gate of TF32 values such as a checkpoint's bf16 router); off:
-    /// cuBLAS's f32 GEMM. Deterministic mode and the low-latency graph keep
-    /// their fixed-order routers either way.
+    /// the fixed-order router GEMM in deterministic mode, else cuBLAS's f32 GEMM. Deterministic
+    /// mode splits its depth into fixed blocks either way; the low-latency graph keeps its
+    /// fixed-order router.
     pub router_tf32: bool,
     /// Side streams that run per-expert cuBLAS GEMMs concurrently (at least 1).
     pub gemm_streams: usize,
@@ -210,7 +211,7 @@ pub struct CudaOptions {
     pub transport_sms: u32,
     /// All-to-all-v over the NVLink transport plans its dispatch on the device (counts, row
     /// positions and the expert grouping, with no read back to the host) where the Hopper
-    /// GEMM runs the experts and the mode is not deterministic; off, the host plans it.
+    /// GEMM runs the experts (bf16 ones in deterministic mode); off, the host plans it.
     pub device_plan: bool,
     /// All-to-all-v's device-planned NVLink dispatch sends the whole batch to every rank, each
     /// rank's rows in one copy-engine transfer (no SMs; the peer copy's rate), in place of the

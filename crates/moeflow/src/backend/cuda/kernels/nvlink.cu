@@ -225,6 +225,58 @@ __global__ void __launch_bounds__(256, 5)
     nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
+// Deterministic mode's return over NVLink, planned on the device: each slot served here goes
+// home as its expert's row, as it is, and home weights and sums the slots in slot order (the
+// one-GPU combine), so the bits do not depend on the layout. Received row r (rank s's row
+// p = r - starts[s], sent when below counts[s]) is home token tokens[r] of s (p itself where
+// `tokens` is null: whole batches, sent as they lie); its slot j with a local expert here
+// (local_ids[r k + j] >= 0) sends row row_of_slot[r k + j] of y into row token k + j of region
+// `region` of s's window. Rows are taken a rank in turn, blocks as nvl_combine_push's; the
+// columns in 16-byte words (H % 8 == 0) or one bf16 each, four slots' loads in flight before
+// their stores. Then the flags are raised, and the senders' waited for, as nvl_push does.
+__global__ void nvl_return_slots(const bf16_t* __restrict__ y, const int* __restrict__ local_ids,
+                                 const int* __restrict__ row_of_slot, const int* __restrict__ tokens, int k, int H,
+                                 const int* starts, const int* counts, int n, const u64* regions, int nregions,
+                                 int region, u64* const* flags, int nflags, u64* sent, unsigned int* done,
+                                 NvlWait wait) {
+    constexpr int BATCH = 4;
+    long most = 0;
+    for (int s = 0; s < n; s++) most = max(most, (long)(starts[s + 1] - starts[s]));
+    const bool wide = H % 8 == 0;
+    const int units = wide ? H / 8 : H;
+    for (long i = blockIdx.x; i < n * most; i += gridDim.x) {
+        const int s = (int)(i % n);
+        const long p = i / n;
+        if (p >= counts[s]) continue;
+        const long r = starts[s] + p, token = tokens ? tokens[r] : p;
+        bf16_t* home = (bf16_t*)regions[(long)s * nregions + region] + token * k * H;
+        for (int j0 = 0; j0 < k; j0 += BATCH) {
+            long from[BATCH];
+#pragma unroll
+            for (int u = 0; u < BATCH; u++) {
+                const long q = r * k + j0 + u;
+                from[u] = j0 + u < k && local_ids[q] >= 0 ? row_of_slot[q] : -1;
+            }
+            for (int c = threadIdx.x + blockIdx.y * blockDim.x; c < units; c += blockDim.x * gridDim.y) {
+                if (wide) {
+                    uint4 v[BATCH];
+#pragma unroll
+                    for (int u = 0; u < BATCH; u++)
+                        if (from[u] >= 0) v[u] = __ldg((const uint4*)(y + from[u] * H) + c);
+#pragma unroll
+                    for (int u = 0; u < BATCH; u++)
+                        if (from[u] >= 0) ((uint4*)(home + (long)(j0 + u) * H))[c] = v[u];
+                } else {
+#pragma unroll
+                    for (int u = 0; u < BATCH; u++)
+                        if (from[u] >= 0) home[(long)(j0 + u) * H + c] = y[from[u] * H + c];
+                }
+            }
+        }
+    }
+    nvl_raise_and_wait(flags, nflags, sent, done, wait);
+}
+
 // The low-latency dispatch's sending half over NVLink, one block per (token t < M, destination
 // d), t = blockIdx.x / n: message row (t, d) (see ll_pack_row) written straight into row
 // rank M + t of region 0 of rank d's window (regions[d nregions], see ll_combine_push), for
@@ -254,10 +306,11 @@ __global__ void ll_send(const bf16_t* x, const int* ids, const float* w, const i
 // each slot is served (the placement's tables and `shared`, as placed_replica; local slots
 // below 2^20), as
 // dest[t k + j] = rank << 20 | local slot there (-1 for no expert), and the ranks the token goes
-// to as a bit mask ranks[t].
+// to as a bit mask ranks[t]. Where `slot_row` is not null (deterministic mode), slot_row[t k + j]
+// = t k + j, the row its expert's output comes home to (nvl_return_slots), or -1 for no expert.
 __global__ void nvl_plan_slots(const int* ids, int T, int k, const int* rep_first, const int* rep_count,
                                const int* rep_rank, const int* rep_slot, const int* shared, int* dest,
-                               unsigned int* ranks) {
+                               unsigned int* ranks, int* slot_row) {
     for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < T; t += gridDim.x * blockDim.x) {
         unsigned int m = 0;
         for (int j = 0; j < k; j++) {
@@ -268,6 +321,7 @@ __global__ void nvl_plan_slots(const int* ids, int T, int k, const int* rep_firs
                 d = rep_rank[p] << 20 | rep_slot[p];
             }
             dest[(long)t * k + j] = d;
+            if (slot_row) slot_row[(long)t * k + j] = id >= 0 ? t * k + j : -1;
         }
         ranks[t] = m;
     }

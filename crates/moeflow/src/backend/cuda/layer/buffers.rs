@@ -150,7 +150,8 @@ impl CudaMoeLayer {
                 } else {
                     None
                 },
-                // Deterministic mode and the low-latency graph keep their fixed-order routers.
+                // Deterministic mode splits the depth its own way (`router_fixed` above) and the
+                // low-latency graph keeps its fixed-order router.
                 router_split: if self.router_on_tensor_cores() && !self.opts.deterministic && self.capacity().is_none()
                 {
                     match super::router_tf32::partial_floats(t, e, h, self.sms) {

@@ -61,8 +61,7 @@ impl CudaMoeLayer {
         // reads f32 tokens. Otherwise large batches make it on side stream 0, beside the router
         // GEMM (both read x from memory); for small ones the fork and join cost more than they
         // hide (docs/tuning.md).
-        let router_copies =
-            b.tokens_bf16 || (b.ll.is_none() && !self.opts.deterministic && self.router_on_tensor_cores());
+        let router_copies = b.tokens_bf16 || (b.ll.is_none() && self.router_on_tensor_cores());
         let overlap = !router_copies && t * h >= 1 << 23;
         let side = if overlap { &self.side.shared().stream } else { s };
         if overlap {
@@ -85,8 +84,10 @@ impl CudaMoeLayer {
         let live = b.ll.as_ref().map_or(0u64, |ll| dptr(&ll.tokens, g));
         if let Some(ll) = &b.ll {
             self.router_live(b, t, ll)?;
-        } else if self.opts.deterministic {
+        } else if self.opts.deterministic && !self.router_on_tensor_cores() {
             self.router_fixed(b, t)?;
+        } else if self.opts.deterministic {
+            self.router_tf32_fixed(b, t)?;
         } else if self.router_on_tensor_cores() {
             self.router_tf32(b, t)?;
         } else {
@@ -154,7 +155,8 @@ impl CudaMoeLayer {
     }
 
     /// logits `[T, E]` = x `[T, H]` · gate `[E, H]`ᵀ in f32 plus the gate's bias, each sum in
-    /// one fixed order for any batch (deterministic mode): partial sums over
+    /// one fixed order for any batch (deterministic mode where the router does not run on the
+    /// tensor cores: [`CudaMoeLayer::router_tf32_fixed`] there): partial sums over
     /// [`ROUTER_FIXED_COLS`] columns each, then those added in column order
     /// (`router_partials_fixed`, `router_sum_fixed` in router_fixed.cu).
     pub(super) fn router_fixed(&self, b: &Buffers, t: usize) -> Result<()> {

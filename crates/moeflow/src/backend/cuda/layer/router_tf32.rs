@@ -6,10 +6,11 @@
 //! f32. The depth is split so the grid fills the GPU; with more than one split,
 //! `router_sum_fixed` adds the splits' partials in order.
 
+use super::route::ROUTER_FIXED_COLS;
 use super::{dptr, err, Buffers, CudaMoeLayer};
 use crate::error::{MoeError, Result};
 use cudarc::driver::sys as drv;
-use cudarc::driver::{CudaFunction, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 
 /// Tokens and experts of a block's tile (`RT_BM`, `RT_BN` in router_tf32.cu).
 const TILE: usize = 128;
@@ -154,15 +155,15 @@ impl CudaMoeLayer {
     }
 
     /// Whether the router reads a batch of `t` bf16 tokens as they are (the tensor-core router's
-    /// `_bf16_tokens` form, see [`CudaMoeLayer::router_tf32`]), so that nothing needs their f32
-    /// rows: a direct run (no low-latency capacity, no fused small-batch route, not
-    /// deterministic) on Hopper with a gate of TF32 values, H a multiple of 8, and no shared
-    /// expert gate (whose dot product reads the f32 rows).
+    /// `_bf16_tokens` form, see [`CudaMoeLayer::router_tf32`]; the bits of the f32 form on the
+    /// same values, so deterministic mode takes it too), so that nothing needs their f32 rows: a
+    /// direct run (no low-latency capacity, no fused small-batch route) on Hopper with a gate of
+    /// TF32 values, H a multiple of 8, and no shared expert gate (whose dot product reads the
+    /// f32 rows).
     pub(super) fn routes_bf16_tokens(&self, t: usize) -> bool {
         self.k.router_tf32_sm90.as_ref().is_some_and(|f| f.bf16_tokens.is_some())
             && self.w.gate_is_tf32
             && self.router_on_tensor_cores()
-            && !self.opts.deterministic
             && self.capacity().is_none()
             && !self.routes_fused(t)
             && self.config.hidden.is_multiple_of(8)
@@ -171,15 +172,45 @@ impl CudaMoeLayer {
 
     /// [`CudaMoeLayer::router_tf32`] with the given kernel.
     pub(super) fn router_tf32_on(&self, b: &Buffers, t: usize, kernel: RouterKernel) -> Result<()> {
+        let (h, e) = (self.config.hidden, self.config.num_experts);
+        let (split, cols) = splits(t, e, h, self.sms);
+        self.router_tf32_split(b, t, kernel, (split, cols), b.router_split.as_ref())
+    }
+
+    /// Deterministic mode's router on the tensor cores: [`CudaMoeLayer::router_tf32`] with the
+    /// depth split into blocks of [`ROUTER_FIXED_COLS`] columns whatever the batch, their
+    /// partials (in `b.router_fixed`) added in column order, so that each logit is the same sum
+    /// in the same order for any batch (a token's products do not depend on the other rows of
+    /// its tile).
+    pub(super) fn router_tf32_fixed(&self, b: &Buffers, t: usize) -> Result<()> {
+        let h = self.config.hidden;
+        let kernel = RouterKernel {
+            wgmma: self.k.router_tf32_sm90.is_some(),
+            tf32_gate: self.w.gate_is_tf32,
+            bf16_tokens: b.tokens_bf16,
+        };
+        let depth = (h.div_ceil(ROUTER_FIXED_COLS), ROUTER_FIXED_COLS);
+        self.router_tf32_split(b, t, kernel, depth, b.router_fixed.as_ref())
+    }
+
+    /// The tensor-core router with its depth in `split` blocks of `cols` columns (a multiple
+    /// of [`DEPTH`]), their partials in `partials` where there is more than one.
+    fn router_tf32_split(
+        &self,
+        b: &Buffers,
+        t: usize,
+        kernel: RouterKernel,
+        (split, cols): (usize, usize),
+        partials: Option<&CudaSlice<f32>>,
+    ) -> Result<()> {
         if t == 0 {
             return Ok(());
         }
         let (h, e) = (self.config.hidden, self.config.num_experts);
         let g = &self.gpu;
-        let (split, cols) = splits(t, e, h, self.sms);
         let bias = self.w.gate_bias.as_ref().map_or(0u64, |x| dptr(x, g));
         let logits = dptr(&b.logits, g);
-        let (out, in_kernel_bias) = match (split, &b.router_split) {
+        let (out, in_kernel_bias) = match (split, partials) {
             (1, _) => (logits, bias),
             (_, Some(partials)) => (dptr(partials, g), 0u64),
             (_, None) => {

@@ -46,6 +46,7 @@ pub(super) const BACK: usize = 3;
 pub(super) const SLOTS: usize = 4;
 pub(super) const COUNTS: usize = 5;
 pub(super) const ROW_SCALES: usize = 6;
+pub(super) const TOKENS: usize = 7;
 
 /// Over NVLink: where the experts' outputs come home (partial sums, or deterministic mode's
 /// slot rows), and the rows each rank sends each rank in the dispatch (`[src · n + dst]`).
@@ -322,7 +323,7 @@ fn served_by(link: &EpLink, all: &[i32], server: usize, src: usize) -> usize {
 /// The NVLink window's region sizes in bytes, the same on every rank (from every rank's
 /// counts): the token rows, ids and weights the busiest receiver gets, the partial sums the
 /// busiest sender gets back, and in deterministic mode the slot rows of the largest batch.
-fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 7] {
+fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [usize; 8] {
     let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
     let np = link.placement.num_physical();
     let received = (0..n).map(|d| (0..n).map(|s| counts[s * n + d]).sum::<usize>()).max().unwrap_or(0);
@@ -333,13 +334,14 @@ fn regions(l: &CudaMoeLayer, link: &EpLink, all: &[i32], counts: &[usize]) -> [u
         }
         false => 0,
     };
-    regions_of(h, k, n, [received, received, received, sent, slots, 0])
+    regions_of(h, k, n, [received, received, received, sent, slots, 0, 0])
 }
 
 /// The window's regions in bytes for `rows` = [token rows (bf16, or fp8 codes), their ids,
-/// their weights, returned sums, returned slot rows, the fp8 token rows' scales] of hidden size
-/// `h` and `k` slots, and a count from each of `n` ranks.
-pub(super) fn regions_of(h: usize, k: usize, n: usize, rows: [usize; 6]) -> [usize; 7] {
-    let [x, ids, w, back, slots, scales] = rows;
-    [x * 2 * h, ids * 4 * k, w * 4 * k, back * 2 * h, slots * 2 * h, 4 * n, scales * 4 * h.div_ceil(128)]
+/// their weights, returned sums, returned slot rows, the fp8 token rows' scales, the token rows'
+/// positions in their home batch] of hidden size `h` and `k` slots, and a count from each of
+/// `n` ranks.
+pub(super) fn regions_of(h: usize, k: usize, n: usize, rows: [usize; 7]) -> [usize; 8] {
+    let [x, ids, w, back, slots, scales, tokens] = rows;
+    [x * 2 * h, ids * 4 * k, w * 4 * k, back * 2 * h, slots * 2 * h, 4 * n, scales * 4 * h.div_ceil(128), 4 * tokens]
 }

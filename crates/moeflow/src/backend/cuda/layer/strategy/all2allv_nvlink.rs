@@ -23,11 +23,14 @@
 //!
 //! The kernel that sums each token's slots served here writes the sum straight into its
 //! home's window, in the room its home left for this rank (no staging rows, no push); home
-//! sums them in rank order, as the host-planned all-to-all-v does.
+//! sums them in rank order, as the host-planned all-to-all-v does. In deterministic mode it
+//! writes each served slot's expert row instead, into the row of that (token, slot) at home,
+//! and home weights and sums the slots in slot order as one GPU does; where the batch does
+//! not cross whole, each token row carries its position in its home batch (in the head).
 //!
 //! [`CudaOptions::copies_whole_batches`]: crate::backend::cuda_options::CudaOptions::copies_whole_batches
 
-use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, WEIGHTS};
+use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, SLOTS, TOKENS, WEIGHTS};
 use super::{Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
@@ -53,20 +56,23 @@ pub(super) struct DevicePlan {
     /// The largest rank's batch.
     most: usize,
     landed: Landed,
-    /// The window's regions of the returned sums and of the counts every rank sent here.
+    /// The window's regions of the returned sums (deterministic mode: of the returned slot
+    /// rows) and of the counts every rank sent here.
     back: u64,
     counts: u64,
+    /// Deterministic mode: where the received token rows' positions in their home batch
+    /// landed (`None` for whole batches, whose rows keep their positions).
+    tokens: Option<u64>,
     /// The slots served here grouped by local expert, taken by `prepare_finish`.
     rows: Option<ExpertRows>,
 }
 
-/// Whether `l` dispatches this way: not deterministic (its per-slot return is planned on the
-/// host), the Hopper GEMM (bf16) or the fp8 Hopper GEMM (W8A8) for its experts, at most
-/// [`MAX_RANKS`] ranks, and a link that is not (yet) known to move rows over NCCL. The same on
-/// every rank.
+/// Whether `l` dispatches this way: the Hopper GEMM (bf16) or the fp8 Hopper GEMM (W8A8, not
+/// in deterministic mode) for its experts, at most [`MAX_RANKS`] ranks, and a link that is not
+/// (yet) known to move rows over NCCL. The same on every rank.
 pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
     l.opts.device_plan
-        && !l.opts.deterministic
+        && !(l.opts.deterministic && l.hopper_fp8_runs())
         && link.comm.size() <= MAX_RANKS
         && l.device_planned_experts().is_some()
         && link.transport_name() != "nccl"
@@ -102,8 +108,13 @@ fn window(l: &CudaMoeLayer, b: &mut Buffers, link: &EpLink, t: usize) -> Result<
     // once at home, they cross the link at their byte size.
     let scale_rows = if l.hopper_fp8_runs() { received } else { 0 };
     // Room in every receiver's window for every rank's whole batch, and at home for a sum from
-    // every rank for each token.
-    let regions = regions_of(h, k, n, [received, received, received, n * most, 0, scale_rows]);
+    // every rank for each token (deterministic mode: a row for each of its slots, and the
+    // received rows' home positions).
+    let (back, slots, positions) = match l.opts.deterministic {
+        true => (0, most * k, received),
+        false => (n * most, 0, 0),
+    };
+    let regions = regions_of(h, k, n, [received, received, received, back, slots, scale_rows, positions]);
     Ok(l.nvlink(link, &regions)?.map(|at| Window { tokens, starts, at }))
 }
 
@@ -173,15 +184,17 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         // `sent + 4 n` holds this batch's size for the count.
         let shared = l.replica_shares(tables, ids, sent + 4 * n as u64, n)?;
         let (dest, ranks) = (dptr(&ep.dest, g), dptr(&ep.ranks, g));
-        // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*) over the t · k ids
-        // into dest (t · k ints) and ranks (t); the tables cover every expert, and `shared`
-        // (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int, int*, int*, int*,
+        let slot_row = if l.opts.deterministic { dptr(&ep.slot_row, g) } else { 0u64 };
+        // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*, int*) over the t · k
+        // ids into dest and slot_row (t · k ints; deterministic layers' buffers hold them, and
+        // slot_row is null otherwise) and ranks (t); the tables cover every expert, and
+        // `shared` (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int, int*, int*, int*,
         // int*) from them, a thread per token: send_idx and send_ids hold n · t rows (of 1 and
         // k ints), home_rows t · n ints, `sent` n ints; n <= MAX_RANKS = 32.
         unsafe {
             let mut p = s.launch_builder(&l.k.nvl_plan_slots);
             p.arg(&ids).arg(&ti).arg(&ki);
-            p.arg(&tp[0]).arg(&tp[1]).arg(&tp[2]).arg(&tp[3]).arg(&shared).arg(&dest).arg(&ranks);
+            p.arg(&tp[0]).arg(&tp[1]).arg(&tp[2]).arg(&tp[3]).arg(&shared).arg(&dest).arg(&ranks).arg(&slot_row);
             p.launch(grid(t)).map_err(|e| err("nvl_plan_slots", e))?;
             let mut p = s.launch_builder(&l.k.nvl_plan);
             p.arg(&dest).arg(&ranks).arg(&ti).arg(&ki).arg(&ni).arg(&whole_i);
@@ -221,6 +234,12 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     if whole {
         head.push(weights);
     }
+    // Deterministic mode's slot rows come home to their token's rows: the receiver learns
+    // where each token row came from (whole batches keep their positions).
+    let det = l.opts.deterministic;
+    if det && !whole {
+        head.push(counted(send_idx, None, 4, TOKENS));
+    }
     let side = l.side.grouping();
     let imp = l.device_planned_experts().expect("checked by `applies`");
     let early = std::mem::take(&mut b.rows_sent_early);
@@ -259,7 +278,9 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let plan = LocalPlan { imp, cap: 0, rows: received * k.min(el), groups: Vec::new() };
     let localize = Localize::Landed { counts: at[COUNTS], starts: plan_starts };
     let rows = l.group_received(&side.stream, b, received, plan, localize, landed)?;
-    let state = DevicePlan { most, landed, back: at[BACK], counts: at[COUNTS], rows: Some(rows) };
+    let back = at[if det { SLOTS } else { BACK }];
+    let tokens = (det && !whole).then_some(at[TOKENS]);
+    let state = DevicePlan { most, landed, back, counts: at[COUNTS], tokens, rows: Some(rows) };
     Ok(Some(Box::new(state)))
 }
 
@@ -289,7 +310,11 @@ pub(super) fn prepare_finish(
 /// The weighted sums over the slots served here, written home by the kernel that sums them
 /// (`nvl_combine_push`): to each rank as many rows as it sent, into the room it left for this
 /// rank; the kernel then waits until every rank's sums for this rank's tokens have landed.
+/// Deterministic mode sends the slots' expert rows instead ([`return_slots`]).
 pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
+    if l.opts.deterministic {
+        return return_slots(l, b, p);
+    }
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     let (h, k) = (l.config.hidden, l.config.top_k);
     let (n, rank) = (link.comm.size() as i32, link.comm.rank() as i32);
@@ -318,12 +343,53 @@ pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) 
     })
 }
 
-/// Sums each token's returned rows in rank order into `b.out` (marks 7).
+/// Deterministic mode's return (`nvl_return_slots`): each slot served here sends its expert's
+/// row as it is into the row of its (token, slot) in its home's window; the kernel then waits
+/// until every rank's rows for this rank's tokens have landed.
+fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
+    let link = l.ep.as_ref().expect("an expert-parallel layer");
+    let (h, k) = (l.config.hidden, l.config.top_k);
+    let n = link.comm.size() as i32;
+    let g = &l.gpu;
+    let ep = b.ep.as_ref().expect("allocated");
+    let (y, local_ids, row_of_slot) = (dptr(&ep.y, g), dptr(&ep.local_ids, g), dptr(&ep.row_of_slot, g));
+    let tokens = p.tokens.unwrap_or(0);
+    // The plan's device array starts with where each rank's rows start (n + 1 ints).
+    let starts = dptr(&ep.plan, g);
+    let (ki, hi, slots) = (k as i32, h as i32, SLOTS as i32);
+    l.write_window(link, 1, |w| {
+        // SAFETY: nvl_return_slots(bf16*, int*, int*, int*, int, int, int*, int*, int, u64*,
+        // int, int, u64**, int, u64*, unsigned*, NvlWait) over the received rows, grouped by
+        // `group_received` (rank s's from starts[s], at most its batch, with their home
+        // positions in `tokens` when not null); rank s's slot rows land in region SLOTS of its
+        // window, which holds k rows for each token of the largest batch (`window` above); the
+        // flags, counters and wait are the link's (see WindowWrite).
+        unsafe {
+            let mut c = g.stream.launch_builder(&l.k.nvl_return_slots);
+            c.arg(&y).arg(&local_ids).arg(&row_of_slot).arg(&tokens).arg(&ki).arg(&hi);
+            c.arg(&starts).arg(&p.counts).arg(&n).arg(&w.regions).arg(&w.nregions).arg(&slots);
+            c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done).arg(&w.wait);
+            c.launch(per_token(n as usize * p.most, h))
+        }
+        .map(|_| ())
+        .map_err(|e| err("nvl_return_slots", e))
+    })
+}
+
+/// Sums each token's returned rows in rank order into `b.out` (marks 7); in deterministic
+/// mode weights and sums its returned slot rows in slot order, as one GPU does.
 pub(super) fn finalize_finish(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &DevicePlan, mark: Mark) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     mark(7)?;
-    let home_rows = dptr(&b.ep.as_ref().expect("allocated").home_rows, &l.gpu);
-    l.sum_home(b, p.back, home_rows, t, link.comm.size())
+    let ep = b.ep.as_ref().expect("allocated");
+    if l.opts.deterministic {
+        if t == 0 {
+            return Ok(());
+        }
+        let b2 = l.w.b2_all.as_ref().map_or(0u64, |x| dptr(x, &l.gpu));
+        return l.combine_rows(b, t, p.back, dptr(&ep.slot_row, &l.gpu), b2);
+    }
+    l.sum_home(b, p.back, dptr(&ep.home_rows, &l.gpu), t, link.comm.size())
 }
 
 #[cfg(test)]
