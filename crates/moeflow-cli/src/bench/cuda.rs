@@ -347,29 +347,35 @@ impl EpTable<'_> {
             let gbps = |ms: f64| if ms > 0.0 { sent / ms / 1e6 } else { 0.0 };
             // The strategy and the experts' implementation that ran this batch (stage-timed runs).
             let experts = samples.iter().find(|s| !s.experts.is_empty()).map_or("-".to_string(), |s| {
-                let plan = match (s.device_plan, s.rows_beside_routing) {
-                    (true, true) => " (device plan, rows beside the routing)",
-                    (true, false) => " (device plan)",
+                let plan = match (s.device_plan, s.rows_beside_routing, s.rows_home_from_gemm) {
+                    (true, true, true) => " (device plan, rows beside the routing, home from the GEMM)",
+                    (true, true, false) => " (device plan, rows beside the routing)",
+                    (true, false, true) => " (device plan, rows home from the GEMM)",
+                    (true, false, false) => " (device plan)",
                     _ => "",
                 };
                 format!("{}/{}{plan}/{}", s.strategy, s.transport, s.experts)
             });
             // Dispatch and combine against the link's ceiling; a dispatch whose rows crossed
-            // beside the routing has no rate of its own ("-").
+            // beside the routing, and a return whose rows went home from the GEMM, have no rate
+            // of their own ("-").
             let beside = samples.iter().any(|s| s.rows_beside_routing);
+            let from_gemm = samples.iter().any(|s| s.rows_home_from_gemm);
             let rate = |ms: f64, of: f64| format!("{:.0}%", 100.0 * gbps(ms) / of);
             let dispatch_rate = |of: f64| if beside { "-".to_string() } else { rate(dispatch, of) };
+            let collect_rate = |of: f64| if from_gemm { "-".to_string() } else { rate(collect, of) };
             let link = self.peer_gbps.map_or(String::new(), |p| {
                 let both = self.push_both_gbps.map_or(String::new(), |b| {
-                    format!(", {} / {} of the push both ways", dispatch_rate(b), rate(collect, b))
+                    format!(", {} / {} of the push both ways", dispatch_rate(b), collect_rate(b))
                 });
-                format!(" ({} / {} of peer copy{both})", dispatch_rate(p), rate(collect, p))
+                format!(" ({} / {} of peer copy{both})", dispatch_rate(p), collect_rate(p))
             });
             let dispatch_gbps = if beside { "-".to_string() } else { format!("{:.1}", gbps(dispatch)) };
+            let collect_gbps = if from_gemm { "-".to_string() } else { format!("{:.1}", gbps(collect)) };
             ours.push((t, ms, dispatch, collect));
             staged.push(format!("T={t}: {:.3}", med(|s| s.total)));
             println!(
-            "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9} {:>9.1}  {}",
+            "{:>7} {:>8.3} {:>9.3} {:>6.0}% {:>8.1}   {:>6.3} {:>7.3} {:>8.3} {:>6.3} {:>6.3} {:>6.3} {:>7.3} {:>7.3} {:>6.3}   {:>9} {:>9}  {}",
             t,
             ms,
             floor,
@@ -385,7 +391,7 @@ impl EpTable<'_> {
             med(|s| s.combine),
             med(|s| s.shared),
             dispatch_gbps,
-            gbps(collect),
+            collect_gbps,
             format!("{experts}{link}")
         );
             records.push(Record {

@@ -45,6 +45,10 @@ pub struct GpuStageTimes {
     /// Expert-parallel all-to-all-v: the token rows crossed beside the routing (whole batches
     /// by the copy engines), so the dispatch stage holds their ids and flags, not the rows.
     pub rows_beside_routing: bool,
+    /// Expert-parallel all-to-all-v: the experts' rows went home from the down projection's
+    /// epilogue (deterministic mode over NVLink, planned on the device), so the collect stage
+    /// holds only the flags that say they landed.
+    pub rows_home_from_gemm: bool,
 }
 
 /// A GPU's ceilings, measured where the benchmark runs, on a cool GPU (the GEMM rate it holds

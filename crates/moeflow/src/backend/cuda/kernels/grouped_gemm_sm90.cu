@@ -216,15 +216,34 @@ __device__ __forceinline__ void gg_act_kind(float* d, int act_kind, const float*
 // columns of the first chunk and the odd lane the same four of the second, and each store
 // fills whole 32-byte sectors (one exchange a store where sixteen bytes a lane took two and a
 // dozen selects; docs/tuning.md).
-template <int COLS>
-__device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, int rows_end, int col0, int width) {
+//
+// Where the rows go: row r of C [·, width], or with SCATTER the address rows[r] (read only for
+// rows below rows_end), each row's own.
+template <bool SCATTER>
+struct gg_out {
+    bf16_t* C;
+    const u64* rows;
+    __device__ __forceinline__ bf16_t* row(long r, int width) const {
+        if constexpr (SCATTER) return (bf16_t*)rows[r];
+        else return C + r * width;
+    }
+};
+template <int COLS, bool SCATTER>
+__device__ __forceinline__ void gg_store_to(const float* d, gg_out<SCATTER> out, long row0, int rows_end, int col0,
+                                            int width) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
     const long r = row0 + warp * 16 + lane / 4;
     const int q = lane % 4;
     const bool odd = q & 1;
     const int col = col0 + 8 * odd + 4 * (q >> 1);  // this lane's first column, chunk pair 0
-    bf16_t* at = C + r * width + col;
     const bool row_in[2] = {r < rows_end, r + 8 < rows_end};
+    bf16_t *at, *below = nullptr;  // row r's first column, and with SCATTER row r + 8's
+    if constexpr (SCATTER) {
+        at = row_in[0] ? out.row(r, width) + col : nullptr;
+        below = row_in[1] ? out.row(r + 8, width) + col : nullptr;
+    } else {
+        at = out.C + r * width + col;
+    }
 #pragma unroll
     for (int i = 0; i < COLS / 16; i++) {
 #pragma unroll
@@ -233,10 +252,18 @@ __device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, i
             const unsigned a = gg_pack(d[4 * (2 * i) + 2 * h], d[4 * (2 * i) + 2 * h + 1]);
             const unsigned b = gg_pack(d[4 * (2 * i + 1) + 2 * h], d[4 * (2 * i + 1) + 2 * h + 1]);
             const unsigned got = __shfl_xor_sync(0xffffffffu, odd ? a : b, 1);
-            if (row_in[h] && col + 16 * i < width)
-                *(uint2*)(at + (h ? 8L * width : 0L) + 16 * i) = odd ? make_uint2(got, b) : make_uint2(a, got);
+            if (row_in[h] && col + 16 * i < width) {
+                bf16_t* p;
+                if constexpr (SCATTER) p = h ? below : at;
+                else p = at + (h ? 8L * width : 0L);
+                *(uint2*)(p + 16 * i) = odd ? make_uint2(got, b) : make_uint2(a, got);
+            }
         }
     }
+}
+template <int COLS>
+__device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, int rows_end, int col0, int width) {
+    gg_store_to<COLS, false>(d, gg_out<false>{C, nullptr}, row0, rows_end, col0, width);
 }
 
 // Stores a tail's outputs: e holds warpgroup wg's sums over the `tail` rows from `row0` of
@@ -246,14 +273,16 @@ __device__ __forceinline__ void gg_store(const float* d, bf16_t* C, long row0, i
 // columns col0 + 128·j + 64·wg ..; with one, the boxes are the gate and up rows of output
 // columns col0 + 64·wg .., biased and combined as gg_act does, so each output gets the bits the
 // 64-row fragments give it.
-__device__ __forceinline__ void gg_store_tail(const float* e, bf16_t* C, long row0, int tail, int col0, int width,
-                                              int wg, int act_kind, const float* bias, float alpha, float limit) {
+template <bool SCATTER>
+__device__ __forceinline__ void gg_store_tail(const float* e, gg_out<SCATTER> o, long row0, int tail, int col0,
+                                              int width, int wg, int act_kind, const float* bias, float alpha,
+                                              float limit) {
     const int lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32, q = lane % 4;
 #pragma unroll
     for (int x = 0; x < 16; x++) {
         const int r = 8 * (x >> 2) + 2 * q + (x & 1), w = 16 * warp + lane / 4 + 8 * ((x >> 1) & 1);
         if (r >= tail) continue;
-        bf16_t* out = C + (row0 + r) * width;
+        bf16_t* out = o.row(row0 + r, width);
         if (act_kind >= 0) {
             const int col = col0 + 64 * wg + w;
             float g = e[x], u = e[16 + x];
@@ -502,10 +531,10 @@ __device__ __forceinline__ void gg_produce(const gg_shared& sh, unsigned char* r
 // cores in the same commit groups, and gg_store_tail writes them. A copy of its own for each
 // of TAILED's values, each with sums of its own, so that no wgmma is issued under a condition
 // and no sums move between the copies (either makes ptxas serialize every wgmma).
-template <int WGS, int STAGES, int BN, int TAIL, bool TAILED>
+template <int WGS, int STAGES, int BN, int TAIL, bool TAILED, bool SCATTER>
 __device__ __forceinline__ void gg_consume_tile(const gg_tile& t, int tail, int wg, unsigned char* ring, u64* full,
                                                 u64* empty, int& stage, unsigned& phase, int& last, int kblocks,
-                                                bool gather, bf16_t* C, int N, int width, int act_kind,
+                                                bool gather, gg_out<SCATTER> C, int N, int width, int act_kind,
                                                 const float* b13, float alpha, float limit) {
     constexpr int BM = 64 * WGS;
     constexpr int A_BYTES = (BM + TAIL) * GG_BK * 2, B_BYTES = BN * GG_BK * 2;
@@ -557,18 +586,18 @@ __device__ __forceinline__ void gg_consume_tile(const gg_tile& t, int tail, int 
     if constexpr (BN == 256) {
         if (act) {
             gg_act_kind<16>(d, act_kind, b13 ? b13 + (long)t.expert * N : 0, t.col0, width, alpha, limit);
-            gg_store<128>(d, C, row0, t.rows_end, t.col0, width);
+            gg_store_to<128>(d, C, row0, t.rows_end, t.col0, width);
             return;
         }
     }
-    gg_store<BN>(d, C, row0, t.rows_end, t.col0, width);
+    gg_store_to<BN>(d, C, row0, t.rows_end, t.col0, width);
 }
 
 // The kernel for tiles of 64·WGS rows (WGS consumer warpgroups after the producer one) over a
 // ring of STAGES stages; see the entry points below for the arguments.
-template <int WGS, int STAGES, int BN, int TAIL>
+template <int WGS, int STAGES, int BN, int TAIL, bool SCATTER>
 __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_tensor_map& w_map,
-                                          const gg_tensor_map& tail_map, bf16_t* C, const int* counts,
+                                          const gg_tensor_map& tail_map, gg_out<SCATTER> C, const int* counts,
                                           const int* offsets, int experts, int N, int K, int* next_tile, int act_kind,
                                           float alpha, float limit, const float* b13, const bf16_t* gather_x,
                                           const int* slot_of_row, int gather_k, long gather_stride) {
@@ -626,51 +655,60 @@ __device__ __forceinline__ void gg_kernel(const gg_tensor_map& a_map, const gg_t
         const int tail = TAIL > 0 ? gg_tail_of<BM, TAIL>(t) : 0;
         // The tile, with or without a tail's products: two copies of it (gg_consume_tile).
         if (tail)
-            gg_consume_tile<WGS, STAGES, BN, TAIL, (TAIL > 0)>(t, tail, wg, ring, full, empty, stage, phase, last,
-                                                              kblocks, gather, C, N, width, act_kind, b13, alpha,
-                                                              limit);
+            gg_consume_tile<WGS, STAGES, BN, TAIL, (TAIL > 0), SCATTER>(t, tail, wg, ring, full, empty, stage, phase,
+                                                                       last, kblocks, gather, C, N, width, act_kind,
+                                                                       b13, alpha, limit);
         else
-            gg_consume_tile<WGS, STAGES, BN, TAIL, false>(t, 0, wg, ring, full, empty, stage, phase, last, kblocks,
-                                                         gather, C, N, width, act_kind, b13, alpha, limit);
+            gg_consume_tile<WGS, STAGES, BN, TAIL, false, SCATTER>(t, 0, wg, ring, full, empty, stage, phase, last,
+                                                                  kblocks, gather, C, N, width, act_kind, b13, alpha,
+                                                                  limit);
     }
 }
 #endif
 
 // The entry points: `name`, launched with `threads` threads (128 per warpgroup), runs
-// gg_kernel<WGS, STAGES, BN, TAIL>. Each computes C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind <
+// gg_kernel<WGS, STAGES, BN, TAIL, SCATTER>. Each computes C[r] = A[r] · W[e]ᵀ, C [rows, N] (act_kind <
 // 0), or its activation, C [rows, N / 2], with the kinds, alpha and limit of act_mul and the
 // f32 bias b13 [experts, N] (null: none); A is read in boxes of the tile's rows (a_map) and of
 // TAIL rows (tail_map, read only where TAIL > 0), W in boxes of half its columns; next_tile is
 // two ints, zero at the launch (the tile counter and the blocks done claiming), which the
 // kernel leaves zero. With gather_x, row r of A is row slot_of_row[r] / gather_k of gather_x,
 // whose rows of K values (16-byte aligned) start gather_stride values apart (the permute's
-// gather done by the producer warpgroup's cp.async copies), and neither A map is read.
+// gather done by the producer warpgroup's cp.async copies), and neither A map is read. With
+// SCATTER, row r goes to the address out_rows[r] instead of C's row r (each row's own, which
+// may lie in a peer GPU's memory).
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define GG_BODY(WGS, STAGES, BN, TAIL)                                                                       \
-    gg_kernel<WGS, STAGES, BN, TAIL>(a_map, w_map, tail_map, C, counts, offsets, experts, N, K, next_tile,      \
-                                     act_kind, alpha, limit, b13, gather_x, slot_of_row, gather_k, gather_stride);
+#define GG_BODY(WGS, STAGES, BN, TAIL, SCATTER)                                                                \
+    gg_kernel<WGS, STAGES, BN, TAIL, SCATTER>(a_map, w_map, tail_map, gg_out<SCATTER>{C, out_rows}, counts,     \
+                                              offsets, experts, N, K, next_tile, act_kind, alpha, limit, b13,    \
+                                              gather_x, slot_of_row, gather_k, gather_stride);
 #else
-#define GG_BODY(WGS, STAGES, BN, TAIL)
+#define GG_BODY(WGS, STAGES, BN, TAIL, SCATTER)
 #endif
-#define GG_ENTRY(name, threads, WGS, STAGES, BN, TAIL)                                                             \
+#define GG_ENTRY(name, threads, WGS, STAGES, BN, TAIL, SCATTER)                                                    \
     extern "C" __global__ void __launch_bounds__(threads, 1)                                                       \
         name(const __grid_constant__ gg_tensor_map a_map, const __grid_constant__ gg_tensor_map w_map,             \
              const __grid_constant__ gg_tensor_map tail_map, bf16_t* C, const int* counts, const int* offsets,    \
              int experts, int N, int K, int* next_tile, int act_kind, float alpha, float limit, const float* b13, \
-             const bf16_t* gather_x, const int* slot_of_row, int gather_k, long gather_stride) {                  \
-        GG_BODY(WGS, STAGES, BN, TAIL)                                                                             \
+             const bf16_t* gather_x, const int* slot_of_row, int gather_k, long gather_stride,                    \
+             const u64* out_rows) {                                                                               \
+        GG_BODY(WGS, STAGES, BN, TAIL, SCATTER)                                                                    \
     }
 
 // 128 × 256 tiles over a 4-stage ring, two consumer warpgroups; an expert's last tile takes up
 // to 32 rows past its 128 (GG_TAIL) rather than a tile of their own.
 #define GG_TAIL 32
-GG_ENTRY(grouped_gemm_sm90, 384, 2, 4, 256, GG_TAIL)
+GG_ENTRY(grouped_gemm_sm90, 384, 2, 4, 256, GG_TAIL, false)
+
+// The same, each output row stored at its own address (deterministic mode's down projection
+// writing each slot's row straight into its home's window).
+GG_ENTRY(grouped_gemm_sm90_scatter, 384, 2, 4, 256, GG_TAIL, true)
 
 // 64 × 256 tiles, one consumer warpgroup and a 5-stage ring: for batches of a few rows an
 // expert, whose tiles only stream weights, more of them in flight.
-GG_ENTRY(grouped_gemm_sm90_short, 256, 1, 5, 256, 0)
+GG_ENTRY(grouped_gemm_sm90_short, 256, 1, 5, 256, 0, false)
 
 // 64 × 224 tiles, products only: a projection 7168 wide over the 8 experts of one token makes
 // 256 such tiles, two for nearly every one of 132 SMs, where 256-column tiles make 224 (1.7 a
 // SM).
-GG_ENTRY(grouped_gemm_sm90_short224, 256, 1, 5, 224, 0)
+GG_ENTRY(grouped_gemm_sm90_short224, 256, 1, 5, 224, 0, false)

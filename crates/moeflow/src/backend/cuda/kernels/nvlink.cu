@@ -225,56 +225,30 @@ __global__ void __launch_bounds__(256, 5)
     nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
-// Deterministic mode's return over NVLink, planned on the device: each slot served here goes
-// home as its expert's row, as it is, and home weights and sums the slots in slot order (the
-// one-GPU combine), so the bits do not depend on the layout. Received row r (rank s's row
-// p = r - starts[s], sent when below counts[s]) is home token tokens[r] of s (p itself where
-// `tokens` is null: whole batches, sent as they lie); its slot j with a local expert here
-// (local_ids[r k + j] >= 0) sends row row_of_slot[r k + j] of y into row token k + j of region
-// `region` of s's window. Rows are taken a rank in turn, blocks as nvl_combine_push's; the
-// columns in 16-byte words (H % 8 == 0) or one bf16 each, four slots' loads in flight before
-// their stores. Then the flags are raised, and the senders' waited for, as nvl_push does.
-__global__ void nvl_return_slots(const bf16_t* __restrict__ y, const int* __restrict__ local_ids,
-                                 const int* __restrict__ row_of_slot, const int* __restrict__ tokens, int k, int H,
-                                 const int* starts, const int* counts, int n, const u64* regions, int nregions,
-                                 int region, u64* const* flags, int nflags, u64* sent, unsigned int* done,
-                                 NvlWait wait) {
-    constexpr int BATCH = 4;
-    long most = 0;
-    for (int s = 0; s < n; s++) most = max(most, (long)(starts[s + 1] - starts[s]));
-    const bool wide = H % 8 == 0;
-    const int units = wide ? H / 8 : H;
-    for (long i = blockIdx.x; i < n * most; i += gridDim.x) {
-        const int s = (int)(i % n);
-        const long p = i / n;
+// Deterministic mode's return over NVLink, planned on the device: the down projection stores
+// each slot served here as its expert's row, as it is, straight into its home's window, and
+// home weights and sums the slots in slot order (the one-GPU combine), so the bits do not
+// depend on the layout. A thread per received slot q = r k + j: received row r is rank s's row
+// p = r - starts[s] (starts: n + 1 ints), sent when below counts[s], and home token tokens[r]
+// of s (p itself where `tokens` is null: whole batches, sent as they lie); where slot j is
+// served here (it has a grouped row, row_of_slot[q] >= 0), out_rows[row_of_slot[q]] = the
+// address of row token k + j of region `region` of s's window (`regions` as
+// nvl_combine_push's).
+__global__ void nvl_slot_addresses(const int* row_of_slot, const int* tokens, int k, int H, const int* starts,
+                                   const int* counts, int n, const u64* regions, int nregions, int region,
+                                   u64* out_rows) {
+    const long slots = (long)starts[n] * k;
+    for (long q = blockIdx.x * (long)blockDim.x + threadIdx.x; q < slots; q += (long)gridDim.x * blockDim.x) {
+        const long r = q / k;
+        int s = 0;
+        while (s + 1 < n && starts[s + 1] <= r) s++;
+        const long p = r - starts[s];
         if (p >= counts[s]) continue;
-        const long r = starts[s] + p, token = tokens ? tokens[r] : p;
-        bf16_t* home = (bf16_t*)regions[(long)s * nregions + region] + token * k * H;
-        for (int j0 = 0; j0 < k; j0 += BATCH) {
-            long from[BATCH];
-#pragma unroll
-            for (int u = 0; u < BATCH; u++) {
-                const long q = r * k + j0 + u;
-                from[u] = j0 + u < k && local_ids[q] >= 0 ? row_of_slot[q] : -1;
-            }
-            for (int c = threadIdx.x + blockIdx.y * blockDim.x; c < units; c += blockDim.x * gridDim.y) {
-                if (wide) {
-                    uint4 v[BATCH];
-#pragma unroll
-                    for (int u = 0; u < BATCH; u++)
-                        if (from[u] >= 0) v[u] = __ldg((const uint4*)(y + from[u] * H) + c);
-#pragma unroll
-                    for (int u = 0; u < BATCH; u++)
-                        if (from[u] >= 0) ((uint4*)(home + (long)(j0 + u) * H))[c] = v[u];
-                } else {
-#pragma unroll
-                    for (int u = 0; u < BATCH; u++)
-                        if (from[u] >= 0) home[(long)(j0 + u) * H + c] = y[from[u] * H + c];
-                }
-            }
-        }
+        const int row = row_of_slot[q];
+        if (row < 0) continue;
+        const long token = tokens ? tokens[r] : p;
+        out_rows[row] = regions[(long)s * nregions + region] + 2 * (token * k + q % k) * H;
     }
-    nvl_raise_and_wait(flags, nflags, sent, done, wait);
 }
 
 // The low-latency dispatch's sending half over NVLink, one block per (token t < M, destination
@@ -307,7 +281,7 @@ __global__ void ll_send(const bf16_t* x, const int* ids, const float* w, const i
 // below 2^20), as
 // dest[t k + j] = rank << 20 | local slot there (-1 for no expert), and the ranks the token goes
 // to as a bit mask ranks[t]. Where `slot_row` is not null (deterministic mode), slot_row[t k + j]
-// = t k + j, the row its expert's output comes home to (nvl_return_slots), or -1 for no expert.
+// = t k + j, the row its expert's output comes home to (nvl_slot_addresses), or -1 for no expert.
 __global__ void nvl_plan_slots(const int* ids, int T, int k, const int* rep_first, const int* rep_count,
                                const int* rep_rank, const int* rep_slot, const int* shared, int* dest,
                                unsigned int* ranks, int* slot_row) {

@@ -52,6 +52,9 @@ pub(super) struct EpBuffers {
     pub(super) ret_idx: CudaSlice<i32>,
     pub(super) back_slots: CudaSlice<u16>,
     pub(super) slot_row: CudaSlice<i32>,
+    /// Deterministic mode over NVLink planned on the device: where the down projection stores
+    /// each of its rows (an address in its home's window, see `nvl_slot_addresses`).
+    pub(super) y_rows: CudaSlice<u64>,
     /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
     pub(super) send_logits: CudaSlice<f32>,
     pub(super) recv_logits: CudaSlice<f32>,
@@ -433,6 +436,7 @@ impl CudaMoeLayer {
             counts: ecounts,
             offsets: eoffsets,
             gather,
+            y_rows: None,
         })
     }
 
@@ -579,6 +583,7 @@ impl CudaMoeLayer {
             ret_idx: z32(if det { rows2 } else { 1 })?,
             back_slots: z16(if det { t * k * h } else { 1 })?,
             slot_row: z32(if det { t * k } else { 1 })?,
+            y_rows: s.alloc_zeros::<u64>(if det { rows2 } else { 1 }).map_err(|e| err("allocating workspace", e))?,
             send_logits: zf(sent * e)?,
             recv_logits: zf(recv * e)?,
             plan: z32(2 * ranks + 2)?,

@@ -236,6 +236,9 @@ impl HopperFp8Gemm {
         epilogue: Epilogue,
         gather: Option<Fp8Gather>,
     ) -> Result<()> {
+        if matches!(epilogue, Epilogue::Scatter { .. }) {
+            return Err(MoeError::Unsupported("the fp8 Hopper grouped GEMM stores its rows in place".into()));
+        }
         let (kind, alpha, limit, bias) = epilogue.kernel_args();
         let width_step = if kind >= 0 { 128 } else { 8 };
         if n % width_step != 0 || kdim % 16 != 0 || experts > MAX_EXPERTS {

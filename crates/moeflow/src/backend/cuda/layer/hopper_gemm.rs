@@ -55,6 +55,10 @@ pub(super) enum Epilogue {
     /// rows, and `C [rows, I] = act(gate + b) · (up + b)` from the f32 accumulators, `b` the
     /// expert's row of the f32 bias `[experts, 2 I]` at `bias` (0: no bias).
     Activation { activation: Activation, bias: u64 },
+    /// The product, each row `r` stored at the address `rows[r]` (a device array of `u64`s,
+    /// one a row) instead of `C`'s row `r`: deterministic mode's down projection writing
+    /// each slot's row into its home's window. The bf16 GEMM's 128-row tiles only.
+    Scatter { rows: u64 },
 }
 
 impl Epilogue {
@@ -62,7 +66,7 @@ impl Epilogue {
     /// limit (see `act_mul` in activation.cu), and the bias's device address (0: none).
     pub(super) fn kernel_args(self) -> (i32, f32, f32, u64) {
         match self {
-            Epilogue::Product => (-1, 0.0, 0.0, 0),
+            Epilogue::Product | Epilogue::Scatter { .. } => (-1, 0.0, 0.0, 0),
             Epilogue::Activation { activation, bias } => {
                 let (kind, alpha, limit) = act_params(activation);
                 (kind, alpha, limit, bias)
@@ -148,6 +152,8 @@ pub(super) struct HopperGemm {
     short: CudaFunction,
     /// The same in 64 × 224 tiles (`grouped_gemm_sm90_short224`).
     narrow: CudaFunction,
+    /// The 128-row tiles storing each row at its own address (`grouped_gemm_sm90_scatter`).
+    scatter: CudaFunction,
     sms: u32,
     next_tile: Mutex<CudaSlice<i32>>,
     /// The tile height and the 64-row tiles' width the options ask for (`None`: per batch).
@@ -190,11 +196,13 @@ impl HopperGemm {
         let load = |name: &str, v: Variant| persistent_kernel(gpu, name, smem_bytes(v, MAX_EXPERTS));
         let (f, short) = (load("grouped_gemm_sm90", TILES_128)?, load("grouped_gemm_sm90_short", TILES_64)?);
         let narrow = load("grouped_gemm_sm90_short224", TILES_64_NARROW)?;
+        let scatter = load("grouped_gemm_sm90_scatter", TILES_128)?;
         let (sms, next_tile) = persistent_blocks(gpu)?;
         Ok(Some(HopperGemm {
             f,
             short,
             narrow,
+            scatter,
             sms,
             next_tile,
             rows_asked: opts.gemm_tile_rows,
@@ -240,7 +248,8 @@ impl HopperGemm {
     /// multiples of 8 (16 with an activation, whose `C` is `[rows, n / 2]`: see [`Epilogue`]).
     /// With `gather` the rows of `A` are read from where it says instead of from `a` (see
     /// [`Gather`]). In 64-row tiles where [`HopperGemm::short_for`] says so (a product 224
-    /// columns wide where [`HopperGemm::narrow_for`] says so), else in 128-row tiles.
+    /// columns wide where [`HopperGemm::narrow_for`] says so), else in 128-row tiles, which
+    /// [`Epilogue::Scatter`] always takes.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn run(
         &self,
@@ -255,7 +264,8 @@ impl HopperGemm {
         gather: Option<Gather>,
     ) -> Result<()> {
         let product = matches!(epilogue, Epilogue::Product);
-        let v = match self.short_for(busy, experts) {
+        let scatter = matches!(epilogue, Epilogue::Scatter { .. });
+        let v = match self.short_for(busy, experts) && !scatter {
             true if product && self.narrow_for(busy, experts, shape[0]) => TILES_64_NARROW,
             true => TILES_64,
             false => TILES_128,
@@ -301,6 +311,15 @@ impl HopperGemm {
                 "the Hopper grouped GEMM's activation in tiles other than 256 wide".into(),
             ));
         }
+        let out_rows = match epilogue {
+            Epilogue::Scatter { rows } if v == TILES_128 => rows,
+            Epilogue::Scatter { .. } => {
+                return Err(MoeError::Unsupported(
+                    "the Hopper grouped GEMM scatters its rows in 128-row tiles only".into(),
+                ))
+            }
+            _ => 0u64,
+        };
         let w_map = tensor_map(w, experts * n, kdim, v.cols / 2, 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
         // Launches through this lock run one after another on the device (one stream a layer).
@@ -311,18 +330,21 @@ impl HopperGemm {
             block_dim: (v.threads, 1, 1),
             shared_mem_bytes: smem_bytes(v, experts),
         };
-        // SAFETY: grouped_gemm_sm90, _short and _short224(map, map, map, bf16*, int*, int*,
-        // int, int, int, int*, int, float, float, float*, bf16*, int*, int, long), launched with
-        // their threads and shared memory: the maps describe A ([rows, kdim], in boxes of the
-        // variant's tile rows, and of its tail's) and W ([experts · n, kdim]); C holds `rows` rows of n (n / 2
-        // with an activation); counts and offsets hold `experts` ints that place rows inside
-        // A's `rows`; the counter is two ints, zero at every launch (see `HopperGemm`); the bias, when
-        // given, holds `experts · n` floats; a gather's map holds `rows` slots whose tokens are
-        // rows of its x, `stride` values apart.
+        // SAFETY: grouped_gemm_sm90, _scatter, _short and _short224(map, map, map, bf16*, int*,
+        // int*, int, int, int, int*, int, float, float, float*, bf16*, int*, int, long, u64*),
+        // launched with their threads and shared memory: the maps describe A ([rows, kdim], in
+        // boxes of the variant's tile rows, and of its tail's) and W ([experts · n, kdim]); C
+        // holds `rows` rows of n (n / 2 with an activation); counts and offsets hold `experts`
+        // ints that place rows inside A's `rows`; the counter is two ints, zero at every launch
+        // (see `HopperGemm`); the bias, when given, holds `experts · n` floats; a gather's map
+        // holds `rows` slots whose tokens are rows of its x, `stride` values apart; with
+        // Scatter, `out_rows` holds an address of n writable bf16 values for each of the `rows`
+        // rows (`C` is not written).
         unsafe {
             let f = match v {
                 TILES_64 => &self.short,
                 TILES_64_NARROW => &self.narrow,
+                _ if out_rows != 0 => &self.scatter,
                 _ => &self.f,
             };
             let mut l = stream.launch_builder(f);
@@ -339,7 +361,7 @@ impl HopperGemm {
             l.arg(&kind).arg(&alpha).arg(&limit).arg(&bias);
             let (gx, gs, gk, gst) =
                 gather.map_or((0u64, 0u64, 1i32, kdim as i64), |g| (g.x, g.slot_of_row, g.k as i32, g.stride as i64));
-            l.arg(&gx).arg(&gs).arg(&gk).arg(&gst);
+            l.arg(&gx).arg(&gs).arg(&gk).arg(&gst).arg(&out_rows);
             l.launch(cfg)
         }
         .map(|_| ())
@@ -407,7 +429,8 @@ mod tests {
     /// bias), with the rows gathered by the GEMM from a shuffled copy (three slots a token),
     /// all in 128-row tiles (experts ending in tails they take, and in tiles of their own) and
     /// in 64-row tiles (products also 224 columns wide), the first and last bit for bit as
-    /// 64 × 256 tiles.
+    /// 64 × 256 tiles; products in 128-row tiles also with every row stored at an address of
+    /// its own, bit for bit.
     /// The second of two launches is checked. The f64 reference is computed once a case, for
     /// every tiling and gathering. Needs a Hopper GPU; says loudly when it skips.
     #[test]
@@ -523,6 +546,29 @@ mod tests {
                     let wide = super::TILES_64;
                     gemm.launch(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, epilogue, gather, wide).unwrap();
                     assert!(s.clone_dtoh(&cd).unwrap() == got, "{what}: bits differ from 64 × 256 tiles");
+                }
+                if variant == super::TILES_128 && act.is_none() {
+                    // Each row stored at an address of its own (row r at row (7919 r + 13) mod
+                    // rows of another buffer): the same bits there, and nothing else written.
+                    let to = |r: usize| (r * 7919 + 13) % rows;
+                    let moved = s.clone_htod(&vec![poison; rows * width]).unwrap();
+                    let at: Vec<u64> = (0..rows).map(|r| dptr(&moved, &gpu) + (2 * to(r) * width) as u64).collect();
+                    let at = s.clone_htod(&at).unwrap();
+                    let scatter = Epilogue::Scatter { rows: dptr(&at, &gpu) };
+                    let ac = [dptr(&ad, &gpu), dptr(&cd, &gpu)];
+                    gemm.launch(s, dptr(&wd, &gpu), [n, k], ac, rows, ptrs, e, scatter, gather, variant).unwrap();
+                    let moved = s.clone_dtoh(&moved).unwrap();
+                    for r in 0..rows {
+                        let row = &moved[to(r) * width..(to(r) + 1) * width];
+                        match owned[r] {
+                            true => {
+                                assert!(row == &got[r * width..(r + 1) * width], "{what}: row {r} scattered differs")
+                            }
+                            false => {
+                                assert!(row.iter().all(|&x| x == poison), "{what}: row {r} of no expert scattered")
+                            }
+                        }
+                    }
                 }
                 for r in 0..rows {
                     let row = &got[r * width..(r + 1) * width];

@@ -106,7 +106,7 @@ struct Kernels {
     ll_combine_push: CudaFunction,
     nvl_push: CudaFunction,
     nvl_combine_push: CudaFunction,
-    nvl_return_slots: CudaFunction,
+    nvl_slot_addresses: CudaFunction,
     nvl_plan_slots: CudaFunction,
     nvl_plan: CudaFunction,
     nvl_landed_ids: CudaFunction,
@@ -303,7 +303,7 @@ impl CudaMoeLayer {
             ll_combine_push: f("ll_combine_push")?,
             nvl_push: f("nvl_push")?,
             nvl_combine_push: f("nvl_combine_push")?,
-            nvl_return_slots: f("nvl_return_slots")?,
+            nvl_slot_addresses: f("nvl_slot_addresses")?,
             nvl_plan_slots: f("nvl_plan_slots")?,
             nvl_plan: f("nvl_plan")?,
             nvl_landed_ids: f("nvl_landed_ids")?,
@@ -961,6 +961,7 @@ impl CudaMoeLayer {
             transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
             device_plan: self.dispatch_planned_on_device(),
             rows_beside_routing: self.dispatch_rows_beside_routing(),
+            rows_home_from_gemm: self.dispatch_planned_on_device() && self.opts.deterministic,
             ..stages_between(ms)?
         };
         let mut marks = marks;
@@ -1071,6 +1072,9 @@ impl CudaMoeLayer {
             self.enqueue_shared(b, t)?;
         }
         let mut d = pf.prepare_finish(self, b, t, pending, mark)?;
+        if d.rows.y_rows.is_some() && !d.rows.imp.scatters_rows() {
+            return Err(MoeError::Unsupported(format!("the {} experts store their rows in place", d.rows.imp.name())));
+        }
         if d.rows.rows > 0 {
             d.rows.imp.run(self, b, &d.rows, mark)?;
         } else {

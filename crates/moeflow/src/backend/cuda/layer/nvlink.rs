@@ -346,6 +346,12 @@ impl CudaMoeLayer {
         })
     }
 
+    /// Where each region starts in each rank's window, as this rank's kernels address them (a
+    /// device array of `u64`s, `[rank, region]`), and the regions a rank has.
+    pub(super) fn window_regions(&self, link: &EpLink) -> Result<(u64, i32)> {
+        with_window(link, |nv| Ok((dptr(&nv.peer_regions, &self.gpu), nv.regions.len() as i32)))
+    }
+
     /// A barrier of the link's ranks on the device, when its rows move over NVLink: an exchange
     /// of no rows (every rank's flags raised, then waited for, within the deadline), after
     /// which the ranks' streams go on within about one flag's flight of each other; `false`,

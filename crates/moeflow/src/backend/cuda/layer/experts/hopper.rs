@@ -25,6 +25,10 @@ impl DeviceExperts for Hopper {
         !layer.w8a8
     }
 
+    fn scatters_rows(&self) -> bool {
+        true
+    }
+
     fn run(&self, layer: &CudaMoeLayer, _b: &mut Buffers, r: &ExpertRows, mark: Mark) -> Result<()> {
         let hg = layer
             .k
@@ -42,17 +46,8 @@ impl DeviceExperts for Hopper {
         mark(4)?;
         layer.round_for_w8a8(r.act, r.rows, i)?;
         mark(5)?;
-        hg.run(
-            s,
-            dptr(&layer.w.w2, g),
-            [h, i],
-            [r.act, r.y],
-            [r.rows, r.busy],
-            dev,
-            r.experts,
-            Epilogue::Product,
-            None,
-        )?;
+        let down = r.y_rows.map_or(Epilogue::Product, |rows| Epilogue::Scatter { rows });
+        hg.run(s, dptr(&layer.w.w2, g), [h, i], [r.act, r.y], [r.rows, r.busy], dev, r.experts, down, None)?;
         mark(6)
     }
 }

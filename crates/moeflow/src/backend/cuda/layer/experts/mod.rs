@@ -65,6 +65,9 @@ pub(super) struct ExpertRows {
     pub(super) offsets: u64,
     /// Where the Hopper GEMM reads its input rows instead of `a`.
     pub(super) gather: Option<Gather>,
+    /// Where each output row goes instead of `y`: a device array of an address a row (see
+    /// [`Epilogue::Scatter`](super::hopper_gemm::Epilogue::Scatter)), for implementations that [`DeviceExperts::scatters_rows`].
+    pub(super) y_rows: Option<u64>,
 }
 
 /// The routed experts over rows grouped by local expert.
@@ -84,6 +87,10 @@ pub(super) trait DeviceExperts: Send + Sync {
     /// themselves (a [`Gather`] whose rows sit inside the message records), so that they are
     /// not copied into the padded layout first.
     fn gathers_received_rows(&self, _layer: &CudaMoeLayer) -> bool {
+        false
+    }
+    /// Whether it stores each output row at the address [`ExpertRows::y_rows`] names.
+    fn scatters_rows(&self) -> bool {
         false
     }
     /// `y` = down(act(up(a))) for every row of `rows`, on the layer's stream; marks 4 after

@@ -86,6 +86,7 @@ fn every_device_experts_implementation_matches_f64() {
                 counts: dptr(&cd, g),
                 offsets: dptr(&od, g),
                 gather: None,
+                y_rows: None,
             };
             imp.run(&layer, b, &r, &|_| Ok(())).unwrap();
             let y = s.clone_dtoh(&yd).unwrap();

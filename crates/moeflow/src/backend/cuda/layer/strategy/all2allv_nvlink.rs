@@ -23,10 +23,11 @@
 //!
 //! The kernel that sums each token's slots served here writes the sum straight into its
 //! home's window, in the room its home left for this rank (no staging rows, no push); home
-//! sums them in rank order, as the host-planned all-to-all-v does. In deterministic mode it
-//! writes each served slot's expert row instead, into the row of that (token, slot) at home,
-//! and home weights and sums the slots in slot order as one GPU does; where the batch does
-//! not cross whole, each token row carries its position in its home batch (in the head).
+//! sums them in rank order, as the host-planned all-to-all-v does. In deterministic mode the
+//! down projection itself stores each served slot's expert row into the row of that (token,
+//! slot) in its home's window, so the rows cross the link under the GEMM, and home weights and
+//! sums the slots in slot order as one GPU does; where the batch does not cross whole, each
+//! token row carries its position in its home batch (in the head).
 //!
 //! [`CudaOptions::copies_whole_batches`]: crate::backend::cuda_options::CudaOptions::copies_whole_batches
 
@@ -34,11 +35,11 @@ use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, SLOTS, TO
 use super::{Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
-use crate::backend::cuda::layer::experts::ExpertRows;
+use crate::backend::cuda::layer::experts::{DeviceExperts, ExpertRows};
 use crate::backend::cuda::layer::nvlink::{CopyLane, Exchange, Lane};
 use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
-use crate::error::Result;
+use crate::error::{MoeError, Result};
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// The most ranks the device plan takes (a token's destinations are a 32-bit mask).
@@ -295,7 +296,10 @@ pub(super) fn prepare_finish(
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     let (h, k) = (l.config.hidden, l.config.top_k);
     l.side.join(&l.gpu.stream, [l.side.grouping()])?;
-    let rows = p.rows.take().expect("grouped by prepare_begin");
+    let mut rows = p.rows.take().expect("grouped by prepare_begin");
+    if l.opts.deterministic {
+        rows.y_rows = Some(slot_addresses(l, b, &p, rows.imp)?);
+    }
     mark(3)?;
     // The plan's device array: where each rank's rows start, then the rows this rank sent.
     let starts = dptr(&b.ep.as_ref().expect("allocated").plan, &l.gpu);
@@ -310,12 +314,14 @@ pub(super) fn prepare_finish(
 /// The weighted sums over the slots served here, written home by the kernel that sums them
 /// (`nvl_combine_push`): to each rank as many rows as it sent, into the room it left for this
 /// rank; the kernel then waits until every rank's sums for this rank's tokens have landed.
-/// Deterministic mode sends the slots' expert rows instead ([`return_slots`]).
+/// In deterministic mode the down projection has stored the slots' expert rows at home
+/// already ([`slot_addresses`]): an exchange of no rows raises the flags and waits for every
+/// rank's.
 pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
-    if l.opts.deterministic {
-        return return_slots(l, b, p);
-    }
     let link = l.ep.as_ref().expect("an expert-parallel layer");
+    if l.opts.deterministic {
+        return l.exchange_nvlink(link, Exchange::Combine, &[]);
+    }
     let (h, k) = (l.config.hidden, l.config.top_k);
     let (n, rank) = (link.comm.size() as i32, link.comm.rank() as i32);
     let g = &l.gpu;
@@ -343,37 +349,39 @@ pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) 
     })
 }
 
-/// Deterministic mode's return (`nvl_return_slots`): each slot served here sends its expert's
-/// row as it is into the row of its (token, slot) in its home's window; the kernel then waits
-/// until every rank's rows for this rank's tokens have landed.
-fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
+/// Deterministic mode: where the down projection stores each of its rows, the row of its
+/// (token, slot) in its home's window (`nvl_slot_addresses`), in `ep.y_rows`.
+fn slot_addresses(l: &CudaMoeLayer, b: &Buffers, p: &DevicePlan, imp: &dyn DeviceExperts) -> Result<u64> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
-    let (h, k) = (l.config.hidden, l.config.top_k);
-    let n = link.comm.size() as i32;
+    if !imp.scatters_rows() {
+        return Err(MoeError::Unsupported(format!(
+            "deterministic mode over NVLink: the {} experts store rows in place",
+            imp.name()
+        )));
+    }
+    let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
     let g = &l.gpu;
     let ep = b.ep.as_ref().expect("allocated");
-    let (y, local_ids, row_of_slot) = (dptr(&ep.y, g), dptr(&ep.local_ids, g), dptr(&ep.row_of_slot, g));
+    let (row_of_slot, out) = (dptr(&ep.row_of_slot, g), dptr(&ep.y_rows, g));
+    let (regions, nregions) = l.window_regions(link)?;
     let tokens = p.tokens.unwrap_or(0);
     // The plan's device array starts with where each rank's rows start (n + 1 ints).
     let starts = dptr(&ep.plan, g);
-    let (ki, hi, slots) = (k as i32, h as i32, SLOTS as i32);
-    l.write_window(link, 1, |w| {
-        // SAFETY: nvl_return_slots(bf16*, int*, int*, int*, int, int, int*, int*, int, u64*,
-        // int, int, u64**, int, u64*, unsigned*, NvlWait) over the received rows, grouped by
-        // `group_received` (rank s's from starts[s], at most its batch, with their home
-        // positions in `tokens` when not null); rank s's slot rows land in region SLOTS of its
-        // window, which holds k rows for each token of the largest batch (`window` above); the
-        // flags, counters and wait are the link's (see WindowWrite).
-        unsafe {
-            let mut c = g.stream.launch_builder(&l.k.nvl_return_slots);
-            c.arg(&y).arg(&local_ids).arg(&row_of_slot).arg(&tokens).arg(&ki).arg(&hi);
-            c.arg(&starts).arg(&p.counts).arg(&n).arg(&w.regions).arg(&w.nregions).arg(&slots);
-            c.arg(&w.flags).arg(&w.nflags).arg(&w.sent).arg(&w.done).arg(&w.wait);
-            c.launch(per_token(n as usize * p.most, h))
-        }
-        .map(|_| ())
-        .map_err(|e| err("nvl_return_slots", e))
-    })
+    let (ki, hi, ni, slots) = (k as i32, h as i32, n as i32, SLOTS as i32);
+    // SAFETY: nvl_slot_addresses(int*, int*, int, int, int*, int*, int, u64*, int, int, u64*)
+    // over the received slots, grouped by `group_received` (rank s's rows from
+    // starts[s], at most its batch, with their home positions in `tokens` when not null): each
+    // served slot's grouped row gets an address in region SLOTS of its home's window, which
+    // holds k rows for each token of the largest batch (`window` above); `y_rows` holds the
+    // grouped rows.
+    unsafe {
+        let mut c = g.stream.launch_builder(&l.k.nvl_slot_addresses);
+        c.arg(&row_of_slot).arg(&tokens).arg(&ki).arg(&hi);
+        c.arg(&starts).arg(&p.counts).arg(&ni).arg(&regions).arg(&nregions).arg(&slots).arg(&out);
+        c.launch(grid(n * p.most * k))
+    }
+    .map_err(|e| err("nvl_slot_addresses", e))?;
+    Ok(out)
 }
 
 /// Sums each token's returned rows in rank order into `b.out` (marks 7); in deterministic

@@ -73,6 +73,7 @@ impl DevicePrepareFinalize for Local {
             counts: cp,
             offsets: dptr(&b.offsets, g),
             gather,
+            y_rows: None,
         };
         Ok(Box::new(rows))
     }

@@ -182,6 +182,7 @@ impl DevicePrepareFinalize for LowLatency {
             counts,
             offsets: dptr(&ll.offsets, g),
             gather,
+            y_rows: None,
         };
         // The batch lives on the device: counted as a full message (as it is over NCCL).
         Ok(Dispatched { rows, sent: Sent::Bytes(l.ll_sent_bytes(m)), state: landing })
