@@ -35,11 +35,11 @@ use super::all2allv::{regions_of, BACK, COUNTS, IDS, ROWS, ROW_SCALES, SLOTS, TO
 use super::{Dispatched, Mark, Sent, State};
 use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, LocalPlan, Localize};
-use crate::backend::cuda::layer::experts::{DeviceExperts, ExpertRows};
+use crate::backend::cuda::layer::experts::ExpertRows;
 use crate::backend::cuda::layer::nvlink::{CopyLane, Exchange, Lane};
 use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
 use crate::comm::Communicator;
-use crate::error::{MoeError, Result};
+use crate::error::Result;
 use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 /// The most ranks the device plan takes (a token's destinations are a 32-bit mask).
@@ -189,9 +189,9 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*, int*) over the t · k
         // ids into dest and slot_row (t · k ints; deterministic layers' buffers hold them, and
         // slot_row is null otherwise) and ranks (t); the tables cover every expert, and
-        // `shared` (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int, int*, int*, int*,
-        // int*) from them, a thread per token: send_idx and send_ids hold n · t rows (of 1 and
-        // k ints), home_rows t · n ints, `sent` n ints; n <= MAX_RANKS = 32.
+        // `shared` (when not null) too. nvl_plan(int*, unsigned*, int, int, int, int, int*,
+        // int*, int*, int*) from them, a thread per token: send_idx and send_ids hold n · t rows
+        // (of 1 and k ints), home_rows t · n ints, `sent` n ints; n <= MAX_RANKS = 32.
         unsafe {
             let mut p = s.launch_builder(&l.k.nvl_plan_slots);
             p.arg(&ids).arg(&ti).arg(&ki);
@@ -298,7 +298,7 @@ pub(super) fn prepare_finish(
     l.side.join(&l.gpu.stream, [l.side.grouping()])?;
     let mut rows = p.rows.take().expect("grouped by prepare_begin");
     if l.opts.deterministic {
-        rows.y_rows = Some(slot_addresses(l, b, &p, rows.imp)?);
+        rows.y_rows = Some(slot_addresses(l, b, &p)?);
     }
     mark(3)?;
     // The plan's device array: where each rank's rows start, then the rows this rank sent.
@@ -351,14 +351,8 @@ pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) 
 
 /// Deterministic mode: where the down projection stores each of its rows, the row of its
 /// (token, slot) in its home's window (`nvl_slot_addresses`), in `ep.y_rows`.
-fn slot_addresses(l: &CudaMoeLayer, b: &Buffers, p: &DevicePlan, imp: &dyn DeviceExperts) -> Result<u64> {
+fn slot_addresses(l: &CudaMoeLayer, b: &Buffers, p: &DevicePlan) -> Result<u64> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
-    if !imp.scatters_rows() {
-        return Err(MoeError::Unsupported(format!(
-            "deterministic mode over NVLink: the {} experts store rows in place",
-            imp.name()
-        )));
-    }
     let (h, k, n) = (l.config.hidden, l.config.top_k, link.comm.size());
     let g = &l.gpu;
     let ep = b.ep.as_ref().expect("allocated");
@@ -369,11 +363,10 @@ fn slot_addresses(l: &CudaMoeLayer, b: &Buffers, p: &DevicePlan, imp: &dyn Devic
     let starts = dptr(&ep.plan, g);
     let (ki, hi, ni, slots) = (k as i32, h as i32, n as i32, SLOTS as i32);
     // SAFETY: nvl_slot_addresses(int*, int*, int, int, int*, int*, int, u64*, int, int, u64*)
-    // over the received slots, grouped by `group_received` (rank s's rows from
-    // starts[s], at most its batch, with their home positions in `tokens` when not null): each
-    // served slot's grouped row gets an address in region SLOTS of its home's window, which
-    // holds k rows for each token of the largest batch (`window` above); `y_rows` holds the
-    // grouped rows.
+    // over the received slots, grouped by `group_received` (rank s's rows from starts[s], at
+    // most its batch, with their home positions in `tokens` when not null): each served slot's
+    // grouped row gets an address in region SLOTS of its home's window, which holds k rows for
+    // each token of the largest batch (`window` above); `y_rows` holds the grouped rows.
     unsafe {
         let mut c = g.stream.launch_builder(&l.k.nvl_slot_addresses);
         c.arg(&row_of_slot).arg(&tokens).arg(&ki).arg(&hi);
