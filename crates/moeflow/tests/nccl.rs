@@ -848,11 +848,12 @@ fn auto_picks_the_tables_strategy_per_batch() {
 }
 
 /// The NVLink transport moves exactly what NCCL moves: every case and placement, uneven and
-/// empty ranks, all-to-all-v planned on the device and on the host, deterministic mode (both plans) and the
-/// low-latency graph give NCCL's bits, run after run, and the layer says it took NVLink and
-/// which plan; the device plan with the rows each rank serves pushed, and with whole batches
-/// copied by the copy engines. The device plan's bounds differ from the host's counts, so its mode pins the
-/// Hopper GEMM's tiles on both sides (the tile shape may change a sum's order).
+/// empty ranks, all-to-all-v planned on the device and on the host, deterministic mode (both
+/// plans) and the low-latency graph give NCCL's bits, run after run, and the layer says it
+/// took NVLink and which plan; the device plan with the rows each rank serves pushed, and with
+/// whole batches copied by the copy engines. The device plan's bounds differ from the host's
+/// counts, so its mode pins the Hopper GEMM's tiles on both sides (the tile shape may change a
+/// sum's order).
 #[test]
 fn nvlink_transport_gives_nccls_bits() {
     use moeflow::backend::cuda::{CudaMoeLayer, CudaOptions, Transport};

@@ -66,7 +66,8 @@ pub(super) struct ExpertRows {
     /// Where the Hopper GEMM reads its input rows instead of `a`.
     pub(super) gather: Option<Gather>,
     /// Where each output row goes instead of `y`: a device array of an address a row (see
-    /// [`Epilogue::Scatter`](super::hopper_gemm::Epilogue::Scatter)), for implementations that [`DeviceExperts::scatters_rows`].
+    /// [`Epilogue::Scatter`](super::hopper_gemm::Epilogue::Scatter)), for implementations
+    /// that [`DeviceExperts::scatters_rows`].
     pub(super) y_rows: Option<u64>,
 }
 
