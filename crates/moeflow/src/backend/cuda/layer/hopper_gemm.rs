@@ -311,14 +311,14 @@ impl HopperGemm {
                 "the Hopper grouped GEMM's activation in tiles other than 256 wide".into(),
             ));
         }
-        let out_rows = match epilogue {
-            Epilogue::Scatter { rows } if v == TILES_128 => rows,
+        let (scatter, out_rows) = match epilogue {
+            Epilogue::Scatter { rows } if v == TILES_128 => (true, rows),
             Epilogue::Scatter { .. } => {
                 return Err(MoeError::Unsupported(
                     "the Hopper grouped GEMM scatters its rows in 128-row tiles only".into(),
                 ))
             }
-            _ => 0u64,
+            _ => (false, 0u64),
         };
         let w_map = tensor_map(w, experts * n, kdim, v.cols / 2, 2)?;
         let (ei, ni, ki) = (experts as i32, n as i32, kdim as i32);
@@ -344,7 +344,7 @@ impl HopperGemm {
             let f = match v {
                 TILES_64 => &self.short,
                 TILES_64_NARROW => &self.narrow,
-                _ if out_rows != 0 => &self.scatter,
+                _ if scatter => &self.scatter,
                 _ => &self.f,
             };
             let mut l = stream.launch_builder(f);
