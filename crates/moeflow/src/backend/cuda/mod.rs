@@ -33,14 +33,67 @@ pub fn device_count() -> usize {
 }
 
 /// For the library's GPU tests: whether there is no CUDA device, after saying loudly that
-/// `test` skips.
+/// `test` skips. Otherwise the calling test thread shares the device with the other tests
+/// until it ends (see [`gpu_alone`]).
 #[cfg(test)]
 pub(crate) fn skip_without_gpu(test: &str) -> bool {
     let none = device_count() == 0;
     if none {
         eprintln!("SKIPPED {test}: no CUDA device");
+    } else {
+        gpu_tests::hold(false);
     }
     none
+}
+
+/// For the library's GPU tests that capture a caller's stream into a graph, or whose own
+/// captures fail on purpose or race each other: the calling test thread has the device to
+/// itself until it ends. Other tests' calls beside a capture (making cuBLAS handles, freeing
+/// page-locked memory) can invalidate it, and cudarc keeps one error slot per context, whose
+/// errors recorded by a failed capture's calls the next call on any thread returns.
+#[cfg(test)]
+pub(crate) fn gpu_alone() {
+    if device_count() > 0 {
+        gpu_tests::hold(true);
+    }
+}
+
+#[cfg(test)]
+mod gpu_tests {
+    use std::cell::RefCell;
+    use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+    static DEVICE: RwLock<()> = RwLock::new(());
+
+    /// This thread's hold on the device: shared with other tests, or alone.
+    enum Hold {
+        Shared { _guard: RwLockReadGuard<'static, ()> },
+        Alone { _guard: RwLockWriteGuard<'static, ()> },
+    }
+
+    thread_local! {
+        // libtest runs each test on a thread of its own, so the hold ends with the test.
+        static HELD: RefCell<Option<Hold>> = const { RefCell::new(None) };
+    }
+
+    /// Takes the device for this thread (`alone`: exclusively), unless it holds it so already.
+    pub(super) fn hold(alone: bool) {
+        HELD.with(|held| {
+            let mut held = held.borrow_mut();
+            match (&*held, alone) {
+                (Some(Hold::Alone { .. }), _) | (Some(Hold::Shared { .. }), false) => {}
+                _ => {
+                    // A shared hold is let go before the exclusive one is waited for.
+                    *held = None;
+                    *held = Some(if alone {
+                        Hold::Alone { _guard: DEVICE.write().unwrap_or_else(|p| p.into_inner()) }
+                    } else {
+                        Hold::Shared { _guard: DEVICE.read().unwrap_or_else(|p| p.into_inner()) }
+                    });
+                }
+            }
+        });
+    }
 }
 
 /// The integer of `#define name <integer>` in the kernel sources, for the tests that hold a

@@ -400,6 +400,7 @@ mod tests {
     #[test]
     fn a_captured_call_replays_to_the_bits_of_direct_calls() {
         let name = "a_captured_call_replays_to_the_bits_of_direct_calls";
+        crate::backend::cuda::gpu_alone();
         let Some(layer) = layer(name, ExpertGemm::Hopper) else { return };
         let t = 6;
         if let Some(why) = layer.host_read(t) {
@@ -443,6 +444,7 @@ mod tests {
     #[test]
     fn nonfinite_values_of_calls_that_did_not_wait_are_reported_later() {
         let name = "nonfinite_values_of_calls_that_did_not_wait_are_reported_later";
+        crate::backend::cuda::gpu_alone();
         let Some(layer) = layer(name, ExpertGemm::Hopper) else { return };
         let t = 3;
         if let Some(why) = layer.host_read(t) {
@@ -478,6 +480,7 @@ mod tests {
     #[test]
     fn a_layer_reading_the_host_refuses_a_capture() {
         let name = "a_layer_reading_the_host_refuses_a_capture";
+        crate::backend::cuda::gpu_alone();
         let Some(layer) = layer(name, ExpertGemm::Cublas) else { return };
         let t = 4;
         assert!(layer.host_read(t).is_some(), "cuBLAS experts read the expert sizes on the host");
@@ -539,6 +542,7 @@ mod tests {
     #[test]
     fn bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
         let name = "bf16_hidden_states_give_the_rounded_bits_of_f32_ones";
+        crate::backend::cuda::gpu_alone();
         if crate::backend::cuda::skip_without_gpu(name) {
             return;
         }

@@ -279,6 +279,14 @@ impl CudaMoeLayer {
             }
             Err(why) => {
                 b.graphs.last_failure = Some(why.to_string());
+                // Calls made during the invalidated capture may have recorded its error in
+                // cudarc's error slot of the context, which the next call on any thread would
+                // return: the failure is handled here, so it is taken out (other errors stay).
+                if let Err(e) = self.gpu.ctx.check_err() {
+                    if e.0 != drv::cudaError_enum::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED {
+                        self.gpu.ctx.record_err::<()>(Err(e));
+                    }
+                }
                 // Whatever the capture left behind, the stream must be usable again.
                 let s = &self.gpu.stream;
                 s.synchronize().map_err(|e| err("synchronize after a failed capture", e))?;
@@ -357,6 +365,7 @@ mod tests {
             .map(|(i, &t)| Tensor::from_f32(&[t, 256], preset::uniform(t * 256, 1.0, 50 + i as u64)).unwrap())
             .collect();
         let name = "concurrent_layers_match_their_runs_alone";
+        crate::backend::cuda::gpu_alone();
         let Some(alone) = layer_taking_graphs(name, &config, &weights, &sizes) else { return };
         let want: Vec<Vec<u32>> =
             inputs.iter().map(|x| bits(alone.forward_hooked(x, &no_hook, false).unwrap())).collect();
@@ -387,6 +396,7 @@ mod tests {
     #[test]
     fn a_failed_capture_runs_directly_and_is_tried_again() {
         let name = "a_failed_capture_runs_directly_and_is_tried_again";
+        crate::backend::cuda::gpu_alone();
         let config = small_layer(128, 64, 8, 2, Some(SharedConfig { inter: 48, gated: true }));
         let weights = preset::random_weights(&config, DType::BF16, 22);
         let t = 16;
@@ -403,6 +413,8 @@ mod tests {
         };
         assert_eq!(bits(layer.forward(&x).unwrap()), direct, "the call whose capture failed");
         assert_eq!(layer.failed_graph_captures(), 1, "the failed capture is counted");
+        let left = layer.gpu.ctx.check_err();
+        assert!(left.is_ok(), "the failed capture left {left:?} for the next call on the context");
         assert!(!graphed(&layer), "no graph kept from the failed capture");
         assert_eq!(bits(layer.forward_hooked(&x, &no_hook, false).unwrap()), direct, "a direct run after it");
         assert_eq!(bits(layer.forward(&x).unwrap()), direct, "the call that captures again");
