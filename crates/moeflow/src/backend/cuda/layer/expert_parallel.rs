@@ -16,23 +16,17 @@ use crate::placement::ExpertPlacement;
 use cudarc::driver::{CudaSlice, CudaStream, PushKernelArg};
 use std::sync::Arc;
 
-/// Expert-parallel buffers. At home: the token rows sent (one per token and destination
-/// rank, grouped by destination) with their ids and weights, and the partial outputs that come
-/// back. Where the experts are: the token rows received (grouped by source), their slots
-/// regrouped by local expert for the GEMMs (`a`, `h13`, `act`, `y`), and the partial sums per
-/// received token. Capacities grow to the largest call seen.
+/// Expert-parallel buffers. At home: which token goes to which rank, with its ids, and where
+/// each home slot is served. Where the experts are: the received slots regrouped by local
+/// expert for the GEMMs (`a`, `h13`, `act`, `y`). The rows themselves travel through
+/// [`EpStaging`] where a dispatch stages them in this rank's memory. Capacities grow to the
+/// largest call seen.
 pub(super) struct EpBuffers {
     /// Capacities: rows sent, rows received, expert rows (padded), home tokens.
     pub(super) cap: [usize; 4],
     pub(super) send_idx: CudaSlice<i32>,
-    pub(super) send_rows: CudaSlice<u16>,
     pub(super) send_ids: CudaSlice<i32>,
-    pub(super) send_w: CudaSlice<f32>,
     pub(super) home_rows: CudaSlice<i32>,
-    pub(super) back: CudaSlice<u16>,
-    pub(super) recv_rows: CudaSlice<u16>,
-    pub(super) recv_ids: CudaSlice<i32>,
-    pub(super) recv_w: CudaSlice<f32>,
     pub(super) local_ids: CudaSlice<i32>,
     pub(super) counts: CudaSlice<i32>,
     /// The counting sort's counts per chunk of the received slots.
@@ -45,25 +39,44 @@ pub(super) struct EpBuffers {
     pub(super) h13: CudaSlice<u16>,
     pub(super) act: CudaSlice<u16>,
     pub(super) y: CudaSlice<u16>,
-    pub(super) part: CudaSlice<u16>,
-    /// Deterministic mode: the served slots' expert rows in the order they go home, the rows
-    /// of `y` they come from, the rows that came back home, and where each home slot's row is.
-    pub(super) ret: CudaSlice<u16>,
-    pub(super) ret_idx: CudaSlice<i32>,
-    pub(super) back_slots: CudaSlice<u16>,
+    /// Deterministic mode: where each home slot's returned row is.
     pub(super) slot_row: CudaSlice<i32>,
     /// Deterministic mode over NVLink planned on the device: where the down projection stores
     /// each of its rows (an address in its home's window, see `nvl_slot_addresses`).
     pub(super) y_rows: CudaSlice<u64>,
-    /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
-    pub(super) send_logits: CudaSlice<f32>,
-    pub(super) recv_logits: CudaSlice<f32>,
     /// A dispatch planned on the device: where each rank's rows start in a receiver's window
     /// (`ranks + 1` ints), the tokens this rank sends each rank (`ranks`), and its batch (1);
     /// where each home slot is served (rank and local slot) and the ranks each token goes to.
     pub(super) plan: CudaSlice<i32>,
     pub(super) dest: CudaSlice<i32>,
     pub(super) ranks: CudaSlice<u32>,
+    /// The rows' own buffers, for the dispatches that stage them here (over NCCL, or planned
+    /// on the host); `None` until such a dispatch runs, since the dispatch planned on the
+    /// device moves every row through the NVLink windows.
+    staging: Option<EpStaging>,
+}
+
+/// The rows of a dispatch staged in this rank's memory, at the capacities of its
+/// [`EpBuffers`]. At home: the token rows sent (one per token and destination rank, grouped by
+/// destination) with their weights, and the partial outputs that come back. Where the experts
+/// are: the token rows received (grouped by source) with their ids and weights, and the
+/// partial sums per received token.
+pub(super) struct EpStaging {
+    pub(super) send_rows: CudaSlice<u16>,
+    pub(super) send_w: CudaSlice<f32>,
+    pub(super) back: CudaSlice<u16>,
+    pub(super) recv_rows: CudaSlice<u16>,
+    pub(super) recv_ids: CudaSlice<i32>,
+    pub(super) recv_w: CudaSlice<f32>,
+    pub(super) part: CudaSlice<u16>,
+    /// Deterministic mode: the served slots' expert rows in the order they go home, the rows
+    /// of `y` they come from, and the rows that came back home.
+    pub(super) ret: CudaSlice<u16>,
+    pub(super) ret_idx: CudaSlice<i32>,
+    pub(super) back_slots: CudaSlice<u16>,
+    /// All-gather of router logits: this rank's `[tokens, E]`, padded, and every rank's.
+    pub(super) send_logits: CudaSlice<f32>,
+    pub(super) recv_logits: CudaSlice<f32>,
 }
 
 /// The expert-parallel side of a layer: its communicator, where every expert lives (this
@@ -99,6 +112,13 @@ pub(super) struct Landed {
 }
 
 impl EpBuffers {
+    /// The staged rows' buffers, which `grow_ep_buffers(.., true)` allocated.
+    pub(super) fn staging(&self) -> &EpStaging {
+        self.staging.as_ref().expect("allocated by a staging dispatch's grow_ep_buffers")
+    }
+}
+
+impl EpStaging {
     /// The received rows, ids and weights in these buffers.
     pub(super) fn landed(&self, g: &super::Gpu) -> Landed {
         Landed {
@@ -449,7 +469,7 @@ impl CudaMoeLayer {
         let ep = b.ep.as_ref().expect("allocated by the caller");
         let (y, b2, local_ids, recv_w) =
             (dptr(&ep.y, g), self.w.b2.as_ref().map_or(0u64, |x| dptr(x, g)), dptr(&ep.local_ids, g), at.w);
-        let (row_of_slot, part) = (dptr(&ep.row_of_slot, g), dptr(&ep.part, g));
+        let (row_of_slot, part) = (dptr(&ep.row_of_slot, g), dptr(&ep.staging().part, g));
         let (ri, ki, hi) = (received as i32, k as i32, h as i32);
         // SAFETY: combine_partial(bf16*, float*, int*, float*, int*, int, int, int, bf16*) over
         // the received tokens; rows come from the grouping of `group_received`.
@@ -533,40 +553,38 @@ impl CudaMoeLayer {
     }
 
     /// `b.ep` grown, where needed, to `need` = [rows sent, rows received, expert rows, home
-    /// tokens] on `ranks` ranks (each capacity keeps its largest so far).
-    pub(super) fn grow_ep_buffers(&self, b: &mut Buffers, need: [usize; 4], ranks: usize) -> Result<()> {
+    /// tokens] on `ranks` ranks (each capacity keeps its largest so far), with the staged
+    /// rows' buffers where `staging` asks for them (a dispatch that stages rows here).
+    pub(super) fn grow_ep_buffers(&self, b: &mut Buffers, need: [usize; 4], ranks: usize, staging: bool) -> Result<()> {
         if b.ep.as_ref().is_none_or(|x| x.cap.iter().zip(&need).any(|(have, want)| have < want)) {
             let old = b.ep.as_ref().map_or([0; 4], |x| x.cap);
             b.ep = None;
             b.ep = Some(self.ep_buffers(std::array::from_fn(|i| need[i].max(old[i])), ranks)?);
         }
+        let ep = b.ep.as_mut().expect("allocated above");
+        if staging && ep.staging.is_none() {
+            ep.staging = Some(self.ep_staging(ep.cap)?);
+        }
         Ok(())
     }
 
     /// Expert-parallel buffers for `cap` = [rows sent, rows received, expert rows, home tokens]
-    /// (each rounded up to a power of two) on `ranks` ranks.
-    pub(super) fn ep_buffers(&self, cap: [usize; 4], ranks: usize) -> Result<EpBuffers> {
+    /// (each rounded up to a power of two) on `ranks` ranks, without the staged rows'.
+    fn ep_buffers(&self, cap: [usize; 4], ranks: usize) -> Result<EpBuffers> {
         let c = &self.config;
-        let (h, i, k, e) = (c.hidden, c.inter, c.top_k, c.num_experts);
-        let el = self.ep.as_ref().map_or(e, |l| l.local);
+        let k = c.top_k;
+        let el = self.ep.as_ref().map_or(c.num_experts, |l| l.local);
         let cap = cap.map(|x| x.max(1).next_power_of_two());
         let [sent, recv, rows2, t] = cap;
         let det = self.opts.deterministic;
         let s = &self.gpu.stream;
         let z16 = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| err("allocating workspace", e));
         let z32 = |n: usize| s.alloc_zeros::<i32>(n).map_err(|e| err("allocating workspace", e));
-        let zf = |n: usize| s.alloc_zeros::<f32>(n).map_err(|e| err("allocating workspace", e));
         Ok(EpBuffers {
             cap,
             send_idx: z32(sent)?,
-            send_rows: z16(sent * h)?,
             send_ids: z32(sent * k)?,
-            send_w: zf(sent * k)?,
             home_rows: z32(t * ranks)?,
-            back: z16(sent * h)?,
-            recv_rows: z16(recv * h)?,
-            recv_ids: z32(recv * k)?,
-            recv_w: zf(recv * k)?,
             local_ids: z32(recv * k)?,
             counts: z32(el + 1)?,
             chunk_counts: z32(super::permute::sort_counts_len(recv * k, el + 1))?,
@@ -574,21 +592,42 @@ impl CudaMoeLayer {
             row_of_slot: z32(recv * k)?,
             slot_of_row: z32(rows2)?,
             expert_of_row: z32(rows2)?,
-            a: z16(rows2 * h)?,
-            h13: z16(rows2 * 2 * i)?,
-            act: z16(rows2 * i)?,
-            y: z16(rows2 * h)?,
+            a: z16(rows2 * c.hidden)?,
+            h13: z16(rows2 * 2 * c.inter)?,
+            act: z16(rows2 * c.inter)?,
+            y: z16(rows2 * c.hidden)?,
+            slot_row: z32(if det { t * k } else { 1 })?,
+            y_rows: s.alloc_zeros::<u64>(if det { rows2 } else { 1 }).map_err(|e| err("allocating workspace", e))?,
+            plan: z32(2 * ranks + 2)?,
+            dest: z32(t * k)?,
+            ranks: s.alloc_zeros::<u32>(t).map_err(|e| err("allocating workspace", e))?,
+            staging: None,
+        })
+    }
+
+    /// The staged rows' buffers at `cap`, the (rounded) capacities of [`CudaMoeLayer::ep_buffers`].
+    fn ep_staging(&self, cap: [usize; 4]) -> Result<EpStaging> {
+        let c = &self.config;
+        let (h, k, e) = (c.hidden, c.top_k, c.num_experts);
+        let [sent, recv, rows2, t] = cap;
+        let det = self.opts.deterministic;
+        let s = &self.gpu.stream;
+        let z16 = |n: usize| s.alloc_zeros::<u16>(n).map_err(|e| err("allocating workspace", e));
+        let z32 = |n: usize| s.alloc_zeros::<i32>(n).map_err(|e| err("allocating workspace", e));
+        let zf = |n: usize| s.alloc_zeros::<f32>(n).map_err(|e| err("allocating workspace", e));
+        Ok(EpStaging {
+            send_rows: z16(sent * h)?,
+            send_w: zf(sent * k)?,
+            back: z16(sent * h)?,
+            recv_rows: z16(recv * h)?,
+            recv_ids: z32(recv * k)?,
+            recv_w: zf(recv * k)?,
             part: z16(recv * h)?,
             ret: z16(if det { rows2 * h } else { 1 })?,
             ret_idx: z32(if det { rows2 } else { 1 })?,
             back_slots: z16(if det { t * k * h } else { 1 })?,
-            slot_row: z32(if det { t * k } else { 1 })?,
-            y_rows: s.alloc_zeros::<u64>(if det { rows2 } else { 1 }).map_err(|e| err("allocating workspace", e))?,
             send_logits: zf(sent * e)?,
             recv_logits: zf(recv * e)?,
-            plan: z32(2 * ranks + 2)?,
-            dest: z32(t * k)?,
-            ranks: s.alloc_zeros::<u32>(t).map_err(|e| err("allocating workspace", e))?,
         })
     }
 }

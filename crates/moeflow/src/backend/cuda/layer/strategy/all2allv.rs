@@ -111,7 +111,7 @@ impl DevicePrepareFinalize for All2AllV {
         let local: Vec<usize> =
             (0..link.local).map(|j| (0..n).map(|src| all[src * m + link.phys_first + j] as usize).sum()).collect();
         let plan = l.local_plan(&local);
-        l.grow_ep_buffers(b, [sent, received, plan.rows, t], n)?;
+        l.grow_ep_buffers(b, [sent, received, plan.rows, t], n, true)?;
         let ep = b.ep.as_mut().expect("allocated");
         let up = |what: &str, r: std::result::Result<(), cudarc::driver::DriverError>| r.map_err(|e| err(what, e));
         if sent > 0 {
@@ -124,8 +124,8 @@ impl DevicePrepareFinalize for All2AllV {
         let (pi, pf, pb) =
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
         let (send_rows, send_idx, send_ids, send_w) =
-            (pb(&ep.send_rows), pi(&ep.send_idx), pi(&ep.send_ids), pf(&ep.send_w));
-        let landed = ep.landed(g);
+            (pb(&ep.staging().send_rows), pi(&ep.send_idx), pi(&ep.send_ids), pf(&ep.staging().send_w));
+        let landed = ep.staging().landed(g);
         let counts: Vec<usize> = (0..n * n).map(|i| all[(i / n) * m + np + i % n] as usize).collect();
         let mut state = Plan { route, all, send_tok, recv_tok, received, plan: Some(plan), landed, nvlink: None };
         if let Some(at) = l.nvlink(link, &regions(l, link, &state.all, &counts))? {
@@ -218,7 +218,7 @@ impl DevicePrepareFinalize for All2AllV {
         }
         l.partial_sums(b, p.received, p.landed)?;
         let ep = b.ep.as_ref().expect("allocated");
-        let (part, back) = (dptr(&ep.part, &l.gpu), dptr(&ep.back, &l.gpu));
+        let (part, back) = (dptr(&ep.staging().part, &l.gpu), dptr(&ep.staging().back, &l.gpu));
         if let Some(r) = &p.nvlink {
             // The partial sums go home the way the rows came: the dispatch's counts transposed.
             let n = link.comm.size();
@@ -242,12 +242,12 @@ impl DevicePrepareFinalize for All2AllV {
             if t == 0 {
                 return Ok(());
             }
-            let back = p.nvlink.as_ref().map_or(dptr(&ep.back_slots, g), |r| r.slots);
+            let back = p.nvlink.as_ref().map_or_else(|| dptr(&ep.staging().back_slots, g), |r| r.slots);
             let slot_row = dptr(&ep.slot_row, g);
             let b2 = l.w.b2_all.as_ref().map_or(0u64, |x| dptr(x, g));
             return l.combine_rows(b, t, back, slot_row, b2);
         }
-        let back = p.nvlink.as_ref().map_or(dptr(&ep.back, g), |r| r.back);
+        let back = p.nvlink.as_ref().map_or_else(|| dptr(&ep.staging().back, g), |r| r.back);
         let home_rows = dptr(&ep.home_rows, g);
         l.sum_home(b, back, home_rows, t, link.comm.size())
     }
@@ -275,7 +275,8 @@ fn return_slots(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &Plan, y: u64, e
         s.memcpy_htod(&rows, &mut ep.slot_row.slice_mut(0..t * k)).map_err(|e| err("upload", e))?;
     }
     let (local_ids, row_of_slot) = (dptr(&ep.local_ids, g), dptr(&ep.row_of_slot, g));
-    let (ret_idx, ret, back) = (dptr(&ep.ret_idx, g), dptr(&ep.ret, g), dptr(&ep.back_slots, g));
+    let staged = ep.staging();
+    let (ret_idx, ret, back) = (dptr(&staged.ret_idx, g), dptr(&staged.ret, g), dptr(&staged.back_slots, g));
     let (n_slots, el_i, served_i, hi) = ((p.received * k) as i32, experts as i32, served as i32, h as i32);
     // SAFETY: compact_served(int*, int*, int, int, int*) reads the received · k local ids and
     // slot rows and writes `served` row indices.

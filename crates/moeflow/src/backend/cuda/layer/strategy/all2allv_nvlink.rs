@@ -167,7 +167,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let fp8 = l.hopper_fp8_runs();
     // Whole batches by the copy engines, or the rows each rank serves by the push kernel.
     let whole = sends_whole(l, link);
-    l.grow_ep_buffers(b, [n * t, received, received * k.min(el), t], n)?;
+    l.grow_ep_buffers(b, [n * t, received, received * k.min(el), t], n, false)?;
     let ep = b.ep.as_mut().expect("allocated");
     let plan = dptr(&ep.plan, g);
     // The plan's device array: where each rank's rows start, then the rows this rank sent.

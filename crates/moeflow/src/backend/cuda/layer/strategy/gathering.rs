@@ -120,7 +120,7 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
             (0..el).map(|j| (0..n).map(|r| all[r * m + link.phys_first + j] as usize).sum()).collect();
         let plan = l.local_plan(&local);
         let received = n * t_max;
-        l.grow_ep_buffers(b, [t_max, received, plan.rows, t], n)?;
+        l.grow_ep_buffers(b, [t_max, received, plan.rows, t], n, true)?;
         mark(2)?;
         let state = Box::new(Plan { t_max, received, all, plan: Some(plan), landed: 0, shares });
         if t_max == 0 {
@@ -132,9 +132,10 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
         // This rank's batch, padded to t_max tokens of zeros with no expert (id -1): rows with
         // ids and weights, or rows with router logits.
-        let (send_rows, send_ids, send_w) = (pb(&ep.send_rows), pi(&ep.send_ids), pf(&ep.send_w));
-        let (recv_rows, recv_ids, recv_w) = (pb(&ep.recv_rows), pi(&ep.recv_ids), pf(&ep.recv_w));
-        let (send_logits, recv_logits) = (pf(&ep.send_logits), pf(&ep.recv_logits));
+        let staged = ep.staging();
+        let (send_rows, send_ids, send_w) = (pb(&staged.send_rows), pi(&ep.send_ids), pf(&staged.send_w));
+        let (recv_rows, recv_ids, recv_w) = (pb(&staged.recv_rows), pi(&staged.recv_ids), pf(&staged.recv_w));
+        let (send_logits, recv_logits) = (pf(&staged.send_logits), pf(&staged.recv_logits));
         let (own, gathered) = if G::LOGITS {
             (
                 vec![(pb(&b.x_bf), send_rows, 2 * h, 0u8), (pf(&b.logits), send_logits, 4 * e, 0)],
@@ -197,9 +198,9 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         let (t_max, received) = (p.t_max, p.received);
         let s = &l.gpu.stream;
         if G::LOGITS && t_max > 0 {
-            let ep = b.ep.as_ref().expect("allocated");
+            let staged = b.ep.as_ref().expect("allocated").staging();
             let (recv_logits, recv_ids, recv_w) =
-                (dptr(&ep.recv_logits, &l.gpu), dptr(&ep.recv_ids, &l.gpu), dptr(&ep.recv_w, &l.gpu));
+                (dptr(&staged.recv_logits, &l.gpu), dptr(&staged.recv_ids, &l.gpu), dptr(&staged.recv_w, &l.gpu));
             // Every token routed here, then the padding's choices dropped (id -1).
             l.top_k(recv_logits, received, recv_ids, recv_w)?;
             for r in 0..n {
@@ -213,7 +214,7 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
             }
         }
         let plan = p.plan.take().expect("planned in prepare_begin");
-        let at = b.ep.as_ref().expect("allocated").landed(&l.gpu);
+        let at = b.ep.as_ref().expect("allocated").staging().landed(&l.gpu);
         let rows = l.group_received(
             &l.gpu.stream,
             b,
@@ -234,9 +235,9 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         }
         let link = l.ep.as_ref().expect("an expert-parallel layer");
         let (h, n, rank) = (l.config.hidden, link.comm.size(), link.comm.rank());
-        l.partial_sums(b, p.received, b.ep.as_ref().expect("allocated").landed(&l.gpu))?;
+        l.partial_sums(b, p.received, b.ep.as_ref().expect("allocated").staging().landed(&l.gpu))?;
         let ep = b.ep.as_ref().expect("allocated");
-        let (part, back, t_max) = (dptr(&ep.part, &l.gpu), dptr(&ep.back, &l.gpu), p.t_max);
+        let (part, back, t_max) = (dptr(&ep.staging().part, &l.gpu), dptr(&ep.staging().back, &l.gpu), p.t_max);
         p.landed = G::landing(part, back, t_max, h, rank);
         link.comm.enqueue("moe sum", &l.gpu.stream, |comm, cs| G::sum(part, back, t_max, h, n, comm, cs))
     }
