@@ -670,7 +670,9 @@ impl CudaMoeLayer {
     /// On one GPU, where the batch's whole run stays on the device (expert GEMMs that read the
     /// expert sizes there: see `layer/device_calls.rs`), the host returns without waiting and a
     /// CUDA graph capturing `stream` takes the layer in (after one call of that batch size
-    /// outside the capture); non-finite inputs and outputs are reported by a later call or
+    /// outside the capture; meanwhile no other thread may create a layer, whose cuBLAS handles
+    /// invalidate a capture, or make other calls that CUDA forbids beside one);
+    /// non-finite inputs and outputs are reported by a later call or
     /// [`CudaMoeLayer::synchronize_device`]. Elsewhere the host returns once the layer's run
     /// has completed, as [`CudaMoeLayer::forward`] does (an error for non-finite inputs before
     /// the run, for a non-finite output after `out` is written), and a capture is refused with
