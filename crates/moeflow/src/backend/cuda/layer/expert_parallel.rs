@@ -569,7 +569,8 @@ impl CudaMoeLayer {
     }
 
     /// Expert-parallel buffers for `cap` = [rows sent, rows received, expert rows, home tokens]
-    /// (each rounded up to a power of two) on `ranks` ranks, without the staged rows'.
+    /// (each rounded up to a power of two) on `ranks` ranks; the staged rows' buffers are
+    /// [`CudaMoeLayer::ep_staging`]'s.
     fn ep_buffers(&self, cap: [usize; 4], ranks: usize) -> Result<EpBuffers> {
         let c = &self.config;
         let k = c.top_k;
