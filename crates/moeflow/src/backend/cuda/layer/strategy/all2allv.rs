@@ -123,9 +123,10 @@ impl DevicePrepareFinalize for All2AllV {
         }
         let (pi, pf, pb) =
             (|x: &CudaSlice<i32>| dptr(x, g), |x: &CudaSlice<f32>| dptr(x, g), |x: &CudaSlice<u16>| dptr(x, g));
+        let staged = ep.staging();
         let (send_rows, send_idx, send_ids, send_w) =
-            (pb(&ep.staging().send_rows), pi(&ep.send_idx), pi(&ep.send_ids), pf(&ep.staging().send_w));
-        let landed = ep.staging().landed(g);
+            (pb(&staged.send_rows), pi(&ep.send_idx), pi(&ep.send_ids), pf(&staged.send_w));
+        let landed = staged.landed(g);
         let counts: Vec<usize> = (0..n * n).map(|i| all[(i / n) * m + np + i % n] as usize).collect();
         let mut state = Plan { route, all, send_tok, recv_tok, received, plan: Some(plan), landed, nvlink: None };
         if let Some(at) = l.nvlink(link, &regions(l, link, &state.all, &counts))? {
@@ -217,8 +218,8 @@ impl DevicePrepareFinalize for All2AllV {
             return return_slots(l, b, t, p, d.rows.y, d.rows.experts);
         }
         l.partial_sums(b, p.received, p.landed)?;
-        let ep = b.ep.as_ref().expect("allocated");
-        let (part, back) = (dptr(&ep.staging().part, &l.gpu), dptr(&ep.staging().back, &l.gpu));
+        let staged = b.ep.as_ref().expect("allocated").staging();
+        let (part, back) = (dptr(&staged.part, &l.gpu), dptr(&staged.back, &l.gpu));
         if let Some(r) = &p.nvlink {
             // The partial sums go home the way the rows came: the dispatch's counts transposed.
             let n = link.comm.size();

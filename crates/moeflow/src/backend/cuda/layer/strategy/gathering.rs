@@ -237,7 +237,8 @@ impl<G: GatherForm> DevicePrepareFinalize for G {
         let (h, n, rank) = (l.config.hidden, link.comm.size(), link.comm.rank());
         l.partial_sums(b, p.received, b.ep.as_ref().expect("allocated").staging().landed(&l.gpu))?;
         let ep = b.ep.as_ref().expect("allocated");
-        let (part, back, t_max) = (dptr(&ep.staging().part, &l.gpu), dptr(&ep.staging().back, &l.gpu), p.t_max);
+        let staged = ep.staging();
+        let (part, back, t_max) = (dptr(&staged.part, &l.gpu), dptr(&staged.back, &l.gpu), p.t_max);
         p.landed = G::landing(part, back, t_max, h, rank);
         link.comm.enqueue("moe sum", &l.gpu.stream, |comm, cs| G::sum(part, back, t_max, h, n, comm, cs))
     }
