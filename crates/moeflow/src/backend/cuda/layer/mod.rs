@@ -63,6 +63,7 @@ pub(super) use expert_gemm::{act_and_mul, gemm_bf16};
 use expert_parallel::{EpBuffers, EpLink};
 pub(super) use nvlink::{lane_record, NvlWait};
 use side_streams::SideStreams;
+use strategy::SharedStart;
 
 struct Kernels {
     to_bf16: CudaFunction,
@@ -963,7 +964,7 @@ impl CudaMoeLayer {
             transport: self.ep.as_ref().map_or("", |l| l.transport_name()),
             device_plan: self.dispatch_planned_on_device(),
             rows_beside_routing: self.dispatch_rows_beside_routing(),
-            rows_home_from_gemm: self.dispatch_planned_on_device() && self.opts.deterministic,
+            rows_home_from_gemm: self.dispatch_planned_on_device() && strategy::rows_home_from_gemm(self),
             ..stages_between(ms)?
         };
         let mut marks = marks;
@@ -1056,22 +1057,23 @@ impl CudaMoeLayer {
         }
         mark(1)?;
         // The modular kernel: prepare → experts → finalize, with the shared experts on a side
-        // stream from the end of the routing or of the send (see `shared_after_begin`), their
-        // launches enqueued before or after the send's (`shared_launched_after_begin`).
-        let shared_late = pf.shared_after_begin(self);
-        let launch_late = shared_late || pf.shared_launched_after_begin(self);
-        if t > 0 && !shared_late {
-            self.fork_shared(b, t)?;
-        }
-        if t > 0 && !launch_late {
-            self.enqueue_shared(b, t)?;
+        // stream from the end of the routing or of the send, their launches enqueued before or
+        // after the send's (`SharedStart`).
+        let start = pf.shared_start(self);
+        if t > 0 {
+            match start {
+                SharedStart::AfterRouting => self.fork_shared(b, t).and_then(|_| self.enqueue_shared(b, t))?,
+                SharedStart::LaunchedAfterSend => self.fork_shared(b, t)?,
+                SharedStart::AfterSend => {}
+            }
         }
         let pending = pf.prepare_begin(self, b, t, mark)?;
-        if t > 0 && shared_late {
-            self.fork_shared(b, t)?;
-        }
-        if t > 0 && launch_late {
-            self.enqueue_shared(b, t)?;
+        if t > 0 {
+            match start {
+                SharedStart::AfterRouting => {}
+                SharedStart::LaunchedAfterSend => self.enqueue_shared(b, t)?,
+                SharedStart::AfterSend => self.fork_shared(b, t).and_then(|_| self.enqueue_shared(b, t))?,
+            }
         }
         let mut d = pf.prepare_finish(self, b, t, pending, mark)?;
         if d.rows.y_rows.is_some() && !d.rows.imp.scatters_rows() {

@@ -10,7 +10,7 @@
 //! [`super::all2allv_nvlink`] plans it on the device where it applies.
 
 use super::all2allv_nvlink::{self, DevicePlan};
-use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, SharedStart, State};
 use crate::backend::cuda::layer::expert_parallel::{EpLink, Landed, Localize};
 use crate::backend::cuda::layer::nvlink::{Exchange, Lane};
 use crate::backend::cuda::layer::{dptr, err, rows, Buffers, CudaMoeLayer};
@@ -67,8 +67,11 @@ impl DevicePrepareFinalize for All2AllV {
 
     /// The device-planned dispatch over NVLink: its plan and head go out before the host
     /// spends its time on the shared experts' cuBLAS launches.
-    fn shared_launched_after_begin(&self, l: &CudaMoeLayer) -> bool {
-        all2allv_nvlink::applies_to(l)
+    fn shared_start(&self, l: &CudaMoeLayer) -> SharedStart {
+        match all2allv_nvlink::applies_to(l) {
+            true => SharedStart::LaunchedAfterSend,
+            false => SharedStart::AfterRouting,
+        }
     }
 
     /// Whole batches over NVLink leave by the copy engines while the routing runs.

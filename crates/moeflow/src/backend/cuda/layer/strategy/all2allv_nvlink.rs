@@ -73,10 +73,17 @@ pub(super) struct DevicePlan {
 /// (yet) known to move rows over NCCL. The same on every rank.
 pub(super) fn applies(l: &CudaMoeLayer, link: &EpLink) -> bool {
     l.opts.device_plan
-        && !(l.opts.deterministic && l.hopper_fp8_runs())
+        && !(rows_home_from_gemm(l) && l.hopper_fp8_runs())
         && link.comm.size() <= MAX_RANKS
         && l.device_planned_experts().is_some()
         && link.transport_name() != "nccl"
+}
+
+/// Whether this dispatch's down projection stores each served slot's expert row straight into
+/// its home's window, where home weights and sums the slots in slot order (deterministic mode),
+/// rather than a kernel after it sending home one sum a (token, rank).
+pub(in crate::backend::cuda::layer) fn rows_home_from_gemm(l: &CudaMoeLayer) -> bool {
+    l.opts.deterministic
 }
 
 /// [`applies`] to `l`'s link, where `l` is expert-parallel.
@@ -111,7 +118,7 @@ fn window(l: &CudaMoeLayer, b: &mut Buffers, link: &EpLink, t: usize) -> Result<
     // Room in every receiver's window for every rank's whole batch, and at home for a sum from
     // every rank for each token (deterministic mode: a row for each of its slots, and the
     // received rows' home positions).
-    let (back, slots, positions) = match l.opts.deterministic {
+    let (back, slots, positions) = match rows_home_from_gemm(l) {
         true => (0, most * k, received),
         false => (n * most, 0, 0),
     };
@@ -185,7 +192,7 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
         // `sent + 4 n` holds this batch's size for the count.
         let shared = l.replica_shares(tables, ids, sent + 4 * n as u64, n)?;
         let (dest, ranks) = (dptr(&ep.dest, g), dptr(&ep.ranks, g));
-        let slot_row = if l.opts.deterministic { dptr(&ep.slot_row, g) } else { 0u64 };
+        let slot_row = if rows_home_from_gemm(l) { dptr(&ep.slot_row, g) } else { 0u64 };
         // SAFETY: nvl_plan_slots(int*, int, int, int* x5, int*, unsigned*, int*) over the t · k
         // ids into dest and slot_row (t · k ints; deterministic layers' buffers hold them, and
         // slot_row is null otherwise) and ranks (t); the tables cover every expert, and
@@ -237,8 +244,8 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     }
     // Deterministic mode's slot rows come home to their token's rows: the receiver learns
     // where each token row came from (whole batches keep their positions).
-    let det = l.opts.deterministic;
-    if det && !whole {
+    let slot_rows = rows_home_from_gemm(l);
+    if slot_rows && !whole {
         head.push(counted(send_idx, None, 4, TOKENS));
     }
     let side = l.side.grouping();
@@ -279,8 +286,8 @@ pub(super) fn prepare_begin(l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: M
     let plan = LocalPlan { imp, cap: 0, rows: received * k.min(el), groups: Vec::new() };
     let localize = Localize::Landed { counts: at[COUNTS], starts: plan_starts };
     let rows = l.group_received(&side.stream, b, received, plan, localize, landed)?;
-    let back = at[if det { SLOTS } else { BACK }];
-    let tokens = (det && !whole).then_some(at[TOKENS]);
+    let back = at[if slot_rows { SLOTS } else { BACK }];
+    let tokens = (slot_rows && !whole).then_some(at[TOKENS]);
     let state = DevicePlan { most, landed, back, counts: at[COUNTS], tokens, rows: Some(rows) };
     Ok(Some(Box::new(state)))
 }
@@ -297,7 +304,7 @@ pub(super) fn prepare_finish(
     let (h, k) = (l.config.hidden, l.config.top_k);
     l.side.join(&l.gpu.stream, [l.side.grouping()])?;
     let mut rows = p.rows.take().expect("grouped by prepare_begin");
-    if l.opts.deterministic {
+    if rows_home_from_gemm(l) {
         rows.y_rows = Some(slot_addresses(l, b, &p)?);
     }
     mark(3)?;
@@ -319,7 +326,7 @@ pub(super) fn prepare_finish(
 /// rank's.
 pub(super) fn finalize_begin(l: &CudaMoeLayer, b: &mut Buffers, p: &DevicePlan) -> Result<()> {
     let link = l.ep.as_ref().expect("an expert-parallel layer");
-    if l.opts.deterministic {
+    if rows_home_from_gemm(l) {
         return l.exchange_nvlink(link, Exchange::Combine, &[]);
     }
     let (h, k) = (l.config.hidden, l.config.top_k);
@@ -383,7 +390,7 @@ pub(super) fn finalize_finish(l: &CudaMoeLayer, b: &mut Buffers, t: usize, p: &D
     let link = l.ep.as_ref().expect("an expert-parallel layer");
     mark(7)?;
     let ep = b.ep.as_ref().expect("allocated");
-    if l.opts.deterministic {
+    if rows_home_from_gemm(l) {
         if t == 0 {
             return Ok(());
         }

@@ -13,7 +13,7 @@
 //! messages travel whole between a pack and an arrangement. Either way the kernels and their
 //! waits are captured in the graph with the rest.
 
-use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, State};
+use super::{state_of, DevicePrepareFinalize, Dispatched, Mark, Sent, SharedStart, State};
 use crate::backend::cuda::layer::combine::per_token;
 use crate::backend::cuda::layer::experts::{CublasPadded, ExpertRows, Form};
 use crate::backend::cuda::layer::hopper_gemm::Gather;
@@ -46,8 +46,11 @@ impl DevicePrepareFinalize for LowLatency {
 
     /// Over NVLink, the send is one short kernel that writes the peers' windows and waits for
     /// theirs: the shared experts wait for it, then run beside the arrangement.
-    fn shared_after_begin(&self, layer: &CudaMoeLayer) -> bool {
-        layer.ep.as_ref().is_some_and(|link| link.writes_windows())
+    fn shared_start(&self, layer: &CudaMoeLayer) -> SharedStart {
+        match layer.ep.as_ref().is_some_and(|link| link.writes_windows()) {
+            true => SharedStart::AfterSend,
+            false => SharedStart::AfterRouting,
+        }
     }
 
     /// Packs the `M` rows (the batch size is read on the device) into one message per rank

@@ -29,6 +29,7 @@ mod multicast;
 mod tp_slice;
 
 pub(super) use all2allv::All2AllV;
+pub(super) use all2allv_nvlink::rows_home_from_gemm;
 pub(super) use allgather::AllGather;
 pub(super) use allgather_logits::AllGatherLogits;
 pub(super) use local::Local;
@@ -136,19 +137,10 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     /// (with the shared experts' output where the strategy adds it at home).
     fn finalize_finish(&self, layer: &CudaMoeLayer, b: &mut Buffers, t: usize, d: Dispatched, mark: Mark)
         -> Result<()>;
-    /// Whether the shared experts start after [`DevicePrepareFinalize::prepare_begin`] has
-    /// enqueued the transfer rather than before it (their GEMMs would hold the SMs a short
-    /// sending kernel needs).
-    fn shared_after_begin(&self, _layer: &CudaMoeLayer) -> bool {
-        false
-    }
-    /// Whether the shared experts' launches are enqueued after those of
-    /// [`DevicePrepareFinalize::prepare_begin`], their stream still forked before it: the
-    /// host then reaches the transfer's launches first, where the shared experts' cuBLAS
-    /// launches would have held it past the routing's end, and the shared experts still wait
-    /// on the device only for the routing.
-    fn shared_launched_after_begin(&self, _layer: &CudaMoeLayer) -> bool {
-        false
+    /// Where the shared experts start relative to [`DevicePrepareFinalize::prepare_begin`]'s
+    /// transfer.
+    fn shared_start(&self, _layer: &CudaMoeLayer) -> SharedStart {
+        SharedStart::AfterRouting
     }
     /// Whether finalize adds the shared experts' output (one GPU's combine, deterministic
     /// mode's combine at home, and the sum at home of an ungated shared expert's:
@@ -156,6 +148,21 @@ pub(super) trait DevicePrepareFinalize: Send + Sync {
     fn adds_shared(&self, layer: &CudaMoeLayer) -> bool {
         layer.opts.deterministic || layer.shared_summed_at_home()
     }
+}
+
+/// Where the shared experts, on their side stream, start relative to the send that
+/// [`DevicePrepareFinalize::prepare_begin`] enqueues.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum SharedStart {
+    /// Forked and launched before the send: they start at the routing's end.
+    AfterRouting,
+    /// Forked before the send, so that on the device they wait only for the routing, but
+    /// launched after the send's launches: the host reaches the transfer first, where the
+    /// shared experts' cuBLAS launches would have held it past the routing's end.
+    LaunchedAfterSend,
+    /// Forked and launched after the send: their GEMMs would hold the SMs a short sending
+    /// kernel needs.
+    AfterSend,
 }
 
 /// The strategy's own state out of `state` (an error naming `strategy` if another's).
