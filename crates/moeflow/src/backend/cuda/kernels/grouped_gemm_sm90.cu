@@ -242,7 +242,7 @@ __device__ __forceinline__ void gg_store_to(const float* d, gg_out<SCATTER> out,
         at = row_in[0] ? out.row(r, width) + col : nullptr;
         below = row_in[1] ? out.row(r + 8, width) + col : nullptr;
     } else {
-        at = out.C + r * width + col;
+        at = out.row(r, width) + col;
     }
 #pragma unroll
     for (int i = 0; i < COLS / 16; i++) {
