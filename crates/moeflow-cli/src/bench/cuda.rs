@@ -335,8 +335,10 @@ impl EpTable<'_> {
         for (&t, (slowest, samples)) in tokens.iter().zip(measured) {
             let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
             let ms = median(&slowest);
-            // Per GPU: its tokens' expert FLOPs, the weights of the experts it serves read once.
-            let flops = config.expert_flops(t);
+            // Per GPU: its tokens' expert FLOPs (a TP-sliced rank's: its share of its group's
+            // batch, the largest share being the slowest rank's), the weights of the experts it
+            // serves read once.
+            let flops = config.expert_flops(t.div_ceil(par.tp.max(1)));
             let experts = ep_experts_read(config, par, t, med(|s| s.experts_used as f64));
             let bytes = (experts * per_expert as f64).round() as usize
                 + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * width);

@@ -11,7 +11,7 @@
 //! fix, and the TP communicator launches through NCCL's own thread (a non-blocking
 //! communicator), which a capture on the layer's thread does not take in.
 
-use super::{DevicePrepareFinalize, Dispatched, Mark, State};
+use super::{DevicePrepareFinalize, Dispatched, Mark, SharedStart, State};
 use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
 use crate::backend::cuda::NcclComm;
 use crate::comm::Communicator;
@@ -114,6 +114,14 @@ impl DevicePrepareFinalize for TpSlice {
         let tp = self.tp.wait("tp output", &l.gpu.stream);
         let inner = self.inner.wait(l);
         tp.and(inner)
+    }
+
+    fn shared_start(&self, l: &CudaMoeLayer) -> SharedStart {
+        self.inner.shared_start(l)
+    }
+
+    fn send_beside_routing(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize) -> Result<()> {
+        self.inner.send_beside_routing(l, b, t)
     }
 
     fn prepare_begin(&self, l: &CudaMoeLayer, b: &mut Buffers, t: usize, mark: Mark) -> Result<State> {
