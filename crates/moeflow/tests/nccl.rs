@@ -1260,7 +1260,8 @@ fn expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
 /// all2allv, lowlatency and auto, with batches not divisible by TP, smaller than TP and empty,
 /// through `forward`, `forward_device` and the timed run. Every rank of a TP group returns its
 /// group's whole batch, which matches the reference, repeats run to run and is the same through
-/// device memory. A low-latency rank takes a batch above its capacity when its share fits, and
+/// device memory; bf16 hidden states (whose shares cross the all-gather as bf16) give the f32
+/// call's output on the same values rounded to bf16, bit for bit. A low-latency rank takes a batch above its capacity when its share fits, and
 /// every rank refuses one whose largest share does not.
 #[test]
 fn tp_sliced_device_layers_take_any_batch() {
@@ -1289,7 +1290,13 @@ fn tp_sliced_device_layers_take_any_batch() {
                     let b = layer.forward(&xt)?.to_f32_vec();
                     let d = through_device(cuda, &x[..t * h], t, device)?;
                     let timed = cuda.forward_timed_stages(t, 9)?;
-                    seen.push((a, b, d, timed.strategy, layer.tokens_here(t)));
+                    let rounded: Vec<f32> = x[..t * h].iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect();
+                    let wide = through_device(cuda, &rounded, t, device)?;
+                    let narrow: Vec<u16> = rounded.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    let call = moeflow::backend::cuda::CudaMoeLayer::forward_device_bf16;
+                    let halves = through_device_as(cuda, call, &narrow, t, device)?;
+                    let want: Vec<u16> = wide.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+                    seen.push((a, b, d, timed.strategy, layer.tokens_here(t), halves == want));
                 }
                 // One token more: the first TP rank's share exceeds the low-latency capacity.
                 let over = Tensor::from_f32(&[2 * M + 1, h], x.clone())?;
@@ -1299,12 +1306,13 @@ fn tp_sliced_device_layers_take_any_batch() {
             for (rank, r) in runs {
                 let (path, sliced, seen, refused) = r.unwrap_or_else(|e| panic!("{name}, {s}: rank {rank}: {e}"));
                 assert!(sliced && path.contains("TP slicing on the device"), "{s}: {path}");
-                for (&t, (a, b, d, ran, here)) in batches.iter().zip(seen) {
+                for (&t, (a, b, d, ran, here, rounded)) in batches.iter().zip(seen) {
                     let label = format!("{name}, {s}, {t} tokens: rank {rank}");
                     assert_eq!(a.len(), t * h, "{label}: the whole batch comes back");
                     assert_eq!(here, t / 2 + usize::from(rank % 2 < t % 2), "{label}: its TP share");
                     assert!(bits(&a) == bits(&b), "{label}: differs run to run");
                     assert!(bits(&a) == bits(&d), "{label}: forward_device differs from forward");
+                    assert!(rounded, "{label}: the bf16 call differs from the f32 call's output rounded");
                     if s != StrategyKind::Auto {
                         assert_eq!(ran, s.name(), "{label}: the timed run's strategy");
                     }

@@ -53,6 +53,12 @@ __global__ void f32_to_bf16_kernel(const float* x, bf16_t* y, long n) {
     for (long i = 8 * n8 + first; i < n; i += stride) y[i] = f32_to_bf16(x[i]);
 }
 
+// y = x widened to f32 (every bf16 value is an f32 value), NaN and infinities as they are.
+__global__ void bf16_to_f32_kernel(const bf16_t* x, float* y, long n) {
+    const long first = blockIdx.x * (long)blockDim.x + threadIdx.x, stride = (long)gridDim.x * blockDim.x;
+    for (long i = first; i < n; i += stride) y[i] = bf16_to_f32(x[i]);
+}
+
 // The deterministic uniform value in [-scale, scale) of (seed, index i): a splitmix64 hash of
 // the index, its top 24 bits as the fraction.
 __device__ __forceinline__ float uniform_at(u64 seed, long i, float scale) {

@@ -18,6 +18,9 @@ pub(super) struct Buffers {
     /// there ([`CudaMoeLayer::routes_bf16_tokens`]); otherwise `x` holds them (and the route
     /// writes `x_bf`).
     pub(super) tokens_bf16: bool,
+    /// The batch's outputs go out as bf16 (their f32 sums rounded), so a TP-sliced layer
+    /// all-gathers its shares as bf16.
+    pub(super) out_bf16: bool,
     pub(super) logits: CudaSlice<f32>,
     pub(super) ids: CudaSlice<i32>,
     pub(super) weights: CudaSlice<f32>,
@@ -116,6 +119,7 @@ impl CudaMoeLayer {
                 x: z!(f32, t * h),
                 x_bf: z!(u16, t * h),
                 tokens_bf16: false,
+                out_bf16: false,
                 logits: z!(f32, t * e),
                 ids: z!(i32, t * k),
                 weights: z!(f32, t * k),

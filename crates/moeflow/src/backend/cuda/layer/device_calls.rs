@@ -308,6 +308,7 @@ impl CudaMoeLayer {
         c.latch(self, s, x, bf16, 0)?;
         if capture || !self.takes_graph(t) || !self.launch_graph(b, t)? {
             b.tokens_bf16 = bf16_rows;
+            b.out_bf16 = bf16;
             self.enqueue(b, t, &|_| Ok(()))?;
         }
         let counted = !self.allow_nonfinite;

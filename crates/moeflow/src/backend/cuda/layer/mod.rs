@@ -67,6 +67,7 @@ use strategy::SharedStart;
 
 struct Kernels {
     to_bf16: CudaFunction,
+    widen_bf16: CudaFunction,
     take_f32: CudaFunction,
     take_bf16: CudaFunction,
     hand_out: CudaFunction,
@@ -265,6 +266,7 @@ impl CudaMoeLayer {
         let f = |n: &str| gpu.function(n);
         let k = Kernels {
             to_bf16: f("f32_to_bf16_kernel")?,
+            widen_bf16: f("bf16_to_f32_kernel")?,
             take_f32: f("clear_nonfinite_f32")?,
             take_bf16: f("clear_nonfinite_bf16")?,
             hand_out: f("copy_counting_nonfinite")?,
@@ -733,6 +735,7 @@ impl CudaMoeLayer {
             super::finite::check_input_count(g, &found, at, bf16, "hidden_states")?;
         }
         b.tokens_bf16 = bf16_rows;
+        b.out_bf16 = bf16;
         match capacity {
             Some(_) => self.ll_run(b, rows, false)?,
             None if self.takes_graph(rows) => self.graph_run(b, rows, false)?,
@@ -852,6 +855,8 @@ impl CudaMoeLayer {
         // direct run's router reads them as they are; else f32 ones.
         let graph = matches!(replay, Replay::Graph) && self.takes_graph(rows);
         b.tokens_bf16 = !graph && self.routes_bf16_tokens(rows);
+        // Their outputs, as such engines take them, in bf16 too.
+        b.out_bf16 = b.tokens_bf16;
         let (fill, ptr) = match b.tokens_bf16 {
             true => (&self.k.fill_bf16, dptr(&b.x_bf, &self.gpu)),
             false => (&self.k.fill_f32, dptr(&b.x, &self.gpu)),
@@ -891,6 +896,7 @@ impl CudaMoeLayer {
         }
         b.batch = t;
         b.tokens_bf16 = false;
+        b.out_bf16 = false;
         Ok(b)
     }
 

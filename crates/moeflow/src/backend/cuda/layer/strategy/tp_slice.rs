@@ -12,11 +12,12 @@
 //! communicator), which a capture on the layer's thread does not take in.
 
 use super::{DevicePrepareFinalize, Dispatched, Mark, SharedStart, State};
-use crate::backend::cuda::layer::{dptr, err, Buffers, CudaMoeLayer};
+use crate::backend::cuda::layer::{dptr, err, grid, Buffers, CudaMoeLayer};
 use crate::backend::cuda::NcclComm;
 use crate::comm::Communicator;
 use crate::error::{MoeError, Result};
 use crate::rank_layer::{largest_share, share};
+use cudarc::driver::PushKernelArg;
 use cudarc::nccl::sys as nc;
 use std::sync::Arc;
 
@@ -29,6 +30,9 @@ pub(in crate::backend::cuda::layer) struct TpSlice {
 impl TpSlice {
     /// Enqueues the all-gather of every TP rank's share of the outputs (the first rows of
     /// `b.out`) and lays them out in rank order as the whole batch's `[b.batch, H]` in `b.out`.
+    /// Outputs that go out as bf16 (`b.out_bf16`) cross as bf16, half the bytes: each share
+    /// rounded first, then widened back into `b.out`, whose rounding on the way out then
+    /// changes nothing, so the caller gets the bits an f32 gather gives.
     fn gather(&self, l: &CudaMoeLayer, b: &mut Buffers) -> Result<()> {
         let (t, n, h) = (b.batch, self.tp.size(), l.config.hidden);
         let most = largest_share(t, n);
@@ -50,28 +54,47 @@ impl TpSlice {
             )));
         }
         let count = most * h;
+        let bf16 = b.out_bf16;
+        // As bf16, the gathered shares take the first n · most · H halves of the buffer and
+        // this rank's rounded share the next most · H (n ≥ 1, so they fit in its 2 n · most · H).
+        let (src, elem, dtype) = match bf16 {
+            true => (gathered + 2 * (n * count) as u64, 2, nc::ncclDataType_t::ncclBfloat16),
+            false => (out, 4, nc::ncclDataType_t::ncclFloat32),
+        };
+        if bf16 {
+            let len = count as i64;
+            // SAFETY: f32_to_bf16_kernel(float*, bf16*, long) reads the `most · H` floats of
+            // this rank's share (`b.out` holds t ≥ most rows) and writes as many bf16 values at
+            // `src`, past the gathered shares' halves (see above).
+            unsafe { s.launch_builder(&l.k.to_bf16).arg(&out).arg(&src).arg(&len).launch(grid(count)) }
+                .map_err(|e| err("rounding the TP share", e))?;
+        }
         self.tp.enqueue("tp output", s, |comm, cs| {
-            // SAFETY: `most · H` floats from every TP rank's output buffer (which holds at least
-            // `t ≥ most` rows) into the n · most · H floats of `gathered`, rank r's at r · most · H.
-            unsafe { nc::ncclAllGather(out as _, gathered as _, count, nc::ncclDataType_t::ncclFloat32, comm, cs) }
+            // SAFETY: `most · H` values (f32, or bf16 with `bf16`) from every TP rank's share
+            // into the n · most · H values at `gathered`, rank r's at r · most · H.
+            unsafe { nc::ncclAllGather(src as _, gathered as _, count, dtype, comm, cs) }
         })?;
-        let row = (h * std::mem::size_of::<f32>()) as u64;
         for r in 0..n {
             let (a, z) = share(t, n, r);
-            if z > a {
-                // SAFETY: rank r's `z - a ≤ most` rows at r · most in `gathered` (n · most rows)
-                // to rows [a, z) of `out` (t rows, checked above), in stream order after the
-                // all-gather read `out`'s first rows.
-                unsafe {
-                    cudarc::driver::result::memcpy_dtod_async(
-                        out + a as u64 * row,
-                        gathered + (r * most) as u64 * row,
-                        (z - a) * h * std::mem::size_of::<f32>(),
-                        s.cu_stream(),
-                    )
-                }
-                .map_err(|e| err("laying out the TP shares", e))?;
+            if z <= a {
+                continue;
             }
+            let (to, from) = (out + (a * h * 4) as u64, gathered + (r * count * elem) as u64);
+            let len = (z - a) * h;
+            // SAFETY: rank r's `z - a ≤ most` rows at r · most in `gathered` (n · most rows of
+            // `elem` bytes a value) to rows [a, z) of `out` (t rows, checked above), in stream
+            // order after the all-gather read `out`'s first rows; bf16_to_f32_kernel(bf16*,
+            // float*, long) widens `len` values.
+            unsafe {
+                match bf16 {
+                    true => {
+                        let n = len as i64;
+                        s.launch_builder(&l.k.widen_bf16).arg(&from).arg(&to).arg(&n).launch(grid(len)).map(|_| ())
+                    }
+                    false => cudarc::driver::result::memcpy_dtod_async(to, from, len * 4, s.cu_stream()),
+                }
+            }
+            .map_err(|e| err("laying out the TP shares", e))?;
         }
         Ok(())
     }
