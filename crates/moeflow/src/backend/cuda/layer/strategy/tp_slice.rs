@@ -3,7 +3,9 @@
 //! through the shared experts and the inner strategy, and after the inner's finalize the
 //! shares' outputs are all-gathered over the TP group on the device (each padded to the
 //! largest share, `t.div_ceil(n)` rows) and laid out in rank order, so every TP rank's `b.out`
-//! holds the whole batch's `[t, H]` without passing through host memory.
+//! holds the whole batch's `[t, H]` without passing through host memory; outputs that go out
+//! as bf16 cross as bf16. The shared experts' start and the send beside the routing are the
+//! inner strategy's.
 //!
 //! The layer learns the share from [`DevicePrepareFinalize::token_window`] and copies in only
 //! those rows. Its runs are not captured into CUDA graphs ([`DevicePrepareFinalize::captures`]):
