@@ -1261,8 +1261,9 @@ fn expert_parallel_bf16_hidden_states_give_the_rounded_bits_of_f32_ones() {
 /// through `forward`, `forward_device` and the timed run. Every rank of a TP group returns its
 /// group's whole batch, which matches the reference, repeats run to run and is the same through
 /// device memory; bf16 hidden states (whose shares cross the all-gather as bf16) give the f32
-/// call's output on the same values rounded to bf16, bit for bit. A low-latency rank takes a batch above its capacity when its share fits, and
-/// every rank refuses one whose largest share does not.
+/// call's output on the same values rounded to bf16, bit for bit. A low-latency rank takes a
+/// batch above its capacity when its share fits, and every rank refuses one whose largest share
+/// does not.
 #[test]
 fn tp_sliced_device_layers_take_any_batch() {
     let Some(Gpus { n, _serial }) = gpus("tp_sliced_device_layers_take_any_batch") else { return };
