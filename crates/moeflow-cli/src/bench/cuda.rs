@@ -335,10 +335,8 @@ impl EpTable<'_> {
         for (&t, (slowest, samples)) in tokens.iter().zip(measured) {
             let med = |f: fn(&GpuStageTimes) -> f64| median(&samples.iter().map(f).collect::<Vec<_>>());
             let ms = median(&slowest);
-            // Per GPU: its tokens' expert FLOPs (a TP-sliced rank's: its share of its group's
-            // batch, the largest share being the slowest rank's), the weights of the experts it
-            // serves read once.
-            let flops = config.expert_flops(t.div_ceil(par.tp.max(1)));
+            // Per GPU: its tokens' expert FLOPs, the weights of the experts it serves read once.
+            let flops = ep_rank_flops(config, par, t);
             let experts = ep_experts_read(config, par, t, med(|s| s.experts_used as f64));
             let bytes = (experts * per_expert as f64).round() as usize
                 + config.shared.map_or(0, |s| 3 * config.hidden * s.inter * width);
@@ -654,6 +652,12 @@ fn compare_with_bf16(
     Ok(rows)
 }
 
+/// The expert FLOPs of an expert-parallel rank's tokens for `t` tokens a DP group: all of them,
+/// or a TP-sliced rank's share (the largest, the slowest rank's, `t.div_ceil(tp)`).
+fn ep_rank_flops(config: &moeflow::MoeConfig, par: &ParallelConfig, t: usize) -> f64 {
+    config.expert_flops(t.div_ceil(par.tp.max(1)))
+}
+
 /// The experts an expert-parallel rank reads the weights of for `t` tokens a DP group: those
 /// rank 0's runs served (`used`), else (none counted, or none served) the expectation under
 /// uniform routing, `local · (1 − (1 − k/E)^T)` over the `T` tokens of every group (each token
@@ -770,7 +774,7 @@ fn note_failed_captures(gpu: &Timed, before: usize) {
 
 #[cfg(test)]
 mod tests {
-    use super::ep_experts_read;
+    use super::{ep_experts_read, ep_rank_flops};
     use moeflow::parallel::{ParallelConfig, StrategyKind};
 
     /// The bytes floor of an expert-parallel row reads the experts a rank serves: the count
@@ -793,5 +797,18 @@ mod tests {
         let tp2 = ParallelConfig::new(2, 2, StrategyKind::All2AllV);
         assert!((ep_experts_read(&config, &tp2, 1, 0.0) - e / 2.0 * (k / e)).abs() < 1e-9);
         assert_eq!(ep_experts_read(&config, &ep2, 1, 11.0), 11.0);
+    }
+
+    /// A rank's FLOPs are its own tokens': the whole batch of its DP group, or with TP its
+    /// largest share of it.
+    #[test]
+    fn a_tp_sliced_rank_counts_its_share() {
+        let config = moeflow::preset::preset("deepseek-v3").unwrap().config;
+        let ep2 = ParallelConfig::new(2, 1, StrategyKind::All2AllV);
+        let tp2 = ParallelConfig::new(2, 2, StrategyKind::All2AllV);
+        assert_eq!(ep_rank_flops(&config, &ep2, 4096), config.expert_flops(4096));
+        assert_eq!(ep_rank_flops(&config, &tp2, 8192), config.expert_flops(4096));
+        assert_eq!(ep_rank_flops(&config, &tp2, 7), config.expert_flops(4));
+        assert_eq!(ep_rank_flops(&config, &tp2, 0), 0.0);
     }
 }
